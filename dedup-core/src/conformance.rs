@@ -1,0 +1,367 @@
+//! The conformance suite every [`DedupStore`] backend runs.
+//!
+//! Each function takes a fresh, empty store and panics on a violation of the
+//! claim contract. A backend proves itself by calling every one of them, each
+//! in its own test (with its own database or schema, so they run in
+//! parallel); [`run_all`] runs them in sequence where that is simpler.
+//!
+//! ```
+//! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)] async fn main() {
+//! dedup_core::conformance::run_all(dedup_core::MemoryStore::new).await;
+//! # }
+//! ```
+//!
+//! Expiry is tested with a 1 s TTL and real sleeps, because a database's
+//! clock cannot be moved from outside.
+
+use std::time::{Duration, SystemTime};
+
+use crate::{Claim, DedupKey, DedupStore, PurgeExpired, Ttl};
+
+fn ttl(secs: u64) -> Ttl {
+    Ttl::from_secs(secs).expect("positive")
+}
+
+fn key(scope: &str, id: &str) -> DedupKey {
+    DedupKey::new(scope, id).expect("non-empty")
+}
+
+const HOUR: u64 = 3600;
+
+/// Claims `key` in a transaction of its own and commits it.
+async fn claim_committed<S: DedupStore>(store: &S, key: &DedupKey, ttl: Ttl) -> Claim {
+    let mut tx = store.begin().await.expect("begin");
+    let claim = store.claim(&mut tx, key, ttl).await.expect("claim");
+    store.commit(tx).await.expect("commit");
+    claim
+}
+
+/// N tasks race to claim one key, each holding its transaction open for a
+/// moment: exactly one wins, every other one sees a duplicate.
+pub async fn exclusive_under_concurrency<S: DedupStore + Clone>(store: S) {
+    const TASKS: usize = 16;
+    let k = key("conformance", "race");
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|_| {
+            let (store, k) = (store.clone(), k.clone());
+            tokio::spawn(async move {
+                let mut tx = store.begin().await.expect("begin");
+                let claim = store.claim(&mut tx, &k, ttl(HOUR)).await.expect("claim");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                store.commit(tx).await.expect("commit");
+                claim
+            })
+        })
+        .collect();
+    let mut winners = 0;
+    for task in tasks {
+        match task.await.expect("task") {
+            Claim::Fresh => winners += 1,
+            Claim::Duplicate { .. } => {}
+            Claim::Reclaimed => panic!("nothing had expired, yet a claim was reclaimed"),
+        }
+    }
+    assert_eq!(
+        winners, 1,
+        "exactly one of {TASKS} concurrent claimers must win"
+    );
+}
+
+/// A committed claim makes the same key a duplicate within the TTL, and
+/// reports when the live claim expires (about now + TTL on the store's clock).
+pub async fn duplicate_within_ttl<S: DedupStore>(store: S) {
+    let k = key("conformance", "dup");
+    let before = SystemTime::now();
+    assert_eq!(claim_committed(&store, &k, ttl(HOUR)).await, Claim::Fresh);
+    match claim_committed(&store, &k, ttl(HOUR)).await {
+        Claim::Duplicate { expires_at } => {
+            let lo = before + Duration::from_secs(HOUR - 60);
+            let hi = SystemTime::now() + Duration::from_secs(HOUR + 60);
+            assert!(
+                expires_at > lo && expires_at < hi,
+                "expires_at {expires_at:?} should be about an hour from now"
+            );
+        }
+        other => panic!("second claim within the TTL must be a duplicate, got {other:?}"),
+    }
+}
+
+/// After the TTL the claim is taken over (`Reclaimed`), and the takeover is
+/// itself a live claim.
+pub async fn reclaim_after_expiry<S: DedupStore>(store: S) {
+    let k = key("conformance", "expiry");
+    assert_eq!(claim_committed(&store, &k, ttl(1)).await, Claim::Fresh);
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(
+        claim_committed(&store, &k, ttl(HOUR)).await,
+        Claim::Reclaimed,
+        "an expired claim must be taken over"
+    );
+    assert!(
+        !claim_committed(&store, &k, ttl(HOUR)).await.is_claimed(),
+        "the takeover must be live for its new TTL"
+    );
+}
+
+/// The same id in two scopes is two independent claims.
+pub async fn scope_isolation<S: DedupStore>(store: S) {
+    let a = key("handler-a", "evt-1");
+    let b = key("handler-b", "evt-1");
+    assert_eq!(claim_committed(&store, &a, ttl(HOUR)).await, Claim::Fresh);
+    assert_eq!(claim_committed(&store, &b, ttl(HOUR)).await, Claim::Fresh);
+    assert!(!claim_committed(&store, &a, ttl(HOUR)).await.is_claimed());
+}
+
+/// Rollback releases the claim: the next claim is `Fresh`, not a duplicate.
+/// So does dropping a transaction without committing it.
+pub async fn rollback_releases_the_claim<S: DedupStore>(store: S) {
+    let k = key("conformance", "rollback");
+    let mut tx = store.begin().await.expect("begin");
+    assert_eq!(
+        store.claim(&mut tx, &k, ttl(HOUR)).await.expect("claim"),
+        Claim::Fresh
+    );
+    store.rollback(tx).await.expect("rollback");
+    assert_eq!(
+        claim_committed(&store, &k, ttl(HOUR)).await,
+        Claim::Fresh,
+        "a rolled-back claim must leave no trace"
+    );
+
+    let k = key("conformance", "dropped");
+    {
+        let mut tx = store.begin().await.expect("begin");
+        store.claim(&mut tx, &k, ttl(HOUR)).await.expect("claim");
+    }
+    // Backends may release a dropped transaction asynchronously.
+    let mut last = None;
+    for _ in 0..50 {
+        let mut tx = store.begin().await.expect("begin");
+        match store.claim(&mut tx, &k, ttl(HOUR)).await {
+            Ok(Claim::Fresh) => return,
+            other => last = Some(format!("{other:?}")),
+        }
+        store.rollback(tx).await.expect("rollback");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("a dropped transaction must release its claim, last saw {last:?}");
+}
+
+/// A second transaction claiming a key whose first claim is uncommitted
+/// waits for the first: it claims the key if the first rolls back, and sees a
+/// duplicate if the first commits.
+pub async fn second_claimer_waits_for_the_first<S: DedupStore + Clone>(store: S) {
+    for first_commits in [false, true] {
+        let k = key(
+            "conformance",
+            if first_commits {
+                "wait-commit"
+            } else {
+                "wait-rollback"
+            },
+        );
+        let mut first = store.begin().await.expect("begin");
+        assert_eq!(
+            store.claim(&mut first, &k, ttl(HOUR)).await.expect("claim"),
+            Claim::Fresh
+        );
+
+        let second = tokio::spawn({
+            let (store, k) = (store.clone(), k.clone());
+            async move {
+                let mut tx = store.begin().await.expect("begin");
+                let claim = store.claim(&mut tx, &k, ttl(HOUR)).await.expect("claim");
+                store.commit(tx).await.expect("commit");
+                claim
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !second.is_finished(),
+            "the second claimer must wait for the first transaction"
+        );
+
+        if first_commits {
+            store.commit(first).await.expect("commit");
+        } else {
+            store.rollback(first).await.expect("rollback");
+        }
+        let claim = second.await.expect("task");
+        if first_commits {
+            assert!(
+                matches!(claim, Claim::Duplicate { .. }),
+                "first committed, got {claim:?}"
+            );
+        } else {
+            assert_eq!(
+                claim,
+                Claim::Fresh,
+                "first rolled back, the second must claim"
+            );
+        }
+    }
+}
+
+/// A batch claim: one outcome per key in order; a key given twice is claimed
+/// once; live and expired claims are reported as for single claims; the
+/// claims commit with the transaction.
+pub async fn batch_claims<S: DedupStore>(store: S) {
+    let [a, b, c, live, expired] = ["a", "b", "c", "live", "expired"].map(|id| key("batch", id));
+    claim_committed(&store, &live, ttl(HOUR)).await;
+    claim_committed(&store, &expired, ttl(1)).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
+    let keys = [
+        a.clone(),
+        b.clone(),
+        a.clone(),
+        live.clone(),
+        expired.clone(),
+        c.clone(),
+        b.clone(),
+    ];
+    let mut tx = store.begin().await.expect("begin");
+    let claims = store
+        .claim_many(&mut tx, &keys, ttl(HOUR))
+        .await
+        .expect("claim_many");
+    store.commit(tx).await.expect("commit");
+
+    let shape: Vec<&str> = claims
+        .iter()
+        .map(|c| match c {
+            Claim::Fresh => "fresh",
+            Claim::Reclaimed => "reclaimed",
+            Claim::Duplicate { .. } => "duplicate",
+        })
+        .collect();
+    assert_eq!(
+        shape,
+        [
+            "fresh",
+            "fresh",
+            "duplicate",
+            "duplicate",
+            "reclaimed",
+            "fresh",
+            "duplicate"
+        ],
+        "outcomes of {keys:?}"
+    );
+    for k in [&a, &b, &c, &expired] {
+        assert!(
+            !claim_committed(&store, k, ttl(HOUR)).await.is_claimed(),
+            "{k:?} must be claimed by the batch"
+        );
+    }
+
+    let mut tx = store.begin().await.expect("begin");
+    assert!(
+        store
+            .claim_many(&mut tx, &[], ttl(HOUR))
+            .await
+            .expect("empty batch")
+            .is_empty()
+    );
+    store.rollback(tx).await.expect("rollback");
+}
+
+/// A batch that rolls back releases every key it claimed.
+pub async fn batch_rollback_releases_every_claim<S: DedupStore>(store: S) {
+    let keys: Vec<DedupKey> = (0..50)
+        .map(|i| key("batch-rollback", &i.to_string()))
+        .collect();
+    let mut tx = store.begin().await.expect("begin");
+    let claims = store
+        .claim_many(&mut tx, &keys, ttl(HOUR))
+        .await
+        .expect("claim_many");
+    assert!(claims.iter().all(|c| *c == Claim::Fresh));
+    store.rollback(tx).await.expect("rollback");
+
+    let mut tx = store.begin().await.expect("begin");
+    let claims = store
+        .claim_many(&mut tx, &keys, ttl(HOUR))
+        .await
+        .expect("claim_many");
+    assert!(
+        claims.iter().all(|c| *c == Claim::Fresh),
+        "rolled-back batch left claims: {claims:?}"
+    );
+    store.rollback(tx).await.expect("rollback");
+}
+
+/// Ids longer than the limit are stored as digests: distinct long ids with a
+/// common prefix stay distinct, the same long id is a duplicate.
+pub async fn long_keys_are_digested<S: DedupStore>(store: S) {
+    let prefix = "k".repeat(1000);
+    let a = key("long", &format!("{prefix}-a"));
+    let b = key("long", &format!("{prefix}-b"));
+    assert!(a.id().starts_with("sha256:") && a.id().len() == 71);
+    assert_eq!(claim_committed(&store, &a, ttl(HOUR)).await, Claim::Fresh);
+    assert_eq!(claim_committed(&store, &b, ttl(HOUR)).await, Claim::Fresh);
+    let again = key("long", &format!("{prefix}-a"));
+    assert!(
+        !claim_committed(&store, &again, ttl(HOUR))
+            .await
+            .is_claimed()
+    );
+}
+
+/// Purging deletes expired claims only, in bounded batches, and a purged
+/// key can be claimed afresh.
+pub async fn purge_removes_only_expired<S: DedupStore + PurgeExpired>(store: S) {
+    for i in 0..5 {
+        claim_committed(&store, &key("purge", &format!("old-{i}")), ttl(1)).await;
+    }
+    for i in 0..3 {
+        claim_committed(&store, &key("purge", &format!("live-{i}")), ttl(HOUR)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
+    assert_eq!(
+        store.purge_expired(2).await.expect("purge"),
+        2,
+        "bounded by the limit"
+    );
+    assert_eq!(
+        crate::purge_round(&store, 2).await,
+        3,
+        "the rest of the expired claims"
+    );
+    assert_eq!(
+        store.purge_expired(100).await.expect("purge"),
+        0,
+        "live claims stay"
+    );
+
+    for i in 0..3 {
+        let live = key("purge", &format!("live-{i}"));
+        assert!(
+            !claim_committed(&store, &live, ttl(HOUR)).await.is_claimed(),
+            "{live:?} was purged"
+        );
+    }
+    assert_eq!(
+        claim_committed(&store, &key("purge", "old-0"), ttl(HOUR)).await,
+        Claim::Fresh
+    );
+}
+
+/// Runs the whole suite, each case on a store from `fresh`.
+pub async fn run_all<S, F>(fresh: F)
+where
+    S: DedupStore + PurgeExpired + Clone,
+    F: Fn() -> S,
+{
+    exclusive_under_concurrency(fresh()).await;
+    duplicate_within_ttl(fresh()).await;
+    reclaim_after_expiry(fresh()).await;
+    scope_isolation(fresh()).await;
+    rollback_releases_the_claim(fresh()).await;
+    second_claimer_waits_for_the_first(fresh()).await;
+    batch_claims(fresh()).await;
+    batch_rollback_releases_every_claim(fresh()).await;
+    long_keys_are_digested(fresh()).await;
+    purge_removes_only_expired(fresh()).await;
+}

@@ -1,0 +1,163 @@
+//! What a claim is made on: a scope and an event id.
+
+use std::fmt;
+
+use sha2::{Digest, Sha256};
+
+/// Longest scope or id stored as written; longer ones are stored as a digest.
+pub const MAX_KEY_BYTES: usize = 255;
+
+/// Why an event yields no usable dedup key. Always permanent: retrying the
+/// same event cannot produce a key, so the runtime dead-letters it.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum KeyError {
+    /// The event id is the empty string.
+    #[error("the event id is empty, so the event cannot be deduplicated")]
+    Empty,
+    /// The scope is the empty string.
+    #[error("the dedup scope is empty")]
+    EmptyScope,
+    /// The key field is absent (`None`) in the event.
+    #[error("the event has no value in its key field `{field}`")]
+    MissingField {
+        /// The field path from `#[idempotent(key = "...")]`.
+        field: &'static str,
+    },
+    /// The key header is absent from the message.
+    #[error("the message has no `{header}` header to take its event id from")]
+    MissingHeader {
+        /// The header name.
+        header: String,
+    },
+    /// The key header is not UTF-8 text.
+    #[error("the `{header}` header is not valid UTF-8")]
+    HeaderNotUtf8 {
+        /// The header name.
+        header: String,
+    },
+}
+
+/// The identity of one claim: which handler claims (`scope`) which event
+/// (`id`).
+///
+/// Two handlers that consume the same event have different scopes, so neither
+/// can take the other's claim. Parts longer than [`MAX_KEY_BYTES`] bytes are
+/// replaced by `sha256:<64 hex digits>` of their bytes: stable across
+/// processes and versions, never truncated (two long ids with a common prefix
+/// stay distinct).
+///
+/// ```
+/// use dedup_core::DedupKey;
+///
+/// let key = DedupKey::new("payments::record", "9b2c...")?;
+/// assert_eq!(key.id(), "9b2c...");
+///
+/// let long = DedupKey::new("payments::record", "x".repeat(300))?;
+/// assert!(long.id().starts_with("sha256:"));
+/// assert_eq!(long.id().len(), 71);
+///
+/// assert!(DedupKey::new("payments::record", "").is_err());
+/// # Ok::<(), dedup_core::KeyError>(())
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DedupKey {
+    scope: String,
+    id: String,
+}
+
+impl DedupKey {
+    /// Builds a key; empty parts are rejected, long parts digested.
+    pub fn new(scope: impl Into<String>, id: impl Into<String>) -> Result<Self, KeyError> {
+        let (scope, id) = (scope.into(), id.into());
+        if scope.is_empty() {
+            return Err(KeyError::EmptyScope);
+        }
+        if id.is_empty() {
+            return Err(KeyError::Empty);
+        }
+        Ok(DedupKey {
+            scope: bounded(scope),
+            id: bounded(id),
+        })
+    }
+
+    /// The scope as stored.
+    pub fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    /// The event id as stored.
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+}
+
+fn bounded(part: String) -> String {
+    if part.len() <= MAX_KEY_BYTES {
+        return part;
+    }
+    let digest = Sha256::digest(part.as_bytes());
+    let mut out = String::with_capacity(7 + 64);
+    out.push_str("sha256:");
+    for byte in digest {
+        out.push(char::from_digit(u32::from(byte >> 4), 16).expect("nibble"));
+        out.push(char::from_digit(u32::from(byte & 0xf), 16).expect("nibble"));
+    }
+    out
+}
+
+impl fmt::Debug for DedupKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "DedupKey({self})")
+    }
+}
+
+impl fmt::Display for DedupKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.scope, self.id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digest_is_stable_and_lowercase_hex() {
+        // sha256("a" * 256), computed independently (Python hashlib).
+        let key = DedupKey::new("s", "a".repeat(256)).unwrap();
+        assert_eq!(
+            key.id(),
+            "sha256:02d7160d77e18c6447be80c2e355c7ed4388545271702c50253b0914c65ce5fe"
+        );
+    }
+
+    #[test]
+    fn boundary_is_255_bytes_not_chars() {
+        let at = "é".repeat(127) + "x"; // 255 bytes
+        assert_eq!(DedupKey::new("s", at.clone()).unwrap().id(), at);
+        let over = "é".repeat(128); // 256 bytes, 128 chars
+        assert!(
+            DedupKey::new("s", over)
+                .unwrap()
+                .id()
+                .starts_with("sha256:")
+        );
+    }
+
+    #[test]
+    fn common_prefix_stays_distinct() {
+        let prefix = "p".repeat(300);
+        let a = DedupKey::new("s", format!("{prefix}a")).unwrap();
+        let b = DedupKey::new("s", format!("{prefix}b")).unwrap();
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn long_scopes_are_digested_too() {
+        let key = DedupKey::new("m".repeat(400), "1").unwrap();
+        assert!(key.scope().starts_with("sha256:"));
+        assert_eq!(DedupKey::new("", "1"), Err(KeyError::EmptyScope));
+    }
+}

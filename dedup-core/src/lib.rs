@@ -1,0 +1,81 @@
+#![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod error;
+mod handler;
+mod key;
+mod memory;
+mod purge;
+mod store;
+mod ttl;
+
+#[cfg(feature = "test-util")]
+pub mod conformance;
+
+pub use error::{BoxError, Error, HandlerError, Result, StoreError, chain, sqlstate};
+pub use handler::{Handler, Headers, Outcome};
+pub use key::{DedupKey, KeyError, MAX_KEY_BYTES};
+pub use memory::{MemoryStore, MemoryTx};
+pub use purge::{PurgeConfig, Purger, purge_round};
+pub use store::{Claim, DedupStore, PurgeExpired};
+pub use ttl::{Ttl, TtlError, TtlErrorKind};
+
+/// Marks an async fn as an idempotent event handler; see the crate docs.
+pub use dedup_macros::idempotent;
+
+/// Not public API: what `#[idempotent]` expands to. May change in any release.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::{DedupKey, Handler, HandlerError, Headers, KeyError, Ttl};
+    pub use std::concat;
+    pub use std::module_path;
+    pub use std::result::Result::{self, Err, Ok};
+    pub use std::string::String;
+
+    /// Turns a key field into the event id: anything `Display`, or an
+    /// `Option` of it (`None` is a missing key). Chosen by autoref
+    /// specialization: `(&&field).dedup_key_string(path)`.
+    pub trait KeyFromDisplay {
+        fn dedup_key_string(&self, field: &'static str) -> Result<String, KeyError>;
+    }
+
+    impl<T: std::fmt::Display + ?Sized> KeyFromDisplay for &&T {
+        fn dedup_key_string(&self, _field: &'static str) -> Result<String, KeyError> {
+            Ok(self.to_string())
+        }
+    }
+
+    /// The `Option` arm of [`KeyFromDisplay`].
+    pub trait KeyFromOption {
+        fn dedup_key_string(&self, field: &'static str) -> Result<String, KeyError>;
+    }
+
+    impl<T: std::fmt::Display> KeyFromOption for &Option<T> {
+        fn dedup_key_string(&self, field: &'static str) -> Result<String, KeyError> {
+            match self {
+                Some(v) => Ok(v.to_string()),
+                None => Err(KeyError::MissingField { field }),
+            }
+        }
+    }
+
+    /// The event id from header `name`.
+    pub fn key_from_header(headers: &dyn Headers, name: &str) -> Result<String, KeyError> {
+        let value = headers.get(name).ok_or_else(|| KeyError::MissingHeader {
+            header: name.to_owned(),
+        })?;
+        std::str::from_utf8(value)
+            .map(str::to_owned)
+            .map_err(|_| KeyError::HeaderNotUtf8 {
+                header: name.to_owned(),
+            })
+    }
+
+    /// The TTL the macro checked at compile time.
+    pub const fn ttl_from_secs(secs: u64) -> Ttl {
+        match Ttl::from_secs(secs) {
+            Some(ttl) => ttl,
+            None => panic!("#[idempotent] emitted an out-of-range TTL"),
+        }
+    }
+}

@@ -1,0 +1,326 @@
+//! The reference in-memory store.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use tokio::sync::Notify;
+
+use crate::{Claim, DedupKey, DedupStore, PurgeExpired, StoreError, Ttl};
+
+/// An in-memory [`DedupStore`]: the reference implementation of the claim
+/// contract, for unit tests, docs and single-process experiments. Claims live
+/// as long as the process; nothing is durable.
+///
+/// It keeps the contract exactly: claims are visible to other transactions
+/// only on commit, a second claimer of an uncommitted key waits (up to the
+/// lock timeout, 5 s by default, then fails with a retryable error), and
+/// rollback or dropping a [`MemoryTx`] releases its claims. Its clock is the
+/// process's system clock plus an offset that [`advance`](MemoryStore::advance)
+/// moves, so tests can expire claims without sleeping.
+///
+/// ```
+/// use dedup_core::{Claim, DedupKey, DedupStore, MemoryStore, Ttl};
+/// # #[tokio::main(flavor = "current_thread")] async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = MemoryStore::new();
+/// let key = DedupKey::new("docs", "evt-1")?;
+/// let ttl: Ttl = "1h".parse()?;
+///
+/// let mut tx = store.begin().await?;
+/// assert_eq!(store.claim(&mut tx, &key, ttl).await?, Claim::Fresh);
+/// store.commit(tx).await?;
+///
+/// let mut tx = store.begin().await?;
+/// assert!(!store.claim(&mut tx, &key, ttl).await?.is_claimed());
+/// store.rollback(tx).await?;
+///
+/// store.advance(ttl.as_duration());
+/// let mut tx = store.begin().await?;
+/// assert_eq!(store.claim(&mut tx, &key, ttl).await?, Claim::Reclaimed);
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Default)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+#[derive(Default)]
+struct Inner {
+    state: Mutex<State>,
+    /// Woken whenever a transaction ends, so waiting claimers look again.
+    released: Notify,
+}
+
+#[derive(Default)]
+struct State {
+    rows: HashMap<DedupKey, Row>,
+    next_tx: u64,
+    clock_offset: Duration,
+    lock_timeout: Option<Duration>,
+}
+
+struct Row {
+    claimed_at: SystemTime,
+    expires_at: SystemTime,
+    /// The transaction holding an uncommitted write to this row.
+    writer: Option<u64>,
+    /// The committed row the writer replaced, restored on rollback.
+    before: Option<(SystemTime, SystemTime)>,
+}
+
+const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// How long a claim waits for another transaction's uncommitted claim
+    /// of the same key before failing with a retryable error.
+    pub fn with_lock_timeout(self, timeout: Duration) -> Self {
+        self.lock().lock_timeout = Some(timeout);
+        self
+    }
+
+    /// Moves the store's clock forward by `by`.
+    pub fn advance(&self, by: Duration) {
+        self.lock().clock_offset += by;
+    }
+
+    /// The store's clock.
+    pub fn now(&self) -> SystemTime {
+        SystemTime::now() + self.lock().clock_offset
+    }
+
+    /// Number of committed claims, live or expired.
+    pub fn len(&self) -> usize {
+        self.lock()
+            .rows
+            .values()
+            .filter(|r| r.writer.is_none() || r.before.is_some())
+            .count()
+    }
+
+    /// Whether the store holds no committed claim.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves the map consistent (every
+        // mutation is a single insert or remove), so poisoning is ignored.
+        self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Claims `key` for `tx` or waits for the transaction holding it.
+    async fn claim_one(
+        &self,
+        tx: &mut MemoryTx,
+        key: &DedupKey,
+        ttl: Ttl,
+    ) -> Result<Claim, StoreError> {
+        let timeout = self.lock().lock_timeout.unwrap_or(DEFAULT_LOCK_TIMEOUT);
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let released = self.inner.released.notified();
+            tokio::pin!(released);
+            {
+                let mut state = self.lock();
+                let now = SystemTime::now() + state.clock_offset;
+                let fresh_row = |before| Row {
+                    claimed_at: now,
+                    expires_at: now + ttl.as_duration(),
+                    writer: Some(tx.id),
+                    before,
+                };
+                match state.rows.get_mut(key) {
+                    None => {
+                        state.rows.insert(key.clone(), fresh_row(None));
+                        tx.written.push(key.clone());
+                        return Ok(Claim::Fresh);
+                    }
+                    Some(row) if row.writer == Some(tx.id) || row.writer.is_none() => {
+                        if row.expires_at > now {
+                            return Ok(Claim::Duplicate {
+                                expires_at: row.expires_at,
+                            });
+                        }
+                        let before = if row.writer.is_none() {
+                            tx.written.push(key.clone());
+                            Some((row.claimed_at, row.expires_at))
+                        } else {
+                            row.before
+                        };
+                        *row = fresh_row(before);
+                        return Ok(Claim::Reclaimed);
+                    }
+                    Some(_) => {
+                        // Held by another open transaction: register for its
+                        // end before unlocking, so the wake-up cannot be missed.
+                        released.as_mut().enable();
+                    }
+                }
+            }
+            if tokio::time::timeout_at(deadline, released).await.is_err() {
+                return Err(
+                    StoreError::transient(LockTimeout(key.clone())).with_code("lock_timeout")
+                );
+            }
+        }
+    }
+
+    fn finish(&self, tx: &mut MemoryTx, commit: bool) {
+        let mut state = self.lock();
+        for key in tx.written.drain(..) {
+            let Some(row) = state.rows.get_mut(&key) else {
+                continue;
+            };
+            if row.writer != Some(tx.id) {
+                continue;
+            }
+            match (commit, row.before) {
+                (true, _) => {
+                    row.writer = None;
+                    row.before = None;
+                }
+                (false, Some((claimed_at, expires_at))) => {
+                    *row = Row {
+                        claimed_at,
+                        expires_at,
+                        writer: None,
+                        before: None,
+                    };
+                }
+                (false, None) => {
+                    state.rows.remove(&key);
+                }
+            }
+        }
+        drop(state);
+        tx.open = false;
+        self.inner.released.notify_waiters();
+    }
+}
+
+impl fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("claims", &self.lock().rows.len())
+            .finish()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("timed out waiting for another transaction's claim on {0}")]
+struct LockTimeout(DedupKey);
+
+/// A [`MemoryStore`] transaction. Dropping it without commit rolls it back.
+///
+/// Handler bodies can stage in-memory effects with
+/// [`on_commit`](MemoryTx::on_commit), which run only if the transaction
+/// commits: the same all-or-nothing a database gives.
+pub struct MemoryTx {
+    id: u64,
+    store: MemoryStore,
+    written: Vec<DedupKey>,
+    on_commit: Vec<Box<dyn FnOnce() + Send>>,
+    open: bool,
+}
+
+impl MemoryTx {
+    /// Runs `effect` when (and only if) this transaction commits.
+    pub fn on_commit(&mut self, effect: impl FnOnce() + Send + 'static) {
+        self.on_commit.push(Box::new(effect));
+    }
+}
+
+impl fmt::Debug for MemoryTx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryTx")
+            .field("id", &self.id)
+            .field("claims", &self.written.len())
+            .finish()
+    }
+}
+
+impl Drop for MemoryTx {
+    fn drop(&mut self) {
+        if self.open {
+            let store = self.store.clone();
+            store.finish(self, false);
+        }
+    }
+}
+
+impl DedupStore for MemoryStore {
+    type Tx = MemoryTx;
+
+    async fn begin(&self) -> Result<MemoryTx, StoreError> {
+        let mut state = self.lock();
+        state.next_tx += 1;
+        Ok(MemoryTx {
+            id: state.next_tx,
+            store: self.clone(),
+            written: Vec::new(),
+            on_commit: Vec::new(),
+            open: true,
+        })
+    }
+
+    async fn claim(
+        &self,
+        tx: &mut MemoryTx,
+        key: &DedupKey,
+        ttl: Ttl,
+    ) -> Result<Claim, StoreError> {
+        self.claim_one(tx, key, ttl).await
+    }
+
+    async fn claim_many(
+        &self,
+        tx: &mut MemoryTx,
+        keys: &[DedupKey],
+        ttl: Ttl,
+    ) -> Result<Vec<Claim>, StoreError> {
+        // Within one transaction a repeated key meets its own fresh claim and
+        // is a duplicate, exactly as the contract asks.
+        let mut claims = Vec::with_capacity(keys.len());
+        for key in keys {
+            claims.push(self.claim_one(tx, key, ttl).await?);
+        }
+        Ok(claims)
+    }
+
+    async fn commit(&self, mut tx: MemoryTx) -> Result<(), StoreError> {
+        self.finish(&mut tx, true);
+        for effect in tx.on_commit.drain(..) {
+            effect();
+        }
+        Ok(())
+    }
+
+    async fn rollback(&self, mut tx: MemoryTx) -> Result<(), StoreError> {
+        self.finish(&mut tx, false);
+        Ok(())
+    }
+}
+
+impl PurgeExpired for MemoryStore {
+    async fn purge_expired(&self, limit: u32) -> Result<u64, StoreError> {
+        let mut state = self.lock();
+        let now = SystemTime::now() + state.clock_offset;
+        let expired: Vec<DedupKey> = state
+            .rows
+            .iter()
+            .filter(|(_, row)| row.writer.is_none() && row.expires_at <= now)
+            .map(|(key, _)| key.clone())
+            .take(limit as usize)
+            .collect();
+        for key in &expired {
+            state.rows.remove(key);
+        }
+        Ok(expired.len() as u64)
+    }
+}

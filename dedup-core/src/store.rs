@@ -1,0 +1,106 @@
+//! The storage contract every backend implements.
+
+use std::error::Error as StdError;
+use std::future::Future;
+use std::time::SystemTime;
+
+use crate::{DedupKey, StoreError, Ttl};
+
+/// The result of claiming a key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// No claim existed: this transaction now holds it.
+    Fresh,
+    /// An expired claim existed and this transaction took it over: the event
+    /// is treated as new (a redelivery after the TTL).
+    Reclaimed,
+    /// A live claim exists: the event was already applied within the TTL.
+    Duplicate {
+        /// When the existing claim expires, on the store's clock.
+        expires_at: SystemTime,
+    },
+}
+
+impl Claim {
+    /// Whether this transaction holds the claim (`Fresh` or `Reclaimed`) and
+    /// so should apply the event.
+    pub fn is_claimed(&self) -> bool {
+        !matches!(self, Claim::Duplicate { .. })
+    }
+}
+
+/// A dedup store: the one atomic operation idempotency rests on.
+///
+/// # The claim contract
+///
+/// [`claim`](DedupStore::claim) is an atomic **create-if-absent-or-expired**
+/// of the row `(scope, id)`, judged on **the store's own clock** (the database
+/// server's `now()`, never the consumer host's):
+///
+/// - no row: create it with `expires_at = now + ttl` and return
+///   [`Claim::Fresh`];
+/// - a row with `expires_at <= now`: take it over (new `expires_at`) and
+///   return [`Claim::Reclaimed`];
+/// - a live row: leave it and return [`Claim::Duplicate`].
+///
+/// The claim belongs to the caller's transaction: other transactions see it
+/// only once that transaction commits, and a rollback (or dropping the
+/// transaction) releases it as if it never happened. A second transaction
+/// that claims a key whose claim is still uncommitted **waits** for the first
+/// to finish, then gets `Duplicate` (committed) or claims it (rolled back);
+/// a backend bounds that wait and fails with a retryable [`StoreError`]
+/// rather than hang.
+///
+/// Because the effect of the handler is written in the same transaction,
+/// "claimed and applied" commit together or not at all.
+pub trait DedupStore: Send + Sync + 'static {
+    /// The store's transaction; handler bodies write their effect through it.
+    type Tx: Send + 'static;
+
+    /// Opens a transaction.
+    fn begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
+
+    /// Claims one key inside `tx` (see the contract above).
+    fn claim(
+        &self,
+        tx: &mut Self::Tx,
+        key: &DedupKey,
+        ttl: Ttl,
+    ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
+
+    /// Claims many keys inside `tx` in one round trip, returning one outcome
+    /// per key in the order given.
+    ///
+    /// A key given more than once is claimed at its first position; its later
+    /// positions are `Duplicate` (carrying the new claim's expiry), so each
+    /// event in a batch is applied at most once.
+    fn claim_many(
+        &self,
+        tx: &mut Self::Tx,
+        keys: &[DedupKey],
+        ttl: Ttl,
+    ) -> impl Future<Output = Result<Vec<Claim>, StoreError>> + Send;
+
+    /// Commits `tx`: its claims and the handler's effects become visible.
+    fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Rolls `tx` back, releasing its claims.
+    fn rollback(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Classifies an error that a handler body returned through `?`:
+    /// `Some(true)` if the store recognises it as transient (a database error
+    /// whose code says a retry can help), `Some(false)` if it recognises it as
+    /// permanent, `None` if it is not the store's error at all.
+    fn classify(&self, error: &(dyn StdError + 'static)) -> Option<bool> {
+        let _ = error;
+        None
+    }
+}
+
+/// Deleting expired claims, so the table stays about `rate x TTL` rows.
+pub trait PurgeExpired: Send + Sync + 'static {
+    /// Deletes at most `limit` claims that expired on the store's clock and
+    /// returns how many it deleted. Bounded so that purging never holds long
+    /// locks beside a running consumer; call again while it returns `limit`.
+    fn purge_expired(&self, limit: u32) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}

@@ -1,0 +1,218 @@
+//! `#[idempotent]` handlers applied through `Handler::apply` on the memory store.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
+use std::time::Duration;
+
+use dedup_core::{
+    Error, Handler, HandlerError, KeyError, MemoryStore, MemoryTx, Outcome, idempotent,
+};
+
+#[derive(serde::Deserialize)]
+struct Payment {
+    event_id: uuid::Uuid,
+    amount_cents: i64,
+}
+
+static BALANCE: AtomicI64 = AtomicI64::new(0);
+
+/// A non-idempotent effect (add to a balance), staged to happen on commit.
+#[idempotent(key = "event_id", ttl = "1h")]
+async fn add_payment(tx: &mut MemoryTx, ev: Payment) -> Result<(), HandlerError> {
+    if ev.amount_cents < 0 {
+        return Err(HandlerError::permanent("negative amount"));
+    }
+    tx.on_commit(move || {
+        BALANCE.fetch_add(ev.amount_cents, Ordering::SeqCst);
+    });
+    Ok(())
+}
+
+fn payment(id: &str, amount: i64) -> Vec<u8> {
+    format!(r#"{{"event_id":"{id}","amount_cents":{amount}}}"#).into_bytes()
+}
+
+const ID: &str = "7f0c2b0e-6a43-4a8e-9d8b-0a3c2f1e5b6d";
+
+#[tokio::test]
+async fn the_three_ttl_cases() {
+    let store = MemoryStore::new();
+    BALANCE.store(0, Ordering::SeqCst);
+    let msg = payment(ID, 250);
+
+    // (A) first delivery applies.
+    let out = add_payment.apply(&store, &msg, &()).await;
+    assert!(
+        matches!(out, Outcome::Applied { reclaimed: false }),
+        "{out:?}"
+    );
+    assert_eq!(BALANCE.load(Ordering::SeqCst), 250);
+
+    // (B) a redelivery within the TTL is skipped; the balance stays.
+    let out = add_payment.apply(&store, &msg, &()).await;
+    assert!(matches!(out, Outcome::Skipped { .. }), "{out:?}");
+    assert_eq!(BALANCE.load(Ordering::SeqCst), 250);
+
+    // (C) after the TTL the same event is new again and applies.
+    store.advance(Duration::from_secs(3600));
+    let out = add_payment.apply(&store, &msg, &()).await;
+    assert!(
+        matches!(out, Outcome::Applied { reclaimed: true }),
+        "{out:?}"
+    );
+    assert_eq!(BALANCE.load(Ordering::SeqCst), 500);
+}
+
+#[tokio::test]
+async fn permanent_failures_are_classified() {
+    let store = MemoryStore::new();
+    let out = add_payment.apply(&store, b"{not json", &()).await;
+    let Outcome::Failed(e @ Error::Decode(_)) = out else {
+        panic!("{out:?}")
+    };
+    assert!(!e.is_retryable());
+
+    let out = add_payment
+        .apply(&store, br#"{"amount_cents":1}"#, &())
+        .await;
+    assert!(
+        matches!(out, Outcome::Failed(Error::Decode(_))),
+        "missing required key field: {out:?}"
+    );
+
+    let out = add_payment.apply(&store, &payment(ID, -1), &()).await;
+    let Outcome::Failed(e) = out else {
+        panic!("{out:?}")
+    };
+    assert_eq!(e.kind(), "handler");
+    assert!(!e.is_retryable());
+    // The failed attempt rolled back its claim: nothing is left behind.
+    assert!(store.is_empty());
+}
+
+#[derive(serde::Deserialize)]
+struct Envelope {
+    meta: Meta,
+}
+#[derive(serde::Deserialize)]
+struct Meta {
+    event_id: Option<String>,
+}
+
+#[idempotent(key = "meta.event_id", ttl = "5m", scope = "envelopes")]
+async fn nested(_tx: &mut MemoryTx, _ev: Envelope) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+#[idempotent(key = "header:event-id", ttl = "5m")]
+async fn by_header(_tx: &mut MemoryTx, _ev: serde_json::Value) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+#[tokio::test]
+async fn keys_from_nested_fields_options_and_headers() {
+    let store = MemoryStore::new();
+    assert_eq!(nested.scope(), "envelopes");
+    assert_eq!(nested.ttl().to_string(), "5m");
+    let out = nested
+        .apply(&store, br#"{"meta":{"event_id":"e-1"}}"#, &())
+        .await;
+    assert!(matches!(out, Outcome::Applied { .. }), "{out:?}");
+    let out = nested
+        .apply(&store, br#"{"meta":{"event_id":null}}"#, &())
+        .await;
+    assert!(
+        matches!(
+            out,
+            Outcome::Failed(Error::Key(KeyError::MissingField {
+                field: "meta.event_id"
+            }))
+        ),
+        "{out:?}"
+    );
+    let out = nested
+        .apply(&store, br#"{"meta":{"event_id":""}}"#, &())
+        .await;
+    assert!(
+        matches!(out, Outcome::Failed(Error::Key(KeyError::Empty))),
+        "{out:?}"
+    );
+
+    assert_eq!(by_header.scope(), concat!(module_path!(), "::by_header"));
+    let headers = vec![("event-id", b"h-1".to_vec())];
+    assert!(matches!(
+        by_header.apply(&store, b"{}", &headers).await,
+        Outcome::Applied { .. }
+    ));
+    assert!(matches!(
+        by_header.apply(&store, b"{}", &headers).await,
+        Outcome::Skipped { .. }
+    ));
+    let out = by_header.apply(&store, b"{}", &()).await;
+    assert!(
+        matches!(
+            out,
+            Outcome::Failed(Error::Key(KeyError::MissingHeader { .. }))
+        ),
+        "{out:?}"
+    );
+}
+
+static ATTEMPTS: AtomicU32 = AtomicU32::new(0);
+
+#[idempotent(key = "event_id", ttl = "1h")]
+async fn flaky(tx: &mut MemoryTx, ev: Payment) -> Result<(), HandlerError> {
+    if ATTEMPTS.fetch_add(1, Ordering::SeqCst) == 0 {
+        return Err(HandlerError::transient(std::io::Error::other(
+            "downstream timed out",
+        )));
+    }
+    tx.on_commit(move || {
+        BALANCE_FLAKY.fetch_add(ev.amount_cents, Ordering::SeqCst);
+    });
+    Ok(())
+}
+static BALANCE_FLAKY: AtomicI64 = AtomicI64::new(0);
+
+#[tokio::test]
+async fn a_failed_attempt_rolls_back_so_the_retry_applies_once() {
+    let store = MemoryStore::new();
+    let msg = payment(ID, 40);
+    let out = flaky.apply(&store, &msg, &()).await;
+    let Outcome::Failed(e) = out else {
+        panic!("{out:?}")
+    };
+    assert!(e.is_retryable());
+    assert_eq!(BALANCE_FLAKY.load(Ordering::SeqCst), 0);
+    assert!(matches!(
+        flaky.apply(&store, &msg, &()).await,
+        Outcome::Applied { .. }
+    ));
+    assert!(matches!(
+        flaky.apply(&store, &msg, &()).await,
+        Outcome::Skipped { .. }
+    ));
+    assert_eq!(BALANCE_FLAKY.load(Ordering::SeqCst), 40);
+}
+
+#[tokio::test]
+async fn the_body_stays_callable_for_unit_tests() {
+    let store = MemoryStore::new();
+    let mut tx = dedup_core::DedupStore::begin(&store).await.unwrap();
+    let seen = Arc::new(AtomicI64::new(0));
+    add_payment::call(
+        &mut tx,
+        Payment {
+            event_id: uuid::Uuid::nil(),
+            amount_cents: 1,
+        },
+    )
+    .await
+    .unwrap();
+    tx.on_commit({
+        let seen = seen.clone();
+        move || seen.store(1, Ordering::SeqCst)
+    });
+    dedup_core::DedupStore::commit(&store, tx).await.unwrap();
+    assert_eq!(seen.load(Ordering::SeqCst), 1);
+}

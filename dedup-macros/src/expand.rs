@@ -1,0 +1,240 @@
+//! Generating the handler value from the annotated function.
+
+use proc_macro2::{Span, TokenStream};
+use quote::{ToTokens, format_ident, quote, quote_spanned};
+use syn::spanned::Spanned;
+use syn::{FnArg, ItemFn, Type};
+
+use crate::attr::{self, Args, KeySource};
+
+pub(crate) fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
+    let func: ItemFn = match syn::parse2(item.clone()) {
+        Ok(func) => func,
+        // Not a function at all: let rustc report on the item as written.
+        Err(e) => return token_stream_with_error(item, e),
+    };
+    let args = attr::parse(attr);
+    let signature = check_signature(&func);
+    match (args, signature) {
+        (Ok(args), Ok((tx, event))) => generate(&args, &func, tx, event),
+        (args, signature) => {
+            let mut errors = args.err();
+            if let Err(e) = signature {
+                match &mut errors {
+                    Some(all) => all.combine(e),
+                    None => errors = Some(e),
+                }
+            }
+            token_stream_with_error(func.into_token_stream(), errors.expect("one failed"))
+        }
+    }
+}
+
+/// The original item plus the errors, so IDEs still see the function.
+fn token_stream_with_error(mut item: TokenStream, error: syn::Error) -> TokenStream {
+    item.extend(error.into_compile_error());
+    item
+}
+
+/// Checks `async fn name(tx: &mut Tx, event: Event) -> ...` and returns the
+/// transaction and event types.
+fn check_signature(func: &ItemFn) -> syn::Result<(&Type, &Type)> {
+    let sig = &func.sig;
+    let mut errors = Vec::new();
+    if sig.asyncness.is_none() {
+        errors.push(syn::Error::new(
+            sig.fn_token.span,
+            "#[idempotent] handlers must be `async fn`",
+        ));
+    }
+    if !sig.generics.params.is_empty() {
+        errors.push(syn::Error::new(
+            sig.generics.span(),
+            "#[idempotent] handlers cannot be generic: the runtime needs one event type and one transaction type",
+        ));
+    }
+    if let Some(receiver) = sig.receiver() {
+        errors.push(syn::Error::new(
+            receiver.span(),
+            "#[idempotent] goes on a free function, not a method: remove `self`",
+        ));
+    }
+    let typed: Vec<&syn::PatType> = sig
+        .inputs
+        .iter()
+        .filter_map(|arg| match arg {
+            FnArg::Typed(t) => Some(t),
+            FnArg::Receiver(_) => None,
+        })
+        .collect();
+    let mut types = None;
+    if sig.receiver().is_none() {
+        if typed.len() != 2 {
+            let span = if sig.inputs.is_empty() {
+                sig.paren_token.span.join()
+            } else {
+                sig.inputs.span()
+            };
+            errors.push(syn::Error::new(
+                span,
+                format!(
+                    "#[idempotent] handlers take two parameters, `tx: &mut <transaction>` and `event: <event type>`; found {}",
+                    typed.len()
+                ),
+            ));
+        } else if let Type::Reference(r) = &*typed[0].ty {
+            if r.mutability.is_none() {
+                errors.push(syn::Error::new(
+                    r.span(),
+                    "the first parameter is the transaction and must be `&mut`",
+                ));
+            } else {
+                types = Some((&*r.elem, &*typed[1].ty));
+            }
+        } else {
+            errors.push(syn::Error::new(
+                typed[0].ty.span(),
+                "the first parameter is the transaction, `tx: &mut <transaction>`",
+            ));
+        }
+    }
+    match errors.into_iter().reduce(|mut all, e| {
+        all.combine(e);
+        all
+    }) {
+        Some(e) => Err(e),
+        None => Ok(types.expect("set when no error")),
+    }
+}
+
+fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream {
+    let krate = args
+        .krate
+        .as_ref()
+        .map_or_else(|| quote!(::dedup_core), ToTokens::to_token_stream);
+    let private = quote!(#krate::__private);
+    let ItemFn {
+        attrs,
+        vis,
+        sig,
+        block,
+    } = func;
+    let name = &sig.ident;
+    let inputs = &sig.inputs;
+    let output = &sig.output;
+    let ttl_secs = args.ttl_secs;
+
+    let scope = match &args.scope {
+        Some(lit) => quote!(#lit),
+        None => {
+            let suffix = format!("::{name}");
+            quote!(#private::concat!(#private::module_path!(), #suffix))
+        }
+    };
+
+    let key_span = args.key_lit.span();
+    let key_body = match &args.key {
+        KeySource::Field(path) => {
+            // Spanned at the `key` literal, so a path that is not a field of
+            // the event is reported on the string the user wrote.
+            let field = args.key_lit.value();
+            quote_spanned! {key_span=>
+                #[allow(unused_imports)]
+                use #private::{KeyFromDisplay as _, KeyFromOption as _};
+                (&&event #(.#path)*).dedup_key_string(#field)
+            }
+        }
+        KeySource::Header(header) => quote! {
+            #private::key_from_header(headers, #header)
+        },
+    };
+    let (uses_event, uses_headers) = match args.key {
+        KeySource::Field(_) => (quote!(event), quote!(_headers)),
+        KeySource::Header(_) => (quote!(_event), quote!(headers)),
+    };
+    let call = format_ident!("call", span = Span::call_site());
+    let output_span = output.span();
+    let into = quote_spanned! {output_span=> #private::Result::map_err(result, ::core::convert::Into::<#private::HandlerError>::into) };
+
+    quote! {
+        #(#attrs)*
+        #[allow(non_camel_case_types)]
+        #[derive(Debug, Clone, Copy, Default)]
+        #vis struct #name;
+
+        impl #name {
+            /// The handler body exactly as written, without claiming: call it
+            /// from unit tests.
+            #[allow(dead_code)]
+            #vis async fn #call(#inputs) #output #block
+        }
+
+        impl #private::Handler for #name {
+            type Tx = #tx;
+            type Event = #event;
+
+            fn scope(&self) -> &str {
+                #scope
+            }
+
+            fn ttl(&self) -> #private::Ttl {
+                const TTL: #private::Ttl = #private::ttl_from_secs(#ttl_secs);
+                TTL
+            }
+
+            fn key(
+                &self,
+                #uses_event: &Self::Event,
+                #uses_headers: &dyn #private::Headers,
+            ) -> #private::Result<#private::String, #private::KeyError> {
+                #key_body
+            }
+
+            async fn handle(
+                &self,
+                tx: &mut Self::Tx,
+                event: Self::Event,
+            ) -> #private::Result<(), #private::HandlerError> {
+                let result = #name::#call(tx, event).await;
+                #into
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generates_a_unit_struct_and_keeps_the_body() {
+        let out = idempotent(
+            quote!(key = "event_id", ttl = "4h"),
+            quote!(
+                pub async fn record(tx: &mut Tx, ev: Ev) -> Result<(), E> {
+                    body();
+                    Ok(())
+                }
+            ),
+        )
+        .to_string();
+        assert!(out.contains("pub struct record"), "{out}");
+        assert!(out.contains("body ()"), "{out}");
+        assert!(out.contains("ttl_from_secs (14400u64)"), "{out}");
+        assert!(!out.contains("compile_error"), "{out}");
+    }
+
+    #[test]
+    fn errors_keep_the_original_function() {
+        let out = idempotent(
+            quote!(ttl = "4h"),
+            quote!(
+                fn record(tx: &mut Tx, ev: Ev) {}
+            ),
+        )
+        .to_string();
+        assert!(out.contains("fn record"), "{out}");
+        assert!(out.contains("missing required option `key`"), "{out}");
+        assert!(out.contains("must be `async fn`"), "{out}");
+    }
+}

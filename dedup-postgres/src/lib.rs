@@ -1,1 +1,474 @@
-//! wip
+#![doc = include_str!("../README.md")]
+
+mod table;
+
+use std::collections::HashMap;
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use dedup_core::{Claim, DedupKey, DedupStore, PurgeConfig, PurgeExpired, Purger, StoreError, Ttl};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, PgPool, Row, SqlSafeStr};
+
+pub use table::InvalidTableName;
+
+/// The transaction a handler body writes its effect through:
+/// `sqlx::query(...).execute(&mut **tx)`.
+pub type PgTx = sqlx::Transaction<'static, sqlx::Postgres>;
+
+/// The migrations, embedded at build time. Their SQL names the table through
+/// placeholders that [`PgStore::migrate`] fills with the configured name.
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// Errors of setting up a [`PgStore`]. (Errors while claiming are
+/// [`dedup_core::StoreError`]s, classified by SQLSTATE.)
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The configured table name is not a valid identifier.
+    #[error(transparent)]
+    InvalidTableName(#[from] InvalidTableName),
+    /// Connecting or running a statement failed.
+    #[error("postgres: {0}")]
+    Sqlx(#[from] sqlx::Error),
+    /// Applying the migrations failed.
+    #[error("migrating the dedup table: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+impl Error {
+    /// Whether retrying may help (a lost connection, the server starting).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::InvalidTableName(_) => false,
+            Error::Sqlx(e) => is_transient(e),
+            Error::Migrate(sqlx::migrate::MigrateError::Execute(e)) => is_transient(e),
+            Error::Migrate(_) => false,
+        }
+    }
+}
+
+/// Settings of a [`PgStore`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PgConfig {
+    /// The dedup table, optionally schema-qualified (default
+    /// `dedup_claims`).
+    pub table: String,
+    /// How long a claim waits for another transaction's uncommitted claim of
+    /// the same key (and how long any statement of the handler's transaction
+    /// waits for a lock) before failing with a retryable error (default 5 s).
+    /// Applied as `SET LOCAL lock_timeout` in every transaction.
+    pub lock_timeout: Duration,
+    /// Largest connection pool [`PgStore::connect`] opens (default 10).
+    pub max_connections: u32,
+}
+
+impl Default for PgConfig {
+    fn default() -> Self {
+        PgConfig {
+            table: "dedup_claims".to_owned(),
+            lock_timeout: Duration::from_secs(5),
+            max_connections: 10,
+        }
+    }
+}
+
+impl PgConfig {
+    /// Sets the dedup table name.
+    pub fn with_table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// Sets the lock timeout (rounded to whole milliseconds, at least 1).
+    pub fn with_lock_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_timeout = timeout;
+        self
+    }
+
+    /// Sets the pool size used by [`PgStore::connect_with`].
+    pub fn with_max_connections(mut self, max: u32) -> Self {
+        self.max_connections = max;
+        self
+    }
+}
+
+/// The statements of one store, built once from its table name.
+struct Statements {
+    table: table::TableName,
+    lock_timeout: Duration,
+    begin: Arc<str>,
+    claim: Arc<str>,
+    claim_many: Arc<str>,
+    expiry: Arc<str>,
+    expiry_many: Arc<str>,
+    purge: Arc<str>,
+}
+
+/// Expiry as microseconds since the Unix epoch, so no date-time crate is
+/// needed to read it.
+const EXPIRES_MICROS: &str = "(extract(epoch FROM expires_at) * 1000000)::int8";
+
+impl Statements {
+    fn new(config: &PgConfig) -> Result<Self, InvalidTableName> {
+        let table = table::TableName::parse(&config.table)?;
+        let t = table.quoted();
+        let lock_ms = config
+            .lock_timeout
+            .as_millis()
+            .clamp(1, u128::from(u32::MAX));
+        // One simple-protocol message: BEGIN and the lock bound in one round trip.
+        let begin = format!("BEGIN; SET LOCAL lock_timeout = {lock_ms}");
+        // The claim: create if absent, take over if expired, else no row.
+        // `xmax = 0` is true only for a freshly inserted row version.
+        let upsert = format!(
+            "ON CONFLICT (scope, key) DO UPDATE \
+             SET claimed_at = EXCLUDED.claimed_at, expires_at = EXCLUDED.expires_at \
+             WHERE c.expires_at <= now()"
+        );
+        let claim = format!(
+            "INSERT INTO {t} AS c (scope, key, claimed_at, expires_at) \
+             VALUES ($1, $2, now(), now() + $3 * interval '1 second') {upsert} \
+             RETURNING (c.xmax = 0) AS fresh"
+        );
+        // Sorted so that concurrent batches lock rows in one order and cannot
+        // deadlock each other.
+        let claim_many = format!(
+            "INSERT INTO {t} AS c (scope, key, claimed_at, expires_at) \
+             SELECT u.scope, u.key, now(), now() + $3 * interval '1 second' \
+             FROM unnest($1::text[], $2::text[]) AS u(scope, key) \
+             ORDER BY u.scope, u.key {upsert} \
+             RETURNING c.scope, c.key, (c.xmax = 0) AS fresh, {EXPIRES_MICROS} AS expires_us"
+        );
+        let expiry = format!("SELECT {EXPIRES_MICROS} FROM {t} WHERE scope = $1 AND key = $2");
+        let expiry_many = format!(
+            "SELECT scope, key, {EXPIRES_MICROS} AS expires_us FROM {t} \
+             WHERE (scope, key) IN (SELECT * FROM unnest($1::text[], $2::text[]))"
+        );
+        // Bounded, oldest first, skipping rows a running claim holds; the
+        // outer condition re-checks expiry on the row version it deletes.
+        let purge = format!(
+            "DELETE FROM {t} AS c USING ( \
+                 SELECT scope, key FROM {t} WHERE expires_at <= now() \
+                 ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED \
+             ) AS old \
+             WHERE c.scope = old.scope AND c.key = old.key AND c.expires_at <= now()"
+        );
+        Ok(Statements {
+            table,
+            lock_timeout: config.lock_timeout,
+            begin: begin.into(),
+            claim: claim.into(),
+            claim_many: claim_many.into(),
+            expiry: expiry.into(),
+            expiry_many: expiry_many.into(),
+            purge: purge.into(),
+        })
+    }
+}
+
+/// Statements are assembled from constants and a validated, quoted
+/// identifier only; every value is a bind parameter.
+fn sql(statement: &Arc<str>) -> impl SqlSafeStr {
+    AssertSqlSafe(statement.clone())
+}
+
+/// A [`DedupStore`] on PostgreSQL.
+///
+/// Claims are one `INSERT ... ON CONFLICT ... DO UPDATE ... WHERE expired
+/// RETURNING` statement inside the handler's transaction, timed by the
+/// database's `now()`. Cloning is cheap and shares the pool.
+#[derive(Clone)]
+pub struct PgStore {
+    pool: PgPool,
+    statements: Arc<Statements>,
+}
+
+impl fmt::Debug for PgStore {
+    // The pool's options hold the password; show only what is safe.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgStore")
+            .field("table", &self.statements.table.to_string())
+            .field("lock_timeout", &self.statements.lock_timeout)
+            .field("pool_size", &self.pool.size())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgStore {
+    /// Connects with default settings (`dedup_claims`, 5 s lock timeout,
+    /// up to 10 connections).
+    pub async fn connect(url: &str) -> Result<Self, Error> {
+        Self::connect_with(url, PgConfig::default()).await
+    }
+
+    /// Connects with `config`.
+    pub async fn connect_with(url: &str, config: PgConfig) -> Result<Self, Error> {
+        let statements = Statements::new(&config)?;
+        let options: PgConnectOptions = url.parse()?;
+        let pool = PgPoolOptions::new()
+            .max_connections(config.max_connections)
+            .connect_with(options)
+            .await?;
+        Ok(PgStore {
+            pool,
+            statements: Arc::new(statements),
+        })
+    }
+
+    /// Uses an existing pool with default settings.
+    pub fn from_pool(pool: PgPool) -> Self {
+        Self::from_pool_with(pool, PgConfig::default()).expect("the default table name is valid")
+    }
+
+    /// Uses an existing pool with `config`.
+    pub fn from_pool_with(pool: PgPool, config: PgConfig) -> Result<Self, Error> {
+        Ok(PgStore {
+            pool,
+            statements: Arc::new(Statements::new(&config)?),
+        })
+    }
+
+    /// The pool, for the application's own queries.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Creates or upgrades the dedup table. Safe to call from every instance
+    /// at start-up: runs under an advisory lock, in a transaction, and does
+    /// nothing when up to date. Applied versions are tracked in
+    /// `<table>_migrations`, so stores with different tables in one database
+    /// migrate independently.
+    pub async fn migrate(&self) -> Result<(), Error> {
+        let table = &self.statements.table;
+        let (quoted, index) = (table.quoted(), table.quoted_index("_expires_at_idx"));
+        let migrations = MIGRATOR
+            .iter()
+            .map(|m| {
+                let sql = m
+                    .sql
+                    .as_str()
+                    .replace("{{table}}", &quoted)
+                    .replace("{{expires_index}}", &index);
+                sqlx::migrate::Migration::new(
+                    m.version,
+                    m.description.clone(),
+                    m.migration_type,
+                    AssertSqlSafe(sql).into_sql_str(),
+                    m.no_tx,
+                )
+            })
+            .collect();
+        let mut migrator = sqlx::migrate::Migrator::with_migrations(migrations);
+        migrator.dangerous_set_table_name(table.quoted_with_suffix("_migrations"));
+        if let Some(schema) = table.quoted_schema() {
+            migrator.create_schema(schema);
+        }
+        migrator.run(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Starts deleting expired claims in the background (see
+    /// [`PurgeConfig`]); stop it with [`Purger::stop`].
+    pub fn spawn_purger(&self, config: PurgeConfig) -> Purger {
+        Purger::spawn(self.clone(), config)
+    }
+}
+
+fn micros_to_time(us: i64) -> SystemTime {
+    let magnitude = Duration::from_micros(us.unsigned_abs());
+    if us >= 0 {
+        UNIX_EPOCH + magnitude
+    } else {
+        UNIX_EPOCH - magnitude
+    }
+}
+
+fn ttl_secs(ttl: Ttl) -> i64 {
+    // Ttl is at most 100 years, far below i64::MAX seconds.
+    i64::try_from(ttl.as_secs()).expect("TTL fits in i64")
+}
+
+/// Whether a retry may get past `e`, judged from codes only.
+fn is_transient(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db
+            .code()
+            .is_some_and(|c| dedup_core::sqlstate::is_transient(&c)),
+        // The connection broke, or none could be had in time; the pool
+        // closing means the process is shutting down, not that the event is bad.
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        _ => false,
+    }
+}
+
+fn store_error(e: sqlx::Error) -> StoreError {
+    let code = match &e {
+        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
+        _ => None,
+    };
+    let err = if is_transient(&e) {
+        StoreError::transient(e)
+    } else {
+        StoreError::permanent(e)
+    };
+    match code {
+        Some(code) => err.with_code(code),
+        None => err,
+    }
+}
+
+impl DedupStore for PgStore {
+    type Tx = PgTx;
+
+    async fn begin(&self) -> Result<PgTx, StoreError> {
+        self.pool
+            .begin_with(sql(&self.statements.begin))
+            .await
+            .map_err(store_error)
+    }
+
+    async fn claim(&self, tx: &mut PgTx, key: &DedupKey, ttl: Ttl) -> Result<Claim, StoreError> {
+        let row = sqlx::query(sql(&self.statements.claim))
+            .bind(key.scope())
+            .bind(key.id())
+            .bind(ttl_secs(ttl))
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        if let Some(row) = row {
+            let fresh: bool = row.try_get(0).map_err(store_error)?;
+            return Ok(if fresh {
+                Claim::Fresh
+            } else {
+                Claim::Reclaimed
+            });
+        }
+        // A live claim exists. Read its expiry in a new statement: in READ
+        // COMMITTED it sees a claim that committed while the INSERT waited.
+        let expires_us: Option<i64> = sqlx::query_scalar(sql(&self.statements.expiry))
+            .bind(key.scope())
+            .bind(key.id())
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        Ok(Claim::Duplicate {
+            expires_at: expires_us.map_or_else(SystemTime::now, micros_to_time),
+        })
+    }
+
+    async fn claim_many(
+        &self,
+        tx: &mut PgTx,
+        keys: &[DedupKey],
+        ttl: Ttl,
+    ) -> Result<Vec<Claim>, StoreError> {
+        // ON CONFLICT cannot touch one row twice in a statement: send each
+        // key once and answer its repeats from its first position.
+        let mut first_at: HashMap<&DedupKey, usize> = HashMap::with_capacity(keys.len());
+        let (mut scopes, mut ids) = (
+            Vec::with_capacity(keys.len()),
+            Vec::with_capacity(keys.len()),
+        );
+        for (i, key) in keys.iter().enumerate() {
+            first_at.entry(key).or_insert_with(|| {
+                scopes.push(key.scope());
+                ids.push(key.id());
+                i
+            });
+        }
+        if scopes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(sql(&self.statements.claim_many))
+            .bind(&scopes)
+            .bind(&ids)
+            .bind(ttl_secs(ttl))
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        let mut claimed = HashMap::with_capacity(rows.len());
+        for row in rows {
+            let (scope, id, fresh, expires_us): (String, String, bool, i64) =
+                sqlx::FromRow::from_row(&row).map_err(store_error)?;
+            claimed.insert((scope, id), (fresh, micros_to_time(expires_us)));
+        }
+
+        // Keys with no row returned hold live claims: read their expiry in a
+        // new statement, which sees claims that committed while we waited.
+        let mut live = HashMap::new();
+        if claimed.len() < scopes.len() {
+            let (dup_scopes, dup_ids): (Vec<&str>, Vec<&str>) = scopes
+                .iter()
+                .zip(&ids)
+                .filter(|(s, i)| !claimed.contains_key(&(s.to_string(), i.to_string())))
+                .map(|(s, i)| (*s, *i))
+                .unzip();
+            let rows = sqlx::query(sql(&self.statements.expiry_many))
+                .bind(&dup_scopes)
+                .bind(&dup_ids)
+                .fetch_all(&mut **tx)
+                .await
+                .map_err(store_error)?;
+            for row in rows {
+                let (scope, id, expires_us): (String, String, i64) =
+                    sqlx::FromRow::from_row(&row).map_err(store_error)?;
+                live.insert((scope, id), micros_to_time(expires_us));
+            }
+        }
+
+        Ok(keys
+            .iter()
+            .enumerate()
+            .map(|(i, key)| {
+                let slot = (key.scope().to_owned(), key.id().to_owned());
+                match claimed.get(&slot) {
+                    Some(&(fresh, _)) if first_at[key] == i => {
+                        if fresh {
+                            Claim::Fresh
+                        } else {
+                            Claim::Reclaimed
+                        }
+                    }
+                    Some(&(_, expires_at)) => Claim::Duplicate { expires_at },
+                    // Live elsewhere; a claim that vanished in between (purged
+                    // right at its expiry) is reported as expiring now.
+                    None => Claim::Duplicate {
+                        expires_at: live.get(&slot).copied().unwrap_or_else(SystemTime::now),
+                    },
+                }
+            })
+            .collect())
+    }
+
+    async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {
+        tx.commit().await.map_err(store_error)
+    }
+
+    async fn rollback(&self, tx: PgTx) -> Result<(), StoreError> {
+        tx.rollback().await.map_err(store_error)
+    }
+
+    fn classify(&self, error: &(dyn StdError + 'static)) -> Option<bool> {
+        dedup_core::chain(error)
+            .find_map(|e| e.downcast_ref::<sqlx::Error>())
+            .map(is_transient)
+    }
+}
+
+impl PurgeExpired for PgStore {
+    async fn purge_expired(&self, limit: u32) -> Result<u64, StoreError> {
+        let done = sqlx::query(sql(&self.statements.purge))
+            .bind(i64::from(limit))
+            .execute(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(done.rows_affected())
+    }
+}

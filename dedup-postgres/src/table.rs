@@ -1,0 +1,131 @@
+//! The configurable table name: validated, then always quoted.
+
+use std::fmt;
+
+/// Longest accepted table name: leaves room for the `_migrations` and
+/// `_expires_at_idx` suffixes inside PostgreSQL's 63-byte identifier limit.
+const MAX_TABLE_LEN: usize = 48;
+
+/// A table name that was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "invalid table name {name:?}: use letters, digits and underscores, not starting with a digit, \
+     at most {MAX_TABLE_LEN} bytes, optionally schema-qualified (\"dedup.claims\")"
+)]
+pub struct InvalidTableName {
+    name: String,
+}
+
+/// A validated `[schema.]table`.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct TableName {
+    schema: Option<String>,
+    table: String,
+}
+
+fn is_identifier(s: &str) -> bool {
+    let mut chars = s.chars();
+    matches!(chars.next(), Some(c) if c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+        && s.len() <= MAX_TABLE_LEN
+}
+
+impl TableName {
+    pub(crate) fn parse(name: &str) -> Result<Self, InvalidTableName> {
+        let invalid = || InvalidTableName {
+            name: name.to_owned(),
+        };
+        let (schema, table) = match name.split_once('.') {
+            Some((schema, table)) => (Some(schema), table),
+            None => (None, name),
+        };
+        if !is_identifier(table) || schema.is_some_and(|s| !is_identifier(s)) {
+            return Err(invalid());
+        }
+        Ok(TableName {
+            schema: schema.map(str::to_owned),
+            table: table.to_owned(),
+        })
+    }
+
+    /// `"schema"."table"` with `suffix` appended to the table part.
+    pub(crate) fn quoted_with_suffix(&self, suffix: &str) -> String {
+        // Validation admits no `"`, so wrapping in quotes is exact quoting.
+        match &self.schema {
+            Some(schema) => format!("\"{schema}\".\"{}{suffix}\"", self.table),
+            None => format!("\"{}{suffix}\"", self.table),
+        }
+    }
+
+    /// The quoted, possibly qualified table.
+    pub(crate) fn quoted(&self) -> String {
+        self.quoted_with_suffix("")
+    }
+
+    /// The quoted name of an index on this table (indexes live in the
+    /// table's schema, so they are never qualified).
+    pub(crate) fn quoted_index(&self, suffix: &str) -> String {
+        format!("\"{}{suffix}\"", self.table)
+    }
+
+    /// The quoted schema, if the name is qualified.
+    pub(crate) fn quoted_schema(&self) -> Option<String> {
+        self.schema.as_ref().map(|s| format!("\"{s}\""))
+    }
+}
+
+impl fmt::Display for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.schema {
+            Some(schema) => write!(f, "{schema}.{}", self.table),
+            None => f.write_str(&self.table),
+        }
+    }
+}
+
+impl fmt::Debug for TableName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "TableName({self})")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_plain_and_qualified_names() {
+        assert_eq!(
+            TableName::parse("dedup_claims").unwrap().quoted(),
+            "\"dedup_claims\""
+        );
+        let t = TableName::parse("billing.Claims_2").unwrap();
+        assert_eq!(t.quoted(), "\"billing\".\"Claims_2\"");
+        assert_eq!(
+            t.quoted_with_suffix("_migrations"),
+            "\"billing\".\"Claims_2_migrations\""
+        );
+        assert_eq!(
+            t.quoted_index("_expires_at_idx"),
+            "\"Claims_2_expires_at_idx\""
+        );
+    }
+
+    #[test]
+    fn rejects_anything_that_could_escape_quoting() {
+        for bad in [
+            "",
+            "1claims",
+            "claims\"; DROP TABLE users; --",
+            "claims;",
+            "a.b.c",
+            ".claims",
+            "claims.",
+            "my claims",
+            "clåims",
+            &"x".repeat(MAX_TABLE_LEN + 1),
+        ] {
+            assert!(TableName::parse(bad).is_err(), "{bad:?} must be rejected");
+        }
+    }
+}

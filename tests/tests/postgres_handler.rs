@@ -1,0 +1,383 @@
+//! `#[idempotent]` handlers on a real PostgreSQL, with a NON-idempotent
+//! effect (`balance = balance + amount`) so that any double apply shows.
+
+use std::time::Duration;
+
+use dedup_core::{DedupStore, Error, Handler, HandlerError, Outcome, idempotent};
+use dedup_postgres::{PgConfig, PgStore, PgTx};
+use sqlx::PgPool;
+
+#[derive(serde::Deserialize)]
+struct PaymentReceived {
+    event_id: uuid::Uuid,
+    account_id: String,
+    amount_cents: i64,
+}
+
+async fn credit(tx: &mut PgTx, ev: &PaymentReceived) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
+         ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+    )
+    .bind(&ev.account_id)
+    .bind(ev.amount_cents)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn record_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), sqlx::Error> {
+    credit(tx, &ev).await
+}
+
+/// Same effect, 1 s TTL, so a test can outlive it.
+#[idempotent(key = "event_id", ttl = "1s")]
+async fn record_payment_short_ttl(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), sqlx::Error> {
+    credit(tx, &ev).await
+}
+
+/// Writes its effect, then fails when the amount is negative: the effect and
+/// the claim must both roll back.
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn record_then_validate(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), HandlerError> {
+    credit(tx, &ev).await?;
+    if ev.amount_cents < 0 {
+        return Err(HandlerError::permanent("negative amounts are refused"));
+    }
+    Ok(())
+}
+
+async fn setup(pool: &PgPool) -> PgStore {
+    sqlx::query("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
+        .execute(pool)
+        .await
+        .unwrap();
+    let store = PgStore::from_pool(pool.clone());
+    store.migrate().await.unwrap();
+    store
+}
+
+async fn balance(pool: &PgPool, account: &str) -> i64 {
+    sqlx::query_scalar("SELECT coalesce((SELECT balance FROM accounts WHERE id = $1), 0)")
+        .bind(account)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+fn payment(id: uuid::Uuid, account: &str, cents: i64) -> Vec<u8> {
+    serde_json::json!({ "event_id": id, "account_id": account, "amount_cents": cents })
+        .to_string()
+        .into_bytes()
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_b_first_delivery_applies_and_redelivery_within_ttl_is_skipped(pool: PgPool) {
+    let store = setup(&pool).await;
+    let msg = payment(uuid::Uuid::new_v4(), "acct-1", 1250);
+
+    let out = record_payment.apply(&store, &msg, &()).await;
+    assert!(
+        matches!(out, Outcome::Applied { reclaimed: false }),
+        "(A) {out:?}"
+    );
+    assert_eq!(balance(&pool, "acct-1").await, 1250);
+
+    for _ in 0..3 {
+        let out = record_payment.apply(&store, &msg, &()).await;
+        assert!(matches!(out, Outcome::Skipped { .. }), "(B) {out:?}");
+    }
+    assert_eq!(
+        balance(&pool, "acct-1").await,
+        1250,
+        "(B) a skipped redelivery must not add again"
+    );
+
+    let other = payment(uuid::Uuid::new_v4(), "acct-1", 50);
+    assert!(matches!(
+        record_payment.apply(&store, &other, &()).await,
+        Outcome::Applied { .. }
+    ));
+    assert_eq!(balance(&pool, "acct-1").await, 1300);
+}
+
+#[sqlx::test(migrations = false)]
+async fn c_redelivery_after_the_ttl_applies_again(pool: PgPool) {
+    let store = setup(&pool).await;
+    let msg = payment(uuid::Uuid::new_v4(), "acct-c", 700);
+
+    assert!(matches!(
+        record_payment_short_ttl.apply(&store, &msg, &()).await,
+        Outcome::Applied { .. }
+    ));
+    assert!(matches!(
+        record_payment_short_ttl.apply(&store, &msg, &()).await,
+        Outcome::Skipped { .. }
+    ));
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+
+    let out = record_payment_short_ttl.apply(&store, &msg, &()).await;
+    assert!(
+        matches!(out, Outcome::Applied { reclaimed: true }),
+        "(C) {out:?}"
+    );
+    assert_eq!(
+        balance(&pool, "acct-c").await,
+        1400,
+        "(C) after the TTL the event is new again, by design"
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_handler_error_rolls_back_claim_and_effect(pool: PgPool) {
+    let store = setup(&pool).await;
+    let id = uuid::Uuid::new_v4();
+
+    let out = record_then_validate
+        .apply(&store, &payment(id, "acct-e", -5), &())
+        .await;
+    let Outcome::Failed(e) = out else {
+        panic!("{out:?}")
+    };
+    assert!(!e.is_retryable());
+    assert_eq!(
+        balance(&pool, "acct-e").await,
+        0,
+        "the effect written before the error is rolled back"
+    );
+    let claims: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_claims")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(claims, 0, "the claim is rolled back with it");
+
+    // The next attempt (here with the event corrected upstream) applies exactly once.
+    let fixed = payment(id, "acct-e", 5);
+    assert!(matches!(
+        record_then_validate.apply(&store, &fixed, &()).await,
+        Outcome::Applied { .. }
+    ));
+    assert!(matches!(
+        record_then_validate.apply(&store, &fixed, &()).await,
+        Outcome::Skipped { .. }
+    ));
+    assert_eq!(balance(&pool, "acct-e").await, 5);
+}
+
+#[sqlx::test(migrations = false)]
+async fn concurrent_deliveries_apply_exactly_once(pool: PgPool) {
+    let store = setup(&pool).await;
+    let msg = payment(uuid::Uuid::new_v4(), "acct-race", 100);
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let (store, msg) = (store.clone(), msg.clone());
+            tokio::spawn(async move { record_payment.apply(&store, &msg, &()).await })
+        })
+        .collect();
+    let mut applied = 0;
+    for task in tasks {
+        match task.await.unwrap() {
+            Outcome::Applied { .. } => applied += 1,
+            Outcome::Skipped { .. } => {}
+            Outcome::Failed(e) => panic!("no delivery should fail: {e}"),
+        }
+    }
+    assert_eq!(applied, 1);
+    assert_eq!(balance(&pool, "acct-race").await, 100);
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_second_transaction_applies_when_the_first_rolls_back(pool: PgPool) {
+    let store = setup(&pool).await;
+    let id = uuid::Uuid::new_v4();
+    let event = || PaymentReceived {
+        event_id: id,
+        account_id: "acct-2tx".into(),
+        amount_cents: 10,
+    };
+    let key = record_payment.dedup_key(&event(), &()).unwrap();
+
+    // The first delivery claims and writes, but has not committed yet.
+    let mut first = store.begin().await.unwrap();
+    assert!(
+        store
+            .claim(&mut first, &key, record_payment.ttl())
+            .await
+            .unwrap()
+            .is_claimed()
+    );
+    record_payment::call(&mut first, event()).await.unwrap();
+
+    // The second delivery blocks on the first's claim.
+    let msg = payment(id, "acct-2tx", 10);
+    let second = tokio::spawn({
+        let store = store.clone();
+        async move { record_payment.apply(&store, &msg, &()).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !second.is_finished(),
+        "the second delivery must wait for the first transaction"
+    );
+
+    store.rollback(first).await.unwrap();
+    let out = second.await.unwrap();
+    assert!(
+        matches!(out, Outcome::Applied { reclaimed: false }),
+        "{out:?}"
+    );
+    assert_eq!(
+        balance(&pool, "acct-2tx").await,
+        10,
+        "exactly one apply survives"
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_stuck_claim_becomes_a_retryable_lock_timeout(pool: PgPool) {
+    sqlx::query("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let config = PgConfig::default().with_lock_timeout(Duration::from_millis(200));
+    let store = PgStore::from_pool_with(pool.clone(), config).unwrap();
+    store.migrate().await.unwrap();
+    let id = uuid::Uuid::new_v4();
+    let event = PaymentReceived {
+        event_id: id,
+        account_id: "a".into(),
+        amount_cents: 1,
+    };
+    let key = record_payment.dedup_key(&event, &()).unwrap();
+
+    let mut stuck = store.begin().await.unwrap();
+    store
+        .claim(&mut stuck, &key, record_payment.ttl())
+        .await
+        .unwrap();
+
+    let out = record_payment
+        .apply(&store, &payment(id, "a", 1), &())
+        .await;
+    let Outcome::Failed(Error::Store(e)) = out else {
+        panic!("{out:?}")
+    };
+    assert_eq!(e.code(), Some("55P03"), "{e}");
+    assert!(e.is_retryable());
+    store.rollback(stuck).await.unwrap();
+}
+
+/// Raises an error with the SQLSTATE given in the event, from inside the
+/// handler's own transaction.
+#[derive(serde::Deserialize)]
+struct Raise {
+    id: String,
+    sqlstate: String,
+}
+
+#[idempotent(key = "id", ttl = "1h")]
+async fn raise(tx: &mut PgTx, ev: Raise) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT raise_sqlstate($1)")
+        .bind(&ev.sqlstate)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+#[sqlx::test(migrations = false)]
+async fn handler_database_errors_are_classified_by_sqlstate(pool: PgPool) {
+    let store = setup(&pool).await;
+    sqlx::query(
+        "CREATE FUNCTION raise_sqlstate(code text) RETURNS void LANGUAGE plpgsql AS \
+         $$ BEGIN RAISE EXCEPTION 'raised %', code USING ERRCODE = code; END $$",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    for (code, retryable) in [
+        ("40001", true),
+        ("40P01", true),
+        ("55P03", true),
+        ("23505", false),
+        ("22P02", false),
+    ] {
+        let msg = serde_json::json!({ "id": code, "sqlstate": code }).to_string();
+        let out = raise.apply(&store, msg.as_bytes(), &()).await;
+        let Outcome::Failed(e) = out else {
+            panic!("{code}: {out:?}")
+        };
+        assert_eq!(e.kind(), "handler");
+        assert_eq!(e.is_retryable(), retryable, "SQLSTATE {code}: {e}");
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_configured_schema_qualified_table_is_used_and_migrations_are_idempotent(pool: PgPool) {
+    sqlx::query("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let config = PgConfig::default().with_table("billing.Claims");
+    let store = PgStore::from_pool_with(pool.clone(), config.clone()).unwrap();
+    store.migrate().await.unwrap();
+    // A second instance starting up migrates again: nothing to do, no error.
+    PgStore::from_pool_with(pool.clone(), config)
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    // A default store in the same database keeps its own table.
+    PgStore::from_pool(pool.clone()).migrate().await.unwrap();
+
+    let msg = payment(uuid::Uuid::new_v4(), "acct-t", 3);
+    assert!(matches!(
+        record_payment.apply(&store, &msg, &()).await,
+        Outcome::Applied { .. }
+    ));
+    let in_custom: i64 = sqlx::query_scalar(r#"SELECT count(*) FROM billing."Claims""#)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let in_default: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_claims")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!((in_custom, in_default), (1, 0));
+    let indexed: bool = sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_indexes WHERE schemaname = 'billing' AND indexname = 'Claims_expires_at_idx')",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(indexed, "the expiry index exists");
+}
+
+#[test]
+fn invalid_table_names_are_refused_before_any_sql() {
+    let err = PgConfig::default().with_table("claims; DROP TABLE accounts");
+    let result = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+        .block_on(PgStore::connect_with(
+            "postgres://nobody@127.0.0.1:1/none",
+            err,
+        ));
+    let Err(e) = result else {
+        panic!("must be refused")
+    };
+    assert!(e.to_string().contains("invalid table name"), "{e}");
+    assert!(!e.is_retryable());
+}
+
+#[sqlx::test(migrations = false)]
+async fn debug_output_hides_the_connection_string(pool: PgPool) {
+    let store = PgStore::from_pool(pool);
+    let shown = format!("{store:?}");
+    assert!(shown.contains("dedup_claims"), "{shown}");
+    assert!(
+        !shown.contains("dedup:dedup") && !shown.contains("password"),
+        "{shown}"
+    );
+}

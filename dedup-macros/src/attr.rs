@@ -133,7 +133,15 @@ fn parse_key(lit: &LitStr) -> syn::Result<KeySource> {
     }
     value
         .split('.')
-        .map(|segment| syn::parse_str::<syn::Member>(segment).map_err(|_| bad()))
+        .map(|segment| {
+            let mut member = syn::parse_str::<syn::Member>(segment).map_err(|_| bad())?;
+            // On the literal, so "no field" errors point at what the user wrote.
+            match &mut member {
+                syn::Member::Named(ident) => ident.set_span(lit.span()),
+                syn::Member::Unnamed(index) => index.span = lit.span(),
+            }
+            Ok(member)
+        })
         .collect::<syn::Result<Vec<_>>>()
         .map(KeySource::Field)
 }

@@ -55,7 +55,7 @@ fn check_signature(func: &ItemFn) -> syn::Result<(&Type, &Type)> {
     }
     if let Some(receiver) = sig.receiver() {
         errors.push(syn::Error::new(
-            receiver.span(),
+            receiver.self_token.span,
             "#[idempotent] goes on a free function, not a method: remove `self`",
         ));
     }
@@ -70,13 +70,8 @@ fn check_signature(func: &ItemFn) -> syn::Result<(&Type, &Type)> {
     let mut types = None;
     if sig.receiver().is_none() {
         if typed.len() != 2 {
-            let span = if sig.inputs.is_empty() {
-                sig.paren_token.span.join()
-            } else {
-                sig.inputs.span()
-            };
             errors.push(syn::Error::new(
-                span,
+                sig.paren_token.span.join(),
                 format!(
                     "#[idempotent] handlers take two parameters, `tx: &mut <transaction>` and `event: <event type>`; found {}",
                     typed.len()

@@ -1,0 +1,50 @@
+use dedup_core::{Handler, HandlerError, MemoryTx, idempotent};
+
+#[derive(serde::Deserialize)]
+pub struct Payment {
+    event_id: uuid::Uuid,
+    meta: Meta,
+}
+
+#[derive(serde::Deserialize)]
+pub struct Meta {
+    trace_id: Option<u64>,
+}
+
+/// Doc comments and visibility carry over to the handler value.
+#[idempotent(key = "event_id", ttl = "4h")]
+pub async fn by_uuid(_tx: &mut MemoryTx, _ev: Payment) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+#[idempotent(key = "meta.trace_id", ttl = "1h30m", scope = "payments-v2")]
+async fn by_nested_option(_tx: &mut MemoryTx, _ev: Payment) -> Result<(), std::io::Error> {
+    Ok(())
+}
+
+#[idempotent(key = "header:event-id", ttl = "7d")]
+async fn by_header(_tx: &mut MemoryTx, _ev: serde_json::Value) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+mod reexported {
+    pub use dedup_core as dedup;
+}
+
+#[idempotent(key = "event_id", ttl = "90s", crate = "reexported::dedup")]
+async fn through_a_reexport(_tx: &mut MemoryTx, _ev: Payment) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+fn assert_handler<H: Handler<Tx = MemoryTx>>(_: H) {}
+
+fn main() {
+    assert_handler(by_uuid);
+    assert_handler(by_nested_option);
+    assert_handler(by_header);
+    assert_handler(through_a_reexport);
+    assert_eq!(by_nested_option.scope(), "payments-v2");
+    assert_eq!(through_a_reexport.ttl().as_secs(), 90);
+    // The body stays callable on its own.
+    let _future = by_uuid::call;
+}

@@ -88,10 +88,8 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
             None
         }
     };
-    if let Some(lit) = &scope {
-        if lit.value().is_empty() {
-            push(syn::Error::new(lit.span(), "`scope` must not be empty"));
-        }
+    if let Some(lit) = scope.as_ref().filter(|lit| lit.value().is_empty()) {
+        push(syn::Error::new(lit.span(), "`scope` must not be empty"));
     }
     let krate = match krate {
         Some(lit) => lit.parse::<syn::Path>().map_err(&mut push).ok(),
@@ -153,7 +151,8 @@ mod tests {
 
     fn err(tokens: TokenStream) -> String {
         parse(tokens)
-            .unwrap_err()
+            .err()
+            .expect("must be rejected")
             .into_iter()
             .map(|e| e.to_string())
             .collect::<Vec<_>>()

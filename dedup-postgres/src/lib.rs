@@ -124,11 +124,9 @@ impl Statements {
         let begin = format!("BEGIN; SET LOCAL lock_timeout = {lock_ms}");
         // The claim: create if absent, take over if expired, else no row.
         // `xmax = 0` is true only for a freshly inserted row version.
-        let upsert = format!(
-            "ON CONFLICT (scope, key) DO UPDATE \
+        let upsert = "ON CONFLICT (scope, key) DO UPDATE \
              SET claimed_at = EXCLUDED.claimed_at, expires_at = EXCLUDED.expires_at \
-             WHERE c.expires_at <= now()"
-        );
+             WHERE c.expires_at <= now()";
         let claim = format!(
             "INSERT INTO {t} AS c (scope, key, claimed_at, expires_at) \
              VALUES ($1, $2, now(), now() + $3 * interval '1 second') {upsert} \

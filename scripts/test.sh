@@ -10,5 +10,12 @@ export DATABASE_URL
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
-cargo test --workspace --locked
+
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+cargo test --workspace --locked 2>&1 | tee "$log"
+
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
+
+# One closing line for the whole run, summed over every test binary.
+awk '/^test result:/ { p += $4; f += $6 } END { printf "all tests: %d passed, %d failed\n", p, f }' "$log"

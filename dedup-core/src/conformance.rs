@@ -3,12 +3,15 @@
 //! Each function takes a fresh, empty store and panics on a violation of the
 //! claim contract. A backend proves itself by calling every one of them, each
 //! in its own test (with its own database or schema, so they run in
-//! parallel); [`run_all`] runs them in sequence where that is simpler.
+//! parallel). [`conformance_tests!`](crate::conformance_tests) writes those
+//! tests, so a backend cannot miss a case:
 //!
 //! ```
-//! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)] async fn main() {
-//! dedup_core::conformance::run_all(dedup_core::MemoryStore::new).await;
-//! # }
+//! dedup_core::conformance_tests!(
+//!     #[tokio::test(flavor = "multi_thread")]
+//!     || dedup_core::MemoryStore::new()
+//! );
+//! # fn main() {}
 //! ```
 //!
 //! Expiry is tested with a 1 s TTL and real sleeps, because a database's
@@ -348,20 +351,48 @@ pub async fn purge_removes_only_expired<S: DedupStore + PurgeExpired>(store: S) 
     );
 }
 
-/// Runs the whole suite, each case on a store from `fresh`.
-pub async fn run_all<S, F>(fresh: F)
-where
-    S: DedupStore + PurgeExpired + Clone,
-    F: Fn() -> S,
-{
-    exclusive_under_concurrency(fresh()).await;
-    duplicate_within_ttl(fresh()).await;
-    reclaim_after_expiry(fresh()).await;
-    scope_isolation(fresh()).await;
-    rollback_releases_the_claim(fresh()).await;
-    second_claimer_waits_for_the_first(fresh()).await;
-    batch_claims(fresh()).await;
-    batch_rollback_releases_every_claim(fresh()).await;
-    long_keys_are_digested(fresh()).await;
-    purge_removes_only_expired(fresh()).await;
+/// Expands to one test per conformance case, so a backend runs every case
+/// (including cases added later) without listing them.
+///
+/// Give the test attribute, the test function's parameters, and an
+/// expression that makes a fresh store from them (it may `.await`):
+///
+/// ```text
+/// dedup_core::conformance_tests!(#[sqlx::test(migrations = false)] |pool: PgPool| {
+///     let store = PgStore::from_pool(pool);
+///     store.migrate().await.unwrap();
+///     store
+/// });
+/// ```
+#[macro_export]
+macro_rules! conformance_tests {
+    (@cases [$($attrs:tt)*] [$($params:tt)*] $make:expr) => {
+        $crate::conformance_tests!(@each [$($attrs)*] [$($params)*] $make;
+            exclusive_under_concurrency,
+            duplicate_within_ttl,
+            reclaim_after_expiry,
+            scope_isolation,
+            rollback_releases_the_claim,
+            second_claimer_waits_for_the_first,
+            batch_claims,
+            batch_rollback_releases_every_claim,
+            long_keys_are_digested,
+            purge_removes_only_expired
+        );
+    };
+    // One case at a time: the attributes repeat once per case.
+    (@each [$($attrs:tt)*] [$($params:tt)*] $make:expr; $case:ident $(, $rest:ident)*) => {
+        $($attrs)*
+        async fn $case($($params)*) {
+            $crate::conformance::$case($make).await;
+        }
+        $crate::conformance_tests!(@each [$($attrs)*] [$($params)*] $make; $($rest),*);
+    };
+    (@each [$($attrs:tt)*] [$($params:tt)*] $make:expr;) => {};
+    ($(#[$attr:meta])* || $make:expr) => {
+        $crate::conformance_tests!(@cases [$(#[$attr])*] [] $make);
+    };
+    ($(#[$attr:meta])* |$($arg:ident : $ty:ty),* $(,)?| $make:expr) => {
+        $crate::conformance_tests!(@cases [$(#[$attr])*] [$($arg: $ty),*] $make);
+    };
 }

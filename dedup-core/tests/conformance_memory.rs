@@ -1,27 +1,10 @@
 //! The conformance suite on the reference store.
 
-use dedup_core::{MemoryStore, conformance};
+use dedup_core::MemoryStore;
 
-macro_rules! suite {
-    ($($case:ident),* $(,)?) => {$(
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $case() {
-            conformance::$case(MemoryStore::new()).await;
-        }
-    )*};
-}
-
-suite!(
-    exclusive_under_concurrency,
-    duplicate_within_ttl,
-    reclaim_after_expiry,
-    scope_isolation,
-    rollback_releases_the_claim,
-    second_claimer_waits_for_the_first,
-    batch_claims,
-    batch_rollback_releases_every_claim,
-    long_keys_are_digested,
-    purge_removes_only_expired,
+dedup_core::conformance_tests!(
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    || MemoryStore::new()
 );
 
 #[tokio::test]

@@ -14,6 +14,9 @@ use sqlx::{AssertSqlSafe, PgPool, Row, SqlSafeStr};
 
 pub use table::InvalidTableName;
 
+/// The sqlx this backend is built on, so handlers can use the same version.
+pub use sqlx;
+
 /// The transaction a handler body writes its effect through:
 /// `sqlx::query(...).execute(&mut **tx)`.
 pub type PgTx = sqlx::Transaction<'static, sqlx::Postgres>;

@@ -48,14 +48,19 @@ async fn record_then_validate(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), 
     Ok(())
 }
 
-async fn setup(pool: &PgPool) -> PgStore {
+/// Creates the accounts table and a migrated store with `config`.
+async fn setup_with(pool: &PgPool, config: PgConfig) -> PgStore {
     sqlx::query("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
         .execute(pool)
         .await
         .unwrap();
-    let store = PgStore::from_pool(pool.clone());
+    let store = PgStore::from_pool_with(pool.clone(), config).unwrap();
     store.migrate().await.unwrap();
     store
+}
+
+async fn setup(pool: &PgPool) -> PgStore {
+    setup_with(pool, PgConfig::default()).await
 }
 
 async fn balance(pool: &PgPool, account: &str) -> i64 {
@@ -236,13 +241,8 @@ async fn the_second_transaction_applies_when_the_first_rolls_back(pool: PgPool) 
 
 #[sqlx::test(migrations = false)]
 async fn a_stuck_claim_becomes_a_retryable_lock_timeout(pool: PgPool) {
-    sqlx::query("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
     let config = PgConfig::default().with_lock_timeout(Duration::from_millis(200));
-    let store = PgStore::from_pool_with(pool.clone(), config).unwrap();
-    store.migrate().await.unwrap();
+    let store = setup_with(&pool, config).await;
     let id = uuid::Uuid::new_v4();
     let event = PaymentReceived {
         event_id: id,
@@ -314,13 +314,8 @@ async fn handler_database_errors_are_classified_by_sqlstate(pool: PgPool) {
 
 #[sqlx::test(migrations = false)]
 async fn a_configured_schema_qualified_table_is_used_and_migrations_are_idempotent(pool: PgPool) {
-    sqlx::query("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
-        .execute(&pool)
-        .await
-        .unwrap();
     let config = PgConfig::default().with_table("billing.Claims");
-    let store = PgStore::from_pool_with(pool.clone(), config.clone()).unwrap();
-    store.migrate().await.unwrap();
+    let store = setup_with(&pool, config.clone()).await;
     // A second instance starting up migrates again: nothing to do, no error.
     PgStore::from_pool_with(pool.clone(), config)
         .unwrap()

@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The one command that runs every check and test. It installs and starts what
-# the tests need (PostgreSQL), then runs the gate: fmt, clippy, tests, docs.
+# the tests need (build packages, PostgreSQL, a real Apache Kafka on
+# 127.0.0.1:9092), then runs the gate: fmt, clippy, tests, docs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+bash scripts/deps.sh
 bash scripts/postgres.sh start
+bash scripts/kafka.sh start
 DATABASE_URL="$(bash scripts/postgres.sh url)"
-export DATABASE_URL
+KAFKA_BROKERS="127.0.0.1:9092"
+export DATABASE_URL KAFKA_BROKERS
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings

@@ -107,6 +107,26 @@ pub trait Handler: Send + Sync + 'static {
         DedupKey::new(self.scope(), self.key(event, headers)?)
     }
 
+    /// This handler with another TTL, chosen at run time (from config or an
+    /// environment variable) instead of the macro's.
+    ///
+    /// ```
+    /// # use dedup_core::{Handler, HandlerError, MemoryTx, Ttl, idempotent};
+    /// # #[derive(serde::Deserialize)] struct Ev { event_id: String }
+    /// #[idempotent(key = "event_id", ttl = "4h")]
+    /// async fn handle(_tx: &mut MemoryTx, _ev: Ev) -> Result<(), HandlerError> { Ok(()) }
+    ///
+    /// let ttl: Ttl = std::env::var("DEDUP_TTL").as_deref().unwrap_or("1d").parse()?;
+    /// assert_eq!(handle.with_ttl(ttl).ttl().to_string(), "1d");
+    /// # Ok::<(), dedup_core::TtlError>(())
+    /// ```
+    fn with_ttl(self, ttl: Ttl) -> WithTtl<Self>
+    where
+        Self: Sized,
+    {
+        WithTtl { inner: self, ttl }
+    }
+
     /// Processes one message: decode -> key -> begin -> claim -> body ->
     /// commit.
     ///
@@ -151,6 +171,7 @@ where
     H: Handler + ?Sized,
     S: DedupStore<Tx = H::Tx>,
 {
+    tracing::Span::current().record("dedup.key", tracing::field::display(key));
     let mut tx = store.begin().await?;
     let claim = match store.claim(&mut tx, key, handler.ttl()).await {
         Ok(claim) => claim,
@@ -182,5 +203,37 @@ where
 async fn rollback_quietly<S: DedupStore>(store: &S, tx: S::Tx, key: &DedupKey) {
     if let Err(e) = store.rollback(tx).await {
         tracing::warn!(%key, error = %e, "rollback failed");
+    }
+}
+
+/// A handler with its TTL replaced; see [`Handler::with_ttl`].
+#[derive(Debug, Clone, Copy)]
+pub struct WithTtl<H> {
+    inner: H,
+    ttl: Ttl,
+}
+
+impl<H: Handler> Handler for WithTtl<H> {
+    type Tx = H::Tx;
+    type Event = H::Event;
+
+    fn scope(&self) -> &str {
+        self.inner.scope()
+    }
+
+    fn ttl(&self) -> Ttl {
+        self.ttl
+    }
+
+    fn key(&self, event: &Self::Event, headers: &dyn Headers) -> Result<String, KeyError> {
+        self.inner.key(event, headers)
+    }
+
+    fn handle(&self, tx: &mut Self::Tx, event: Self::Event) -> impl Future<Output = Result<(), HandlerError>> + Send {
+        self.inner.handle(tx, event)
+    }
+
+    fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error> {
+        self.inner.decode(payload)
     }
 }

@@ -13,7 +13,7 @@ mod ttl;
 pub mod conformance;
 
 pub use error::{BoxError, Error, HandlerError, Result, StoreError, chain, sqlstate};
-pub use handler::{Handler, Headers, Outcome};
+pub use handler::{Handler, Headers, Outcome, WithTtl};
 pub use key::{DedupKey, KeyError, MAX_KEY_BYTES};
 pub use memory::{MemoryStore, MemoryTx};
 pub use purge::{PurgeConfig, Purger, purge_round};

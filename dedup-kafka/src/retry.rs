@@ -1,0 +1,104 @@
+//! How transient failures are retried.
+
+use std::time::Duration;
+
+/// Exponential back-off with jitter for retryable failures.
+///
+/// Attempt `n` (1-based) that fails with a retryable error waits about
+/// `initial * multiplier^(n-1)`, capped at `max_backoff`, with up to half of
+/// it taken off at random so that consumers that failed together do not
+/// retry together. After `max_attempts` attempts the event is dead-lettered.
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct RetryPolicy {
+    /// Attempts in all, the first included (default 8).
+    pub max_attempts: u32,
+    /// Wait after the first failure (default 100 ms).
+    pub initial_backoff: Duration,
+    /// Longest wait between attempts (default 10 s).
+    pub max_backoff: Duration,
+    /// Growth factor between waits (default 2).
+    pub multiplier: f64,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy {
+            max_attempts: 8,
+            initial_backoff: Duration::from_millis(100),
+            max_backoff: Duration::from_secs(10),
+            multiplier: 2.0,
+        }
+    }
+}
+
+impl RetryPolicy {
+    /// Sets the number of attempts (at least 1).
+    pub fn with_max_attempts(mut self, attempts: u32) -> Self {
+        self.max_attempts = attempts.max(1);
+        self
+    }
+
+    /// Sets the first wait and the cap.
+    pub fn with_backoff(mut self, initial: Duration, max: Duration) -> Self {
+        self.initial_backoff = initial;
+        self.max_backoff = max.max(initial);
+        self
+    }
+
+    /// The wait after failed attempt `attempt` (1-based), given a random
+    /// number in `[0, 1)` for the jitter.
+    pub(crate) fn backoff(&self, attempt: u32, random: f64) -> Duration {
+        let exp = self.multiplier.max(1.0).powi(attempt.saturating_sub(1).min(64) as i32);
+        let full = self.initial_backoff.as_secs_f64() * exp;
+        let capped = full.min(self.max_backoff.as_secs_f64());
+        Duration::from_secs_f64(capped * (1.0 - 0.5 * random.clamp(0.0, 1.0)))
+    }
+}
+
+/// A small xorshift generator for jitter: no dependency, no cryptography
+/// needed.
+pub(crate) struct Jitter(u64);
+
+impl Jitter {
+    pub(crate) fn new(seed: u64) -> Self {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
+        Jitter((seed ^ nanos) | 1)
+    }
+
+    pub(crate) fn next(&mut self) -> f64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        (x >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grows_exponentially_up_to_the_cap() {
+        let p = RetryPolicy::default();
+        assert_eq!(p.backoff(1, 0.0), Duration::from_millis(100));
+        assert_eq!(p.backoff(2, 0.0), Duration::from_millis(200));
+        assert_eq!(p.backoff(4, 0.0), Duration::from_millis(800));
+        assert_eq!(p.backoff(30, 0.0), Duration::from_secs(10));
+        assert_eq!(p.backoff(1000, 0.0), Duration::from_secs(10));
+    }
+
+    #[test]
+    fn jitter_takes_off_at_most_half() {
+        let p = RetryPolicy::default();
+        let mut j = Jitter::new(7);
+        for _ in 0..1000 {
+            let d = p.backoff(3, j.next());
+            assert!(d > Duration::from_millis(200) && d <= Duration::from_millis(400), "{d:?}");
+        }
+    }
+}

@@ -1,0 +1,52 @@
+//! Order status events `{event_id, order_id, status}` upserted into `orders`.
+//! The upsert alone is idempotent for one event, but not across events: a
+//! late duplicate of an old status would overwrite a newer one. The dedup
+//! claim makes each status event count once.
+//!
+//! `DATABASE_URL=... cargo run -p dedup-examples --example orders` (Ctrl-C to stop)
+
+#![allow(clippy::print_stdout)]
+
+use dedup_core::{HandlerError, idempotent};
+use dedup_kafka::Consumer;
+use dedup_postgres::{PgStore, PgTx};
+
+#[derive(serde::Deserialize)]
+struct OrderStatusChanged {
+    event_id: uuid::Uuid,
+    order_id: String,
+    status: String,
+}
+
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn update_order(tx: &mut PgTx, ev: OrderStatusChanged) -> Result<(), HandlerError> {
+    sqlx::query(
+        "INSERT INTO orders (id, status, updates) VALUES ($1, $2, 1) \
+         ON CONFLICT (id) DO UPDATE SET status = EXCLUDED.status, updates = orders.updates + 1",
+    )
+    .bind(&ev.order_id)
+    .bind(&ev.status)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false).init();
+    let store = PgStore::connect(&std::env::var("DATABASE_URL")?).await?;
+    store.migrate().await?;
+    sqlx::query("CREATE TABLE IF NOT EXISTS orders (id text PRIMARY KEY, status text NOT NULL, updates int NOT NULL)")
+        .execute(store.pool())
+        .await?;
+    let purger = store.spawn_purger(Default::default());
+    let summary = Consumer::builder(store)
+        .brokers(std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "localhost:9092".into()))
+        .group_id("orders-v1")
+        .handle("orders", update_order)
+        .run()
+        .await?;
+    purger.stop().await;
+    println!("{summary}");
+    Ok(())
+}

@@ -1,0 +1,98 @@
+//! Payments with a NON-idempotent effect: each event adds `amount_cents` to
+//! `accounts.balance`, so a duplicate applied twice would show in the balance.
+//!
+//! Environment: `KAFKA_BROKERS` (default `localhost:9092`), `DATABASE_URL`
+//! (required), `TOPIC` (default `payments`), `GROUP_ID` (default
+//! `payments-v1`), `DEDUP_TTL` (default `4h`).
+//! Flag: `--exit-when-idle <ttl>` exits 0 after that long without a message.
+//! Creates its tables on start; its last line is
+//! `applied=N skipped=N dead_lettered=N`.
+//!
+//! `cargo run -p dedup-examples --example payments -- --exit-when-idle 10s`
+
+#![allow(clippy::print_stdout)]
+
+use std::time::Duration;
+
+use dedup_core::{Handler, HandlerError, Ttl, idempotent};
+use dedup_kafka::{Consumer, Stats};
+use dedup_postgres::{PgStore, PgTx};
+
+#[derive(serde::Deserialize)]
+struct PaymentReceived {
+    event_id: uuid::Uuid,
+    account_id: String,
+    amount_cents: i64,
+}
+
+#[idempotent(key = "event_id", ttl = "4h", scope = "payments::record_payment")]
+async fn record_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), HandlerError> {
+    sqlx::query(
+        "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
+         ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+    )
+    .bind(&ev.account_id)
+    .bind(ev.amount_cents)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_owned())
+}
+
+/// `--exit-when-idle <ttl>`, if given.
+fn exit_when_idle() -> Result<Option<Ttl>, Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let mut idle = None;
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--exit-when-idle" => {
+                let value = args.next().ok_or("--exit-when-idle needs a duration, like 10s")?;
+                idle = Some(value.parse()?);
+            }
+            other => return Err(format!("unknown argument {other:?}; usage: payments [--exit-when-idle <ttl>]").into()),
+        }
+    }
+    Ok(idle)
+}
+
+async fn idle(stats: &Stats, limit: Duration) {
+    while stats.idle_for() < limit {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false).init();
+    let idle_limit = exit_when_idle()?;
+    let database_url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL must be set")?;
+    let ttl: Ttl = env_or("DEDUP_TTL", "4h").parse()?;
+
+    let store = PgStore::connect(&database_url).await?;
+    store.migrate().await?;
+    sqlx::query("CREATE TABLE IF NOT EXISTS accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
+        .execute(store.pool())
+        .await?;
+
+    let consumer = Consumer::builder(store)
+        .brokers(env_or("KAFKA_BROKERS", "localhost:9092"))
+        .group_id(env_or("GROUP_ID", "payments-v1"))
+        .handle(env_or("TOPIC", "payments"), record_payment.with_ttl(ttl))
+        .build()?;
+    let stats = consumer.stats();
+    let shutdown = async {
+        match idle_limit {
+            Some(limit) => tokio::select! {
+                () = idle(&stats, limit.as_duration()) => {}
+                () = dedup_kafka::shutdown_signal() => {}
+            },
+            None => dedup_kafka::shutdown_signal().await,
+        }
+    };
+    let summary = consumer.run_until(shutdown).await?;
+    println!("{summary}");
+    Ok(())
+}

@@ -229,7 +229,11 @@ impl<H: Handler> Handler for WithTtl<H> {
         self.inner.key(event, headers)
     }
 
-    fn handle(&self, tx: &mut Self::Tx, event: Self::Event) -> impl Future<Output = Result<(), HandlerError>> + Send {
+    fn handle(
+        &self,
+        tx: &mut Self::Tx,
+        event: Self::Event,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send {
         self.inner.handle(tx, event)
     }
 

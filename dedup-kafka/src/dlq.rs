@@ -48,7 +48,10 @@ pub(crate) fn headers(msg: &OwnedMessage, why: &DeadLetter<'_>) -> OwnedHeaders 
         ("dedup.original.partition", &partition),
         ("dedup.original.offset", &offset),
         ("dedup.error.kind", why.kind),
-        ("dedup.error.message", truncate(&why.message, MAX_ERROR_MESSAGE_BYTES)),
+        (
+            "dedup.error.message",
+            truncate(&why.message, MAX_ERROR_MESSAGE_BYTES),
+        ),
         ("dedup.attempts", &attempts),
         ("dedup.handler", why.handler),
     ];

@@ -41,9 +41,16 @@ struct Route<S> {
 
 /// Settings whose values must never be logged or shown by `Debug`.
 fn is_secret(key: &str) -> bool {
-    ["password", "secret", "jaas", "token", "ssl.key.pem", "ssl.keystore"]
-        .iter()
-        .any(|s| key.contains(s))
+    [
+        "password",
+        "secret",
+        "jaas",
+        "token",
+        "ssl.key.pem",
+        "ssl.keystore",
+    ]
+    .iter()
+    .any(|s| key.contains(s))
 }
 
 /// Builds a [`Consumer`]: brokers, group, topic -> handler routes, and any
@@ -93,7 +100,10 @@ impl<S> fmt::Debug for ConsumerBuilder<S> {
             .field("brokers", &self.brokers)
             .field("group_id", &self.group_id)
             .field("settings", &settings)
-            .field("topics", &self.routes.iter().map(|r| &r.topic).collect::<Vec<_>>())
+            .field(
+                "topics",
+                &self.routes.iter().map(|r| &r.topic).collect::<Vec<_>>(),
+            )
             .field("retry", &self.retry)
             .finish_non_exhaustive()
     }
@@ -155,8 +165,13 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     }
 
     /// Sends the dead letters of `topic` to `dead_letter_topic`.
-    pub fn dead_letter_topic(mut self, topic: impl Into<String>, dead_letter_topic: impl Into<String>) -> Self {
-        self.dead_letter_overrides.insert(topic.into(), dead_letter_topic.into());
+    pub fn dead_letter_topic(
+        mut self,
+        topic: impl Into<String>,
+        dead_letter_topic: impl Into<String>,
+    ) -> Self {
+        self.dead_letter_overrides
+            .insert(topic.into(), dead_letter_topic.into());
         self
     }
 
@@ -194,10 +209,9 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     }
 
     fn client_config(&self) -> Result<ClientConfig, Error> {
-        let group = self
-            .group_id
-            .as_deref()
-            .ok_or_else(|| Error::Config("a group id is required: .group_id(\"my-service-v1\")".into()))?;
+        let group = self.group_id.as_deref().ok_or_else(|| {
+            Error::Config("a group id is required: .group_id(\"my-service-v1\")".into())
+        })?;
         let mut config = ClientConfig::new();
         config
             .set("bootstrap.servers", &self.brokers)
@@ -223,18 +237,26 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         config
             .set("enable.idempotence", "true")
             .set("acks", "all")
-            .set("message.timeout.ms", self.dead_letter_timeout.as_millis().to_string());
+            .set(
+                "message.timeout.ms",
+                self.dead_letter_timeout.as_millis().to_string(),
+            );
         config
     }
 
     /// Builds the consumer without starting it.
     pub fn build(self) -> Result<Consumer<S>, Error> {
         if self.routes.is_empty() {
-            return Err(Error::Config("no topic has a handler: add .handle(\"topic\", handler)".into()));
+            return Err(Error::Config(
+                "no topic has a handler: add .handle(\"topic\", handler)".into(),
+            ));
         }
         let mut topics = std::collections::HashSet::new();
         if let Some(dup) = self.routes.iter().find(|r| !topics.insert(r.topic.clone())) {
-            return Err(Error::Config(format!("topic {:?} has two handlers", dup.topic)));
+            return Err(Error::Config(format!(
+                "topic {:?} has two handlers",
+                dup.topic
+            )));
         }
         let consumer_config = self.client_config()?;
         let producer_config = self.producer_config();
@@ -273,7 +295,10 @@ impl<S: DedupStore> ConsumerBuilder<S> {
 
     /// Builds and runs until `shutdown` completes; see
     /// [`Consumer::run_until`].
-    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> Result<StatsSnapshot, Error> {
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<StatsSnapshot, Error> {
         self.build()?.run_until(shutdown).await
     }
 }
@@ -281,9 +306,19 @@ impl<S: DedupStore> ConsumerBuilder<S> {
 /// Client settings that apply to the dead-letter producer as well (security
 /// and networking), as opposed to consumer-only ones.
 fn is_shared_setting(key: &str) -> bool {
-    ["security.", "sasl.", "ssl.", "client.", "socket.", "broker.", "reconnect.", "metadata.", "debug"]
-        .iter()
-        .any(|p| key.starts_with(p))
+    [
+        "security.",
+        "sasl.",
+        "ssl.",
+        "client.",
+        "socket.",
+        "broker.",
+        "reconnect.",
+        "metadata.",
+        "debug",
+    ]
+    .iter()
+    .any(|p| key.starts_with(p))
 }
 
 /// An idempotent Kafka consumer: runs each message through its topic's
@@ -313,14 +348,19 @@ impl<S: DedupStore> Consumer<S> {
     /// Runs until `shutdown` completes. Then: stop fetching, let in-flight
     /// messages finish (up to the shutdown timeout), commit what finished,
     /// leave the group. Returns the final counters.
-    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> Result<StatsSnapshot, Error> {
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<StatsSnapshot, Error> {
         self.0.run_until(shutdown).await
     }
 }
 
 impl<S: DedupStore> fmt::Debug for Consumer<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Consumer").field("stats", &self.0.stats().snapshot()).finish_non_exhaustive()
+        f.debug_struct("Consumer")
+            .field("stats", &self.0.stats().snapshot())
+            .finish_non_exhaustive()
     }
 }
 

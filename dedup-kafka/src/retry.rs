@@ -49,7 +49,10 @@ impl RetryPolicy {
     /// The wait after failed attempt `attempt` (1-based), given a random
     /// number in `[0, 1)` for the jitter.
     pub(crate) fn backoff(&self, attempt: u32, random: f64) -> Duration {
-        let exp = self.multiplier.max(1.0).powi(attempt.saturating_sub(1).min(64) as i32);
+        let exp = self
+            .multiplier
+            .max(1.0)
+            .powi(attempt.saturating_sub(1).min(64) as i32);
         let full = self.initial_backoff.as_secs_f64() * exp;
         let capped = full.min(self.max_backoff.as_secs_f64());
         Duration::from_secs_f64(capped * (1.0 - 0.5 * random.clamp(0.0, 1.0)))
@@ -98,7 +101,10 @@ mod tests {
         let mut j = Jitter::new(7);
         for _ in 0..1000 {
             let d = p.backoff(3, j.next());
-            assert!(d > Duration::from_millis(200) && d <= Duration::from_millis(400), "{d:?}");
+            assert!(
+                d > Duration::from_millis(200) && d <= Duration::from_millis(400),
+                "{d:?}"
+            );
         }
     }
 }

@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use dedup_core::{DedupStore, Outcome};
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance, StreamConsumer,
+};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
 use rdkafka::producer::FutureProducer;
@@ -38,7 +40,8 @@ pub struct Stats {
     dead_lettered: AtomicU64,
     retries: AtomicU64,
     started: Instant,
-    /// Milliseconds since `started` of the last message received or finished.
+    /// Milliseconds since `started` of the last assignment, message received
+    /// or message finished; `u64::MAX` until the first assignment.
     last_activity_ms: AtomicU64,
 }
 
@@ -75,7 +78,7 @@ impl Stats {
             dead_lettered: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             started: Instant::now(),
-            last_activity_ms: AtomicU64::new(0),
+            last_activity_ms: AtomicU64::new(u64::MAX),
         }
     }
 
@@ -89,15 +92,27 @@ impl Stats {
         }
     }
 
-    /// How long since a message was last received or finished.
+    /// How long since a message was last received or finished, or since
+    /// partitions were assigned. Zero until the first assignment: joining a
+    /// group can take a while (a crashed member is waited for until its
+    /// session times out), and that is not idleness.
     pub fn idle_for(&self) -> Duration {
-        let last = Duration::from_millis(self.last_activity_ms.load(Ordering::Relaxed));
-        self.started.elapsed().saturating_sub(last)
+        match self.last_activity_ms.load(Ordering::Relaxed) {
+            u64::MAX => Duration::ZERO,
+            last => self
+                .started
+                .elapsed()
+                .saturating_sub(Duration::from_millis(last)),
+        }
     }
 
     fn touch(&self) {
         let now = self.started.elapsed().as_millis() as u64;
-        self.last_activity_ms.fetch_max(now, Ordering::Relaxed);
+        let _ = self
+            .last_activity_ms
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
+                (last == u64::MAX || last < now).then_some(now)
+            });
     }
 }
 
@@ -163,23 +178,36 @@ impl ConsumerContext for Context {
             Rebalance::Assign(tpl) => {
                 // Idleness counts from having partitions, not from start-up.
                 self.stats.touch();
-                tracing::info!(partitions = tpl.count(), "partitions assigned; resuming from committed offsets");
+                tracing::info!(
+                    partitions = tpl.count(),
+                    "partitions assigned; resuming from committed offsets"
+                );
             }
             Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
         }
     }
 
-    fn commit_callback(&self, result: rdkafka::error::KafkaResult<()>, offsets: &TopicPartitionList) {
+    fn commit_callback(
+        &self,
+        result: rdkafka::error::KafkaResult<()>,
+        offsets: &TopicPartitionList,
+    ) {
         match result {
             Ok(()) => tracing::debug!(partitions = offsets.count(), "offsets committed"),
             Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
-            Err(e) => tracing::warn!(error = %e, "offset commit failed; the next commit retries it"),
+            Err(e) => {
+                tracing::warn!(error = %e, "offset commit failed; the next commit retries it")
+            }
         }
     }
 }
 
 /// Commits the stored offsets; "nothing to commit" is not an error.
-fn commit<C: rdkafka::consumer::Consumer<Ctx>, Ctx: ConsumerContext>(consumer: &C, mode: CommitMode, why: &str) {
+fn commit<C: rdkafka::consumer::Consumer<Ctx>, Ctx: ConsumerContext>(
+    consumer: &C,
+    mode: CommitMode,
+    why: &str,
+) {
     match consumer.commit_consumer_state(mode) {
         Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
         Err(e) => tracing::warn!(error = %e, why, "offset commit failed"),
@@ -234,7 +262,10 @@ impl<S: DedupStore> Consumer<S> {
                 stopping: watch::channel(false).0,
                 drained: drained_tx,
             }),
-            routes: routes.into_iter().map(|r| (r.topic.clone(), Arc::new(r))).collect(),
+            routes: routes
+                .into_iter()
+                .map(|r| (r.topic.clone(), Arc::new(r)))
+                .collect(),
             partitions,
             drained,
         })
@@ -244,7 +275,10 @@ impl<S: DedupStore> Consumer<S> {
         self.shared.stats.clone()
     }
 
-    pub(crate) async fn run_until(mut self, shutdown: impl Future<Output = ()>) -> Result<StatsSnapshot, Error> {
+    pub(crate) async fn run_until(
+        mut self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<StatsSnapshot, Error> {
         let topics: Vec<&str> = self.routes.keys().map(String::as_str).collect();
         self.shared.kafka.subscribe(&topics)?;
         tracing::info!(?topics, "consumer started");
@@ -259,10 +293,10 @@ impl<S: DedupStore> Consumer<S> {
                 () = &mut shutdown => break,
                 Some((topic, partition)) = self.drained.recv() => self.resume(&topic, partition),
                 Some(done) = workers.join_next(), if !workers.is_empty() => {
-                    if let Err(e) = done {
-                        if e.is_panic() {
-                            tracing::error!(error = %e, "a partition worker panicked");
-                        }
+                    if let Err(e) = done
+                        && e.is_panic()
+                    {
+                        tracing::error!(error = %e, "a partition worker panicked");
                     }
                 }
                 _ = commit_tick.tick() => commit(&self.shared.kafka, CommitMode::Async, "interval"),
@@ -284,7 +318,10 @@ impl<S: DedupStore> Consumer<S> {
     fn dispatch(&self, msg: OwnedMessage, workers: &mut JoinSet<()>) {
         self.shared.stats.touch();
         let Some(route) = self.routes.get(msg.topic()) else {
-            tracing::warn!(topic = msg.topic(), "message from a topic without a handler");
+            tracing::warn!(
+                topic = msg.topic(),
+                "message from a topic without a handler"
+            );
             return;
         };
         let key = (msg.topic().to_owned(), msg.partition());
@@ -302,7 +339,12 @@ impl<S: DedupStore> Consumer<S> {
                     sender,
                 });
                 partitions.insert(key, p.clone());
-                workers.spawn(worker(self.shared.clone(), route.clone(), p.clone(), receiver));
+                workers.spawn(worker(
+                    self.shared.clone(),
+                    route.clone(),
+                    p.clone(),
+                    receiver,
+                ));
                 p
             }
         };
@@ -313,7 +355,9 @@ impl<S: DedupStore> Consumer<S> {
             // its offset unstored, so it is delivered again.
             return;
         }
-        if queued >= self.shared.settings.max_buffered_per_partition && !partition.paused.swap(true, Ordering::AcqRel) {
+        if queued >= self.shared.settings.max_buffered_per_partition
+            && !partition.paused.swap(true, Ordering::AcqRel)
+        {
             // Stop fetching this partition only: the others keep flowing.
             if let Err(e) = self.shared.kafka.pause(&partition.tpl()) {
                 tracing::warn!(error = %e, "pausing a partition failed");
@@ -324,11 +368,14 @@ impl<S: DedupStore> Consumer<S> {
 
     fn resume(&self, topic: &str, partition: i32) {
         let partitions = lock(&self.partitions);
-        let Some(p) = partitions.get(&(topic.to_owned(), partition)) else { return };
-        if !p.is_revoked() && p.paused.swap(false, Ordering::AcqRel) {
-            if let Err(e) = self.shared.kafka.resume(&p.tpl()) {
-                tracing::warn!(error = %e, "resuming a partition failed");
-            }
+        let Some(p) = partitions.get(&(topic.to_owned(), partition)) else {
+            return;
+        };
+        if !p.is_revoked()
+            && p.paused.swap(false, Ordering::AcqRel)
+            && let Err(e) = self.shared.kafka.resume(&p.tpl())
+        {
+            tracing::warn!(error = %e, "resuming a partition failed");
         }
     }
 
@@ -385,10 +432,9 @@ async fn worker<S: DedupStore>(
             offset = msg.offset(),
             dedup.key = tracing::field::Empty,
         );
-        let finished = {
-            let _permit = shared.permits.acquire().await.expect("never closed");
-            process(&shared, &route, &partition, &msg, &mut jitter).instrument(span).await
-        };
+        let finished = process(&shared, &route, &partition, &msg, &mut jitter)
+            .instrument(span)
+            .await;
         if !finished {
             break;
         }
@@ -396,7 +442,9 @@ async fn worker<S: DedupStore>(
         shared.stats.touch();
         let left = partition.queued.fetch_sub(1, Ordering::AcqRel) - 1;
         if left <= low_water && partition.paused.load(Ordering::Acquire) {
-            let _ = shared.drained.send((partition.topic.clone(), partition.partition));
+            let _ = shared
+                .drained
+                .send((partition.topic.clone(), partition.partition));
         }
     }
 }
@@ -409,7 +457,11 @@ fn store_offset<S>(shared: &Shared<S>, partition: &Partition, msg: &OwnedMessage
         return;
     }
     let mut tpl = TopicPartitionList::new();
-    if let Err(e) = tpl.add_partition_offset(msg.topic(), msg.partition(), Offset::Offset(msg.offset() + 1)) {
+    if let Err(e) = tpl.add_partition_offset(
+        msg.topic(),
+        msg.partition(),
+        Offset::Offset(msg.offset() + 1),
+    ) {
         tracing::warn!(error = %e, "bad offset");
         return;
     }
@@ -442,16 +494,32 @@ async fn process<S: DedupStore>(
     let mut attempt = 0;
     loop {
         attempt += 1;
+        // The permit bounds how many partitions run a handler at once; it is
+        // held while the handler runs, not while backing off, so retrying
+        // partitions do not keep the others waiting.
+        let permit = shared.permits.acquire().await.expect("never closed");
         // Its own task, so that a panicking handler fails this message
         // instead of killing the partition.
         let task = {
-            let (shared, route, payload, headers) = (shared.clone(), route.clone(), payload.clone(), headers.clone());
+            let (shared, route, payload, headers) = (
+                shared.clone(),
+                route.clone(),
+                payload.clone(),
+                headers.clone(),
+            );
             tokio::spawn(
-                async move { route.handler.apply(&shared.store, &payload, &*headers).await }
-                    .instrument(tracing::Span::current()),
+                async move {
+                    route
+                        .handler
+                        .apply(&shared.store, &payload, &*headers)
+                        .await
+                }
+                .instrument(tracing::Span::current()),
             )
         };
-        let outcome = match task.await {
+        let joined = task.await;
+        drop(permit);
+        let outcome = match joined {
             Ok(outcome) => outcome,
             Err(e) => {
                 let why = DeadLetter {
@@ -524,7 +592,14 @@ async fn dead_letter<S: DedupStore>(
     let mut attempt = 0;
     loop {
         attempt += 1;
-        match dlq::send(&shared.producer, msg, &why, shared.settings.dead_letter_timeout).await {
+        match dlq::send(
+            &shared.producer,
+            msg,
+            &why,
+            shared.settings.dead_letter_timeout,
+        )
+        .await
+        {
             Ok(()) => {
                 shared.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(

@@ -3,7 +3,9 @@
 //!
 //! Environment: `KAFKA_BROKERS` (default `localhost:9092`), `DATABASE_URL`
 //! (required), `TOPIC` (default `payments`), `GROUP_ID` (default
-//! `payments-v1`), `DEDUP_TTL` (default `4h`).
+//! `payments-v1`), `DEDUP_TTL` (default `4h`), `KAFKA_SESSION_TIMEOUT_MS`
+//! (default librdkafka's 45000: how long the group waits for a member that
+//! died before giving its partitions to another).
 //! Flag: `--exit-when-idle <ttl>` exits 0 after that long without a message.
 //! Creates its tables on start; its last line is
 //! `applied=N skipped=N dead_lettered=N`.
@@ -49,10 +51,17 @@ fn exit_when_idle() -> Result<Option<Ttl>, Box<dyn std::error::Error>> {
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--exit-when-idle" => {
-                let value = args.next().ok_or("--exit-when-idle needs a duration, like 10s")?;
+                let value = args
+                    .next()
+                    .ok_or("--exit-when-idle needs a duration, like 10s")?;
                 idle = Some(value.parse()?);
             }
-            other => return Err(format!("unknown argument {other:?}; usage: payments [--exit-when-idle <ttl>]").into()),
+            other => {
+                return Err(format!(
+                    "unknown argument {other:?}; usage: payments [--exit-when-idle <ttl>]"
+                )
+                .into());
+            }
         }
     }
     Ok(idle)
@@ -66,22 +75,30 @@ async fn idle(stats: &Stats, limit: Duration) {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false).init();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
     let idle_limit = exit_when_idle()?;
     let database_url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL must be set")?;
     let ttl: Ttl = env_or("DEDUP_TTL", "4h").parse()?;
 
     let store = PgStore::connect(&database_url).await?;
     store.migrate().await?;
-    sqlx::query("CREATE TABLE IF NOT EXISTS accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
-        .execute(store.pool())
-        .await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS accounts (id text PRIMARY KEY, balance bigint NOT NULL)",
+    )
+    .execute(store.pool())
+    .await?;
 
-    let consumer = Consumer::builder(store)
+    let mut builder = Consumer::builder(store)
         .brokers(env_or("KAFKA_BROKERS", "localhost:9092"))
         .group_id(env_or("GROUP_ID", "payments-v1"))
-        .handle(env_or("TOPIC", "payments"), record_payment.with_ttl(ttl))
-        .build()?;
+        .handle(env_or("TOPIC", "payments"), record_payment.with_ttl(ttl));
+    if let Ok(ms) = std::env::var("KAFKA_SESSION_TIMEOUT_MS") {
+        builder = builder.set("session.timeout.ms", ms);
+    }
+    let consumer = builder.build()?;
     let stats = consumer.stats();
     let shutdown = async {
         match idle_limit {

@@ -23,7 +23,12 @@ struct Args {
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut args = Args { count: 1000, duplicates: 0.1, malformed: 0.0, accounts: 10 };
+    let mut args = Args {
+        count: 1000,
+        duplicates: 0.1,
+        malformed: 0.0,
+        accounts: 10,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let value = it.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -33,7 +38,11 @@ fn parse_args() -> Result<Args, String> {
             "--duplicates" => args.duplicates = value.parse().map_err(|e| bad(&e))?,
             "--malformed" => args.malformed = value.parse().map_err(|e| bad(&e))?,
             "--accounts" => args.accounts = value.parse::<u64>().map_err(|e| bad(&e))?.max(1),
-            _ => return Err(format!("unknown flag {flag}; flags: --count --duplicates --malformed --accounts")),
+            _ => {
+                return Err(format!(
+                    "unknown flag {flag}; flags: --count --duplicates --malformed --accounts"
+                ));
+            }
         }
     }
     if !(0.0..1.0).contains(&args.duplicates) || !(0.0..1.0).contains(&args.malformed) {
@@ -58,7 +67,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = parse_args()?;
     let topic = std::env::var("TOPIC").unwrap_or_else(|_| "payments".into());
     let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "localhost:9092".into()))
+        .set(
+            "bootstrap.servers",
+            std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "localhost:9092".into()),
+        )
         .set("enable.idempotence", "true")
         .set("linger.ms", "5")
         .create()?;
@@ -93,7 +105,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let topic = topic.clone();
         sends.push(tokio::spawn(async move {
             producer
-                .send(FutureRecord::to(&topic).key(&key).payload(&payload), Duration::from_secs(30))
+                .send(
+                    FutureRecord::to(&topic).key(&key).payload(&payload),
+                    Duration::from_secs(30),
+                )
                 .await
                 .map(|_| ())
                 .map_err(|(e, _)| e)

@@ -1,0 +1,679 @@
+//! End to end through a real Apache Kafka broker (started by
+//! scripts/kafka.sh on 127.0.0.1:9092) and a real PostgreSQL, one database
+//! per test, random topic and group names per test.
+//!
+//! The handlers add to a balance (NON-idempotent), so a double apply shows.
+
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use dedup_core::{Handler, Ttl, idempotent};
+use dedup_kafka::{Consumer, ConsumerBuilder, RetryPolicy, StatsSnapshot};
+use dedup_postgres::{PgStore, PgTx};
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use sqlx::PgPool;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+fn brokers() -> String {
+    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+fn unique(prefix: &str) -> String {
+    format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
+}
+
+async fn create_topic(partitions: i32) -> String {
+    let name = unique("dedup-test");
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .expect("admin client");
+    let topic = NewTopic::new(&name, partitions, TopicReplication::Fixed(1));
+    let results = admin
+        .create_topics([&topic], &AdminOptions::new())
+        .await
+        .expect("create topic");
+    for r in results {
+        r.expect("topic created");
+    }
+    name
+}
+
+fn producer() -> FutureProducer {
+    ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("enable.idempotence", "true")
+        .create()
+        .expect("producer")
+}
+
+async fn produce(
+    producer: &FutureProducer,
+    topic: &str,
+    key: &str,
+    payload: &[u8],
+    headers: Option<OwnedHeaders>,
+) {
+    let mut record = FutureRecord::to(topic).key(key).payload(payload);
+    if let Some(headers) = headers {
+        record = record.headers(headers);
+    }
+    producer
+        .send(record, Duration::from_secs(10))
+        .await
+        .map_err(|(e, _)| e)
+        .expect("produced");
+}
+
+fn payment(id: uuid::Uuid, account: &str, cents: i64) -> Vec<u8> {
+    serde_json::json!({ "event_id": id, "account_id": account, "amount_cents": cents })
+        .to_string()
+        .into_bytes()
+}
+
+#[derive(serde::Deserialize)]
+struct PaymentReceived {
+    event_id: String,
+    account_id: String,
+    amount_cents: i64,
+}
+
+async fn credit(tx: &mut PgTx, ev: &PaymentReceived) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
+         ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+    )
+    .bind(&ev.account_id)
+    .bind(ev.amount_cents)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn record_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), sqlx::Error> {
+    credit(tx, &ev).await
+}
+
+/// Slow enough that a rebalance or a shutdown lands mid-stream.
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn record_payment_slowly(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), sqlx::Error> {
+    tokio::time::sleep(Duration::from_millis(15)).await;
+    credit(tx, &ev).await
+}
+
+/// The first call in a database kills its own connection (SQLSTATE 57P01,
+/// as a failover or a restart would); later calls succeed. The gate is a
+/// sequence because sequences do not roll back.
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn record_payment_losing_connection_once(
+    tx: &mut PgTx,
+    ev: PaymentReceived,
+) -> Result<(), sqlx::Error> {
+    sqlx::query("SELECT CASE WHEN nextval('connection_loss_gate') = 1 THEN pg_terminate_backend(pg_backend_pid()) END")
+        .execute(&mut **tx)
+        .await?;
+    credit(tx, &ev).await
+}
+
+async fn store(pool: &PgPool) -> PgStore {
+    sqlx::query("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
+        .execute(pool)
+        .await
+        .unwrap();
+    let store = PgStore::from_pool(pool.clone());
+    store.migrate().await.unwrap();
+    store
+}
+
+async fn balance(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT coalesce(sum(balance), 0)::int8 FROM accounts")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+fn consumer(store: &PgStore, group: &str) -> ConsumerBuilder<PgStore> {
+    Consumer::builder(store.clone())
+        .brokers(brokers())
+        .group_id(group)
+        .commit_interval(Duration::from_millis(200))
+        .retry(
+            RetryPolicy::default()
+                .with_backoff(Duration::from_millis(20), Duration::from_millis(200)),
+        )
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "500")
+}
+
+/// A consumer running in the background.
+struct Running {
+    stats: std::sync::Arc<dedup_kafka::Stats>,
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<StatsSnapshot>,
+}
+
+fn start(builder: ConsumerBuilder<PgStore>) -> Running {
+    let consumer = builder.build().expect("consumer");
+    let stats = consumer.stats();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        consumer
+            .run_until(async {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("consumer ran")
+    });
+    Running { stats, stop, task }
+}
+
+impl Running {
+    /// Waits until `done` holds for the counters (or 60 s pass).
+    async fn wait_for(&self, what: &str, done: impl Fn(StatsSnapshot) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !done(self.stats.snapshot()) {
+            assert!(
+                Instant::now() < deadline,
+                "timed out waiting for {what}; stats {}",
+                self.stats.snapshot()
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    async fn stop(self) -> StatsSnapshot {
+        let _ = self.stop.send(());
+        self.task.await.expect("consumer task")
+    }
+}
+
+/// Runs a fresh consumer of `group` until it has been idle for `idle`
+/// (after getting its partitions) and returns what it did.
+async fn drain(builder: ConsumerBuilder<PgStore>, idle: Duration) -> StatsSnapshot {
+    let consumer = builder.build().expect("consumer");
+    let stats = consumer.stats();
+    consumer
+        .run_until(async move {
+            while stats.idle_for() < idle {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("consumer ran")
+}
+
+/// Reads `n` records of `topic` from the beginning.
+async fn read(topic: &str, n: usize) -> Vec<OwnedMessage> {
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", unique("reader"))
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .expect("reader");
+    consumer.subscribe(&[topic]).expect("subscribe");
+    let mut out = Vec::new();
+    while out.len() < n {
+        let msg = tokio::time::timeout(Duration::from_secs(30), consumer.recv())
+            .await
+            .unwrap_or_else(|_| panic!("only {} of {n} records arrived in {topic}", out.len()))
+            .expect("record");
+        out.push(msg.detach());
+    }
+    out
+}
+
+fn header<'a>(msg: &'a OwnedMessage, name: &str) -> Option<&'a str> {
+    msg.headers()?
+        .iter()
+        .filter(|h| h.key == name)
+        .last()
+        .and_then(|h| std::str::from_utf8(h.value?).ok())
+}
+
+#[sqlx::test(migrations = false)]
+async fn ttl_cases_end_to_end(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let ttl = Ttl::from_secs(2).unwrap();
+    let running =
+        start(consumer(&store, &unique("g")).handle(&topic, record_payment.with_ttl(ttl)));
+    let producer = producer();
+    let event = payment(uuid::Uuid::new_v4(), "acct", 100);
+
+    produce(&producer, &topic, "acct", &event, None).await;
+    running
+        .wait_for("first delivery applied", |s| s.applied == 1)
+        .await;
+    assert_eq!(balance(&pool).await, 100, "(A) the first delivery applies");
+
+    produce(&producer, &topic, "acct", &event, None).await;
+    running
+        .wait_for("duplicate skipped", |s| s.skipped == 1)
+        .await;
+    assert_eq!(
+        balance(&pool).await,
+        100,
+        "(B) a duplicate within the TTL is skipped"
+    );
+
+    tokio::time::sleep(Duration::from_millis(2300)).await;
+    produce(&producer, &topic, "acct", &event, None).await;
+    running
+        .wait_for("late redelivery applied", |s| s.applied == 2)
+        .await;
+    assert_eq!(
+        balance(&pool).await,
+        200,
+        "(C) after the TTL the event applies again"
+    );
+
+    let stats = running.stop().await;
+    assert_eq!(
+        (stats.applied, stats.skipped, stats.dead_lettered),
+        (2, 1, 0)
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let producer = producer();
+    let traced = OwnedHeaders::new().insert(Header {
+        key: "trace-id",
+        value: Some("t-42"),
+    });
+    produce(
+        &producer,
+        &topic,
+        "k1",
+        b"{\"event_id\": \"e1\", oops",
+        Some(traced),
+    )
+    .await;
+    produce(
+        &producer,
+        &topic,
+        "k2",
+        br#"{"account_id": "a", "amount_cents": 5}"#,
+        None,
+    )
+    .await;
+    produce(
+        &producer,
+        &topic,
+        "k3",
+        br#"{"event_id": "", "account_id": "a", "amount_cents": 5}"#,
+        None,
+    )
+    .await;
+    for i in 0..3 {
+        produce(
+            &producer,
+            &topic,
+            "good",
+            &payment(uuid::Uuid::new_v4(), "a", 10 + i),
+            None,
+        )
+        .await;
+    }
+
+    let running = start(consumer(&store, &unique("g")).handle(&topic, record_payment));
+    running
+        .wait_for("3 applied and 3 dead-lettered", |s| {
+            s.applied == 3 && s.dead_lettered == 3
+        })
+        .await;
+    running.stop().await;
+    assert_eq!(
+        balance(&pool).await,
+        10 + 11 + 12,
+        "the good messages after the poison ones are applied"
+    );
+
+    let dead = read(&format!("{topic}.dlq"), 3).await;
+    let kinds: Vec<_> = dead
+        .iter()
+        .map(|m| header(m, "dedup.error.kind").unwrap())
+        .collect();
+    assert_eq!(
+        kinds,
+        ["decode", "decode", "key"],
+        "malformed JSON, missing key field, empty key"
+    );
+    for (i, m) in dead.iter().enumerate() {
+        assert_eq!(header(m, "dedup.original.topic"), Some(topic.as_str()));
+        assert_eq!(header(m, "dedup.original.partition"), Some("0"));
+        assert_eq!(
+            header(m, "dedup.original.offset"),
+            Some(i.to_string().as_str())
+        );
+        assert_eq!(
+            header(m, "dedup.attempts"),
+            Some("1"),
+            "permanent errors are not retried"
+        );
+        assert_eq!(header(m, "dedup.handler"), Some(record_payment.scope()));
+        assert!(!header(m, "dedup.error.message").unwrap().is_empty());
+        assert_eq!(
+            m.key(),
+            Some(format!("k{}", i + 1).as_bytes()),
+            "the original key is kept"
+        );
+    }
+    assert_eq!(
+        dead[0].payload(),
+        Some(&b"{\"event_id\": \"e1\", oops"[..]),
+        "the original bytes are kept"
+    );
+    assert_eq!(
+        header(&dead[0], "trace-id"),
+        Some("t-42"),
+        "the original headers are kept"
+    );
+    assert!(
+        header(&dead[2], "dedup.error.message")
+            .unwrap()
+            .contains("empty")
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_lost_database_connection_is_retried_and_applied_once(pool: PgPool) {
+    let store = store(&pool).await;
+    sqlx::query("CREATE SEQUENCE connection_loss_gate")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let topic = create_topic(1).await;
+    produce(
+        &producer(),
+        &topic,
+        "a",
+        &payment(uuid::Uuid::new_v4(), "a", 77),
+        None,
+    )
+    .await;
+
+    let running =
+        start(consumer(&store, &unique("g")).handle(&topic, record_payment_losing_connection_once));
+    running
+        .wait_for("applied after a retry", |s| s.applied == 1)
+        .await;
+    let stats = running.stop().await;
+    assert!(
+        stats.retries >= 1,
+        "the lost connection must have been retried: {stats:?}"
+    );
+    assert_eq!(stats.dead_lettered, 0);
+    assert_eq!(balance(&pool).await, 77);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_rebalance_mid_stream_applies_every_event_exactly_once(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(4).await;
+    let group = unique("g");
+    let producer = producer();
+    let mut expected = 0;
+    let mut events = Vec::new();
+    for i in 0..240 {
+        let account = format!("acct-{}", i % 8);
+        let event = payment(uuid::Uuid::new_v4(), &account, i + 1);
+        expected += i + 1;
+        events.push((account, event));
+    }
+    // Every 6th event again, as a retrying producer would.
+    let duplicates: Vec<_> = events.iter().step_by(6).cloned().collect();
+    for (account, event) in events.iter().chain(&duplicates) {
+        produce(&producer, &topic, account, event, None).await;
+    }
+
+    let first = start(consumer(&store, &group).handle(&topic, record_payment_slowly));
+    first
+        .wait_for("the first consumer under way", |s| s.applied >= 30)
+        .await;
+    let second = start(consumer(&store, &group).handle(&topic, record_payment_slowly));
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while first.stats.snapshot().applied + second.stats.snapshot().applied < 240 {
+        assert!(
+            Instant::now() < deadline,
+            "not every event was applied: {} + {}",
+            first.stats.snapshot(),
+            second.stats.snapshot()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (a, b) = (first.stop().await, second.stop().await);
+    assert!(
+        b.applied + b.skipped > 0,
+        "the second consumer got partitions: {a} / {b}"
+    );
+    assert_eq!(
+        a.applied + b.applied,
+        240,
+        "each distinct event applied exactly once: {a} / {b}"
+    );
+    assert_eq!(balance(&pool).await, expected);
+}
+
+#[sqlx::test(migrations = false)]
+async fn shutdown_commits_what_finished(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(2).await;
+    let group = unique("g");
+    let producer = producer();
+    for i in 0..60 {
+        produce(
+            &producer,
+            &topic,
+            &format!("k{}", i % 4),
+            &payment(uuid::Uuid::new_v4(), "a", 1),
+            None,
+        )
+        .await;
+    }
+
+    // Stop mid-stream.
+    let running = start(consumer(&store, &group).handle(&topic, record_payment_slowly));
+    running.wait_for("some applied", |s| s.applied >= 20).await;
+    let first = running.stop().await;
+    assert!(
+        first.applied < 60,
+        "the stop should land mid-stream: {first}"
+    );
+
+    // The restart reprocesses nothing that finished: no duplicates to skip.
+    let second = drain(
+        consumer(&store, &group).handle(&topic, record_payment_slowly),
+        Duration::from_secs(3),
+    )
+    .await;
+    assert_eq!(
+        second.skipped, 0,
+        "a finished message was delivered again: {first} then {second}"
+    );
+    assert_eq!(first.applied + second.applied, 60);
+    assert_eq!(balance(&pool).await, 60);
+}
+
+/// The database URL of the test's own database, for a child process.
+fn database_url(pool: &PgPool) -> String {
+    let base = std::env::var("DATABASE_URL").expect("DATABASE_URL");
+    let db = pool
+        .connect_options()
+        .get_database()
+        .expect("test database")
+        .to_owned();
+    let (server, _) = base.rsplit_once('/').expect("URL with a database");
+    format!("{server}/{db}")
+}
+
+/// The payments example binary, built once.
+fn payments_example() -> &'static std::path::Path {
+    static PATH: OnceLock<std::path::PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let status = Command::new(env!("CARGO"))
+            .args([
+                "build",
+                "--quiet",
+                "-p",
+                "dedup-examples",
+                "--example",
+                "payments",
+            ])
+            .status()
+            .expect("cargo build");
+        assert!(status.success(), "building the payments example failed");
+        let deps = std::env::current_exe().expect("test binary");
+        let profile_dir = deps
+            .parent()
+            .and_then(|d| d.parent())
+            .expect("target/<profile>");
+        profile_dir.join("examples").join("payments")
+    })
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_crash_between_database_commit_and_offset_commit_is_skipped_on_restart(pool: PgPool) {
+    let topic = create_topic(1).await;
+    let group = unique("g");
+    produce(
+        &producer(),
+        &topic,
+        "acct",
+        &payment(uuid::Uuid::new_v4(), "acct", 500),
+        None,
+    )
+    .await;
+    let binary = payments_example();
+    let run = |failpoint: Option<&str>| {
+        let mut cmd = Command::new(binary);
+        cmd.args(["--exit-when-idle", "3s"])
+            .env("DATABASE_URL", database_url(&pool))
+            .env("KAFKA_BROKERS", brokers())
+            .env("TOPIC", &topic)
+            .env("GROUP_ID", &group)
+            // The crashed member holds its partition until its session
+            // times out; keep that short so the restart gets it soon.
+            .env("KAFKA_SESSION_TIMEOUT_MS", "6000");
+        match failpoint {
+            Some(f) => cmd.env("DEDUP_FAILPOINT", f),
+            None => cmd.env_remove("DEDUP_FAILPOINT"),
+        };
+        cmd.output().expect("run the payments example")
+    };
+
+    // The process dies right after the database commit, before any offset commit.
+    let crashed = run(Some("after-commit"));
+    assert!(
+        !crashed.status.success(),
+        "the failpoint must kill the process"
+    );
+    assert_eq!(
+        balance(&pool).await,
+        500,
+        "the effect committed before the crash"
+    );
+
+    // The restarted consumer gets the message again and skips it.
+    let restarted = run(None);
+    assert!(
+        restarted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&restarted.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&restarted.stdout);
+    assert_eq!(
+        stdout.lines().last(),
+        Some("applied=0 skipped=1 dead_lettered=0"),
+        "{stdout}"
+    );
+    assert_eq!(
+        balance(&pool).await,
+        500,
+        "applied exactly once across the crash"
+    );
+}
+
+/// Fails transiently, forever, for the account "stuck".
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn record_payment_stuck_account(
+    tx: &mut PgTx,
+    ev: PaymentReceived,
+) -> Result<(), dedup_core::HandlerError> {
+    if ev.account_id == "stuck" {
+        return Err(dedup_core::HandlerError::transient(
+            "the downstream ledger timed out",
+        ));
+    }
+    credit(tx, &ev).await?;
+    Ok(())
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_retrying_partition_does_not_stall_the_others(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(2).await;
+    let producer = producer();
+    let send = |partition: i32, payload: Vec<u8>| {
+        let (producer, topic) = (producer.clone(), topic.clone());
+        async move {
+            let record = FutureRecord::<str, [u8]>::to(&topic)
+                .partition(partition)
+                .payload(&payload);
+            producer
+                .send(record, Duration::from_secs(10))
+                .await
+                .map_err(|(e, _)| e)
+                .expect("produced");
+        }
+    };
+    send(0, payment(uuid::Uuid::new_v4(), "stuck", 1)).await;
+    send(0, payment(uuid::Uuid::new_v4(), "after-stuck", 1)).await;
+    for _ in 0..20 {
+        send(1, payment(uuid::Uuid::new_v4(), "flowing", 1)).await;
+    }
+
+    let retry = RetryPolicy::default()
+        .with_max_attempts(12)
+        .with_backoff(Duration::from_millis(200), Duration::from_millis(500));
+    let running = start(
+        consumer(&store, &unique("g"))
+            // One handler at a time: backing off must not hold the slot.
+            .max_concurrent_partitions(1)
+            .retry(retry)
+            .handle(&topic, record_payment_stuck_account),
+    );
+    running
+        .wait_for("partition 1 applied", |s| s.applied >= 20)
+        .await;
+    let during = running.stats.snapshot();
+    assert_eq!(
+        during.dead_lettered, 0,
+        "partition 1 finished while partition 0 was still retrying: {during}"
+    );
+    assert!(during.retries > 0);
+
+    // Partition 0 keeps its order: the stuck message is dead-lettered after
+    // its attempts, then the one behind it is applied.
+    running
+        .wait_for("stuck message dead-lettered", |s| {
+            s.dead_lettered == 1 && s.applied == 21
+        })
+        .await;
+    running.stop().await;
+    let dead = read(&format!("{topic}.dlq"), 1).await;
+    assert_eq!(header(&dead[0], "dedup.attempts"), Some("12"));
+    assert_eq!(header(&dead[0], "dedup.error.kind"), Some("handler"));
+    assert_eq!(balance(&pool).await, 21);
+}

@@ -165,9 +165,10 @@ impl ConsumerContext for Context {
                 // A message in flight still finishes or rolls back; if it
                 // commits after this point its offset is not committed, the
                 // next owner receives it again and skips it as a duplicate.
-                let partitions = lock(&self.partitions);
+                let mut partitions = lock(&self.partitions);
                 for elem in tpl.elements() {
-                    if let Some(p) = partitions.get(&(elem.topic().to_owned(), elem.partition())) {
+                    if let Some(p) = partitions.remove(&(elem.topic().to_owned(), elem.partition()))
+                    {
                         p.revoked.send_replace(true);
                     }
                 }
@@ -184,6 +185,16 @@ impl ConsumerContext for Context {
                 );
             }
             Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
+        }
+    }
+
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        // A partition paused for back-pressure and then revoked starts its
+        // new assignment unpaused: its new worker has an empty buffer.
+        if let Rebalance::Assign(tpl) = rebalance
+            && let Err(e) = consumer.resume(tpl)
+        {
+            tracing::debug!(error = %e, "resuming newly assigned partitions");
         }
     }
 

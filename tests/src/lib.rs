@@ -1,1 +1,70 @@
-//! End-to-end tests live under `tests/`.
+//! Fixtures shared by the end-to-end tests: a payment event whose effect is
+//! NOT idempotent (`balance = balance + amount`), so any double apply shows
+//! in the balance.
+
+use dedup_postgres::{PgConfig, PgStore, PgTx};
+use sqlx::PgPool;
+
+/// A payment as producers publish it.
+#[derive(Debug, serde::Deserialize)]
+pub struct PaymentReceived {
+    /// The stable event id, made when the payment was.
+    pub event_id: String,
+    /// The account credited.
+    pub account_id: String,
+    /// The amount added to the balance.
+    pub amount_cents: i64,
+}
+
+/// The JSON payload of a payment.
+pub fn payment(id: uuid::Uuid, account: &str, cents: i64) -> Vec<u8> {
+    serde_json::json!({ "event_id": id, "account_id": account, "amount_cents": cents })
+        .to_string()
+        .into_bytes()
+}
+
+/// The effect: adds the amount to the account's balance.
+pub async fn credit(tx: &mut PgTx, ev: &PaymentReceived) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
+         ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+    )
+    .bind(&ev.account_id)
+    .bind(ev.amount_cents)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// Creates the accounts table and a migrated store with `config`.
+pub async fn store_with(pool: &PgPool, config: PgConfig) -> PgStore {
+    sqlx::query("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
+        .execute(pool)
+        .await
+        .expect("create accounts");
+    let store = PgStore::from_pool_with(pool.clone(), config).expect("valid config");
+    store.migrate().await.expect("migrate");
+    store
+}
+
+/// [`store_with`] the default configuration.
+pub async fn store(pool: &PgPool) -> PgStore {
+    store_with(pool, PgConfig::default()).await
+}
+
+/// The balance of one account (0 if it has none).
+pub async fn balance(pool: &PgPool, account: &str) -> i64 {
+    sqlx::query_scalar("SELECT coalesce((SELECT balance FROM accounts WHERE id = $1), 0)")
+        .bind(account)
+        .fetch_one(pool)
+        .await
+        .expect("balance")
+}
+
+/// The sum of all balances.
+pub async fn total_balance(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT coalesce(sum(balance), 0)::int8 FROM accounts")
+        .fetch_one(pool)
+        .await
+        .expect("total balance")
+}

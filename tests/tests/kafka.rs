@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use dedup_core::{Handler, Ttl, idempotent};
 use dedup_kafka::{Consumer, ConsumerBuilder, RetryPolicy, StatsSnapshot};
 use dedup_postgres::{PgStore, PgTx};
+use dedup_tests::{PaymentReceived, credit, payment, store, total_balance as balance};
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
@@ -72,31 +73,6 @@ async fn produce(
         .expect("produced");
 }
 
-fn payment(id: uuid::Uuid, account: &str, cents: i64) -> Vec<u8> {
-    serde_json::json!({ "event_id": id, "account_id": account, "amount_cents": cents })
-        .to_string()
-        .into_bytes()
-}
-
-#[derive(serde::Deserialize)]
-struct PaymentReceived {
-    event_id: String,
-    account_id: String,
-    amount_cents: i64,
-}
-
-async fn credit(tx: &mut PgTx, ev: &PaymentReceived) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
-         ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
-    )
-    .bind(&ev.account_id)
-    .bind(ev.amount_cents)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
-
 #[idempotent(key = "event_id", ttl = "4h")]
 async fn record_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), sqlx::Error> {
     credit(tx, &ev).await
@@ -121,23 +97,6 @@ async fn record_payment_losing_connection_once(
         .execute(&mut **tx)
         .await?;
     credit(tx, &ev).await
-}
-
-async fn store(pool: &PgPool) -> PgStore {
-    sqlx::query("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
-        .execute(pool)
-        .await
-        .unwrap();
-    let store = PgStore::from_pool(pool.clone());
-    store.migrate().await.unwrap();
-    store
-}
-
-async fn balance(pool: &PgPool) -> i64 {
-    sqlx::query_scalar("SELECT coalesce(sum(balance), 0)::int8 FROM accounts")
-        .fetch_one(pool)
-        .await
-        .unwrap()
 }
 
 fn consumer(store: &PgStore, group: &str) -> ConsumerBuilder<PgStore> {
@@ -437,11 +396,17 @@ async fn a_rebalance_mid_stream_applies_every_event_exactly_once(pool: PgPool) {
         produce(&producer, &topic, account, event, None).await;
     }
 
-    let first = start(consumer(&store, &group).handle(&topic, record_payment_slowly));
+    // A small buffer makes partitions pause and resume around the rebalance.
+    let builder = || {
+        consumer(&store, &group)
+            .max_buffered_per_partition(4)
+            .handle(&topic, record_payment_slowly)
+    };
+    let first = start(builder());
     first
         .wait_for("the first consumer under way", |s| s.applied >= 30)
         .await;
-    let second = start(consumer(&store, &group).handle(&topic, record_payment_slowly));
+    let second = start(builder());
     let deadline = Instant::now() + Duration::from_secs(90);
     while first.stats.snapshot().applied + second.stats.snapshot().applied < 240 {
         assert!(

@@ -5,26 +5,10 @@ use std::time::Duration;
 
 use dedup_core::{DedupStore, Error, Handler, HandlerError, Outcome, idempotent};
 use dedup_postgres::{PgConfig, PgStore, PgTx};
+use dedup_tests::{
+    PaymentReceived, balance, credit, payment, store as setup, store_with as setup_with,
+};
 use sqlx::PgPool;
-
-#[derive(serde::Deserialize)]
-struct PaymentReceived {
-    event_id: uuid::Uuid,
-    account_id: String,
-    amount_cents: i64,
-}
-
-async fn credit(tx: &mut PgTx, ev: &PaymentReceived) -> Result<(), sqlx::Error> {
-    sqlx::query(
-        "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
-         ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
-    )
-    .bind(&ev.account_id)
-    .bind(ev.amount_cents)
-    .execute(&mut **tx)
-    .await?;
-    Ok(())
-}
 
 #[idempotent(key = "event_id", ttl = "4h")]
 async fn record_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), sqlx::Error> {
@@ -46,35 +30,6 @@ async fn record_then_validate(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), 
         return Err(HandlerError::permanent("negative amounts are refused"));
     }
     Ok(())
-}
-
-/// Creates the accounts table and a migrated store with `config`.
-async fn setup_with(pool: &PgPool, config: PgConfig) -> PgStore {
-    sqlx::query("CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)")
-        .execute(pool)
-        .await
-        .unwrap();
-    let store = PgStore::from_pool_with(pool.clone(), config).unwrap();
-    store.migrate().await.unwrap();
-    store
-}
-
-async fn setup(pool: &PgPool) -> PgStore {
-    setup_with(pool, PgConfig::default()).await
-}
-
-async fn balance(pool: &PgPool, account: &str) -> i64 {
-    sqlx::query_scalar("SELECT coalesce((SELECT balance FROM accounts WHERE id = $1), 0)")
-        .bind(account)
-        .fetch_one(pool)
-        .await
-        .unwrap()
-}
-
-fn payment(id: uuid::Uuid, account: &str, cents: i64) -> Vec<u8> {
-    serde_json::json!({ "event_id": id, "account_id": account, "amount_cents": cents })
-        .to_string()
-        .into_bytes()
 }
 
 #[sqlx::test(migrations = false)]
@@ -197,7 +152,7 @@ async fn the_second_transaction_applies_when_the_first_rolls_back(pool: PgPool) 
     let store = setup(&pool).await;
     let id = uuid::Uuid::new_v4();
     let event = || PaymentReceived {
-        event_id: id,
+        event_id: id.to_string(),
         account_id: "acct-2tx".into(),
         amount_cents: 10,
     };
@@ -245,7 +200,7 @@ async fn a_stuck_claim_becomes_a_retryable_lock_timeout(pool: PgPool) {
     let store = setup_with(&pool, config).await;
     let id = uuid::Uuid::new_v4();
     let event = PaymentReceived {
-        event_id: id,
+        event_id: id.to_string(),
         account_id: "a".into(),
         amount_cents: 1,
     };

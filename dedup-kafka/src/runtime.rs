@@ -152,6 +152,10 @@ fn lock(map: &PartitionMap) -> MutexGuard<'_, HashMap<(String, i32), Arc<Partiti
 pub(crate) struct Context {
     partitions: PartitionMap,
     stats: Arc<Stats>,
+    /// Set once shutdown has made its final commit: the revoke that closing
+    /// the consumer triggers must not commit again (a synchronous commit from
+    /// inside close can wait forever on a group that is leaving).
+    closing: Arc<AtomicBool>,
 }
 
 impl ClientContext for Context {}
@@ -173,7 +177,9 @@ impl ConsumerContext for Context {
                     }
                 }
                 drop(partitions);
-                commit(consumer, CommitMode::Sync, "revoke");
+                if !self.closing.load(Ordering::Acquire) {
+                    commit(consumer, CommitMode::Sync, "revoke");
+                }
                 tracing::info!(partitions = tpl.count(), "partitions revoked");
             }
             Rebalance::Assign(tpl) => {
@@ -227,13 +233,16 @@ fn commit<C: rdkafka::consumer::Consumer<Ctx>, Ctx: ConsumerContext>(
 
 /// Everything a partition worker needs, shared.
 struct Shared<S> {
-    store: S,
+    /// Shared with the tasks that run handlers, which hold nothing else of
+    /// the runtime, so the consumer is dropped (closed) by `shutdown`.
+    store: Arc<S>,
     kafka: StreamConsumer<Context>,
     producer: FutureProducer,
     stats: Arc<Stats>,
     settings: Settings,
     permits: Semaphore,
     stopping: watch::Sender<bool>,
+    closing: Arc<AtomicBool>,
     /// Workers report here when a paused partition has drained.
     drained: mpsc::UnboundedSender<(String, i32)>,
 }
@@ -255,22 +264,25 @@ impl<S: DedupStore> Consumer<S> {
     ) -> Result<Self, Error> {
         let partitions = PartitionMap::default();
         let stats = Arc::new(Stats::new());
+        let closing = Arc::new(AtomicBool::new(false));
         let kafka: StreamConsumer<Context> = consumer_config.create_with_context(Context {
             partitions: partitions.clone(),
             stats: stats.clone(),
+            closing: closing.clone(),
         })?;
         let producer: FutureProducer = producer_config.create()?;
         let (drained_tx, drained) = mpsc::unbounded_channel();
         let permits = Semaphore::new(settings.max_concurrent_partitions);
         Ok(Consumer {
             shared: Arc::new(Shared {
-                store,
+                store: Arc::new(store),
                 kafka,
                 producer,
                 stats,
                 settings,
                 permits,
                 stopping: watch::channel(false).0,
+                closing,
                 drained: drained_tx,
             }),
             routes: routes
@@ -403,13 +415,21 @@ impl<S: DedupStore> Consumer<S> {
                 () = &mut deadline => {
                     tracing::warn!(remaining = workers.len(), "shutdown timeout: abandoning in-flight messages (they will be redelivered)");
                     workers.abort_all();
+                    // Aborted workers still have to drop their state.
+                    while workers.join_next().await.is_some() {}
                     break;
                 }
             }
         }
         commit(&self.shared.kafka, CommitMode::Sync, "shutdown");
-        self.shared.kafka.unsubscribe();
+        // Dropping the consumer closes it: it leaves the group, which revokes
+        // the partitions once more; everything finished is committed already.
+        self.shared.closing.store(true, Ordering::Release);
         tracing::info!(stats = %self.shared.stats.snapshot(), "consumer stopped");
+        // Workers are gone and handler tasks hold only the store, so this
+        // is the last reference: the consumer closes here, while the runtime
+        // still runs, not in some task dropped during runtime teardown.
+        drop(self);
     }
 }
 
@@ -512,20 +532,15 @@ async fn process<S: DedupStore>(
         // Its own task, so that a panicking handler fails this message
         // instead of killing the partition.
         let task = {
-            let (shared, route, payload, headers) = (
-                shared.clone(),
+            let (store, route, payload, headers) = (
+                shared.store.clone(),
                 route.clone(),
                 payload.clone(),
                 headers.clone(),
             );
             tokio::spawn(
-                async move {
-                    route
-                        .handler
-                        .apply(&shared.store, &payload, &*headers)
-                        .await
-                }
-                .instrument(tracing::Span::current()),
+                async move { route.handler.apply(&*store, &payload, &*headers).await }
+                    .instrument(tracing::Span::current()),
             )
         };
         let joined = task.await;

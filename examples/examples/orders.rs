@@ -3,6 +3,11 @@
 //! late duplicate of an old status would overwrite a newer one. The dedup
 //! claim makes each status event count once.
 //!
+//! Environment: `DATABASE_URL` (required), `KAFKA_BROKERS` (default
+//! `localhost:9092`), `TOPIC` (default `orders`), `GROUP_ID` (default
+//! `orders-v1`). Runs until SIGINT or SIGTERM, then finishes in-flight work,
+//! commits and prints `applied=N skipped=N dead_lettered=N`.
+//!
 //! `DATABASE_URL=... cargo run -p dedup-examples --example orders` (Ctrl-C to stop)
 
 #![allow(clippy::print_stdout)]
@@ -36,6 +41,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_target(false)
+        // If stderr goes away (its reader died), drop log lines instead of
+        // panicking inside a librdkafka callback.
+        .log_internal_errors(false)
         .init();
     let store = PgStore::connect(&std::env::var("DATABASE_URL")?).await?;
     store.migrate().await?;
@@ -45,8 +53,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let purger = store.spawn_purger(Default::default());
     let summary = Consumer::builder(store)
         .brokers(std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "localhost:9092".into()))
-        .group_id("orders-v1")
-        .handle("orders", update_order)
+        .group_id(std::env::var("GROUP_ID").unwrap_or_else(|_| "orders-v1".into()))
+        .handle(
+            std::env::var("TOPIC").unwrap_or_else(|_| "orders".into()),
+            update_order,
+        )
         .run()
         .await?;
     purger.stop().await;

@@ -78,6 +78,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_target(false)
+        // If stderr goes away (its reader died), drop log lines instead of
+        // panicking inside a librdkafka callback.
+        .log_internal_errors(false)
         .init();
     let idle_limit = exit_when_idle()?;
     let database_url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL must be set")?;

@@ -6,6 +6,7 @@ mod handler;
 mod key;
 mod memory;
 mod purge;
+pub mod sql;
 mod store;
 mod ttl;
 

@@ -1,7 +1,5 @@
 #![doc = include_str!("../README.md")]
 
-mod table;
-
 use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::fmt;
@@ -12,7 +10,8 @@ use dedup_core::{Claim, DedupKey, DedupStore, PurgeConfig, PurgeExpired, Purger,
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool, Row, SqlSafeStr};
 
-pub use table::InvalidTableName;
+pub use dedup_core::sql::InvalidTableName;
+use dedup_core::sql::TableName;
 
 /// The sqlx this backend is built on, so handlers can use the same version.
 pub use sqlx;
@@ -101,7 +100,7 @@ impl PgConfig {
 
 /// The statements of one store, built once from its table name.
 struct Statements {
-    table: table::TableName,
+    table: TableName,
     lock_timeout: Duration,
     begin: Arc<str>,
     claim: Arc<str>,
@@ -117,7 +116,7 @@ const EXPIRES_MICROS: &str = "(extract(epoch FROM expires_at) * 1000000)::int8";
 
 impl Statements {
     fn new(config: &PgConfig) -> Result<Self, InvalidTableName> {
-        let table = table::TableName::parse(&config.table)?;
+        let table = TableName::parse(&config.table)?;
         let t = table.quoted();
         let lock_ms = config
             .lock_timeout
@@ -245,15 +244,10 @@ impl PgStore {
     /// migrate independently.
     pub async fn migrate(&self) -> Result<(), Error> {
         let table = &self.statements.table;
-        let (quoted, index) = (table.quoted(), table.quoted_index("_expires_at_idx"));
         let migrations = MIGRATOR
             .iter()
             .map(|m| {
-                let sql = m
-                    .sql
-                    .as_str()
-                    .replace("{{table}}", &quoted)
-                    .replace("{{expires_index}}", &index);
+                let sql = table.render(m.sql.as_str());
                 sqlx::migrate::Migration::new(
                     m.version,
                     m.description.clone(),

@@ -1,10 +1,12 @@
-//! The configurable table name: validated, then always quoted.
+//! Configurable SQL table names, shared by the SQL backends: validated,
+//! then always quoted, so a name from configuration can never change a
+//! statement's meaning.
 
 use std::fmt;
 
 /// Longest accepted table name: leaves room for the `_migrations` and
 /// `_expires_at_idx` suffixes inside PostgreSQL's 63-byte identifier limit.
-const MAX_TABLE_LEN: usize = 48;
+pub const MAX_TABLE_LEN: usize = 48;
 
 /// A table name that was not accepted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -16,9 +18,19 @@ pub struct InvalidTableName {
     name: String,
 }
 
-/// A validated `[schema.]table`.
+/// A validated `[schema.]table`: ASCII letters, digits and `_`, not
+/// starting with a digit, at most [`MAX_TABLE_LEN`] bytes each part.
+///
+/// ```
+/// use dedup_core::sql::TableName;
+///
+/// let t = TableName::parse("billing.claims")?;
+/// assert_eq!(t.quoted(), r#""billing"."claims""#);
+/// assert!(TableName::parse("claims; DROP TABLE users").is_err());
+/// # Ok::<(), dedup_core::sql::InvalidTableName>(())
+/// ```
 #[derive(Clone, PartialEq, Eq)]
-pub(crate) struct TableName {
+pub struct TableName {
     schema: Option<String>,
     table: String,
 }
@@ -31,7 +43,8 @@ fn is_identifier(s: &str) -> bool {
 }
 
 impl TableName {
-    pub(crate) fn parse(name: &str) -> Result<Self, InvalidTableName> {
+    /// Validates `name`, `table` or `schema.table`.
+    pub fn parse(name: &str) -> Result<Self, InvalidTableName> {
         let invalid = || InvalidTableName {
             name: name.to_owned(),
         };
@@ -48,8 +61,9 @@ impl TableName {
         })
     }
 
-    /// `"schema"."table"` with `suffix` appended to the table part.
-    pub(crate) fn quoted_with_suffix(&self, suffix: &str) -> String {
+    /// `"schema"."table"` with `suffix` appended to the table part (for
+    /// companion tables such as `<table>_migrations`).
+    pub fn quoted_with_suffix(&self, suffix: &str) -> String {
         // Validation admits no `"`, so wrapping in quotes is exact quoting.
         match &self.schema {
             Some(schema) => format!("\"{schema}\".\"{}{suffix}\"", self.table),
@@ -58,19 +72,29 @@ impl TableName {
     }
 
     /// The quoted, possibly qualified table.
-    pub(crate) fn quoted(&self) -> String {
+    pub fn quoted(&self) -> String {
         self.quoted_with_suffix("")
     }
 
     /// The quoted name of an index on this table (indexes live in the
     /// table's schema, so they are never qualified).
-    pub(crate) fn quoted_index(&self, suffix: &str) -> String {
+    pub fn quoted_index(&self, suffix: &str) -> String {
         format!("\"{}{suffix}\"", self.table)
     }
 
     /// The quoted schema, if the name is qualified.
-    pub(crate) fn quoted_schema(&self) -> Option<String> {
+    pub fn quoted_schema(&self) -> Option<String> {
         self.schema.as_ref().map(|s| format!("\"{s}\""))
+    }
+}
+
+impl TableName {
+    /// Fills a migration template: `{{table}}` becomes the quoted table,
+    /// `{{expires_index}}` the quoted name of its expiry index.
+    pub fn render(&self, template: &str) -> String {
+        template
+            .replace("{{table}}", &self.quoted())
+            .replace("{{expires_index}}", &self.quoted_index("_expires_at_idx"))
     }
 }
 

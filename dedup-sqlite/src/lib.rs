@@ -1,0 +1,418 @@
+#![doc = include_str!("../README.md")]
+
+use std::collections::HashMap;
+use std::error::Error as StdError;
+use std::fmt;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use dedup_core::sql::TableName;
+use dedup_core::{Claim, DedupKey, DedupStore, PurgeConfig, PurgeExpired, Purger, StoreError, Ttl};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{AssertSqlSafe, SqlSafeStr, SqlitePool};
+
+pub use dedup_core::sql::InvalidTableName;
+
+/// The sqlx this backend is built on, so handlers can use the same version.
+pub use sqlx;
+
+/// The transaction a handler body writes its effect through:
+/// `sqlx::query(...).execute(&mut **tx)`.
+pub type SqliteTx = sqlx::Transaction<'static, sqlx::Sqlite>;
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
+
+/// Errors of setting up a [`SqliteStore`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The configured table name is not a valid identifier.
+    #[error(transparent)]
+    InvalidTableName(#[from] InvalidTableName),
+    /// Opening the database or running a statement failed.
+    #[error("sqlite: {0}")]
+    Sqlx(#[from] sqlx::Error),
+    /// Applying the migrations failed.
+    #[error("migrating the dedup table: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+}
+
+/// Settings of a [`SqliteStore`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SqliteConfig {
+    /// The dedup table (default `dedup_claims`).
+    pub table: String,
+    /// How long a transaction waits for the database's write lock (held by
+    /// another transaction) before failing with a retryable error (default
+    /// 5 s).
+    pub lock_timeout: Duration,
+    /// Connections in the pool (default 4). Writers still take turns.
+    pub max_connections: u32,
+}
+
+impl Default for SqliteConfig {
+    fn default() -> Self {
+        SqliteConfig {
+            table: "dedup_claims".to_owned(),
+            lock_timeout: Duration::from_secs(5),
+            max_connections: 4,
+        }
+    }
+}
+
+impl SqliteConfig {
+    /// Sets the dedup table name.
+    pub fn with_table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// Sets how long a transaction waits for the write lock.
+    pub fn with_lock_timeout(mut self, timeout: Duration) -> Self {
+        self.lock_timeout = timeout;
+        self
+    }
+}
+
+/// SQLite's clock, in microseconds since the Unix epoch (millisecond
+/// resolution). `'now'` is fixed for the duration of one statement.
+const NOW_US: &str = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
+
+struct Statements {
+    table: TableName,
+    claim: Arc<str>,
+    claim_many: Arc<str>,
+    expiry: Arc<str>,
+    expiry_many: Arc<str>,
+    purge: Arc<str>,
+}
+
+impl Statements {
+    fn new(config: &SqliteConfig) -> Result<Self, InvalidTableName> {
+        let table = TableName::parse(&config.table)?;
+        let t = table.quoted();
+        let upsert = format!(
+            "ON CONFLICT (scope, key) DO UPDATE SET claimed_at = excluded.claimed_at, \
+             expires_at = excluded.expires_at, claims = c.claims + 1 \
+             WHERE c.expires_at <= {NOW_US}"
+        );
+        // The claim: create if absent, take over if expired, else no row.
+        let claim = format!(
+            "INSERT INTO {t} AS c (scope, key, claimed_at, expires_at) \
+             VALUES (?1, ?2, {NOW_US}, {NOW_US} + ?3 * 1000000) {upsert} \
+             RETURNING claims"
+        );
+        // All keys of a batch in one statement, from a JSON array of
+        // [scope, key] pairs (`WHERE true` resolves SQLite's upsert parsing
+        // ambiguity after a SELECT).
+        let claim_many = format!(
+            "INSERT INTO {t} AS c (scope, key, claimed_at, expires_at) \
+             SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), {NOW_US}, {NOW_US} + ?2 * 1000000 \
+             FROM json_each(?1) WHERE true {upsert} \
+             RETURNING scope, key, claims, expires_at"
+        );
+        let expiry = format!("SELECT expires_at FROM {t} WHERE scope = ?1 AND key = ?2");
+        let expiry_many = format!(
+            "SELECT scope, key, expires_at FROM {t} \
+             WHERE (scope, key) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(?1))"
+        );
+        let purge = format!(
+            "DELETE FROM {t} WHERE rowid IN \
+             (SELECT rowid FROM {t} WHERE expires_at <= {NOW_US} ORDER BY expires_at LIMIT ?1)"
+        );
+        Ok(Statements {
+            table,
+            claim: claim.into(),
+            claim_many: claim_many.into(),
+            expiry: expiry.into(),
+            expiry_many: expiry_many.into(),
+            purge: purge.into(),
+        })
+    }
+}
+
+/// Statements are built from constants and a validated, quoted identifier;
+/// every value is a bind parameter.
+fn sql(statement: &Arc<str>) -> impl SqlSafeStr {
+    AssertSqlSafe(statement.clone())
+}
+
+/// A [`DedupStore`] on an SQLite database file.
+///
+/// Claims use the same one-statement upsert as PostgreSQL, on SQLite's
+/// clock. Transactions begin with `BEGIN IMMEDIATE`: they take the write lock
+/// up front, so a second claimer waits for the first (up to the lock
+/// timeout, then a retryable error) exactly as the claim contract asks.
+#[derive(Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    statements: Arc<Statements>,
+}
+
+impl fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqliteStore")
+            .field("table", &self.statements.table.to_string())
+            .field("pool_size", &self.pool.size())
+            .finish_non_exhaustive()
+    }
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the database file at `path`.
+    pub async fn open(path: impl AsRef<Path>) -> Result<Self, Error> {
+        Self::open_with(path, SqliteConfig::default()).await
+    }
+
+    /// Opens the database file at `path` with `config`: WAL journal, the
+    /// lock timeout as SQLite's busy timeout.
+    pub async fn open_with(path: impl AsRef<Path>, config: SqliteConfig) -> Result<Self, Error> {
+        // Refuse a bad table name before touching the file system.
+        let statements = Arc::new(Statements::new(&config)?);
+        let options = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(config.lock_timeout);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(config.max_connections)
+            .connect_with(options)
+            .await?;
+        Ok(SqliteStore { pool, statements })
+    }
+
+    /// Uses an existing pool with `config`.
+    pub fn from_pool_with(pool: SqlitePool, config: SqliteConfig) -> Result<Self, Error> {
+        Ok(SqliteStore {
+            pool,
+            statements: Arc::new(Statements::new(&config)?),
+        })
+    }
+
+    /// The pool, for the application's own queries.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// Creates or upgrades the dedup table (tracked in
+    /// `<table>_migrations`); safe to call at every start.
+    pub async fn migrate(&self) -> Result<(), Error> {
+        let table = &self.statements.table;
+        let migrations = MIGRATOR
+            .iter()
+            .map(|m| {
+                sqlx::migrate::Migration::new(
+                    m.version,
+                    m.description.clone(),
+                    m.migration_type,
+                    AssertSqlSafe(table.render(m.sql.as_str())).into_sql_str(),
+                    m.no_tx,
+                )
+            })
+            .collect();
+        let mut migrator = sqlx::migrate::Migrator::with_migrations(migrations);
+        migrator.dangerous_set_table_name(table.quoted_with_suffix("_migrations"));
+        migrator.run(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Starts deleting expired claims in the background.
+    pub fn spawn_purger(&self, config: PurgeConfig) -> Purger {
+        Purger::spawn(self.clone(), config)
+    }
+}
+
+fn micros_to_time(us: i64) -> SystemTime {
+    let magnitude = Duration::from_micros(us.unsigned_abs());
+    if us >= 0 {
+        UNIX_EPOCH + magnitude
+    } else {
+        UNIX_EPOCH - magnitude
+    }
+}
+
+fn ttl_secs(ttl: Ttl) -> i64 {
+    i64::try_from(ttl.as_secs()).expect("TTL fits in i64")
+}
+
+/// SQLite's result codes that a retry can get past: `SQLITE_BUSY` (5) and
+/// `SQLITE_LOCKED` (6) with their extended codes; plus lost I/O and an
+/// exhausted pool.
+fn is_transient(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db
+            .code()
+            .and_then(|c| c.parse::<i32>().ok())
+            .is_some_and(|code| matches!(code & 0xff, 5 | 6)),
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        _ => false,
+    }
+}
+
+fn store_error(e: sqlx::Error) -> StoreError {
+    let code = match &e {
+        sqlx::Error::Database(db) => db.code().map(|c| format!("SQLITE_{c}")),
+        _ => None,
+    };
+    let err = if is_transient(&e) {
+        StoreError::transient(e)
+    } else {
+        StoreError::permanent(e)
+    };
+    match code {
+        Some(code) => err.with_code(code),
+        None => err,
+    }
+}
+
+/// `[[scope, key], ...]` as a JSON text parameter.
+fn json_pairs<'a>(keys: impl Iterator<Item = &'a DedupKey>) -> String {
+    serde_json::Value::Array(
+        keys.map(|k| serde_json::json!([k.scope(), k.id()]))
+            .collect(),
+    )
+    .to_string()
+}
+
+impl DedupStore for SqliteStore {
+    type Tx = SqliteTx;
+
+    async fn begin(&self) -> Result<SqliteTx, StoreError> {
+        // The write lock up front: claimers queue here, in order.
+        self.pool
+            .begin_with("BEGIN IMMEDIATE")
+            .await
+            .map_err(store_error)
+    }
+
+    async fn claim(
+        &self,
+        tx: &mut SqliteTx,
+        key: &DedupKey,
+        ttl: Ttl,
+    ) -> Result<Claim, StoreError> {
+        let claims: Option<i64> = sqlx::query_scalar(sql(&self.statements.claim))
+            .bind(key.scope())
+            .bind(key.id())
+            .bind(ttl_secs(ttl))
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        match claims {
+            Some(1) => Ok(Claim::Fresh),
+            Some(_) => Ok(Claim::Reclaimed),
+            None => {
+                let expires_us: Option<i64> = sqlx::query_scalar(sql(&self.statements.expiry))
+                    .bind(key.scope())
+                    .bind(key.id())
+                    .fetch_optional(&mut **tx)
+                    .await
+                    .map_err(store_error)?;
+                Ok(Claim::Duplicate {
+                    expires_at: expires_us.map_or_else(SystemTime::now, micros_to_time),
+                })
+            }
+        }
+    }
+
+    async fn claim_many(
+        &self,
+        tx: &mut SqliteTx,
+        keys: &[DedupKey],
+        ttl: Ttl,
+    ) -> Result<Vec<Claim>, StoreError> {
+        // One row per key in the statement: repeats are answered from the
+        // first position.
+        let mut first_at: HashMap<&DedupKey, usize> = HashMap::with_capacity(keys.len());
+        let mut unique = Vec::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
+            first_at.entry(key).or_insert_with(|| {
+                unique.push(key);
+                i
+            });
+        }
+        if unique.is_empty() {
+            return Ok(Vec::new());
+        }
+        let rows = sqlx::query(sql(&self.statements.claim_many))
+            .bind(json_pairs(unique.iter().copied()))
+            .bind(ttl_secs(ttl))
+            .fetch_all(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        let mut claimed = HashMap::with_capacity(rows.len());
+        for row in rows {
+            let (scope, id, claims, expires_us): (String, String, i64, i64) =
+                sqlx::FromRow::from_row(&row).map_err(store_error)?;
+            claimed.insert((scope, id), (claims == 1, micros_to_time(expires_us)));
+        }
+        let mut live = HashMap::new();
+        if claimed.len() < unique.len() {
+            let missing = unique
+                .iter()
+                .copied()
+                .filter(|k| !claimed.contains_key(&(k.scope().to_owned(), k.id().to_owned())));
+            let rows = sqlx::query(sql(&self.statements.expiry_many))
+                .bind(json_pairs(missing))
+                .fetch_all(&mut **tx)
+                .await
+                .map_err(store_error)?;
+            for row in rows {
+                let (scope, id, expires_us): (String, String, i64) =
+                    sqlx::FromRow::from_row(&row).map_err(store_error)?;
+                live.insert((scope, id), micros_to_time(expires_us));
+            }
+        }
+        Ok(keys
+            .iter()
+            .enumerate()
+            .map(|(i, key)| {
+                let slot = (key.scope().to_owned(), key.id().to_owned());
+                match claimed.get(&slot) {
+                    Some(&(fresh, _)) if first_at[key] == i => {
+                        if fresh {
+                            Claim::Fresh
+                        } else {
+                            Claim::Reclaimed
+                        }
+                    }
+                    Some(&(_, expires_at)) => Claim::Duplicate { expires_at },
+                    None => Claim::Duplicate {
+                        expires_at: live.get(&slot).copied().unwrap_or_else(SystemTime::now),
+                    },
+                }
+            })
+            .collect())
+    }
+
+    async fn commit(&self, tx: SqliteTx) -> Result<(), StoreError> {
+        tx.commit().await.map_err(store_error)
+    }
+
+    async fn rollback(&self, tx: SqliteTx) -> Result<(), StoreError> {
+        tx.rollback().await.map_err(store_error)
+    }
+
+    fn classify(&self, error: &(dyn StdError + 'static)) -> Option<bool> {
+        dedup_core::chain(error)
+            .find_map(|e| e.downcast_ref::<sqlx::Error>())
+            .map(is_transient)
+    }
+}
+
+impl PurgeExpired for SqliteStore {
+    async fn purge_expired(&self, limit: u32) -> Result<u64, StoreError> {
+        let done = sqlx::query(sql(&self.statements.purge))
+            .bind(i64::from(limit))
+            .execute(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(done.rows_affected())
+    }
+}

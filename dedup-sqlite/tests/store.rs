@@ -1,0 +1,106 @@
+//! SQLite-specific behaviour: a non-idempotent effect applied once within
+//! the TTL, the write lock as a retryable error, table-name validation.
+
+use std::time::Duration;
+
+use dedup_core::{DedupStore, Error, Handler, HandlerError, Outcome, idempotent};
+use dedup_sqlite::{SqliteConfig, SqliteStore, SqliteTx};
+
+async fn store_with(config: SqliteConfig) -> SqliteStore {
+    let path = std::env::temp_dir().join(format!("dedup-sqlite-{}.db", uuid::Uuid::new_v4()));
+    let store = SqliteStore::open_with(&path, config).await.expect("open");
+    store.migrate().await.expect("migrate");
+    sqlx::query("CREATE TABLE accounts (id TEXT PRIMARY KEY, balance INTEGER NOT NULL)")
+        .execute(store.pool())
+        .await
+        .expect("accounts");
+    store
+}
+
+#[derive(serde::Deserialize)]
+struct Payment {
+    event_id: String,
+    account_id: String,
+    amount_cents: i64,
+}
+
+#[idempotent(key = "event_id", ttl = "1s")]
+async fn record_payment(tx: &mut SqliteTx, ev: Payment) -> Result<(), HandlerError> {
+    sqlx::query(
+        "INSERT INTO accounts (id, balance) VALUES (?1, ?2) \
+         ON CONFLICT (id) DO UPDATE SET balance = balance + excluded.balance",
+    )
+    .bind(&ev.account_id)
+    .bind(ev.amount_cents)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+async fn balance(store: &SqliteStore) -> i64 {
+    sqlx::query_scalar("SELECT coalesce(sum(balance), 0) FROM accounts")
+        .fetch_one(store.pool())
+        .await
+        .expect("balance")
+}
+
+#[tokio::test]
+async fn the_three_ttl_cases_with_a_non_idempotent_effect() {
+    let store = store_with(SqliteConfig::default()).await;
+    let msg = br#"{"event_id": "e-1", "account_id": "a", "amount_cents": 30}"#;
+    assert!(matches!(
+        record_payment.apply(&store, msg, &()).await,
+        Outcome::Applied { reclaimed: false }
+    ));
+    assert!(matches!(
+        record_payment.apply(&store, msg, &()).await,
+        Outcome::Skipped { .. }
+    ));
+    assert_eq!(
+        balance(&store).await,
+        30,
+        "a duplicate within the TTL is skipped"
+    );
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert!(matches!(
+        record_payment.apply(&store, msg, &()).await,
+        Outcome::Applied { reclaimed: true }
+    ));
+    assert_eq!(
+        balance(&store).await,
+        60,
+        "after the TTL the event is new again"
+    );
+}
+
+#[tokio::test]
+async fn a_held_write_lock_becomes_a_retryable_error() {
+    let store =
+        store_with(SqliteConfig::default().with_lock_timeout(Duration::from_millis(100))).await;
+    let held = store.begin().await.expect("first writer");
+    let out = record_payment
+        .apply(
+            &store,
+            br#"{"event_id": "e-2", "account_id": "a", "amount_cents": 1}"#,
+            &(),
+        )
+        .await;
+    let Outcome::Failed(Error::Store(e)) = out else {
+        panic!("{out:?}")
+    };
+    assert!(e.is_retryable(), "{e}");
+    assert_eq!(e.code(), Some("SQLITE_5"), "SQLITE_BUSY");
+    store.rollback(held).await.expect("rollback");
+}
+
+#[tokio::test]
+async fn invalid_table_names_are_refused() {
+    let path = std::env::temp_dir().join(format!("dedup-sqlite-{}.db", uuid::Uuid::new_v4()));
+    let err = SqliteStore::open_with(
+        &path,
+        SqliteConfig::default().with_table("x\"; DROP TABLE y"),
+    )
+    .await
+    .expect_err("refused");
+    assert!(err.to_string().contains("invalid table name"), "{err}");
+}

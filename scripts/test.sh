@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command that runs every check and test. It installs and starts what
 # the tests need (build packages, PostgreSQL, a real Apache Kafka on
-# 127.0.0.1:9092), then runs the gate: fmt, clippy, tests, docs.
+# 127.0.0.1:9092), then runs the gate: fmt, clippy, tests, docs, and the
+# quickstart as a smoke test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -20,6 +21,12 @@ trap 'rm -f "$log"' EXIT
 cargo test --workspace --locked 2>&1 | tee "$log"
 
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
+
+# The quickstart as a smoke test, as a newcomer runs it (no services: an
+# in-process Kafka and SQLite), then against the real Kafka and PostgreSQL.
+# It exits non-zero if any balance or count is off.
+env -u DATABASE_URL -u KAFKA_BROKERS cargo run --quiet --locked --example quickstart
+cargo run --quiet --locked --example quickstart
 
 # One closing line for the whole run, summed over every test binary.
 awk '/^test result:/ { p += $4; f += $6 } END { printf "all tests: %d passed, %d failed\n", p, f }' "$log"

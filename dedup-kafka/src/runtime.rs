@@ -661,12 +661,23 @@ async fn wait_unless_stopped<S>(shared: &Shared<S>, partition: &Partition, wait:
 }
 
 /// Test-only crash points: with the `failpoints` feature and
-/// `DEDUP_FAILPOINT=<name>` set, the process aborts there, as a crash would.
+/// `DEDUP_FAILPOINT=<name>` (or `<name>:<n>`, the n-th time) set, the process
+/// aborts there, as a crash would.
 fn failpoint(name: &str) {
     #[cfg(feature = "failpoints")]
-    if std::env::var("DEDUP_FAILPOINT").is_ok_and(|v| v == name) {
-        tracing::error!(failpoint = name, "failpoint: aborting the process");
-        std::process::abort();
+    {
+        static HITS: AtomicU64 = AtomicU64::new(0);
+        let Ok(spec) = std::env::var("DEDUP_FAILPOINT") else {
+            return;
+        };
+        let (point, nth) = match spec.split_once(':') {
+            Some((point, n)) => (point, n.parse::<u64>().unwrap_or(1)),
+            None => (spec.as_str(), 1),
+        };
+        if point == name && HITS.fetch_add(1, Ordering::SeqCst) + 1 >= nth {
+            tracing::error!(failpoint = name, "failpoint: aborting the process");
+            std::process::abort();
+        }
     }
     #[cfg(not(feature = "failpoints"))]
     let _ = name;

@@ -160,8 +160,8 @@ pub(crate) struct Context {
 
 impl ClientContext for Context {}
 
-impl ConsumerContext for Context {
-    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+impl Context {
+    fn on_pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
             Rebalance::Revoke(tpl) => {
                 // Stop the workers of the revoked partitions first, so no
@@ -194,7 +194,7 @@ impl ConsumerContext for Context {
         }
     }
 
-    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+    fn on_post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         // A partition paused for back-pressure and then revoked starts its
         // new assignment unpaused: its new worker has an empty buffer.
         if let Rebalance::Assign(tpl) = rebalance
@@ -204,11 +204,7 @@ impl ConsumerContext for Context {
         }
     }
 
-    fn commit_callback(
-        &self,
-        result: rdkafka::error::KafkaResult<()>,
-        offsets: &TopicPartitionList,
-    ) {
+    fn on_commit(&self, result: rdkafka::error::KafkaResult<()>, offsets: &TopicPartitionList) {
         match result {
             Ok(()) => tracing::debug!(partitions = offsets.count(), "offsets committed"),
             Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
@@ -216,6 +212,39 @@ impl ConsumerContext for Context {
                 tracing::warn!(error = %e, "offset commit failed; the next commit retries it")
             }
         }
+    }
+}
+
+/// The callbacks run inside librdkafka (on the thread polling the
+/// consumer). A panic must not unwind through it: it leaves the consumer in a
+/// state where closing it never completes. So each one is contained.
+impl ConsumerContext for Context {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        contained("pre_rebalance", || {
+            self.on_pre_rebalance(consumer, rebalance)
+        });
+    }
+
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        contained("post_rebalance", || {
+            self.on_post_rebalance(consumer, rebalance)
+        });
+    }
+
+    fn commit_callback(
+        &self,
+        result: rdkafka::error::KafkaResult<()>,
+        offsets: &TopicPartitionList,
+    ) {
+        contained("commit_callback", || self.on_commit(result, offsets));
+    }
+}
+
+fn contained(callback: &str, f: impl FnOnce()) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+        // Logging may be what panicked; stay silent beyond one attempt.
+        let _ =
+            std::panic::catch_unwind(|| tracing::error!(callback, "a consumer callback panicked"));
     }
 }
 

@@ -159,6 +159,58 @@ pub trait Handler: Send + Sync + 'static {
             }
         }
     }
+    /// Applies a batch of decoded events in ONE transaction: one
+    /// [`claim_many`](DedupStore::claim_many) statement for all their keys,
+    /// the body for each claimed event in order, one commit.
+    ///
+    /// Returns one outcome per event (`Applied` or `Skipped`; the same key
+    /// twice in a batch is applied once). If any body fails, or the store
+    /// does, the whole batch is rolled back and the error returned: nothing
+    /// of it was applied, and the caller replays it message by message so a
+    /// poison message is isolated and everything else still applies once.
+    fn apply_batch<S>(
+        &self,
+        store: &S,
+        batch: Vec<(DedupKey, Self::Event)>,
+    ) -> impl Future<Output = Result<Vec<Outcome>, Error>> + Send
+    where
+        S: DedupStore<Tx = Self::Tx>,
+    {
+        async move {
+            if batch.is_empty() {
+                return Ok(Vec::new());
+            }
+            let (keys, events): (Vec<DedupKey>, Vec<Self::Event>) = batch.into_iter().unzip();
+            let mut tx = store.begin().await?;
+            let claims = match store.claim_many(&mut tx, &keys, self.ttl()).await {
+                Ok(claims) => claims,
+                Err(e) => {
+                    rollback_quietly(store, tx, &keys[0]).await;
+                    return Err(e.into());
+                }
+            };
+            let mut outcomes = Vec::with_capacity(claims.len());
+            for ((claim, event), key) in claims.into_iter().zip(events).zip(&keys) {
+                match claim {
+                    Claim::Duplicate { expires_at } => {
+                        outcomes.push(Outcome::Skipped { expires_at })
+                    }
+                    Claim::Fresh | Claim::Reclaimed => {
+                        if let Err(e) = self.handle(&mut tx, event).await {
+                            tracing::debug!(%key, "a handler failed inside a batch; rolling the batch back");
+                            rollback_quietly(store, tx, key).await;
+                            return Err(e.into_error(|source| store.classify(source)));
+                        }
+                        outcomes.push(Outcome::Applied {
+                            reclaimed: claim == Claim::Reclaimed,
+                        });
+                    }
+                }
+            }
+            store.commit(tx).await?;
+            Ok(outcomes)
+        }
+    }
 }
 
 async fn claim_and_run<H, S>(

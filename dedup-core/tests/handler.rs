@@ -216,3 +216,62 @@ async fn the_body_stays_callable_for_unit_tests() {
     dedup_core::DedupStore::commit(&store, tx).await.unwrap();
     assert_eq!(seen.load(Ordering::SeqCst), 1);
 }
+
+static BALANCE_BATCH: AtomicI64 = AtomicI64::new(0);
+
+#[idempotent(key = "event_id", ttl = "1h")]
+async fn add_in_batch(tx: &mut MemoryTx, ev: Payment) -> Result<(), HandlerError> {
+    if ev.amount_cents < 0 {
+        return Err(HandlerError::permanent("negative amount"));
+    }
+    tx.on_commit(move || {
+        BALANCE_BATCH.fetch_add(ev.amount_cents, Ordering::SeqCst);
+    });
+    Ok(())
+}
+
+fn prepared(ids: &[(&str, i64)]) -> Vec<(dedup_core::DedupKey, Payment)> {
+    ids.iter()
+        .map(|(id, cents)| {
+            let ev = add_in_batch.decode(&payment(id, *cents)).unwrap();
+            (add_in_batch.dedup_key(&ev, &()).unwrap(), ev)
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_batch_claims_once_applies_in_order_and_rolls_back_whole() {
+    let store = MemoryStore::new();
+    let a = "00000000-0000-0000-0000-00000000000a";
+    let b = "00000000-0000-0000-0000-00000000000b";
+    let c = "00000000-0000-0000-0000-00000000000c";
+    let d = "00000000-0000-0000-0000-00000000000d";
+
+    // The same key twice in a batch: applied once.
+    let out = add_in_batch
+        .apply_batch(&store, prepared(&[(a, 1), (b, 10), (a, 1)]))
+        .await
+        .unwrap();
+    let names: Vec<_> = out.iter().map(Outcome::name).collect();
+    assert_eq!(names, ["applied", "applied", "skipped"]);
+    assert_eq!(BALANCE_BATCH.load(Ordering::SeqCst), 11);
+
+    // A failure in the middle rolls back the whole batch: c is not applied.
+    let err = add_in_batch
+        .apply_batch(&store, prepared(&[(c, 100), (d, -1)]))
+        .await
+        .unwrap_err();
+    assert!(!err.is_retryable());
+    assert_eq!(BALANCE_BATCH.load(Ordering::SeqCst), 11);
+    let out = add_in_batch
+        .apply_batch(&store, prepared(&[(c, 100), (b, 10)]))
+        .await
+        .unwrap();
+    let names: Vec<_> = out.iter().map(Outcome::name).collect();
+    assert_eq!(
+        names,
+        ["applied", "skipped"],
+        "c was rolled back, b is a live duplicate"
+    );
+    assert_eq!(BALANCE_BATCH.load(Ordering::SeqCst), 111);
+}

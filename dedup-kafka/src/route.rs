@@ -1,11 +1,15 @@
 //! Handlers of different event types behind one interface.
 
+use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
 
-use dedup_core::{DedupStore, Handler, Headers, Outcome};
+use dedup_core::{DedupKey, DedupStore, Error, Handler, Headers, Outcome};
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A decoded event whose type only its handler knows.
+pub(crate) type AnyEvent = Box<dyn Any + Send>;
 
 /// A handler with its event type erased, so one consumer can route topics to
 /// handlers of different event types over one store.
@@ -18,6 +22,21 @@ pub(crate) trait ErasedHandler<S>: Send + Sync + 'static {
         payload: &'a [u8],
         headers: &'a (dyn Headers + Sync),
     ) -> BoxFuture<'a, Outcome>;
+
+    /// Decodes a message and extracts its key, for the batch path.
+    fn prepare(
+        &self,
+        payload: &[u8],
+        headers: &(dyn Headers + Sync),
+    ) -> Result<(DedupKey, AnyEvent), Error>;
+
+    /// Applies events that [`prepare`](Self::prepare) made, in one
+    /// transaction (see `Handler::apply_batch`).
+    fn apply_batch<'a>(
+        &'a self,
+        store: &'a S,
+        batch: Vec<(DedupKey, AnyEvent)>,
+    ) -> BoxFuture<'a, Result<Vec<Outcome>, Error>>;
 }
 
 impl<S, H> ErasedHandler<S> for H
@@ -36,5 +55,32 @@ where
         headers: &'a (dyn Headers + Sync),
     ) -> BoxFuture<'a, Outcome> {
         Box::pin(Handler::apply(self, store, payload, headers))
+    }
+
+    fn prepare(
+        &self,
+        payload: &[u8],
+        headers: &(dyn Headers + Sync),
+    ) -> Result<(DedupKey, AnyEvent), Error> {
+        let event = Handler::decode(self, payload)?;
+        let key = self.dedup_key(&event, headers)?;
+        Ok((key, Box::new(event)))
+    }
+
+    fn apply_batch<'a>(
+        &'a self,
+        store: &'a S,
+        batch: Vec<(DedupKey, AnyEvent)>,
+    ) -> BoxFuture<'a, Result<Vec<Outcome>, Error>> {
+        let batch = batch
+            .into_iter()
+            .map(|(key, event)| {
+                let event = event
+                    .downcast::<H::Event>()
+                    .expect("prepared by this same handler");
+                (key, *event)
+            })
+            .collect();
+        Box::pin(Handler::apply_batch(self, store, batch))
     }
 }

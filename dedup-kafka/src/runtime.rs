@@ -24,6 +24,8 @@ use crate::retry::{Jitter, RetryPolicy};
 use crate::{Error, Route};
 
 pub(crate) struct Settings {
+    pub(crate) batch_size: usize,
+    pub(crate) batch_linger: Duration,
     pub(crate) retry: RetryPolicy,
     pub(crate) max_concurrent_partitions: usize,
     pub(crate) max_buffered_per_partition: usize,
@@ -39,6 +41,8 @@ pub struct Stats {
     skipped: AtomicU64,
     dead_lettered: AtomicU64,
     retries: AtomicU64,
+    batches: AtomicU64,
+    batch_replays: AtomicU64,
     started: Instant,
     /// Milliseconds since `started` of the last assignment, message received
     /// or message finished; `u64::MAX` until the first assignment.
@@ -58,6 +62,10 @@ pub struct StatsSnapshot {
     pub dead_lettered: u64,
     /// Retries of transient failures.
     pub retries: u64,
+    /// Batches committed as one transaction.
+    pub batches: u64,
+    /// Batches rolled back and replayed message by message.
+    pub batch_replays: u64,
 }
 
 impl fmt::Display for StatsSnapshot {
@@ -77,6 +85,8 @@ impl Stats {
             skipped: AtomicU64::new(0),
             dead_lettered: AtomicU64::new(0),
             retries: AtomicU64::new(0),
+            batches: AtomicU64::new(0),
+            batch_replays: AtomicU64::new(0),
             started: Instant::now(),
             last_activity_ms: AtomicU64::new(u64::MAX),
         }
@@ -89,6 +99,8 @@ impl Stats {
             skipped: self.skipped.load(Ordering::Relaxed),
             dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
             retries: self.retries.load(Ordering::Relaxed),
+            batches: self.batches.load(Ordering::Relaxed),
+            batch_replays: self.batch_replays.load(Ordering::Relaxed),
         }
     }
 
@@ -485,26 +497,160 @@ async fn worker<S: DedupStore>(
                 None => break,
             },
         };
-        let span = tracing::info_span!(
-            "message",
-            topic = msg.topic(),
-            partition = msg.partition(),
-            offset = msg.offset(),
-            dedup.key = tracing::field::Empty,
-        );
-        let finished = process(&shared, &route, &partition, &msg, &mut jitter)
-            .instrument(span)
-            .await;
-        if !finished {
+        let batch = gather(&mut receiver, msg, &shared.settings).await;
+        let finished = if batch.len() == 1 {
+            let msg = &batch[0];
+            let span = tracing::info_span!(
+                "message",
+                topic = msg.topic(),
+                partition = msg.partition(),
+                offset = msg.offset(),
+                dedup.key = tracing::field::Empty,
+            );
+            let done = process(&shared, &route, &partition, msg, &mut jitter)
+                .instrument(span)
+                .await;
+            usize::from(done)
+        } else {
+            process_batch(&shared, &route, &partition, &batch, &mut jitter).await
+        };
+        if let Some(last) = batch[..finished].last() {
+            store_offset(&shared, &partition, last);
+            shared.stats.touch();
+        }
+        if finished < batch.len() {
             break;
         }
-        store_offset(&shared, &partition, &msg);
-        shared.stats.touch();
-        let left = partition.queued.fetch_sub(1, Ordering::AcqRel) - 1;
+        let left = partition.queued.fetch_sub(batch.len(), Ordering::AcqRel) - batch.len();
         if left <= low_water && partition.paused.load(Ordering::Acquire) {
             let _ = shared
                 .drained
                 .send((partition.topic.clone(), partition.partition));
+        }
+    }
+}
+
+/// Takes `first` and whatever else of the partition arrives within the
+/// linger time, up to the batch size.
+async fn gather(
+    receiver: &mut mpsc::UnboundedReceiver<OwnedMessage>,
+    first: OwnedMessage,
+    settings: &Settings,
+) -> Vec<OwnedMessage> {
+    let mut batch = vec![first];
+    let deadline = tokio::time::Instant::now() + settings.batch_linger;
+    while batch.len() < settings.batch_size {
+        match receiver.try_recv() {
+            Ok(msg) => batch.push(msg),
+            Err(mpsc::error::TryRecvError::Disconnected) => break,
+            Err(mpsc::error::TryRecvError::Empty) => {
+                match tokio::time::timeout_at(deadline, receiver.recv()).await {
+                    Ok(Some(msg)) => batch.push(msg),
+                    Ok(None) | Err(_) => break,
+                }
+            }
+        }
+    }
+    batch
+}
+
+/// A message's headers, owned, for the handler.
+fn headers_of(msg: &OwnedMessage) -> Vec<(String, Vec<u8>)> {
+    msg.headers()
+        .map(|hs| {
+            hs.iter()
+                .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Runs a batch of one partition's messages in one transaction (one claim
+/// statement, one commit). If a message cannot be decoded or keyed, or any
+/// handler or the store fails, nothing of the batch is committed and it is
+/// replayed message by message, so the poison message is isolated (retried
+/// or dead-lettered) and every other one is still applied exactly once.
+/// Returns how many messages, from the first, are finished.
+async fn process_batch<S: DedupStore>(
+    shared: &Arc<Shared<S>>,
+    route: &Arc<Route<S>>,
+    partition: &Partition,
+    batch: &[OwnedMessage],
+    jitter: &mut Jitter,
+) -> usize {
+    let span = tracing::info_span!(
+        "batch",
+        topic = batch[0].topic(),
+        partition = batch[0].partition(),
+        first_offset = batch[0].offset(),
+        last_offset = batch[batch.len() - 1].offset(),
+        size = batch.len(),
+    );
+    let prepared: Result<Vec<_>, _> = batch
+        .iter()
+        .map(|msg| {
+            let headers = headers_of(msg);
+            route
+                .handler
+                .prepare(msg.payload().unwrap_or_default(), &headers)
+        })
+        .collect();
+    let outcome = match prepared {
+        Ok(prepared) => {
+            let permit = shared.permits.acquire().await.expect("never closed");
+            let (store, route) = (shared.store.clone(), route.clone());
+            let task = tokio::spawn(
+                async move { route.handler.apply_batch(&*store, prepared).await }
+                    .instrument(span.clone()),
+            );
+            let joined = task.await;
+            drop(permit);
+            match joined {
+                Ok(result) => result.map_err(|e| e.to_string()),
+                Err(e) => Err(format!("the handler panicked: {e}")),
+            }
+        }
+        Err(e) => Err(format!("message not decodable or without a key: {e}")),
+    };
+    match outcome {
+        Ok(outcomes) => {
+            let _enter = span.enter();
+            let (mut applied, mut skipped) = (0, 0);
+            for (msg, outcome) in batch.iter().zip(&outcomes) {
+                let name = outcome.name();
+                tracing::debug!(offset = msg.offset(), outcome = name);
+                if matches!(outcome, Outcome::Applied { .. }) {
+                    applied += 1;
+                    failpoint("after-commit");
+                } else {
+                    skipped += 1;
+                }
+            }
+            shared.stats.applied.fetch_add(applied, Ordering::Relaxed);
+            shared.stats.skipped.fetch_add(skipped, Ordering::Relaxed);
+            shared.stats.batches.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(outcome = "committed", applied, skipped);
+            batch.len()
+        }
+        Err(why) => {
+            shared.stats.batch_replays.fetch_add(1, Ordering::Relaxed);
+            span.in_scope(|| tracing::warn!(error = %why, "batch rolled back; replaying it message by message"));
+            for (i, msg) in batch.iter().enumerate() {
+                let span = tracing::info_span!(
+                    "message",
+                    topic = msg.topic(),
+                    partition = msg.partition(),
+                    offset = msg.offset(),
+                    dedup.key = tracing::field::Empty,
+                );
+                if !process(shared, route, partition, msg, jitter)
+                    .instrument(span)
+                    .await
+                {
+                    return i;
+                }
+            }
+            batch.len()
         }
     }
 }
@@ -540,15 +686,7 @@ async fn process<S: DedupStore>(
     msg: &OwnedMessage,
     jitter: &mut Jitter,
 ) -> bool {
-    let headers: Vec<(String, Vec<u8>)> = msg
-        .headers()
-        .map(|hs| {
-            hs.iter()
-                .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
-                .collect()
-        })
-        .unwrap_or_default();
-    let headers = Arc::new(headers);
+    let headers = Arc::new(headers_of(msg));
     let payload: Arc<[u8]> = msg.payload().unwrap_or_default().into();
     let policy = shared.settings.retry;
     let mut attempt = 0;

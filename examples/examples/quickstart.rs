@@ -379,12 +379,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         distinct + duplicates + 3
     );
 
-    // 3. A consumer that crashes (the process aborts) right after its 80th
-    //    database commit, before committing any Kafka offset.
-    const CRASH_AT_COMMIT: u64 = 80;
+    // 3. A consumer that crashes (the process aborts) right after the
+    //    database commit that applied its 80th payment, before committing any
+    //    Kafka offset.
+    const CRASH_AT_PAYMENT: u64 = 80;
     let crashed = Command::new(std::env::current_exe()?)
         .env(CRASH_ROLE, "1")
-        .env("DEDUP_FAILPOINT", format!("after-commit:{CRASH_AT_COMMIT}"))
+        .env(
+            "DEDUP_FAILPOINT",
+            format!("after-commit:{CRASH_AT_PAYMENT}"),
+        )
         .env("QUICKSTART_DB", db.location())
         .env("QUICKSTART_BROKERS", &brokers)
         .env("QUICKSTART_TOPIC", &topic)
@@ -393,12 +397,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .stderr(std::process::Stdio::null())
         .status()?;
     let balance_at_crash = db.balance(&accounts).await?;
-    // Counted, not assumed: other partitions' transactions may commit
-    // while the 80th is aborting the process.
+    // Counted, not assumed: that commit may hold a whole batch, and other
+    // partitions' transactions may commit while it aborts the process.
     let applied_before_crash = db.claimed(&ids).await? as u64;
     match crashed.success() {
         false => println!(
-            "consumer 1 crashed right after its {CRASH_AT_COMMIT}th database commit \
+            "consumer 1 crashed right after the database commit of its {CRASH_AT_PAYMENT}th payment \
              ({applied_before_crash} payments worth {balance_at_crash} cents applied), before any offset commit"
         ),
         true => println!("consumer 1 was meant to crash but finished"),

@@ -449,7 +449,12 @@ async fn shutdown_commits_what_finished(pool: PgPool) {
     }
 
     // Stop mid-stream.
-    let running = start(consumer(&store, &group).handle(&topic, record_payment_slowly));
+    // Small batches, so that the stop lands between them.
+    let running = start(
+        consumer(&store, &group)
+            .batch_size(4)
+            .handle(&topic, record_payment_slowly),
+    );
     running.wait_for("some applied", |s| s.applied >= 20).await;
     let first = running.stop().await;
     assert!(
@@ -459,7 +464,9 @@ async fn shutdown_commits_what_finished(pool: PgPool) {
 
     // The restart reprocesses nothing that finished: no duplicates to skip.
     let second = drain(
-        consumer(&store, &group).handle(&topic, record_payment_slowly),
+        consumer(&store, &group)
+            .batch_size(4)
+            .handle(&topic, record_payment_slowly),
         Duration::from_secs(3),
     )
     .await;
@@ -799,4 +806,104 @@ impl Drop for KillOnDrop {
             let _ = child.wait();
         }
     }
+}
+
+/// Refuses negative amounts: a permanent failure in the middle of a batch.
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn record_payment_refusing_negatives(
+    tx: &mut PgTx,
+    ev: PaymentReceived,
+) -> Result<(), dedup_core::HandlerError> {
+    credit(tx, &ev).await?;
+    if ev.amount_cents < 0 {
+        return Err(dedup_core::HandlerError::permanent("negative amount"));
+    }
+    Ok(())
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_poison_message_inside_a_batch_is_isolated(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let producer = producer();
+    // All produced before the consumer starts, so they arrive as one batch.
+    for i in 0..5 {
+        produce(
+            &producer,
+            &topic,
+            "k",
+            &payment(uuid::Uuid::new_v4(), "a", 10 + i),
+            None,
+        )
+        .await;
+    }
+    produce(
+        &producer,
+        &topic,
+        "k",
+        &payment(uuid::Uuid::new_v4(), "a", -1000),
+        None,
+    )
+    .await;
+    for i in 0..5 {
+        produce(
+            &producer,
+            &topic,
+            "k",
+            &payment(uuid::Uuid::new_v4(), "a", 20 + i),
+            None,
+        )
+        .await;
+    }
+
+    let running = start(
+        consumer(&store, &unique("g"))
+            .batch_linger(Duration::from_millis(200))
+            .handle(&topic, record_payment_refusing_negatives),
+    );
+    running
+        .wait_for("10 applied, 1 dead-lettered", |s| {
+            s.applied == 10 && s.dead_lettered == 1
+        })
+        .await;
+    let stats = running.stop().await;
+    assert!(
+        stats.batch_replays >= 1,
+        "the batch with the poison was rolled back and replayed: {stats:?}"
+    );
+    // The negative amount's own write was rolled back with its transaction.
+    assert_eq!(
+        balance(&pool).await,
+        (10..15).sum::<i64>() + (20..25).sum::<i64>()
+    );
+    let dead = read(&format!("{topic}.dlq"), 1).await;
+    assert_eq!(header(&dead[0], "dedup.error.kind"), Some("handler"));
+    assert_eq!(header(&dead[0], "dedup.original.offset"), Some("5"));
+}
+
+#[sqlx::test(migrations = false)]
+async fn batches_commit_many_messages_per_transaction(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let producer = producer();
+    let mut expected = 0;
+    for i in 0..300 {
+        let event = payment(uuid::Uuid::new_v4(), "a", i);
+        produce(&producer, &topic, "k", &event, None).await;
+        if i % 10 == 0 {
+            produce(&producer, &topic, "k", &event, None).await; // a producer retry
+        }
+        expected += i;
+    }
+    let running = start(consumer(&store, &unique("g")).handle(&topic, record_payment));
+    running
+        .wait_for("all applied", |s| s.applied == 300 && s.skipped == 30)
+        .await;
+    let stats = running.stop().await;
+    assert!(
+        stats.batches >= 2 && stats.batches <= 100,
+        "330 messages should take a few batch transactions, not one each: {stats:?}"
+    );
+    assert_eq!(stats.batch_replays, 0);
+    assert_eq!(balance(&pool).await, expected);
 }

@@ -500,13 +500,7 @@ async fn worker<S: DedupStore>(
         let batch = gather(&mut receiver, msg, &shared.settings).await;
         let finished = if batch.len() == 1 {
             let msg = &batch[0];
-            let span = tracing::info_span!(
-                "message",
-                topic = msg.topic(),
-                partition = msg.partition(),
-                offset = msg.offset(),
-                dedup.key = tracing::field::Empty,
-            );
+            let span = message_span(msg);
             let done = process(&shared, &route, &partition, msg, &mut jitter)
                 .instrument(span)
                 .await;
@@ -552,6 +546,17 @@ async fn gather(
         }
     }
     batch
+}
+
+/// The span a message is processed in; the core records its dedup key.
+fn message_span(msg: &OwnedMessage) -> tracing::Span {
+    tracing::info_span!(
+        "message",
+        topic = msg.topic(),
+        partition = msg.partition(),
+        offset = msg.offset(),
+        dedup.key = tracing::field::Empty,
+    )
 }
 
 /// A message's headers, owned, for the handler.
@@ -636,13 +641,7 @@ async fn process_batch<S: DedupStore>(
             shared.stats.batch_replays.fetch_add(1, Ordering::Relaxed);
             span.in_scope(|| tracing::warn!(error = %why, "batch rolled back; replaying it message by message"));
             for (i, msg) in batch.iter().enumerate() {
-                let span = tracing::info_span!(
-                    "message",
-                    topic = msg.topic(),
-                    partition = msg.partition(),
-                    offset = msg.offset(),
-                    dedup.key = tracing::field::Empty,
-                );
+                let span = message_span(msg);
                 if !process(shared, route, partition, msg, jitter)
                     .instrument(span)
                     .await

@@ -1,0 +1,531 @@
+//! The dedup benchmark: the same workload through four pipelines, measured
+//! in one run on the machine's real Kafka and PostgreSQL.
+//!
+//! `cargo run --release -p dedup-bench -- [--events 200000] [--duplicates 0.1] [--partitions 6] [--json]`
+//!
+//! Modes (each in its own process, so its peak RSS is its own):
+//! - `batched`: the default runtime (batches of 200 per partition);
+//! - `per-message`: the same with batch size 1;
+//! - `no-dedup`: the same pipeline and domain write, claims skipped (what
+//!   dedup costs);
+//! - `limit`: the same rows written straight into PostgreSQL with multi-row
+//!   inserts, no Kafka (the storage limit of this machine).
+//!
+//! For each Kafka mode the events are produced into a fresh topic while the
+//! consumer runs; latency is from the event's produce acknowledgement to its
+//! offset being committed (committed offsets are polled every 20 ms). Each
+//! mode ends with a check of the end state (applied effects equal the
+//! distinct events, or every delivery for `no-dedup`); a wrong count fails
+//! the run.
+//!
+//! Environment: `KAFKA_BROKERS` (default `127.0.0.1:9092`), `DATABASE_URL`.
+
+#![allow(clippy::print_stdout)]
+
+use std::collections::HashMap;
+use std::error::Error as StdError;
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dedup_core::{Claim, DedupKey, DedupStore, HandlerError, StoreError, Ttl, idempotent};
+use dedup_kafka::Consumer;
+use dedup_postgres::{PgStore, PgTx};
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+
+type BoxError = Box<dyn StdError + Send + Sync>;
+
+const MODES: [&str; 4] = ["batched", "per-message", "no-dedup", "limit"];
+
+#[derive(serde::Deserialize)]
+struct Payment {
+    event_id: String,
+    account_id: String,
+    amount_cents: i64,
+}
+
+/// The domain write: one row per applied event. A serial key makes it NOT
+/// idempotent, so the end state shows every double apply.
+const EFFECT_SQL: &str =
+    "INSERT INTO bench_effects (event_id, account_id, amount_cents) VALUES ($1, $2, $3)";
+
+#[idempotent(key = "event_id", ttl = "4h", scope = "bench::record_payment")]
+async fn record_payment(tx: &mut PgTx, ev: Payment) -> Result<(), HandlerError> {
+    sqlx::query(EFFECT_SQL)
+        .bind(&ev.event_id)
+        .bind(&ev.account_id)
+        .bind(ev.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// The same pipeline without deduplication: every claim is granted without
+/// touching the database. What remains is what dedup does not cost.
+#[derive(Clone)]
+struct NoDedup(PgStore);
+
+impl DedupStore for NoDedup {
+    type Tx = PgTx;
+
+    async fn begin(&self) -> Result<PgTx, StoreError> {
+        self.0.begin().await
+    }
+
+    async fn claim(&self, _: &mut PgTx, _: &DedupKey, _: Ttl) -> Result<Claim, StoreError> {
+        Ok(Claim::Fresh)
+    }
+
+    async fn claim_many(
+        &self,
+        _: &mut PgTx,
+        keys: &[DedupKey],
+        _: Ttl,
+    ) -> Result<Vec<Claim>, StoreError> {
+        Ok(vec![Claim::Fresh; keys.len()])
+    }
+
+    async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {
+        self.0.commit(tx).await
+    }
+
+    async fn rollback(&self, tx: PgTx) -> Result<(), StoreError> {
+        self.0.rollback(tx).await
+    }
+
+    fn classify(&self, error: &(dyn StdError + 'static)) -> Option<bool> {
+        self.0.classify(error)
+    }
+}
+
+struct Args {
+    events: usize,
+    duplicates: f64,
+    partitions: i32,
+    json: bool,
+    mode: Option<String>,
+}
+
+fn args() -> Result<Args, String> {
+    let mut a = Args {
+        events: 200_000,
+        duplicates: 0.1,
+        partitions: 6,
+        json: false,
+        mode: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--events" => a.events = value()?.parse().map_err(|e| format!("--events: {e}"))?,
+            "--duplicates" => {
+                a.duplicates = value()?.parse().map_err(|e| format!("--duplicates: {e}"))?
+            }
+            "--partitions" => {
+                a.partitions = value()?.parse().map_err(|e| format!("--partitions: {e}"))?
+            }
+            "--mode" => a.mode = Some(value()?),
+            "--json" => a.json = true,
+            other => {
+                return Err(format!(
+                    "unknown flag {other}; flags: --events --duplicates --partitions --json"
+                ));
+            }
+        }
+    }
+    Ok(a)
+}
+
+/// The workload: `events` messages, a share of them exact duplicates of an
+/// earlier one (a retrying producer), JSON of about 200 bytes.
+struct Workload {
+    messages: Vec<(String, String)>, // (key, payload)
+    distinct: usize,
+}
+
+fn workload(events: usize, duplicates: f64) -> Workload {
+    let mut rng = 0x2545_f491_4f6c_dd1d_u64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng >> 11) as f64 / (1u64 << 53) as f64
+    };
+    let mut messages: Vec<(String, String)> = Vec::with_capacity(events);
+    let mut distinct = 0;
+    for i in 0..events {
+        if i > 0 && next() < duplicates {
+            let pick = (next() * messages.len() as f64) as usize;
+            messages.push(messages[pick.min(messages.len() - 1)].clone());
+            continue;
+        }
+        distinct += 1;
+        let account = format!("acct-{:04}", (next() * 1000.0) as u32);
+        let payload = serde_json::json!({
+            "event_id": uuid::Uuid::new_v4(),
+            "account_id": account,
+            "amount_cents": 1 + (next() * 100_000.0) as i64,
+            "memo": "x".repeat(80),
+        })
+        .to_string();
+        messages.push((account, payload));
+    }
+    Workload { messages, distinct }
+}
+
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_owned())
+}
+
+/// Peak resident set of this process, in MiB.
+fn peak_rss_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
+                l.split_whitespace()
+                    .nth(1)
+                    .and_then(|kb| kb.parse::<f64>().ok())
+            })
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Report {
+    mode: String,
+    events: usize,
+    seconds: f64,
+    events_per_s: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    peak_rss_mib: f64,
+    applied_rows: i64,
+    expected_rows: i64,
+}
+
+async fn reset_table(pool: &sqlx::PgPool) -> Result<(), BoxError> {
+    sqlx::query("DROP TABLE IF EXISTS bench_effects")
+        .execute(pool)
+        .await?;
+    sqlx::query(
+        "CREATE TABLE bench_effects (seq bigserial PRIMARY KEY, event_id text NOT NULL, \
+         account_id text NOT NULL, amount_cents bigint NOT NULL)",
+    )
+    .execute(pool)
+    .await?;
+    sqlx::query("TRUNCATE dedup_claims").execute(pool).await?;
+    Ok(())
+}
+
+async fn rows(pool: &sqlx::PgPool) -> Result<i64, BoxError> {
+    Ok(sqlx::query_scalar("SELECT count(*) FROM bench_effects")
+        .fetch_one(pool)
+        .await?)
+}
+
+/// Runs one mode in this process.
+async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
+    let brokers = env_or("KAFKA_BROKERS", "127.0.0.1:9092");
+    let store = PgStore::connect_with(
+        &std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL must be set")?,
+        dedup_postgres::PgConfig::default().with_max_connections(20),
+    )
+    .await?;
+    store.migrate().await?;
+    reset_table(store.pool()).await?;
+    let work = workload(args.events, args.duplicates);
+    let expected = if mode == "no-dedup" {
+        work.messages.len()
+    } else {
+        work.distinct
+    } as i64;
+
+    if mode == "limit" {
+        let started = Instant::now();
+        let mut latencies = Vec::with_capacity(work.messages.len());
+        // The same rows the deduplicating modes end with: each distinct event once.
+        let mut seen = std::collections::HashSet::new();
+        let mut distinct_rows = Vec::with_capacity(work.distinct);
+        for (_, payload) in &work.messages {
+            let p: Payment = serde_json::from_str(payload)?;
+            if seen.insert(p.event_id.clone()) {
+                distinct_rows.push(p);
+            }
+        }
+        for chunk in distinct_rows.chunks(1000) {
+            let t = Instant::now();
+            let ids: Vec<&str> = chunk.iter().map(|p| p.event_id.as_str()).collect();
+            let accounts: Vec<&str> = chunk.iter().map(|p| p.account_id.as_str()).collect();
+            let amounts: Vec<i64> = chunk.iter().map(|p| p.amount_cents).collect();
+            sqlx::query(
+                "INSERT INTO bench_effects (event_id, account_id, amount_cents) \
+                 SELECT * FROM unnest($1::text[], $2::text[], $3::int8[])",
+            )
+            .bind(&ids)
+            .bind(&accounts)
+            .bind(&amounts)
+            .execute(store.pool())
+            .await?;
+            let ms = t.elapsed().as_secs_f64() * 1000.0;
+            latencies.extend(std::iter::repeat_n(ms, chunk.len()));
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        latencies.sort_by(f64::total_cmp);
+        return Ok(Report {
+            mode: mode.into(),
+            events: work.messages.len(),
+            seconds,
+            events_per_s: work.messages.len() as f64 / seconds,
+            p50_ms: percentile(&latencies, 0.5),
+            p99_ms: percentile(&latencies, 0.99),
+            peak_rss_mib: peak_rss_mib(),
+            applied_rows: rows(store.pool()).await?,
+            expected_rows: expected,
+        });
+    }
+
+    let topic = format!("bench-{mode}-{}", uuid::Uuid::new_v4().simple());
+    let group = format!("{topic}-g");
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .create()?;
+    for r in admin
+        .create_topics(
+            [&NewTopic::new(
+                &topic,
+                args.partitions,
+                TopicReplication::Fixed(1),
+            )],
+            &AdminOptions::new(),
+        )
+        .await?
+    {
+        r.map_err(|(t, e)| format!("create {t}: {e}"))?;
+    }
+
+    let total = work.messages.len() as u64;
+
+    // Produce while the consumer runs; remember when each offset was acked.
+    let acked: Arc<Mutex<HashMap<(i32, i64), Instant>>> = Arc::default();
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("linger.ms", "5")
+        .set("enable.idempotence", "true")
+        .create()?;
+    let started = Instant::now();
+    let produce = {
+        let (acked, topic, messages) = (acked.clone(), topic.clone(), work.messages.clone());
+        tokio::spawn(async move {
+            let mut inflight = tokio::task::JoinSet::new();
+            for (key, payload) in messages {
+                if inflight.len() >= 10_000 {
+                    inflight.join_next().await;
+                }
+                let (producer, topic, acked) = (producer.clone(), topic.clone(), acked.clone());
+                inflight.spawn(async move {
+                    let record = FutureRecord::to(&topic).key(&key).payload(&payload);
+                    if let Ok(delivery) = producer.send(record, Duration::from_secs(60)).await {
+                        acked
+                            .lock()
+                            .expect("lock")
+                            .insert((delivery.partition, delivery.offset), Instant::now());
+                    }
+                });
+            }
+            while inflight.join_next().await.is_some() {}
+        })
+    };
+
+    // Poll the group's committed offsets: an event's latency ends when an
+    // offset past it is committed.
+    let watcher: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", &brokers)
+        .set("group.id", &group)
+        .create()?;
+    let mut committed_at: HashMap<i32, i64> = HashMap::new();
+    let mut latencies = Vec::with_capacity(work.messages.len());
+    let batch_size = if mode == "per-message" { 1 } else { 200 };
+    let consumer = match mode {
+        "no-dedup" => ConsumerRun::spawn(
+            configure(NoDedup(store.clone()), &brokers, &group, batch_size)
+                .handle(&topic, record_payment),
+        ),
+        _ => ConsumerRun::spawn(
+            configure(store.clone(), &brokers, &group, batch_size).handle(&topic, record_payment),
+        ),
+    };
+    let mut done = 0u64;
+    while done < total {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..args.partitions {
+            tpl.add_partition(&topic, p);
+        }
+        let watcher_tpl =
+            tokio::task::block_in_place(|| watcher.committed_offsets(tpl, Duration::from_secs(5)))?;
+        let now = Instant::now();
+        let acked = acked.lock().expect("lock");
+        for elem in watcher_tpl.elements() {
+            let Offset::Offset(next) = elem.offset() else {
+                continue;
+            };
+            let from = committed_at.insert(elem.partition(), next).unwrap_or(0);
+            for offset in from..next {
+                if let Some(t) = acked.get(&(elem.partition(), offset)) {
+                    latencies.push(now.duration_since(*t).as_secs_f64() * 1000.0);
+                }
+                done += 1;
+            }
+        }
+        if started.elapsed() > Duration::from_secs(3600) {
+            return Err("gave up after an hour".into());
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    produce.await?;
+    consumer.stop().await;
+    latencies.sort_by(f64::total_cmp);
+    Ok(Report {
+        mode: mode.into(),
+        events: work.messages.len(),
+        seconds,
+        events_per_s: work.messages.len() as f64 / seconds,
+        p50_ms: percentile(&latencies, 0.5),
+        p99_ms: percentile(&latencies, 0.99),
+        peak_rss_mib: peak_rss_mib(),
+        applied_rows: rows(store.pool()).await?,
+        expected_rows: expected,
+    })
+}
+
+/// The consumer settings every Kafka mode shares.
+fn configure<S: DedupStore>(
+    store: S,
+    brokers: &str,
+    group: &str,
+    batch_size: usize,
+) -> dedup_kafka::ConsumerBuilder<S> {
+    Consumer::builder(store)
+        .brokers(brokers)
+        .group_id(group)
+        .batch_size(batch_size)
+        .commit_interval(Duration::from_millis(100))
+}
+
+/// A consumer running in the background until stopped.
+struct ConsumerRun {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ConsumerRun {
+    fn spawn<S: DedupStore>(builder: dedup_kafka::ConsumerBuilder<S>) -> Self {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(async move {
+            let result = builder
+                .run_until(async {
+                    let _ = stopped.await;
+                })
+                .await;
+            if let Err(e) = result {
+                eprintln!("consumer failed: {e}");
+            }
+        });
+        ConsumerRun { stop, task }
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
+}
+
+#[tokio::main]
+async fn main() -> Result<(), BoxError> {
+    let args = args()?;
+    if let Some(mode) = &args.mode {
+        let report = run_mode(mode, &args).await?;
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
+
+    eprintln!(
+        "dedup-bench: {} events ({}% duplicates) into {} partitions, modes run one after another",
+        args.events,
+        args.duplicates * 100.0,
+        args.partitions
+    );
+    let mut reports = Vec::new();
+    for mode in MODES {
+        eprintln!("  running {mode} ...");
+        let out = Command::new(std::env::current_exe()?)
+            .args(["--mode", mode, "--events", &args.events.to_string()])
+            .args(["--duplicates", &args.duplicates.to_string()])
+            .args(["--partitions", &args.partitions.to_string()])
+            .stderr(std::process::Stdio::inherit())
+            .output()?;
+        if !out.status.success() {
+            return Err(format!("mode {mode} failed").into());
+        }
+        let line = String::from_utf8_lossy(&out.stdout);
+        let report: Report = serde_json::from_str(line.trim().lines().last().unwrap_or_default())?;
+        reports.push(report);
+    }
+
+    if args.json {
+        for r in &reports {
+            println!("{}", serde_json::to_string(r)?);
+        }
+    }
+    println!(
+        "{:<12} {:>9} {:>9} {:>12} {:>9} {:>9} {:>9}",
+        "mode", "events", "seconds", "events/s", "p50 ms", "p99 ms", "RSS MiB"
+    );
+    for r in &reports {
+        println!(
+            "{:<12} {:>9} {:>9.2} {:>12.0} {:>9.1} {:>9.1} {:>9.1}",
+            r.mode, r.events, r.seconds, r.events_per_s, r.p50_ms, r.p99_ms, r.peak_rss_mib
+        );
+    }
+    let rate = |m: &str| {
+        reports
+            .iter()
+            .find(|r| r.mode == m)
+            .map_or(0.0, |r| r.events_per_s)
+    };
+    println!(
+        "ratios: batched/per-message {:.1}x (target >= 10), batched/no-dedup {:.2}x (target >= 0.85), batched/limit {:.2}x (target >= 0.5)",
+        rate("batched") / rate("per-message"),
+        rate("batched") / rate("no-dedup"),
+        rate("batched") / rate("limit"),
+    );
+    let wrong: Vec<_> = reports
+        .iter()
+        .filter(|r| r.applied_rows != r.expected_rows)
+        .collect();
+    for r in &wrong {
+        println!(
+            "WRONG END STATE in {}: {} effect rows, expected {}",
+            r.mode, r.applied_rows, r.expected_rows
+        );
+    }
+    if !wrong.is_empty() {
+        std::process::exit(1);
+    }
+    println!("end state checked: every mode applied exactly the effects it should");
+    Ok(())
+}

@@ -96,6 +96,23 @@ pub trait Handler: Send + Sync + 'static {
         event: Self::Event,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 
+    /// The body for several claimed events of one batch, in partition order,
+    /// inside one transaction. By default one [`handle`](Handler::handle)
+    /// per event; handlers declared with `#[idempotent(batch, ...)]` receive
+    /// them all at once and can write them with one statement.
+    fn handle_batch(
+        &self,
+        tx: &mut Self::Tx,
+        events: Vec<Self::Event>,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send {
+        async move {
+            for event in events {
+                self.handle(tx, event).await?;
+            }
+            Ok(())
+        }
+    }
+
     /// Decodes a payload; JSON by default.
     fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error> {
         serde_json::from_slice(payload).map_err(|e| Error::Decode(Box::new(e)))
@@ -190,22 +207,26 @@ pub trait Handler: Send + Sync + 'static {
                 }
             };
             let mut outcomes = Vec::with_capacity(claims.len());
-            for ((claim, event), key) in claims.into_iter().zip(events).zip(&keys) {
+            let mut fresh = Vec::with_capacity(claims.len());
+            for (claim, event) in claims.into_iter().zip(events) {
                 match claim {
                     Claim::Duplicate { expires_at } => {
                         outcomes.push(Outcome::Skipped { expires_at })
                     }
                     Claim::Fresh | Claim::Reclaimed => {
-                        if let Err(e) = self.handle(&mut tx, event).await {
-                            tracing::debug!(%key, "a handler failed inside a batch; rolling the batch back");
-                            rollback_quietly(store, tx, key).await;
-                            return Err(e.into_error(|source| store.classify(source)));
-                        }
                         outcomes.push(Outcome::Applied {
                             reclaimed: claim == Claim::Reclaimed,
                         });
+                        fresh.push(event);
                     }
                 }
+            }
+            if !fresh.is_empty()
+                && let Err(e) = self.handle_batch(&mut tx, fresh).await
+            {
+                tracing::debug!(first_key = %keys[0], "a handler failed inside a batch; rolling the batch back");
+                rollback_quietly(store, tx, &keys[0]).await;
+                return Err(e.into_error(|source| store.classify(source)));
             }
             store.commit(tx).await?;
             Ok(outcomes)
@@ -287,6 +308,14 @@ impl<H: Handler> Handler for WithTtl<H> {
         event: Self::Event,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send {
         self.inner.handle(tx, event)
+    }
+
+    fn handle_batch(
+        &self,
+        tx: &mut Self::Tx,
+        events: Vec<Self::Event>,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send {
+        self.inner.handle_batch(tx, events)
     }
 
     fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error> {

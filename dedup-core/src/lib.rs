@@ -32,6 +32,8 @@ pub mod __private {
     pub use std::module_path;
     pub use std::result::Result::{self, Err, Ok};
     pub use std::string::String;
+    pub use std::vec;
+    pub use std::vec::Vec;
 
     /// Turns a key field into the event id: anything `Display`, or an
     /// `Option` of it (`None` is a missing key). Chosen by autoref

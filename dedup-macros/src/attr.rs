@@ -1,10 +1,10 @@
-//! Parsing `#[idempotent(key = "...", ttl = "...", scope = "...", crate = "...")]`.
+//! Parsing `#[idempotent(key = "...", ttl = "...", scope = "...", crate = "...", batch)]`.
 
 use proc_macro2::{Span, TokenStream};
 use syn::LitStr;
 use syn::meta::ParseNestedMeta;
 
-const VALID: &str = "valid options: `key`, `ttl`, `scope`, `crate`";
+const VALID: &str = "valid options: `key`, `ttl`, `scope`, `crate`, `batch`";
 const EXAMPLE: &str = r#"#[idempotent(key = "event_id", ttl = "4h")]"#;
 
 /// Where the event id comes from.
@@ -23,6 +23,8 @@ pub(crate) struct Args {
     pub(crate) ttl_secs: u64,
     pub(crate) scope: Option<LitStr>,
     pub(crate) krate: Option<syn::Path>,
+    /// The body takes `Vec<Event>`: all claimed events of a batch at once.
+    pub(crate) batch: bool,
 }
 
 /// Stores `value` in `slot` unless the option was given before: the one
@@ -41,6 +43,7 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
     let mut ttl = None;
     let mut scope = None;
     let mut krate = None;
+    let mut batch = None;
     let parser = syn::meta::parser(|meta| {
         if meta.path.is_ident("key") {
             let lit: LitStr = meta.value()?.parse()?;
@@ -51,6 +54,13 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
         } else if meta.path.is_ident("scope") {
             let lit: LitStr = meta.value()?.parse()?;
             set_once(&mut scope, &meta, lit)
+        } else if meta.path.is_ident("batch") {
+            if meta.input.peek(syn::Token![=]) {
+                return Err(
+                    meta.error("`batch` is a flag and takes no value: #[idempotent(batch, ...)]")
+                );
+            }
+            set_once(&mut batch, &meta, ())
         } else if meta.path.is_ident("crate") {
             let lit: LitStr = meta.value()?.parse()?;
             set_once(&mut krate, &meta, lit)
@@ -104,6 +114,7 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
         ttl_secs: ttl_secs.expect("checked above"),
         scope,
         krate,
+        batch: batch.is_some(),
     })
 }
 

@@ -14,7 +14,8 @@ pub(crate) fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
         Err(e) => return token_stream_with_error(item, e),
     };
     let args = attr::parse(attr);
-    let signature = check_signature(&func);
+    let batch = args.as_ref().is_ok_and(|a| a.batch);
+    let signature = check_signature(&func, batch);
     match (args, signature) {
         (Ok(args), Ok((tx, event))) => generate(&args, &func, tx, event),
         (args, signature) => {
@@ -38,7 +39,7 @@ fn token_stream_with_error(mut item: TokenStream, error: syn::Error) -> TokenStr
 
 /// Checks `async fn name(tx: &mut Tx, event: Event) -> ...` and returns the
 /// transaction and event types.
-fn check_signature(func: &ItemFn) -> syn::Result<(&Type, &Type)> {
+fn check_signature(func: &ItemFn, batch: bool) -> syn::Result<(&Type, &Type)> {
     let sig = &func.sig;
     let mut errors = Vec::new();
     if sig.asyncness.is_none() {
@@ -84,7 +85,18 @@ fn check_signature(func: &ItemFn) -> syn::Result<(&Type, &Type)> {
                     "the first parameter is the transaction and must be `&mut`",
                 ));
             } else {
-                types = Some((&*r.elem, &*typed[1].ty));
+                let event = &*typed[1].ty;
+                if batch {
+                    match vec_element(event) {
+                        Some(element) => types = Some((&*r.elem, element)),
+                        None => errors.push(syn::Error::new(
+                            event.span(),
+                            "with `batch`, the second parameter takes the events of a batch: `events: Vec<Event>`",
+                        )),
+                    }
+                } else {
+                    types = Some((&*r.elem, event));
+                }
             }
         } else {
             errors.push(syn::Error::new(
@@ -99,6 +111,22 @@ fn check_signature(func: &ItemFn) -> syn::Result<(&Type, &Type)> {
     }) {
         Some(e) => Err(e),
         None => Ok(types.expect("set when no error")),
+    }
+}
+
+/// `T` of a `Vec<T>` type.
+fn vec_element(ty: &Type) -> Option<&Type> {
+    let Type::Path(path) = ty else { return None };
+    let last = path.path.segments.last()?;
+    if last.ident != "Vec" {
+        return None;
+    }
+    match &last.arguments {
+        syn::PathArguments::AngleBracketed(args) if args.args.len() == 1 => match &args.args[0] {
+            syn::GenericArgument::Type(element) => Some(element),
+            _ => None,
+        },
+        _ => None,
     }
 }
 
@@ -151,6 +179,39 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
     let output_span = output.span();
     let into = quote_spanned! {output_span=> #private::Result::map_err(result, ::core::convert::Into::<#private::HandlerError>::into) };
 
+    let handle_fns = if args.batch {
+        quote! {
+            async fn handle(
+                &self,
+                tx: &mut Self::Tx,
+                event: Self::Event,
+            ) -> #private::Result<(), #private::HandlerError> {
+                let result = #name::#call(tx, #private::vec![event]).await;
+                #into
+            }
+
+            async fn handle_batch(
+                &self,
+                tx: &mut Self::Tx,
+                events: #private::Vec<Self::Event>,
+            ) -> #private::Result<(), #private::HandlerError> {
+                let result = #name::#call(tx, events).await;
+                #into
+            }
+        }
+    } else {
+        quote! {
+            async fn handle(
+                &self,
+                tx: &mut Self::Tx,
+                event: Self::Event,
+            ) -> #private::Result<(), #private::HandlerError> {
+                let result = #name::#call(tx, event).await;
+                #into
+            }
+        }
+    };
+
     quote! {
         #(#attrs)*
         #[allow(non_camel_case_types)]
@@ -185,14 +246,7 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
                 #key_body
             }
 
-            async fn handle(
-                &self,
-                tx: &mut Self::Tx,
-                event: Self::Event,
-            ) -> #private::Result<(), #private::HandlerError> {
-                let result = #name::#call(tx, event).await;
-                #into
-            }
+            #handle_fns
         }
     }
 }

@@ -907,3 +907,43 @@ async fn batches_commit_many_messages_per_transaction(pool: PgPool) {
     assert_eq!(stats.batch_replays, 0);
     assert_eq!(balance(&pool).await, expected);
 }
+
+/// Receives all claimed events of a batch in one call.
+#[idempotent(key = "event_id", ttl = "4h", batch)]
+async fn record_payments_in_bulk(
+    tx: &mut PgTx,
+    events: Vec<PaymentReceived>,
+) -> Result<(), dedup_core::HandlerError> {
+    BULK_CALLS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    for ev in &events {
+        credit(tx, ev).await?;
+    }
+    Ok(())
+}
+
+static BULK_CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+#[sqlx::test(migrations = false)]
+async fn a_batch_handler_gets_each_batch_in_one_call(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let producer = producer();
+    for i in 0..100 {
+        let event = payment(uuid::Uuid::new_v4(), "a", i);
+        produce(&producer, &topic, "k", &event, None).await;
+        if i % 4 == 0 {
+            produce(&producer, &topic, "k", &event, None).await;
+        }
+    }
+    let running = start(consumer(&store, &unique("g")).handle(&topic, record_payments_in_bulk));
+    running
+        .wait_for("all applied", |s| s.applied == 100 && s.skipped == 25)
+        .await;
+    let stats = running.stop().await;
+    let calls = BULK_CALLS.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        calls >= 1 && calls < 50,
+        "100 events should come in a few calls, not one each: {calls}, {stats:?}"
+    );
+    assert_eq!(balance(&pool).await, (0..100).sum::<i64>());
+}

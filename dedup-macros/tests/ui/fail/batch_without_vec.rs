@@ -1,0 +1,13 @@
+use dedup_core::{HandlerError, MemoryTx, idempotent};
+
+#[derive(serde::Deserialize)]
+struct Ev {
+    event_id: String,
+}
+
+#[idempotent(key = "event_id", ttl = "4h", batch)]
+async fn handler(_tx: &mut MemoryTx, _ev: Ev) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+fn main() {}

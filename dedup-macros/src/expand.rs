@@ -179,17 +179,15 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
     let output_span = output.span();
     let into = quote_spanned! {output_span=> #private::Result::map_err(result, ::core::convert::Into::<#private::HandlerError>::into) };
 
-    let handle_fns = if args.batch {
+    // A batch body takes Vec<Event>: a single event arrives as a Vec of one,
+    // and the whole batch through handle_batch.
+    let single = if args.batch {
+        quote!(#private::vec![event])
+    } else {
+        quote!(event)
+    };
+    let handle_batch = args.batch.then(|| {
         quote! {
-            async fn handle(
-                &self,
-                tx: &mut Self::Tx,
-                event: Self::Event,
-            ) -> #private::Result<(), #private::HandlerError> {
-                let result = #name::#call(tx, #private::vec![event]).await;
-                #into
-            }
-
             async fn handle_batch(
                 &self,
                 tx: &mut Self::Tx,
@@ -199,17 +197,18 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
                 #into
             }
         }
-    } else {
-        quote! {
-            async fn handle(
-                &self,
-                tx: &mut Self::Tx,
-                event: Self::Event,
-            ) -> #private::Result<(), #private::HandlerError> {
-                let result = #name::#call(tx, event).await;
-                #into
-            }
+    });
+    let handle_fns = quote! {
+        async fn handle(
+            &self,
+            tx: &mut Self::Tx,
+            event: Self::Event,
+        ) -> #private::Result<(), #private::HandlerError> {
+            let result = #name::#call(tx, #single).await;
+            #into
         }
+
+        #handle_batch
     };
 
     quote! {

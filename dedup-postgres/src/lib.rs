@@ -1,6 +1,5 @@
 #![doc = include_str!("../README.md")]
 
-use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::fmt;
 use std::sync::Arc;
@@ -11,7 +10,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool, Row, SqlSafeStr};
 
 pub use dedup_core::sql::InvalidTableName;
-use dedup_core::sql::TableName;
+use dedup_core::sql::{BatchClaims, TableName};
 
 /// The sqlx this backend is built on, so handlers can use the same version.
 pub use sqlx;
@@ -364,23 +363,12 @@ impl DedupStore for PgStore {
         keys: &[DedupKey],
         ttl: Ttl,
     ) -> Result<Vec<Claim>, StoreError> {
-        // ON CONFLICT cannot touch one row twice in a statement: send each
-        // key once and answer its repeats from its first position.
-        let mut first_at: HashMap<&DedupKey, usize> = HashMap::with_capacity(keys.len());
-        let (mut scopes, mut ids) = (
-            Vec::with_capacity(keys.len()),
-            Vec::with_capacity(keys.len()),
-        );
-        for (i, key) in keys.iter().enumerate() {
-            first_at.entry(key).or_insert_with(|| {
-                scopes.push(key.scope());
-                ids.push(key.id());
-                i
-            });
-        }
-        if scopes.is_empty() {
+        let mut batch = BatchClaims::new(keys);
+        if batch.distinct().is_empty() {
             return Ok(Vec::new());
         }
+        let (scopes, ids): (Vec<&str>, Vec<&str>) =
+            batch.distinct().iter().map(|k| (k.scope(), k.id())).unzip();
         let rows = sqlx::query(sql(&self.statements.claim_many))
             .bind(&scopes)
             .bind(&ids)
@@ -388,58 +376,30 @@ impl DedupStore for PgStore {
             .fetch_all(&mut **tx)
             .await
             .map_err(store_error)?;
-        let mut claimed = HashMap::with_capacity(rows.len());
         for row in rows {
             let (scope, id, fresh, expires_us): (String, String, bool, i64) =
                 sqlx::FromRow::from_row(&row).map_err(store_error)?;
-            claimed.insert((scope, id), (fresh, micros_to_time(expires_us)));
+            batch.claimed(&scope, &id, fresh, micros_to_time(expires_us));
         }
-
         // Keys with no row returned hold live claims: read their expiry in a
         // new statement, which sees claims that committed while we waited.
-        let mut live = HashMap::new();
-        if claimed.len() < scopes.len() {
-            let (dup_scopes, dup_ids): (Vec<&str>, Vec<&str>) = scopes
-                .iter()
-                .zip(&ids)
-                .filter(|(s, i)| !claimed.contains_key(&(s.to_string(), i.to_string())))
-                .map(|(s, i)| (*s, *i))
-                .unzip();
+        let unclaimed = batch.unclaimed();
+        if !unclaimed.is_empty() {
+            let (scopes, ids): (Vec<&str>, Vec<&str>) =
+                unclaimed.iter().map(|k| (k.scope(), k.id())).unzip();
             let rows = sqlx::query(sql(&self.statements.expiry_many))
-                .bind(&dup_scopes)
-                .bind(&dup_ids)
+                .bind(&scopes)
+                .bind(&ids)
                 .fetch_all(&mut **tx)
                 .await
                 .map_err(store_error)?;
             for row in rows {
                 let (scope, id, expires_us): (String, String, i64) =
                     sqlx::FromRow::from_row(&row).map_err(store_error)?;
-                live.insert((scope, id), micros_to_time(expires_us));
+                batch.live(&scope, &id, micros_to_time(expires_us));
             }
         }
-
-        Ok(keys
-            .iter()
-            .enumerate()
-            .map(|(i, key)| {
-                let slot = (key.scope().to_owned(), key.id().to_owned());
-                match claimed.get(&slot) {
-                    Some(&(fresh, _)) if first_at[key] == i => {
-                        if fresh {
-                            Claim::Fresh
-                        } else {
-                            Claim::Reclaimed
-                        }
-                    }
-                    Some(&(_, expires_at)) => Claim::Duplicate { expires_at },
-                    // Live elsewhere; a claim that vanished in between (purged
-                    // right at its expiry) is reported as expiring now.
-                    None => Claim::Duplicate {
-                        expires_at: live.get(&slot).copied().unwrap_or_else(SystemTime::now),
-                    },
-                }
-            })
-            .collect())
+        Ok(batch.finish())
     }
 
     async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {

@@ -1,13 +1,12 @@
 #![doc = include_str!("../README.md")]
 
-use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use dedup_core::sql::TableName;
+use dedup_core::sql::{BatchClaims, TableName};
 use dedup_core::{Claim, DedupKey, DedupStore, PurgeConfig, PurgeExpired, Purger, StoreError, Ttl};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlitePool};
@@ -327,68 +326,35 @@ impl DedupStore for SqliteStore {
         keys: &[DedupKey],
         ttl: Ttl,
     ) -> Result<Vec<Claim>, StoreError> {
-        // One row per key in the statement: repeats are answered from the
-        // first position.
-        let mut first_at: HashMap<&DedupKey, usize> = HashMap::with_capacity(keys.len());
-        let mut unique = Vec::with_capacity(keys.len());
-        for (i, key) in keys.iter().enumerate() {
-            first_at.entry(key).or_insert_with(|| {
-                unique.push(key);
-                i
-            });
-        }
-        if unique.is_empty() {
+        let mut batch = BatchClaims::new(keys);
+        if batch.distinct().is_empty() {
             return Ok(Vec::new());
         }
         let rows = sqlx::query(sql(&self.statements.claim_many))
-            .bind(json_pairs(unique.iter().copied()))
+            .bind(json_pairs(batch.distinct().iter().copied()))
             .bind(ttl_secs(ttl))
             .fetch_all(&mut **tx)
             .await
             .map_err(store_error)?;
-        let mut claimed = HashMap::with_capacity(rows.len());
         for row in rows {
             let (scope, id, claims, expires_us): (String, String, i64, i64) =
                 sqlx::FromRow::from_row(&row).map_err(store_error)?;
-            claimed.insert((scope, id), (claims == 1, micros_to_time(expires_us)));
+            batch.claimed(&scope, &id, claims == 1, micros_to_time(expires_us));
         }
-        let mut live = HashMap::new();
-        if claimed.len() < unique.len() {
-            let missing = unique
-                .iter()
-                .copied()
-                .filter(|k| !claimed.contains_key(&(k.scope().to_owned(), k.id().to_owned())));
+        let unclaimed = batch.unclaimed();
+        if !unclaimed.is_empty() {
             let rows = sqlx::query(sql(&self.statements.expiry_many))
-                .bind(json_pairs(missing))
+                .bind(json_pairs(unclaimed.into_iter()))
                 .fetch_all(&mut **tx)
                 .await
                 .map_err(store_error)?;
             for row in rows {
                 let (scope, id, expires_us): (String, String, i64) =
                     sqlx::FromRow::from_row(&row).map_err(store_error)?;
-                live.insert((scope, id), micros_to_time(expires_us));
+                batch.live(&scope, &id, micros_to_time(expires_us));
             }
         }
-        Ok(keys
-            .iter()
-            .enumerate()
-            .map(|(i, key)| {
-                let slot = (key.scope().to_owned(), key.id().to_owned());
-                match claimed.get(&slot) {
-                    Some(&(fresh, _)) if first_at[key] == i => {
-                        if fresh {
-                            Claim::Fresh
-                        } else {
-                            Claim::Reclaimed
-                        }
-                    }
-                    Some(&(_, expires_at)) => Claim::Duplicate { expires_at },
-                    None => Claim::Duplicate {
-                        expires_at: live.get(&slot).copied().unwrap_or_else(SystemTime::now),
-                    },
-                }
-            })
-            .collect())
+        Ok(batch.finish())
     }
 
     async fn commit(&self, tx: SqliteTx) -> Result<(), StoreError> {

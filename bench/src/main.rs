@@ -21,6 +21,10 @@
 //! distinct events, or every delivery for `no-dedup`); a wrong count fails
 //! the run.
 //!
+//! With `--purge`, a fifth mode `batched-purge` runs `batched` while the
+//! purger deletes a backlog of 500,000 expired claims beside it (in batches
+//! of 1,000 every 200 ms), to show purging does not stall the consumer.
+//!
 //! Environment: `KAFKA_BROKERS` (default `127.0.0.1:9092`), `DATABASE_URL`.
 
 #![allow(clippy::print_stdout)]
@@ -123,6 +127,7 @@ struct Args {
     duplicates: f64,
     partitions: i32,
     json: bool,
+    purge: bool,
     mode: Option<String>,
 }
 
@@ -132,6 +137,7 @@ fn args() -> Result<Args, String> {
         duplicates: 0.1,
         partitions: 6,
         json: false,
+        purge: false,
         mode: None,
     };
     let mut it = std::env::args().skip(1);
@@ -147,9 +153,10 @@ fn args() -> Result<Args, String> {
             }
             "--mode" => a.mode = Some(value()?),
             "--json" => a.json = true,
+            "--purge" => a.purge = true,
             other => {
                 return Err(format!(
-                    "unknown flag {other}; flags: --events --duplicates --partitions --json"
+                    "unknown flag {other}; flags: --events --duplicates --partitions --json --purge"
                 ));
             }
         }
@@ -264,6 +271,19 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
     .await?;
     store.migrate().await?;
     reset_table(store.pool()).await?;
+    // batched-purge: a backlog of expired claims for the purger to delete
+    // while the consumer runs at full speed.
+    let expired_backlog: i64 = if mode == "batched-purge" { 500_000 } else { 0 };
+    if expired_backlog > 0 {
+        sqlx::query(
+            "INSERT INTO dedup_claims (scope, key, claimed_at, expires_at) \
+             SELECT 'bench::expired', g::text, now() - interval '2 hours', now() - interval '1 hour' \
+             FROM generate_series(1, $1) g",
+        )
+        .bind(expired_backlog)
+        .execute(store.pool())
+        .await?;
+    }
     let work = workload(args.events, args.duplicates);
     let expected = if mode == "no-dedup" {
         work.messages.len()
@@ -368,6 +388,13 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
     produce.await?;
     let started = Instant::now();
     let batch_size = if mode == "per-message" { 1 } else { 200 };
+    let purger = (expired_backlog > 0).then(|| {
+        store.spawn_purger(
+            dedup_core::PurgeConfig::default()
+                .with_interval(Duration::from_millis(200))
+                .with_batch_size(1000),
+        )
+    });
     let consumer = match mode {
         "no-dedup" => ConsumerRun::spawn(
             configure(NoDedup(store.clone()), &brokers, &group, batch_size)
@@ -407,6 +434,17 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
     let seconds = started.elapsed().as_secs_f64();
     let stats = consumer.stats.snapshot();
     consumer.stop().await;
+    if let Some(purger) = purger {
+        purger.stop().await;
+        let left: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM dedup_claims WHERE scope = 'bench::expired'")
+                .fetch_one(store.pool())
+                .await?;
+        eprintln!(
+            "  batched-purge: the purger deleted {} of {expired_backlog} expired claims while the consumer ran",
+            expired_backlog - left
+        );
+    }
     latencies.sort_by(f64::total_cmp);
     Ok(Report {
         mode: mode.into(),
@@ -483,7 +521,12 @@ async fn main() -> Result<(), BoxError> {
         args.partitions
     );
     let mut reports = Vec::new();
-    for mode in MODES {
+    let modes: Vec<&str> = MODES
+        .iter()
+        .copied()
+        .chain(args.purge.then_some("batched-purge"))
+        .collect();
+    for mode in modes {
         eprintln!("  running {mode} ...");
         let out = Command::new(std::env::current_exe()?)
             .args(["--mode", mode, "--events", &args.events.to_string()])

@@ -267,3 +267,20 @@ impl<'k> BatchClaims<'k> {
             .collect()
     }
 }
+
+/// A time the database gave as microseconds since the Unix epoch (how the
+/// SQL backends read `expires_at` without a date-time crate).
+pub fn time_from_unix_micros(us: i64) -> std::time::SystemTime {
+    let magnitude = std::time::Duration::from_micros(us.unsigned_abs());
+    if us >= 0 {
+        std::time::UNIX_EPOCH + magnitude
+    } else {
+        std::time::UNIX_EPOCH - magnitude
+    }
+}
+
+/// A TTL as the signed seconds SQL parameters take. A TTL is at most 100
+/// years, far inside `i64`.
+pub fn ttl_seconds(ttl: crate::Ttl) -> i64 {
+    i64::try_from(ttl.as_secs()).expect("a TTL fits in i64 seconds")
+}

@@ -3,14 +3,14 @@
 use std::error::Error as StdError;
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
 use dedup_core::{Claim, DedupKey, DedupStore, PurgeConfig, PurgeExpired, Purger, StoreError, Ttl};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool, Row, SqlSafeStr};
 
 pub use dedup_core::sql::InvalidTableName;
-use dedup_core::sql::{BatchClaims, TableName};
+use dedup_core::sql::{BatchClaims, TableName, time_from_unix_micros, ttl_seconds};
 
 /// The sqlx this backend is built on, so handlers can use the same version.
 pub use sqlx;
@@ -272,20 +272,6 @@ impl PgStore {
     }
 }
 
-fn micros_to_time(us: i64) -> SystemTime {
-    let magnitude = Duration::from_micros(us.unsigned_abs());
-    if us >= 0 {
-        UNIX_EPOCH + magnitude
-    } else {
-        UNIX_EPOCH - magnitude
-    }
-}
-
-fn ttl_secs(ttl: Ttl) -> i64 {
-    // Ttl is at most 100 years, far below i64::MAX seconds.
-    i64::try_from(ttl.as_secs()).expect("TTL fits in i64")
-}
-
 /// Whether a retry may get past `e`, judged from codes only.
 fn is_transient(e: &sqlx::Error) -> bool {
     match e {
@@ -332,7 +318,7 @@ impl DedupStore for PgStore {
         let row = sqlx::query(sql(&self.statements.claim))
             .bind(key.scope())
             .bind(key.id())
-            .bind(ttl_secs(ttl))
+            .bind(ttl_seconds(ttl))
             .fetch_optional(&mut **tx)
             .await
             .map_err(store_error)?;
@@ -353,7 +339,7 @@ impl DedupStore for PgStore {
             .await
             .map_err(store_error)?;
         Ok(Claim::Duplicate {
-            expires_at: expires_us.map_or_else(SystemTime::now, micros_to_time),
+            expires_at: expires_us.map_or_else(SystemTime::now, time_from_unix_micros),
         })
     }
 
@@ -372,14 +358,14 @@ impl DedupStore for PgStore {
         let rows = sqlx::query(sql(&self.statements.claim_many))
             .bind(&scopes)
             .bind(&ids)
-            .bind(ttl_secs(ttl))
+            .bind(ttl_seconds(ttl))
             .fetch_all(&mut **tx)
             .await
             .map_err(store_error)?;
         for row in rows {
             let (scope, id, fresh, expires_us): (String, String, bool, i64) =
                 sqlx::FromRow::from_row(&row).map_err(store_error)?;
-            batch.claimed(&scope, &id, fresh, micros_to_time(expires_us));
+            batch.claimed(&scope, &id, fresh, time_from_unix_micros(expires_us));
         }
         // Keys with no row returned hold live claims: read their expiry in a
         // new statement, which sees claims that committed while we waited.
@@ -396,7 +382,7 @@ impl DedupStore for PgStore {
             for row in rows {
                 let (scope, id, expires_us): (String, String, i64) =
                     sqlx::FromRow::from_row(&row).map_err(store_error)?;
-                batch.live(&scope, &id, micros_to_time(expires_us));
+                batch.live(&scope, &id, time_from_unix_micros(expires_us));
             }
         }
         Ok(batch.finish())

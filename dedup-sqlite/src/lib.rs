@@ -4,9 +4,9 @@ use std::error::Error as StdError;
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
-use dedup_core::sql::{BatchClaims, TableName};
+use dedup_core::sql::{BatchClaims, TableName, time_from_unix_micros, ttl_seconds};
 use dedup_core::{Claim, DedupKey, DedupStore, PurgeConfig, PurgeExpired, Purger, StoreError, Ttl};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlitePool};
@@ -224,19 +224,6 @@ impl SqliteStore {
     }
 }
 
-fn micros_to_time(us: i64) -> SystemTime {
-    let magnitude = Duration::from_micros(us.unsigned_abs());
-    if us >= 0 {
-        UNIX_EPOCH + magnitude
-    } else {
-        UNIX_EPOCH - magnitude
-    }
-}
-
-fn ttl_secs(ttl: Ttl) -> i64 {
-    i64::try_from(ttl.as_secs()).expect("TTL fits in i64")
-}
-
 /// SQLite's result codes that a retry can get past: `SQLITE_BUSY` (5) and
 /// `SQLITE_LOCKED` (6) with their extended codes; plus lost I/O and an
 /// exhausted pool.
@@ -299,7 +286,7 @@ impl DedupStore for SqliteStore {
         let claims: Option<i64> = sqlx::query_scalar(sql(&self.statements.claim))
             .bind(key.scope())
             .bind(key.id())
-            .bind(ttl_secs(ttl))
+            .bind(ttl_seconds(ttl))
             .fetch_optional(&mut **tx)
             .await
             .map_err(store_error)?;
@@ -314,7 +301,7 @@ impl DedupStore for SqliteStore {
                     .await
                     .map_err(store_error)?;
                 Ok(Claim::Duplicate {
-                    expires_at: expires_us.map_or_else(SystemTime::now, micros_to_time),
+                    expires_at: expires_us.map_or_else(SystemTime::now, time_from_unix_micros),
                 })
             }
         }
@@ -332,14 +319,14 @@ impl DedupStore for SqliteStore {
         }
         let rows = sqlx::query(sql(&self.statements.claim_many))
             .bind(json_pairs(batch.distinct().iter().copied()))
-            .bind(ttl_secs(ttl))
+            .bind(ttl_seconds(ttl))
             .fetch_all(&mut **tx)
             .await
             .map_err(store_error)?;
         for row in rows {
             let (scope, id, claims, expires_us): (String, String, i64, i64) =
                 sqlx::FromRow::from_row(&row).map_err(store_error)?;
-            batch.claimed(&scope, &id, claims == 1, micros_to_time(expires_us));
+            batch.claimed(&scope, &id, claims == 1, time_from_unix_micros(expires_us));
         }
         let unclaimed = batch.unclaimed();
         if !unclaimed.is_empty() {
@@ -351,7 +338,7 @@ impl DedupStore for SqliteStore {
             for row in rows {
                 let (scope, id, expires_us): (String, String, i64) =
                     sqlx::FromRow::from_row(&row).map_err(store_error)?;
-                batch.live(&scope, &id, micros_to_time(expires_us));
+                batch.live(&scope, &id, time_from_unix_micros(expires_us));
             }
         }
         Ok(batch.finish())

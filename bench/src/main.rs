@@ -241,6 +241,32 @@ struct Report {
     batches: u64,
 }
 
+impl Report {
+    /// A mode's figures; `rows` is (effect rows found, rows expected).
+    fn new(
+        mode: &str,
+        events: usize,
+        seconds: f64,
+        mut latencies: Vec<f64>,
+        rows: (i64, i64),
+        batches: u64,
+    ) -> Self {
+        latencies.sort_by(f64::total_cmp);
+        Report {
+            mode: mode.into(),
+            events,
+            seconds,
+            events_per_s: events as f64 / seconds,
+            p50_ms: percentile(&latencies, 0.5),
+            p99_ms: percentile(&latencies, 0.99),
+            peak_rss_mib: peak_rss_mib(),
+            applied_rows: rows.0,
+            expected_rows: rows.1,
+            batches,
+        }
+    }
+}
+
 async fn reset_table(pool: &sqlx::PgPool) -> Result<(), BoxError> {
     sqlx::query("DROP TABLE IF EXISTS bench_effects")
         .execute(pool)
@@ -310,19 +336,15 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
             latencies.extend(std::iter::repeat_n(ms, chunk.len()));
         }
         let seconds = started.elapsed().as_secs_f64();
-        latencies.sort_by(f64::total_cmp);
-        return Ok(Report {
-            mode: mode.into(),
-            events: work.messages.len(),
+        let applied = rows(store.pool()).await?;
+        return Ok(Report::new(
+            mode,
+            work.messages.len(),
             seconds,
-            events_per_s: work.messages.len() as f64 / seconds,
-            p50_ms: percentile(&latencies, 0.5),
-            p99_ms: percentile(&latencies, 0.99),
-            peak_rss_mib: peak_rss_mib(),
-            applied_rows: rows(store.pool()).await?,
-            expected_rows: expected,
-            batches: work.distinct.div_ceil(1000) as u64,
-        });
+            latencies,
+            (applied, expected),
+            work.distinct.div_ceil(1000) as u64,
+        ));
     }
 
     let topic = format!("bench-{mode}-{}", uuid::Uuid::new_v4().simple());
@@ -445,19 +467,15 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
             expired_backlog - left
         );
     }
-    latencies.sort_by(f64::total_cmp);
-    Ok(Report {
-        mode: mode.into(),
-        events: work.messages.len(),
+    let applied = rows(store.pool()).await?;
+    Ok(Report::new(
+        mode,
+        work.messages.len(),
         seconds,
-        events_per_s: work.messages.len() as f64 / seconds,
-        p50_ms: percentile(&latencies, 0.5),
-        p99_ms: percentile(&latencies, 0.99),
-        peak_rss_mib: peak_rss_mib(),
-        applied_rows: rows(store.pool()).await?,
-        expected_rows: expected,
-        batches: stats.batches,
-    })
+        latencies,
+        (applied, expected),
+        stats.batches,
+    ))
 }
 
 /// The consumer settings every Kafka mode shares.

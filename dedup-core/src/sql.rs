@@ -90,11 +90,30 @@ impl TableName {
 
 impl TableName {
     /// Fills a migration template: `{{table}}` becomes the quoted table,
-    /// `{{expires_index}}` the quoted name of its expiry index.
+    /// `{{expires_index}}` the quoted name of its expiry index,
+    /// `{{index:NAME}}` the quoted index `<table>_NAME`, `{{object:NAME}}`
+    /// the quoted, qualified companion `<table>_NAME` (a function), and
+    /// `{{name}}` the unquoted `[schema.]table` (validation leaves nothing
+    /// in it that could end a string literal).
     pub fn render(&self, template: &str) -> String {
-        template
+        let mut out = template
             .replace("{{table}}", &self.quoted())
             .replace("{{expires_index}}", &self.quoted_index("_expires_at_idx"))
+            .replace("{{name}}", &self.to_string());
+        for (tag, quote) in [
+            ("{{index:", Self::quoted_index as fn(&Self, &str) -> String),
+            ("{{object:", Self::quoted_with_suffix),
+        ] {
+            while let Some(start) = out.find(tag) {
+                let Some(len) = out[start..].find("}}") else {
+                    break;
+                };
+                let name = &out[start + tag.len()..start + len];
+                let quoted = quote(self, &format!("_{name}"));
+                out.replace_range(start..start + len + 2, &quoted);
+            }
+        }
+        out
     }
 }
 
@@ -132,6 +151,15 @@ mod tests {
         assert_eq!(
             t.quoted_index("_expires_at_idx"),
             "\"Claims_2_expires_at_idx\""
+        );
+    }
+
+    #[test]
+    fn renders_companion_names() {
+        let t = TableName::parse("billing.outbox").unwrap();
+        assert_eq!(
+            t.render("{{table}} {{index:pending_idx}} {{object:notify}}() '{{name}}'"),
+            "\"billing\".\"outbox\" \"outbox_pending_idx\" \"billing\".\"outbox_notify\"() 'billing.outbox'"
         );
     }
 

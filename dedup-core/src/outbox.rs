@@ -1,0 +1,194 @@
+//! The transactional outbox: events written in the same transaction as the
+//! change they announce, published afterwards by a relay.
+//!
+//! A backend stores [`OutboxMessage`]s (its own `enqueue`, inside the
+//! caller's transaction) and implements [`OutboxSource`], through which the
+//! relay of the Kafka runtime reads them, so the relay knows no SQL.
+
+use std::future::Future;
+use std::time::Duration;
+
+use crate::StoreError;
+
+/// The header every relayed event carries its stable id in, and the name a
+/// downstream `#[idempotent(key = "header:event-id")]` handler reads.
+pub const EVENT_ID_HEADER: &str = "event-id";
+
+/// An event to enqueue: where it goes, its key and payload, extra headers.
+///
+/// The event id is given at enqueue time (a random UUID unless
+/// [`with_event_id`](OutboxMessage::with_event_id) sets one) and travels as
+/// the [`EVENT_ID_HEADER`] header, so every copy the relay may publish
+/// carries the same id.
+#[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxMessage {
+    /// The Kafka topic.
+    pub topic: String,
+    /// The message key (events of one key keep their order); `None` lets
+    /// the producer spread them.
+    pub key: Option<Vec<u8>>,
+    /// The message value.
+    pub payload: Vec<u8>,
+    /// Extra headers, in order.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// A caller-chosen event id, for example derived from the consumed
+    /// event's id so that a replayed handler enqueues the same id.
+    pub event_id: Option<String>,
+}
+
+impl std::fmt::Debug for OutboxMessage {
+    // Payloads may hold personal data: show their size, not their bytes.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutboxMessage")
+            .field("topic", &self.topic)
+            .field("key", &self.key.as_deref().map(String::from_utf8_lossy))
+            .field("payload_bytes", &self.payload.len())
+            .field(
+                "headers",
+                &self.headers.iter().map(|(n, _)| n).collect::<Vec<_>>(),
+            )
+            .field("event_id", &self.event_id)
+            .finish()
+    }
+}
+
+impl OutboxMessage {
+    /// An event whose payload is `value` as JSON.
+    pub fn json(
+        topic: impl Into<String>,
+        value: &impl serde::Serialize,
+    ) -> Result<Self, serde_json::Error> {
+        Ok(Self::bytes(topic, serde_json::to_vec(value)?))
+    }
+
+    /// An event with a raw payload.
+    pub fn bytes(topic: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
+        OutboxMessage {
+            topic: topic.into(),
+            key: None,
+            payload: payload.into(),
+            headers: Vec::new(),
+            event_id: None,
+        }
+    }
+
+    /// Sets the message key.
+    pub fn with_key(mut self, key: impl Into<Vec<u8>>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    /// Adds a header.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+
+    /// Sets the event id instead of a random one.
+    pub fn with_event_id(mut self, id: impl Into<String>) -> Self {
+        self.event_id = Some(id.into());
+        self
+    }
+}
+
+/// An enqueued event as the relay reads it.
+#[derive(Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxRecord {
+    /// Its position in the outbox: events are published in this order.
+    pub seq: i64,
+    /// The stable id, sent as the [`EVENT_ID_HEADER`] header.
+    pub event_id: String,
+    /// The Kafka topic.
+    pub topic: String,
+    /// The message key.
+    pub key: Option<Vec<u8>>,
+    /// The message value.
+    pub payload: Vec<u8>,
+    /// Extra headers, in order.
+    pub headers: Vec<(String, Vec<u8>)>,
+    /// Failed publish attempts so far.
+    pub attempts: u32,
+}
+
+impl std::fmt::Debug for OutboxRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutboxRecord")
+            .field("seq", &self.seq)
+            .field("event_id", &self.event_id)
+            .field("topic", &self.topic)
+            .field("key", &self.key.as_deref().map(String::from_utf8_lossy))
+            .field("payload_bytes", &self.payload.len())
+            .field("attempts", &self.attempts)
+            .finish()
+    }
+}
+
+impl OutboxRecord {
+    /// A record as a backend read it from its table.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        seq: i64,
+        event_id: String,
+        topic: String,
+        key: Option<Vec<u8>>,
+        payload: Vec<u8>,
+        headers: Vec<(String, Vec<u8>)>,
+        attempts: u32,
+    ) -> Self {
+        OutboxRecord {
+            seq,
+            event_id,
+            topic,
+            key,
+            payload,
+            headers,
+            attempts,
+        }
+    }
+}
+
+/// Where a relay reads pending events from: the outbox of a backend.
+///
+/// # The contract
+///
+/// - [`lock_pending`](OutboxSource::lock_pending) returns pending events in
+///   outbox order and holds them until [`finish`](OutboxSource::finish):
+///   another relay's `lock_pending` skips them (it does not wait for them).
+/// - It never returns an event while an earlier pending event of the same
+///   topic and key is held by another relay, so several relays keep each
+///   key's order. (Events without a key have no order to keep.)
+/// - `finish` atomically marks the published events as sent (or deletes
+///   them) and records the failures; events neither published nor failed
+///   stay pending. If the relay dies before `finish`, every event of the
+///   batch stays pending and is published again: the relay is
+///   at-least-once, and consumers deduplicate on the event id.
+pub trait OutboxSource: Send + Sync + 'static {
+    /// Holds a batch of events until [`finish`](OutboxSource::finish).
+    type Lease: Send;
+
+    /// Takes up to `limit` pending events, in outbox order.
+    fn lock_pending(
+        &self,
+        limit: usize,
+    ) -> impl Future<Output = Result<(Self::Lease, Vec<OutboxRecord>), StoreError>> + Send;
+
+    /// Marks `published` (sequence numbers) sent, records `failed` attempts
+    /// with their reasons, and releases the batch.
+    fn finish(
+        &self,
+        lease: Self::Lease,
+        published: &[i64],
+        failed: &[(i64, String)],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Waits until new events may have been enqueued (a notification), or
+    /// at most `timeout`: the polling fallback when notifications are lost.
+    fn wait_for_events(&self, timeout: Duration) -> impl Future<Output = ()> + Send;
+
+    /// Deletes events marked sent longer ago than the retention, at most
+    /// `limit` of them; returns how many went. Backends that delete on
+    /// publish return 0.
+    fn purge_sent(&self, limit: u32) -> impl Future<Output = Result<u64, StoreError>> + Send;
+}

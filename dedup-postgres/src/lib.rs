@@ -10,7 +10,10 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{AssertSqlSafe, PgPool, Row, SqlSafeStr};
 
 pub use dedup_core::sql::InvalidTableName;
+
+mod outbox;
 use dedup_core::sql::{BatchClaims, TableName, time_from_unix_micros, ttl_seconds};
+pub use outbox::{Outbox, OutboxConfig, PgOutbox, Retention, enqueue};
 
 /// The sqlx this backend is built on, so handlers can use the same version.
 pub use sqlx;
@@ -35,7 +38,7 @@ pub enum Error {
     #[error("postgres: {0}")]
     Sqlx(#[from] sqlx::Error),
     /// Applying the migrations failed.
-    #[error("migrating the dedup table: {0}")]
+    #[error("migrating: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
 }
 
@@ -242,27 +245,13 @@ impl PgStore {
     /// `<table>_migrations`, so stores with different tables in one database
     /// migrate independently.
     pub async fn migrate(&self) -> Result<(), Error> {
-        let table = &self.statements.table;
-        let migrations = MIGRATOR
-            .iter()
-            .map(|m| {
-                let sql = table.render(m.sql.as_str());
-                sqlx::migrate::Migration::new(
-                    m.version,
-                    m.description.clone(),
-                    m.migration_type,
-                    AssertSqlSafe(sql).into_sql_str(),
-                    m.no_tx,
-                )
-            })
-            .collect();
-        let mut migrator = sqlx::migrate::Migrator::with_migrations(migrations);
-        migrator.dangerous_set_table_name(table.quoted_with_suffix("_migrations"));
-        if let Some(schema) = table.quoted_schema() {
-            migrator.create_schema(schema);
-        }
-        migrator.run(&self.pool).await?;
-        Ok(())
+        run_migrations(&self.pool, &MIGRATOR, &self.statements.table).await
+    }
+
+    /// The outbox with default settings (table `dedup_outbox`) over this
+    /// store's pool: the relay's [`OutboxSource`](dedup_core::OutboxSource).
+    pub fn outbox(&self) -> PgOutbox {
+        Outbox::default().source(self.pool.clone())
     }
 
     /// Starts deleting expired claims in the background (see
@@ -270,6 +259,35 @@ impl PgStore {
     pub fn spawn_purger(&self, config: PurgeConfig) -> Purger {
         Purger::spawn(self.clone(), config)
     }
+}
+
+/// Runs `migrator`'s templates for `table`: rendered with its quoted
+/// names, tracked in `<table>_migrations`, under sqlx's advisory lock.
+async fn run_migrations(
+    pool: &PgPool,
+    migrator: &sqlx::migrate::Migrator,
+    table: &TableName,
+) -> Result<(), Error> {
+    let migrations = migrator
+        .iter()
+        .map(|m| {
+            let sql = table.render(m.sql.as_str());
+            sqlx::migrate::Migration::new(
+                m.version,
+                m.description.clone(),
+                m.migration_type,
+                AssertSqlSafe(sql).into_sql_str(),
+                m.no_tx,
+            )
+        })
+        .collect();
+    let mut migrator = sqlx::migrate::Migrator::with_migrations(migrations);
+    migrator.dangerous_set_table_name(table.quoted_with_suffix("_migrations"));
+    if let Some(schema) = table.quoted_schema() {
+        migrator.create_schema(schema);
+    }
+    migrator.run(pool).await?;
+    Ok(())
 }
 
 /// Whether a retry may get past `e`, judged from codes only.

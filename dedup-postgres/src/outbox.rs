@@ -1,0 +1,381 @@
+//! The transactional outbox on PostgreSQL: [`enqueue`] inside the caller's
+//! transaction, [`PgOutbox`] for the relay.
+
+use std::fmt;
+use std::sync::{Arc, LazyLock};
+use std::time::Duration;
+
+use dedup_core::StoreError;
+use dedup_core::outbox::{OutboxMessage, OutboxRecord, OutboxSource};
+use dedup_core::sql::TableName;
+use sqlx::postgres::PgListener;
+use sqlx::{PgConnection, PgPool};
+
+use crate::{Error, InvalidTableName, PgTx, run_migrations, sql, store_error};
+
+/// The outbox migrations, rendered with the configured table name.
+static OUTBOX_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./outbox-migrations");
+
+/// What happens to an event once the broker acknowledged it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Retention {
+    /// Delete the row in the transaction that marks it published.
+    Delete,
+    /// Keep the row with `sent_at` set for this long (for inspection and
+    /// audit), then let the relay's purge delete it.
+    Keep(Duration),
+}
+
+/// Settings of an [`Outbox`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxConfig {
+    /// The outbox table, optionally schema-qualified (default
+    /// `dedup_outbox`). Relays `LISTEN` on a channel of the same name.
+    pub table: String,
+    /// What happens to published rows (default: kept for one hour).
+    pub retention: Retention,
+}
+
+impl Default for OutboxConfig {
+    fn default() -> Self {
+        OutboxConfig {
+            table: "dedup_outbox".to_owned(),
+            retention: Retention::Keep(Duration::from_secs(3600)),
+        }
+    }
+}
+
+impl OutboxConfig {
+    /// Sets the outbox table name.
+    pub fn with_table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// Sets what happens to published rows.
+    pub fn with_retention(mut self, retention: Retention) -> Self {
+        self.retention = retention;
+        self
+    }
+}
+
+/// The statements of one outbox, built once from its validated name.
+struct Statements {
+    table: TableName,
+    retention: Retention,
+    enqueue: Arc<str>,
+    lock_pending: Arc<str>,
+    mark_sent: Arc<str>,
+    record_failures: Arc<str>,
+    purge_sent: Arc<str>,
+    pending: Arc<str>,
+}
+
+impl Statements {
+    fn new(config: &OutboxConfig) -> Result<Self, InvalidTableName> {
+        let table = TableName::parse(&config.table)?;
+        let t = table.quoted();
+        let enqueue = format!(
+            "INSERT INTO {t} (event_id, topic, key, payload, header_names, header_values) \
+             VALUES (COALESCE($1, gen_random_uuid()::text), $2, $3, $4, $5, $6) \
+             RETURNING event_id"
+        );
+        // Lock the oldest pending rows no other relay holds, then keep only
+        // those with no earlier pending row of the same topic and key outside
+        // this batch: that row is another relay's (or failed), and publishing
+        // past it would overtake it.
+        let lock_pending = format!(
+            "WITH locked AS ( \
+                 SELECT seq, event_id, topic, key, payload, header_names, header_values, attempts \
+                 FROM {t} WHERE sent_at IS NULL ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED \
+             ) \
+             SELECT l.seq, l.event_id, l.topic, l.key, l.payload, l.header_names, \
+                    l.header_values, l.attempts \
+             FROM locked l \
+             WHERE l.key IS NULL OR NOT EXISTS ( \
+                 SELECT 1 FROM {t} o \
+                 WHERE o.sent_at IS NULL AND o.topic = l.topic AND o.key = l.key \
+                   AND o.seq < l.seq AND o.seq NOT IN (SELECT seq FROM locked) \
+             ) \
+             ORDER BY l.seq"
+        );
+        let mark_sent = match config.retention {
+            Retention::Delete => format!("DELETE FROM {t} WHERE seq = ANY($1)"),
+            Retention::Keep(_) => {
+                format!("UPDATE {t} SET sent_at = now() WHERE seq = ANY($1)")
+            }
+        };
+        let record_failures = format!(
+            "UPDATE {t} AS o SET attempts = o.attempts + 1, last_error = f.error \
+             FROM unnest($1::int8[], $2::text[]) AS f(seq, error) WHERE o.seq = f.seq"
+        );
+        let purge_sent = format!(
+            "DELETE FROM {t} WHERE seq IN ( \
+                 SELECT seq FROM {t} \
+                 WHERE sent_at IS NOT NULL AND sent_at < now() - $1 * interval '1 second' \
+                 ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
+        );
+        let pending = format!("SELECT count(*) FROM {t} WHERE sent_at IS NULL");
+        Ok(Statements {
+            pending: pending.into(),
+            table,
+            retention: config.retention,
+            enqueue: enqueue.into(),
+            lock_pending: lock_pending.into(),
+            mark_sent: mark_sent.into(),
+            record_failures: record_failures.into(),
+            purge_sent: purge_sent.into(),
+        })
+    }
+}
+
+/// An outbox table: [`enqueue`](Outbox::enqueue) events inside your
+/// transaction, [`migrate`](Outbox::migrate) it at start-up, and hand
+/// [`source`](Outbox::source) to a relay. Cloning is cheap.
+///
+/// ```no_run
+/// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// use dedup_core::OutboxMessage;
+/// use dedup_postgres::Outbox;
+///
+/// let outbox = Outbox::default();
+/// outbox.migrate(&pool).await?;
+/// let mut tx = pool.begin().await?;
+/// sqlx::query("UPDATE accounts SET balance = balance + 500 WHERE id = 'a'")
+///     .execute(&mut *tx)
+///     .await?;
+/// let event_id = outbox
+///     .enqueue(
+///         &mut tx,
+///         OutboxMessage::json("payment-recorded", &serde_json::json!({"account": "a"}))?
+///             .with_key("a"),
+///     )
+///     .await?;
+/// tx.commit().await?; // the event exists if and only if the change does
+/// # let _ = event_id; Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct Outbox {
+    statements: Arc<Statements>,
+}
+
+impl fmt::Debug for Outbox {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Outbox")
+            .field("table", &self.statements.table.to_string())
+            .field("retention", &self.statements.retention)
+            .finish()
+    }
+}
+
+impl Default for Outbox {
+    /// The table `dedup_outbox`, rows kept an hour after publishing.
+    fn default() -> Self {
+        Outbox::new(OutboxConfig::default()).expect("the default outbox table name is valid")
+    }
+}
+
+/// The default outbox, for [`enqueue`].
+static DEFAULT_OUTBOX: LazyLock<Outbox> = LazyLock::new(Outbox::default);
+
+/// Enqueues `message` in the default outbox (`dedup_outbox`) inside the
+/// transaction `conn` belongs to; returns its event id. In a handler:
+/// `dedup_postgres::enqueue(tx, message).await?`.
+pub async fn enqueue(
+    conn: &mut PgConnection,
+    message: OutboxMessage,
+) -> Result<String, sqlx::Error> {
+    DEFAULT_OUTBOX.enqueue(conn, message).await
+}
+
+impl Outbox {
+    /// An outbox with `config`.
+    pub fn new(config: OutboxConfig) -> Result<Self, InvalidTableName> {
+        Ok(Outbox {
+            statements: Arc::new(Statements::new(&config)?),
+        })
+    }
+
+    /// Creates or upgrades the outbox table (and its notify trigger). Safe
+    /// to call from every instance at start-up; tracked in
+    /// `<table>_migrations`.
+    pub async fn migrate(&self, pool: &PgPool) -> Result<(), Error> {
+        run_migrations(pool, &OUTBOX_MIGRATOR, &self.statements.table).await
+    }
+
+    /// Writes `message` into the outbox inside the transaction `conn`
+    /// belongs to (pass `&mut tx` or, from a handler, `tx`), and returns
+    /// its event id: the one set on the message, or a new random UUID. The
+    /// event is published only if that transaction commits.
+    pub async fn enqueue(
+        &self,
+        conn: &mut PgConnection,
+        message: OutboxMessage,
+    ) -> Result<String, sqlx::Error> {
+        let (names, values): (Vec<String>, Vec<Vec<u8>>) = message.headers.into_iter().unzip();
+        sqlx::query_scalar(sql(&self.statements.enqueue))
+            .bind(message.event_id)
+            .bind(message.topic)
+            .bind(message.key)
+            .bind(message.payload)
+            .bind(names)
+            .bind(values)
+            .fetch_one(conn)
+            .await
+    }
+
+    /// The relay's view of this outbox over `pool`.
+    pub fn source(&self, pool: PgPool) -> PgOutbox {
+        PgOutbox {
+            pool,
+            statements: self.statements.clone(),
+            listener: Arc::new(tokio::sync::Mutex::new(None)),
+        }
+    }
+}
+
+/// An outbox as a relay reads it: an [`OutboxSource`] over a pool. Each
+/// batch is a transaction holding its rows (`FOR UPDATE SKIP LOCKED`)
+/// while they are published; relays wake on `LISTEN`/`NOTIFY` and poll as a
+/// fallback.
+#[derive(Clone)]
+pub struct PgOutbox {
+    pool: PgPool,
+    statements: Arc<Statements>,
+    listener: Arc<tokio::sync::Mutex<Option<PgListener>>>,
+}
+
+impl fmt::Debug for PgOutbox {
+    // The pool's options hold the password; show only what is safe.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PgOutbox")
+            .field("table", &self.statements.table.to_string())
+            .field("retention", &self.statements.retention)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PgOutbox {
+    /// How many events wait to be published: the relay's backlog, worth
+    /// exporting as a metric.
+    pub async fn pending(&self) -> Result<i64, sqlx::Error> {
+        sqlx::query_scalar(sql(&self.statements.pending))
+            .fetch_one(&self.pool)
+            .await
+    }
+
+    /// Listens on the outbox's channel if not already listening. A failure
+    /// only means the relay polls until the next try.
+    async fn ensure_listening(&self) {
+        // Busy means a relay is waiting on it: it is listening.
+        let Ok(mut listener) = self.listener.try_lock() else {
+            return;
+        };
+        if listener.is_some() {
+            return;
+        }
+        let channel = self.statements.table.to_string();
+        match PgListener::connect_with(&self.pool).await {
+            Ok(mut l) => match l.listen(&channel).await {
+                Ok(()) => *listener = Some(l),
+                Err(e) => tracing::warn!(error = %e, "outbox: LISTEN failed; polling"),
+            },
+            Err(e) => tracing::warn!(error = %e, "outbox: no listener connection; polling"),
+        }
+    }
+}
+
+fn row_to_record(row: sqlx::postgres::PgRow) -> Result<OutboxRecord, sqlx::Error> {
+    use sqlx::Row;
+    let names: Vec<String> = row.try_get(5)?;
+    let values: Vec<Vec<u8>> = row.try_get(6)?;
+    let attempts: i32 = row.try_get(7)?;
+    Ok(OutboxRecord::new(
+        row.try_get(0)?,
+        row.try_get(1)?,
+        row.try_get(2)?,
+        row.try_get(3)?,
+        row.try_get(4)?,
+        names.into_iter().zip(values).collect(),
+        u32::try_from(attempts).unwrap_or(0),
+    ))
+}
+
+impl OutboxSource for PgOutbox {
+    type Lease = PgTx;
+
+    async fn lock_pending(&self, limit: usize) -> Result<(PgTx, Vec<OutboxRecord>), StoreError> {
+        // Listen before looking, so an event enqueued right after an empty
+        // look still wakes the relay.
+        self.ensure_listening().await;
+        let mut tx = self.pool.begin().await.map_err(store_error)?;
+        let rows = sqlx::query(sql(&self.statements.lock_pending))
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        let records = rows
+            .into_iter()
+            .map(row_to_record)
+            .collect::<Result<_, _>>()
+            .map_err(store_error)?;
+        Ok((tx, records))
+    }
+
+    async fn finish(
+        &self,
+        mut tx: PgTx,
+        published: &[i64],
+        failed: &[(i64, String)],
+    ) -> Result<(), StoreError> {
+        if !published.is_empty() {
+            sqlx::query(sql(&self.statements.mark_sent))
+                .bind(published)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?;
+        }
+        if !failed.is_empty() {
+            let (seqs, errors): (Vec<i64>, Vec<&str>) =
+                failed.iter().map(|(s, e)| (*s, e.as_str())).unzip();
+            sqlx::query(sql(&self.statements.record_failures))
+                .bind(seqs)
+                .bind(errors)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?;
+        }
+        tx.commit().await.map_err(store_error)
+    }
+
+    async fn wait_for_events(&self, timeout: Duration) {
+        self.ensure_listening().await;
+        let mut guard = self.listener.lock().await;
+        let Some(listener) = guard.as_mut() else {
+            drop(guard);
+            tokio::time::sleep(timeout).await;
+            return;
+        };
+        match tokio::time::timeout(timeout, listener.try_recv()).await {
+            Err(_) | Ok(Ok(Some(_))) => {}
+            // The connection dropped (notifications may have been missed:
+            // the caller looks anyway) or failed: listen afresh next time.
+            Ok(Ok(None)) | Ok(Err(_)) => *guard = None,
+        }
+    }
+
+    async fn purge_sent(&self, limit: u32) -> Result<u64, StoreError> {
+        let Retention::Keep(keep) = self.statements.retention else {
+            return Ok(0);
+        };
+        let done = sqlx::query(sql(&self.statements.purge_sent))
+            .bind(i64::try_from(keep.as_secs()).unwrap_or(i64::MAX))
+            .bind(i64::from(limit))
+            .execute(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(done.rows_affected())
+    }
+}

@@ -1,0 +1,222 @@
+//! The outbox on a real PostgreSQL, each test in its own database: what
+//! enqueue writes, what a relay may take (order across relays), how
+//! published and failed events are recorded, and the notification.
+
+use std::time::{Duration, Instant};
+
+use dedup_core::{OutboxMessage, OutboxSource};
+use dedup_postgres::{Outbox, OutboxConfig, PgOutbox, Retention};
+use sqlx::PgPool;
+
+async fn outbox(pool: &PgPool, retention: Retention) -> PgOutbox {
+    let outbox = Outbox::new(OutboxConfig::default().with_retention(retention)).expect("config");
+    outbox.migrate(pool).await.expect("migrate");
+    outbox
+        .migrate(pool)
+        .await
+        .expect("migrating twice is a no-op");
+    outbox.source(pool.clone())
+}
+
+/// Enqueues one event per `(key, payload)` in one committed transaction.
+async fn enqueue_all(pool: &PgPool, events: &[(Option<&str>, &str)]) {
+    let mut tx = pool.begin().await.expect("begin");
+    for (key, payload) in events {
+        let mut message = OutboxMessage::bytes("topic-a", payload.as_bytes());
+        if let Some(key) = key {
+            message = message.with_key(*key);
+        }
+        dedup_postgres::enqueue(&mut tx, message)
+            .await
+            .expect("enqueue");
+    }
+    tx.commit().await.expect("commit");
+}
+
+fn payloads(records: &[dedup_core::OutboxRecord]) -> Vec<String> {
+    records
+        .iter()
+        .map(|r| String::from_utf8(r.payload.clone()).expect("utf-8"))
+        .collect()
+}
+
+#[sqlx::test(migrations = false)]
+async fn enqueue_gives_ids_and_only_committed_events_are_pending(pool: PgPool) {
+    let source = outbox(&pool, Retention::Delete).await;
+
+    let mut tx = pool.begin().await.expect("begin");
+    let chosen = dedup_postgres::enqueue(
+        &mut tx,
+        OutboxMessage::bytes("t", "x")
+            .with_event_id("order-7:shipped")
+            .with_header("trace", "abc"),
+    )
+    .await
+    .expect("enqueue");
+    let random = dedup_postgres::enqueue(&mut tx, OutboxMessage::bytes("t", "y"))
+        .await
+        .expect("enqueue");
+    tx.commit().await.expect("commit");
+    assert_eq!(chosen, "order-7:shipped");
+    assert_eq!(random.len(), 36, "a UUID: {random}");
+
+    let mut tx = pool.begin().await.expect("begin");
+    dedup_postgres::enqueue(&mut tx, OutboxMessage::bytes("t", "rolled back"))
+        .await
+        .expect("enqueue");
+    tx.rollback().await.expect("rollback");
+
+    assert_eq!(source.pending().await.expect("pending"), 2);
+    let (lease, records) = source.lock_pending(10).await.expect("lock");
+    assert_eq!(payloads(&records), ["x", "y"]);
+    assert_eq!(records[0].event_id, "order-7:shipped");
+    assert_eq!(records[0].headers, [("trace".to_owned(), b"abc".to_vec())]);
+    assert_eq!(records[1].event_id, random);
+    source.finish(lease, &[], &[]).await.expect("finish");
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_second_relay_skips_held_events_and_never_overtakes_their_keys(pool: PgPool) {
+    let source = outbox(&pool, Retention::Delete).await;
+    enqueue_all(
+        &pool,
+        &[
+            (Some("k1"), "k1-1"),
+            (Some("k2"), "k2-1"),
+            (Some("k1"), "k1-2"),
+            (Some("k3"), "k3-1"),
+            (None, "no key"),
+            (Some("k2"), "k2-2"),
+            (Some("k3"), "k3-2"),
+        ],
+    )
+    .await;
+
+    // Relay A holds the two oldest events.
+    let (lease_a, held) = source.lock_pending(2).await.expect("lock A");
+    assert_eq!(payloads(&held), ["k1-1", "k2-1"]);
+
+    // Relay B gets the rest except k1 and k2, whose earlier events A holds.
+    let (lease_b, taken) = source.lock_pending(100).await.expect("lock B");
+    assert_eq!(payloads(&taken), ["k3-1", "no key", "k3-2"]);
+
+    // B publishes; A fails k2-1 (it stays pending, attempts recorded).
+    let seqs = |records: &[dedup_core::OutboxRecord]| -> Vec<i64> {
+        records.iter().map(|r| r.seq).collect()
+    };
+    source
+        .finish(lease_b, &seqs(&taken), &[])
+        .await
+        .expect("finish B");
+    source
+        .finish(
+            lease_a,
+            &[held[0].seq],
+            &[(held[1].seq, "broker down".to_owned())],
+        )
+        .await
+        .expect("finish A");
+
+    // What is left comes out in order, the failed event first for its key.
+    let (lease, rest) = source.lock_pending(100).await.expect("lock again");
+    assert_eq!(payloads(&rest), ["k2-1", "k1-2", "k2-2"]);
+    assert_eq!(rest[0].attempts, 1, "the failure was recorded");
+    let last_error: Option<String> =
+        sqlx::query_scalar("SELECT last_error FROM dedup_outbox WHERE seq = $1")
+            .bind(rest[0].seq)
+            .fetch_one(&pool)
+            .await
+            .expect("last_error");
+    assert_eq!(last_error.as_deref(), Some("broker down"));
+    source
+        .finish(lease, &seqs(&rest), &[])
+        .await
+        .expect("finish");
+    assert_eq!(source.pending().await.expect("pending"), 0);
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_outbox")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(rows, 0, "delete-on-publish leaves no rows");
+}
+
+#[sqlx::test(migrations = false)]
+async fn kept_events_are_marked_sent_and_purged_after_their_retention(pool: PgPool) {
+    let source = outbox(&pool, Retention::Keep(Duration::from_secs(3600))).await;
+    enqueue_all(&pool, &[(Some("k"), "a"), (Some("k"), "b")]).await;
+    let (lease, records) = source.lock_pending(10).await.expect("lock");
+    source
+        .finish(lease, &[records[0].seq, records[1].seq], &[])
+        .await
+        .expect("finish");
+    assert_eq!(source.pending().await.expect("pending"), 0);
+    let sent: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM dedup_outbox WHERE sent_at IS NOT NULL")
+            .fetch_one(&pool)
+            .await
+            .expect("count");
+    assert_eq!(sent, 2, "kept, marked sent");
+    assert_eq!(
+        source.purge_sent(100).await.expect("purge"),
+        0,
+        "not yet past retention"
+    );
+
+    // An hour later (moved back rather than waited for).
+    sqlx::query("UPDATE dedup_outbox SET sent_at = sent_at - interval '61 minutes'")
+        .execute(&pool)
+        .await
+        .expect("age");
+    assert_eq!(source.purge_sent(1).await.expect("purge"), 1, "bounded");
+    assert_eq!(source.purge_sent(100).await.expect("purge"), 1);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_commit_that_enqueued_wakes_a_waiting_relay(pool: PgPool) {
+    let source = outbox(&pool, Retention::Delete).await;
+    // The first look starts listening.
+    let (lease, none) = source.lock_pending(10).await.expect("lock");
+    assert!(none.is_empty());
+    source.finish(lease, &[], &[]).await.expect("finish");
+
+    let writer = {
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            enqueue_all(&pool, &[(Some("k"), "wake up")]).await;
+        })
+    };
+    let started = Instant::now();
+    source.wait_for_events(Duration::from_secs(60)).await;
+    let waited = started.elapsed();
+    writer.await.expect("writer");
+    assert!(
+        waited < Duration::from_secs(30),
+        "woken by the notification, not the 60 s poll: {waited:?}"
+    );
+    let (lease, records) = source.lock_pending(10).await.expect("lock");
+    assert_eq!(payloads(&records), ["wake up"]);
+    source.finish(lease, &[], &[]).await.expect("finish");
+}
+
+#[sqlx::test(migrations = false)]
+async fn outbox_tables_are_validated_and_can_live_in_a_schema(pool: PgPool) {
+    assert!(Outbox::new(OutboxConfig::default().with_table("outbox; DROP TABLE x")).is_err());
+    let outbox = Outbox::new(OutboxConfig::default().with_table("events.outbox")).expect("valid");
+    outbox.migrate(&pool).await.expect("migrate");
+    let mut tx = pool.begin().await.expect("begin");
+    outbox
+        .enqueue(&mut tx, OutboxMessage::bytes("t", "x").with_key("k"))
+        .await
+        .expect("enqueue");
+    tx.commit().await.expect("commit");
+    let source = outbox.source(pool.clone());
+    assert_eq!(source.pending().await.expect("pending"), 1);
+    let (lease, records) = source.lock_pending(10).await.expect("lock");
+    assert_eq!(records.len(), 1);
+    source
+        .finish(lease, &[records[0].seq], &[])
+        .await
+        .expect("finish");
+    assert_eq!(source.pending().await.expect("pending"), 0);
+}

@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 
 mod dlq;
+mod relay;
 mod retry;
 mod route;
 mod runtime;
@@ -15,6 +16,7 @@ use dedup_core::{DedupStore, Handler};
 use rdkafka::ClientConfig;
 
 pub use dlq::MAX_ERROR_MESSAGE_BYTES;
+pub use relay::{Relay, RelayBuilder, RelayStats, RelayStatsSnapshot};
 pub use retry::RetryPolicy;
 pub use runtime::{Stats, StatsSnapshot, shutdown_signal};
 
@@ -51,6 +53,14 @@ fn is_secret(key: &str) -> bool {
     ]
     .iter()
     .any(|s| key.contains(s))
+}
+
+/// Settings as `Debug` may show them: secrets' values masked.
+fn redacted(settings: &[(String, String)]) -> Vec<(&str, &str)> {
+    settings
+        .iter()
+        .map(|(k, v)| (k.as_str(), if is_secret(k) { "***" } else { v.as_str() }))
+        .collect()
 }
 
 /// Builds a [`Consumer`]: brokers, group, topic -> handler routes, and any
@@ -93,11 +103,7 @@ pub struct ConsumerBuilder<S> {
 
 impl<S> fmt::Debug for ConsumerBuilder<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let settings: Vec<(&str, &str)> = self
-            .settings
-            .iter()
-            .map(|(k, v)| (k.as_str(), if is_secret(k) { "***" } else { v.as_str() }))
-            .collect();
+        let settings = redacted(&self.settings);
         f.debug_struct("ConsumerBuilder")
             .field("brokers", &self.brokers)
             .field("group_id", &self.group_id)

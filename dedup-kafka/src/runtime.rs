@@ -829,7 +829,7 @@ async fn wait_unless_stopped<S>(shared: &Shared<S>, partition: &Partition, wait:
 /// Test-only crash points: with the `failpoints` feature and
 /// `DEDUP_FAILPOINT=<name>` (or `<name>:<n>`, the n-th time) set, the process
 /// aborts there, as a crash would.
-fn failpoint(name: &str) {
+pub(crate) fn failpoint(name: &str) {
     #[cfg(feature = "failpoints")]
     {
         static HITS: AtomicU64 = AtomicU64::new(0);

@@ -1,0 +1,447 @@
+//! The outbox relay: publishes what an [`OutboxSource`] holds, in order,
+//! with the idempotent producer, and marks it sent only once acknowledged.
+
+use std::collections::{HashSet, VecDeque};
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use dedup_core::outbox::{EVENT_ID_HEADER, OutboxRecord, OutboxSource};
+use rdkafka::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
+
+use crate::retry::{Jitter, RetryPolicy};
+use crate::runtime::failpoint;
+use crate::{Error, redacted};
+
+/// Builds a [`Relay`] over an outbox.
+///
+/// ```no_run
+/// # async fn run(outbox: impl dedup_core::OutboxSource) -> Result<(), dedup_kafka::Error> {
+/// use dedup_kafka::Relay;
+///
+/// let stats = Relay::builder(outbox) // e.g. PgStore::outbox()
+///     .brokers("localhost:9092")
+///     .run() // until SIGINT or SIGTERM
+///     .await?;
+/// println!("published {}", stats.published);
+/// # Ok(()) }
+/// ```
+pub struct RelayBuilder<S> {
+    source: S,
+    brokers: String,
+    settings: Vec<(String, String)>,
+    batch_size: usize,
+    poll_interval: Duration,
+    delivery_timeout: Duration,
+    retry: RetryPolicy,
+    purge_interval: Duration,
+}
+
+impl<S> fmt::Debug for RelayBuilder<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let settings = redacted(&self.settings);
+        f.debug_struct("RelayBuilder")
+            .field("brokers", &self.brokers)
+            .field("settings", &settings)
+            .field("batch_size", &self.batch_size)
+            .field("poll_interval", &self.poll_interval)
+            .field("delivery_timeout", &self.delivery_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: OutboxSource> RelayBuilder<S> {
+    /// The bootstrap brokers (`bootstrap.servers`), default `localhost:9092`.
+    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
+        self.brokers = brokers.into();
+        self
+    }
+
+    /// Passes a librdkafka producer setting through (security, client id,
+    /// compression...). `enable.idempotence`, `acks` and
+    /// `message.timeout.ms` are the relay's own.
+    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.settings.push((key.into(), value.into()));
+        self
+    }
+
+    /// Most events published per batch (one database transaction), default 500.
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n.max(1);
+        self
+    }
+
+    /// Longest wait for a notification before looking anyway, default 1 s.
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
+    /// How long the producer tries to deliver a message before the batch
+    /// counts it failed and leaves it pending (`message.timeout.ms`),
+    /// default 30 s.
+    pub fn delivery_timeout(mut self, timeout: Duration) -> Self {
+        self.delivery_timeout = timeout;
+        self
+    }
+
+    /// The back-off between batches that failed (broker or database
+    /// down). Attempts are never exhausted: the relay keeps trying.
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+
+    /// How often published rows past their retention are purged, default 60 s.
+    pub fn purge_interval(mut self, interval: Duration) -> Self {
+        self.purge_interval = interval;
+        self
+    }
+
+    /// Builds the relay (creates its producer) without starting it.
+    pub fn build(self) -> Result<Relay<S>, Error> {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", &self.brokers);
+        for (k, v) in &self.settings {
+            config.set(k, v);
+        }
+        // The broker writes each message once per producer session and in
+        // order per partition, and a message counts only once all replicas
+        // have it.
+        config
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set(
+                "message.timeout.ms",
+                self.delivery_timeout.as_millis().max(1).to_string(),
+            );
+        let producer: FutureProducer = config.create()?;
+        Ok(Relay {
+            source: self.source,
+            producer,
+            batch_size: self.batch_size,
+            poll_interval: self.poll_interval,
+            retry: self.retry,
+            purge_interval: self.purge_interval,
+            stats: Arc::default(),
+        })
+    }
+
+    /// Builds and runs until SIGINT or SIGTERM; see [`Relay::run`].
+    pub async fn run(self) -> Result<RelayStatsSnapshot, Error> {
+        self.build()?.run().await
+    }
+
+    /// Builds and runs until `shutdown` completes.
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<RelayStatsSnapshot, Error> {
+        Ok(self.build()?.run_until(shutdown).await)
+    }
+}
+
+/// Counters of a running relay.
+#[derive(Debug, Default)]
+pub struct RelayStats {
+    published: AtomicU64,
+    failed: AtomicU64,
+    batches: AtomicU64,
+}
+
+/// A copy of the counters at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayStatsSnapshot {
+    /// Events the broker acknowledged and the outbox marked sent.
+    pub published: u64,
+    /// Publish attempts that failed (the events stay pending).
+    pub failed: u64,
+    /// Batches finished (each one database transaction).
+    pub batches: u64,
+}
+
+impl RelayStats {
+    /// The counters now.
+    pub fn snapshot(&self) -> RelayStatsSnapshot {
+        RelayStatsSnapshot {
+            published: self.published.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+            batches: self.batches.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl fmt::Display for RelayStatsSnapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "published={} failed={} batches={}",
+            self.published, self.failed, self.batches
+        )
+    }
+}
+
+/// Publishes an outbox's events to Kafka: the other half of exactly-once
+/// along a chain of services.
+///
+/// Each round locks a batch of pending events (other relays skip them),
+/// sends them all with the idempotent producer, waits for the broker's
+/// acknowledgements, then marks the acknowledged ones sent in the same
+/// transaction that held them. A relay that dies in between leaves them
+/// pending and they are sent again: at least once, each copy carrying the
+/// same `event-id` header for consumers to deduplicate on
+/// (`#[idempotent(key = "header:event-id")]`).
+///
+/// Order: events of one topic and key are published in outbox order, also
+/// with several relays (a relay never takes an event while an earlier one
+/// of its key is pending elsewhere). When an event fails, the later events
+/// of its key in that batch stay pending with it.
+pub struct Relay<S> {
+    source: S,
+    producer: FutureProducer,
+    batch_size: usize,
+    poll_interval: Duration,
+    retry: RetryPolicy,
+    purge_interval: Duration,
+    stats: Arc<RelayStats>,
+}
+
+impl<S> fmt::Debug for Relay<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Relay")
+            .field("batch_size", &self.batch_size)
+            .field("stats", &self.stats.snapshot())
+            .finish_non_exhaustive()
+    }
+}
+
+/// What became of one record of a batch.
+enum Sent {
+    /// Acknowledged by the broker.
+    Acked,
+    /// Failed, with the reason.
+    Failed(String),
+    /// Not sent: an earlier event of its key failed in this batch.
+    Held,
+}
+
+impl<S: OutboxSource> Relay<S> {
+    /// Starts building a relay over `source`.
+    pub fn builder(source: S) -> RelayBuilder<S> {
+        RelayBuilder {
+            source,
+            brokers: "localhost:9092".to_owned(),
+            settings: Vec::new(),
+            batch_size: 500,
+            poll_interval: Duration::from_secs(1),
+            delivery_timeout: Duration::from_secs(30),
+            retry: RetryPolicy::default(),
+            purge_interval: Duration::from_secs(60),
+        }
+    }
+
+    /// Live counters, to read while it runs.
+    pub fn stats(&self) -> Arc<RelayStats> {
+        self.stats.clone()
+    }
+
+    /// Runs until SIGINT or SIGTERM.
+    pub async fn run(self) -> Result<RelayStatsSnapshot, Error> {
+        Ok(self.run_until(crate::shutdown_signal()).await)
+    }
+
+    /// Runs until `shutdown` completes. A batch in flight is finished
+    /// first (bounded by the delivery timeout), so nothing is published
+    /// without being marked unless the process dies.
+    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> RelayStatsSnapshot {
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let work = async {
+            let mut jitter = Jitter::new(self.batch_size as u64);
+            let mut failures: u32 = 0;
+            let mut last_purge = tokio::time::Instant::now();
+            while !*stop_rx.borrow() {
+                if last_purge.elapsed() >= self.purge_interval {
+                    last_purge = tokio::time::Instant::now();
+                    if let Err(e) = self.source.purge_sent(10_000).await {
+                        tracing::warn!(error = %e, "outbox relay: purging sent events failed");
+                    }
+                }
+                let wait = match self.round().await {
+                    Ok((taken, false)) => {
+                        failures = 0;
+                        if taken == self.batch_size {
+                            continue; // more may be waiting
+                        }
+                        None
+                    }
+                    Ok((_, true)) => {
+                        failures += 1;
+                        Some(self.retry.backoff(failures, jitter.next()))
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        tracing::warn!(error = %e, "outbox relay: reading the outbox failed");
+                        Some(self.retry.backoff(failures, jitter.next()))
+                    }
+                };
+                let mut stopping = stop_rx.clone();
+                match wait {
+                    Some(backoff) => tokio::select! {
+                        () = tokio::time::sleep(backoff) => {}
+                        _ = stopping.wait_for(|s| *s) => {}
+                    },
+                    None => tokio::select! {
+                        () = self.source.wait_for_events(self.poll_interval) => {}
+                        _ = stopping.wait_for(|s| *s) => {}
+                    },
+                }
+            }
+        };
+        // The round in progress finishes; only the waits are cut short.
+        tokio::pin!(work);
+        tokio::pin!(shutdown);
+        tokio::select! {
+            () = &mut work => {}
+            () = &mut shutdown => {
+                let _ = stop_tx.send(true);
+                work.await;
+            }
+        }
+        self.stats.snapshot()
+    }
+
+    /// One batch: lock, publish, mark. Returns how many events were taken
+    /// and whether any failed.
+    async fn round(&self) -> Result<(usize, bool), dedup_core::StoreError> {
+        let (lease, records) = self.source.lock_pending(self.batch_size).await?;
+        if records.is_empty() {
+            self.source.finish(lease, &[], &[]).await?;
+            return Ok((0, false));
+        }
+        let outcomes = self.publish(&records).await;
+        failpoint("relay-after-publish");
+        let mut published = Vec::with_capacity(records.len());
+        let mut failed = Vec::new();
+        for (record, outcome) in records.iter().zip(outcomes) {
+            match outcome {
+                Sent::Acked => published.push(record.seq),
+                Sent::Failed(reason) => {
+                    tracing::warn!(
+                        seq = record.seq,
+                        event_id = %record.event_id,
+                        topic = %record.topic,
+                        attempts = record.attempts + 1,
+                        error = %reason,
+                        "outbox relay: publishing failed; the event stays pending"
+                    );
+                    failed.push((record.seq, reason));
+                }
+                Sent::Held => {}
+            }
+        }
+        self.source.finish(lease, &published, &failed).await?;
+        self.stats
+            .published
+            .fetch_add(published.len() as u64, Ordering::Relaxed);
+        self.stats
+            .failed
+            .fetch_add(failed.len() as u64, Ordering::Relaxed);
+        self.stats.batches.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(
+            published = published.len(),
+            failed = failed.len(),
+            "outbox relay: batch done"
+        );
+        Ok((records.len(), !failed.is_empty()))
+    }
+
+    /// Sends every record (they queue in the producer together) and waits
+    /// for each acknowledgement. After a failure of a key, that key's later
+    /// records in the batch are not marked, so none is marked past an
+    /// unsent earlier one.
+    async fn publish(&self, records: &[OutboxRecord]) -> Vec<Sent> {
+        let mut outcomes: Vec<Option<Sent>> = records.iter().map(|_| None).collect();
+        let mut inflight: VecDeque<(usize, DeliveryFuture)> = VecDeque::new();
+        for (i, record) in records.iter().enumerate() {
+            let mut future_record = FutureRecord::to(&record.topic)
+                .payload(&record.payload)
+                .headers(headers(record));
+            if let Some(key) = &record.key {
+                future_record = future_record.key(key);
+            }
+            loop {
+                match self.producer.send_result(future_record) {
+                    Ok(delivery) => {
+                        inflight.push_back((i, delivery));
+                        break;
+                    }
+                    Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                        // Make room: wait for the oldest acknowledgement.
+                        future_record = back;
+                        match inflight.pop_front() {
+                            Some((j, delivery)) => outcomes[j] = Some(settle(delivery).await),
+                            None => tokio::time::sleep(Duration::from_millis(10)).await,
+                        }
+                    }
+                    Err((e, _)) => {
+                        outcomes[i] = Some(Sent::Failed(e.to_string()));
+                        break;
+                    }
+                }
+            }
+        }
+        for (j, delivery) in inflight {
+            outcomes[j] = Some(settle(delivery).await);
+        }
+        // Hold back a key's records after its first failure.
+        let mut failed_keys: HashSet<(&str, &[u8])> = HashSet::new();
+        records
+            .iter()
+            .zip(outcomes)
+            .map(|(record, outcome)| {
+                let outcome = outcome.unwrap_or(Sent::Held);
+                let Some(key) = record.key.as_deref() else {
+                    return outcome;
+                };
+                let key = (record.topic.as_str(), key);
+                if failed_keys.contains(&key) {
+                    return Sent::Held;
+                }
+                if matches!(outcome, Sent::Failed(_)) {
+                    failed_keys.insert(key);
+                }
+                outcome
+            })
+            .collect()
+    }
+}
+
+async fn settle(delivery: DeliveryFuture) -> Sent {
+    match delivery.await {
+        Ok(Ok(_)) => Sent::Acked,
+        Ok(Err((e, _))) => Sent::Failed(e.to_string()),
+        Err(_) => Sent::Failed("the producer dropped the message".to_owned()),
+    }
+}
+
+/// The record's headers, then `event-id` (consumers read the last value
+/// of a repeated header, so the outbox's id wins).
+fn headers(record: &OutboxRecord) -> OwnedHeaders {
+    let mut out = OwnedHeaders::new_with_capacity(record.headers.len() + 1);
+    for (name, value) in &record.headers {
+        out = out.insert(Header {
+            key: name,
+            value: Some(value),
+        });
+    }
+    out.insert(Header {
+        key: EVENT_ID_HEADER,
+        value: Some(&record.event_id),
+    })
+}

@@ -4,20 +4,23 @@
 #   scripts/kafka.sh start    # fetch if needed, format once, start, wait until it answers; no-op if running
 #   scripts/kafka.sh stop
 #   scripts/kafka.sh status   # exit 0 if running
-# Everything lives under .kafka/ (or $DEDUP_KAFKA_HOME): jars, data, server.log.
+# Everything lives under .kafka/: jars, data, server.log. A second broker (the
+# outbox outage test stops and restarts one of its own) takes another home and
+# port: DEDUP_KAFKA_HOME=.kafka/other DEDUP_KAFKA_PORT=9192 (controller: port+1);
+# the jars stay shared.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 HOME_DIR="${DEDUP_KAFKA_HOME:-$ROOT/.kafka}"
 VERSION="$(sed -n 's|.*<kafka.version>\(.*\)</kafka.version>.*|\1|p' "$ROOT/scripts/kafka/pom.xml")"
-LIBS="$HOME_DIR/libs-$VERSION"
+LIBS="$ROOT/.kafka/libs-$VERSION"
 DATA="$HOME_DIR/data"
 CONF="$HOME_DIR/server.properties"
 LOG="$HOME_DIR/server.log"
 PIDFILE="$HOME_DIR/kafka.pid"
 HOST=127.0.0.1
-PORT=9092
-CONTROLLER_PORT=9093
+PORT="${DEDUP_KAFKA_PORT:-9092}"
+CONTROLLER_PORT="$((PORT + 1))"
 
 port_open() { (exec 3<>"/dev/tcp/$HOST/$1") 2>/dev/null; }
 

@@ -38,13 +38,7 @@ async fn update_order(tx: &mut PgTx, ev: OrderStatusChanged) -> Result<(), Handl
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        // If stderr goes away (its reader died), drop log lines instead of
-        // panicking inside a librdkafka callback.
-        .log_internal_errors(false)
-        .init();
+    dedup_examples::init_logging();
     let store = PgStore::connect(&std::env::var("DATABASE_URL")?).await?;
     store.migrate().await?;
     sqlx::query("CREATE TABLE IF NOT EXISTS orders (id text PRIMARY KEY, status text NOT NULL, updates int NOT NULL)")

@@ -17,6 +17,7 @@
 use std::time::Duration;
 
 use dedup_core::{Handler, HandlerError, Ttl, idempotent};
+use dedup_examples::env_or;
 use dedup_kafka::{Consumer, Stats};
 use dedup_postgres::{PgStore, PgTx};
 
@@ -38,10 +39,6 @@ async fn record_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), Handle
     .execute(&mut **tx)
     .await?;
     Ok(())
-}
-
-fn env_or(name: &str, default: &str) -> String {
-    std::env::var(name).unwrap_or_else(|_| default.to_owned())
 }
 
 /// `--exit-when-idle <ttl>`, if given.
@@ -75,13 +72,7 @@ async fn idle(stats: &Stats, limit: Duration) {
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_target(false)
-        // If stderr goes away (its reader died), drop log lines instead of
-        // panicking inside a librdkafka callback.
-        .log_internal_errors(false)
-        .init();
+    dedup_examples::init_logging();
     let idle_limit = exit_when_idle()?;
     let database_url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL must be set")?;
     let ttl: Ttl = env_or("DEDUP_TTL", "4h").parse()?;

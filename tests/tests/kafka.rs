@@ -4,56 +4,25 @@
 //!
 //! The handlers add to a balance (NON-idempotent), so a double apply shows.
 
+mod common;
+
 use std::process::Command;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use dedup_core::{Handler, Ttl, idempotent};
 use dedup_kafka::{Consumer, ConsumerBuilder, RetryPolicy, StatsSnapshot};
 use dedup_postgres::{PgStore, PgTx};
 use dedup_tests::{PaymentReceived, credit, payment, store, total_balance as balance};
-use rdkafka::ClientConfig;
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
-use rdkafka::consumer::{Consumer as _, StreamConsumer};
-use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders, OwnedMessage};
+use rdkafka::message::{Header, Message as _, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::PgPool;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
-fn brokers() -> String {
-    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
-}
-
-fn unique(prefix: &str) -> String {
-    format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
-}
-
-async fn create_topic(partitions: i32) -> String {
-    let name = unique("dedup-test");
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .create()
-        .expect("admin client");
-    let topic = NewTopic::new(&name, partitions, TopicReplication::Fixed(1));
-    let results = admin
-        .create_topics([&topic], &AdminOptions::new())
-        .await
-        .expect("create topic");
-    for r in results {
-        r.expect("topic created");
-    }
-    name
-}
-
-fn producer() -> FutureProducer {
-    ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("enable.idempotence", "true")
-        .create()
-        .expect("producer")
-}
+use common::{
+    KillOnDrop, brokers, create_topic, database_url, example, header, last_line, producer, read,
+    unique,
+};
 
 async fn produce(
     producer: &FutureProducer,
@@ -167,34 +136,6 @@ async fn drain(builder: ConsumerBuilder<PgStore>, idle: Duration) -> StatsSnapsh
         })
         .await
         .expect("consumer ran")
-}
-
-/// Reads `n` records of `topic` from the beginning.
-async fn read(topic: &str, n: usize) -> Vec<OwnedMessage> {
-    let consumer: StreamConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("group.id", unique("reader"))
-        .set("auto.offset.reset", "earliest")
-        .create()
-        .expect("reader");
-    consumer.subscribe(&[topic]).expect("subscribe");
-    let mut out = Vec::new();
-    while out.len() < n {
-        let msg = tokio::time::timeout(Duration::from_secs(30), consumer.recv())
-            .await
-            .unwrap_or_else(|_| panic!("only {} of {n} records arrived in {topic}", out.len()))
-            .expect("record");
-        out.push(msg.detach());
-    }
-    out
-}
-
-fn header<'a>(msg: &'a OwnedMessage, name: &str) -> Option<&'a str> {
-    msg.headers()?
-        .iter()
-        .filter(|h| h.key == name)
-        .last()
-        .and_then(|h| std::str::from_utf8(h.value?).ok())
 }
 
 #[sqlx::test(migrations = false)]
@@ -478,42 +419,6 @@ async fn shutdown_commits_what_finished(pool: PgPool) {
     assert_eq!(balance(&pool).await, 60);
 }
 
-/// The database URL of the test's own database, for a child process.
-fn database_url(pool: &PgPool) -> String {
-    let base = std::env::var("DATABASE_URL").expect("DATABASE_URL");
-    let db = pool
-        .connect_options()
-        .get_database()
-        .expect("test database")
-        .to_owned();
-    let (server, _) = base.rsplit_once('/').expect("URL with a database");
-    format!("{server}/{db}")
-}
-
-/// The binary of an example of `examples/`. They are built once per test
-/// run (a no-op when `cargo test --workspace` built them already).
-fn example(name: &str) -> std::path::PathBuf {
-    static BUILT: OnceLock<()> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let status = Command::new(env!("CARGO"))
-            .args(["build", "--quiet", "-p", "dedup-examples", "--examples"])
-            .status()
-            .expect("cargo build");
-        assert!(status.success(), "building the examples failed");
-    });
-    let deps = std::env::current_exe().expect("test binary");
-    let profile_dir = deps
-        .parent()
-        .and_then(|d| d.parent())
-        .expect("target/<profile>");
-    profile_dir.join("examples").join(name)
-}
-
-fn last_line(output: &std::process::Output) -> String {
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    stdout.lines().last().unwrap_or_default().to_owned()
-}
-
 #[sqlx::test(migrations = false)]
 async fn a_crash_between_database_commit_and_offset_commit_is_skipped_on_restart(pool: PgPool) {
     let topic = create_topic(1).await;
@@ -794,18 +699,6 @@ async fn the_orders_example_shuts_down_gracefully_on_sigterm(pool: PgPool) {
         "SIGTERM must end in exit 0:\n{log}"
     );
     assert_eq!(last_line(&output), "applied=3 skipped=1 dead_lettered=0");
-}
-
-/// Kills a child process that a failing test leaves behind.
-struct KillOnDrop(Option<std::process::Child>);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        if let Some(child) = &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
 }
 
 /// Refuses negative amounts: a permanent failure in the middle of a batch.

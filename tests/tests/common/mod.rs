@@ -1,0 +1,145 @@
+//! Helpers shared by the end-to-end test binaries: broker address, random
+//! names, topics, reading records back, the examples' binaries.
+
+#![allow(dead_code, unreachable_pub)] // each test binary uses a part
+
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
+use rdkafka::producer::FutureProducer;
+use sqlx::PgPool;
+
+pub fn brokers() -> String {
+    std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
+}
+
+pub async fn create_topic(partitions: i32) -> String {
+    create_topic_on(&brokers(), partitions).await
+}
+
+/// Creates a topic with a random name on the broker at `brokers`.
+pub async fn create_topic_on(brokers: &str, partitions: i32) -> String {
+    let name = unique("dedup-test");
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .expect("admin client");
+    let topic = NewTopic::new(&name, partitions, TopicReplication::Fixed(1));
+    let results = admin
+        .create_topics([&topic], &AdminOptions::new())
+        .await
+        .expect("create topic");
+    for r in results {
+        r.expect("topic created");
+    }
+    name
+}
+
+pub fn producer() -> FutureProducer {
+    ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("enable.idempotence", "true")
+        .create()
+        .expect("producer")
+}
+
+/// Reads `n` records of `topic` from the beginning.
+pub async fn read(topic: &str, n: usize) -> Vec<OwnedMessage> {
+    read_from(&brokers(), topic, n).await
+}
+
+/// Reads `n` records of `topic` from the beginning, from the broker at `brokers`.
+pub async fn read_from(brokers: &str, topic: &str, n: usize) -> Vec<OwnedMessage> {
+    read_until(brokers, topic, |read| read.len() >= n).await
+}
+
+/// Reads `topic` from the beginning until `enough` says so, failing after
+/// 30 s without a record.
+pub async fn read_until(
+    brokers: &str,
+    topic: &str,
+    mut enough: impl FnMut(&[OwnedMessage]) -> bool,
+) -> Vec<OwnedMessage> {
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", unique("reader"))
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .expect("reader");
+    consumer.subscribe(&[topic]).expect("subscribe");
+    let mut out = Vec::new();
+    while !enough(&out) {
+        let msg = tokio::time::timeout(Duration::from_secs(30), consumer.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no record of {topic} for 30 s after {}", out.len()))
+            .expect("record");
+        out.push(msg.detach());
+    }
+    out
+}
+
+pub fn header<'a>(msg: &'a OwnedMessage, name: &str) -> Option<&'a str> {
+    msg.headers()?
+        .iter()
+        .filter(|h| h.key == name)
+        .last()
+        .and_then(|h| std::str::from_utf8(h.value?).ok())
+}
+
+/// The database URL of the test's own database, for a child process.
+pub fn database_url(pool: &PgPool) -> String {
+    let base = std::env::var("DATABASE_URL").expect("DATABASE_URL");
+    let db = pool
+        .connect_options()
+        .get_database()
+        .expect("test database")
+        .to_owned();
+    let (server, _) = base.rsplit_once('/').expect("URL with a database");
+    format!("{server}/{db}")
+}
+
+/// The binary of an example of `examples/`. They are built once per test
+/// run (a no-op when `cargo test --workspace` built them already).
+pub fn example(name: &str) -> std::path::PathBuf {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "--quiet", "-p", "dedup-examples", "--examples"])
+            .status()
+            .expect("cargo build");
+        assert!(status.success(), "building the examples failed");
+    });
+    let deps = std::env::current_exe().expect("test binary");
+    let profile_dir = deps
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target/<profile>");
+    profile_dir.join("examples").join(name)
+}
+
+pub fn last_line(output: &std::process::Output) -> String {
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    stdout.lines().last().unwrap_or_default().to_owned()
+}
+
+/// Kills a child process that a failing test leaves behind.
+pub struct KillOnDrop(pub Option<std::process::Child>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.0 {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}

@@ -1,0 +1,471 @@
+//! The outbox and its relay end to end: a real PostgreSQL (one database per
+//! test), the real broker of scripts/kafka.sh, and for the outage test a
+//! second broker of its own that the test stops and starts again.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use dedup_core::{OutboxMessage, idempotent};
+use dedup_kafka::{Consumer, Relay, RelayStats, RetryPolicy, StatsSnapshot};
+use dedup_postgres::{Outbox, PgOutbox, PgTx};
+use dedup_tests::{PaymentReceived, credit, payment, store, total_balance as balance};
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::message::{Message as _, OwnedMessage};
+use sqlx::PgPool;
+
+use common::{
+    brokers, create_topic, create_topic_on, database_url, example, header, last_line, producer,
+    unique,
+};
+
+/// A downstream service: deduplicates on the relay's `event-id` header and
+/// adds to a balance (NOT idempotent), so a double apply shows.
+#[idempotent(key = "header:event-id", ttl = "4h")]
+async fn credit_relayed_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), sqlx::Error> {
+    credit(tx, &ev).await
+}
+
+async fn migrated_outbox(pool: &PgPool) -> PgOutbox {
+    let outbox = Outbox::default();
+    outbox.migrate(pool).await.expect("migrate outbox");
+    outbox.source(pool.clone())
+}
+
+/// Enqueues `(key, payload)` events in one transaction.
+async fn enqueue(pool: &PgPool, topic: &str, events: &[(String, Vec<u8>)]) -> Vec<String> {
+    let mut tx = pool.begin().await.expect("begin");
+    let mut ids = Vec::new();
+    for (key, payload) in events {
+        let message = OutboxMessage::bytes(topic, payload.clone()).with_key(key.as_str());
+        ids.push(
+            dedup_postgres::enqueue(&mut tx, message)
+                .await
+                .expect("enqueue"),
+        );
+    }
+    tx.commit().await.expect("commit");
+    ids
+}
+
+/// A relay running in the background until dropped or stopped.
+struct RunningRelay {
+    stats: std::sync::Arc<RelayStats>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<dedup_kafka::RelayStatsSnapshot>,
+}
+
+impl RunningRelay {
+    fn start(source: PgOutbox, brokers: &str, batch_size: usize) -> Self {
+        let relay = Relay::builder(source)
+            .brokers(brokers)
+            .batch_size(batch_size)
+            .poll_interval(Duration::from_millis(200))
+            .delivery_timeout(Duration::from_secs(3))
+            .retry(
+                RetryPolicy::default()
+                    .with_backoff(Duration::from_millis(100), Duration::from_secs(1)),
+            )
+            .build()
+            .expect("relay");
+        let stats = relay.stats();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(relay.run_until(async {
+            let _ = stopped.await;
+        }));
+        RunningRelay {
+            stats,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    async fn stop(mut self) -> dedup_kafka::RelayStatsSnapshot {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        (&mut self.task).await.expect("relay task")
+    }
+}
+
+/// Waits until the outbox has nothing pending.
+async fn wait_until_published(source: &PgOutbox, within: Duration) {
+    let deadline = Instant::now() + within;
+    loop {
+        let pending = source.pending().await.expect("pending");
+        if pending == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{pending} events still pending after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Reads `topic` from the beginning until `distinct` different event ids
+/// have arrived (copies included in what it returns).
+async fn read_events(brokers: &str, topic: &str, distinct: usize) -> Vec<OwnedMessage> {
+    let mut seen = HashSet::new();
+    common::read_until(brokers, topic, |read| {
+        if let Some(msg) = read.last() {
+            seen.insert(header(msg, "event-id").expect("event-id header").to_owned());
+        }
+        seen.len() >= distinct
+    })
+    .await
+}
+
+/// Per key, the payloads' `n` in the order they arrived, first copies only.
+fn sequences(messages: &[OwnedMessage]) -> HashMap<String, Vec<u64>> {
+    let mut seen = HashSet::new();
+    let mut out: HashMap<String, Vec<u64>> = HashMap::new();
+    let mut by_partition: Vec<&OwnedMessage> = messages.iter().collect();
+    by_partition.sort_by_key(|m| (m.partition(), m.offset()));
+    for msg in by_partition {
+        if !seen.insert(header(msg, "event-id").expect("event-id").to_owned()) {
+            continue;
+        }
+        let value: serde_json::Value =
+            serde_json::from_slice(msg.payload().expect("payload")).expect("json");
+        out.entry(value["key"].as_str().expect("key").to_owned())
+            .or_default()
+            .push(value["n"].as_u64().expect("n"));
+    }
+    out
+}
+
+fn numbered(key: &str, n: u64) -> (String, Vec<u8>) {
+    (
+        key.to_owned(),
+        serde_json::json!({ "key": key, "n": n })
+            .to_string()
+            .into_bytes(),
+    )
+}
+
+/// Runs a downstream consumer of `topic` until idle and returns its counts.
+async fn drain_downstream(pool: &PgPool, topic: &str) -> StatsSnapshot {
+    let consumer = Consumer::builder(store_only(pool))
+        .brokers(brokers())
+        .group_id(unique("downstream"))
+        .commit_interval(Duration::from_millis(200))
+        .handle(topic, credit_relayed_payment)
+        .build()
+        .expect("consumer");
+    let stats = consumer.stats();
+    consumer
+        .run_until(async move {
+            while stats.idle_for() < Duration::from_secs(3) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("consumer ran")
+}
+
+/// A store on an already set-up database.
+fn store_only(pool: &PgPool) -> dedup_postgres::PgStore {
+    dedup_postgres::PgStore::from_pool(pool.clone())
+}
+
+#[sqlx::test(migrations = false)]
+async fn an_enqueue_that_rolls_back_publishes_nothing(pool: PgPool) {
+    let source = migrated_outbox(&pool).await;
+    let topic = create_topic(1).await;
+
+    let mut tx = pool.begin().await.expect("begin");
+    dedup_postgres::enqueue(
+        &mut tx,
+        OutboxMessage::bytes(&topic, "never happened").with_key("k"),
+    )
+    .await
+    .expect("enqueue");
+    tx.rollback().await.expect("rollback");
+    let committed = enqueue(&pool, &topic, &[("k".to_owned(), b"happened".to_vec())]).await;
+
+    let relay = RunningRelay::start(source.clone(), &brokers(), 100);
+    wait_until_published(&source, Duration::from_secs(60)).await;
+    let stats = relay.stop().await;
+    assert_eq!(stats.published, 1);
+
+    let messages = read_events(&brokers(), &topic, 1).await;
+    assert_eq!(messages[0].payload(), Some(&b"happened"[..]));
+    assert_eq!(
+        header(&messages[0], "event-id"),
+        Some(committed[0].as_str())
+    );
+    // Nothing else was ever written to the topic.
+    let watcher: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .expect("watcher");
+    let (low, high) = watcher
+        .fetch_watermarks(&topic, 0, Duration::from_secs(10))
+        .expect("watermarks");
+    assert_eq!(high - low, 1, "exactly one message in the topic");
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_relay_killed_after_publishing_publishes_again_and_downstream_applies_once(pool: PgPool) {
+    store(&pool).await; // accounts + dedup table
+    let source = migrated_outbox(&pool).await;
+    let topic = create_topic(1).await;
+    enqueue(
+        &pool,
+        &topic,
+        &[(
+            "acct".to_owned(),
+            payment(uuid::Uuid::new_v4(), "acct", 500),
+        )],
+    )
+    .await;
+
+    let binary = example("outbox");
+    let run = |failpoint: Option<&str>| {
+        let mut cmd = Command::new(&binary);
+        cmd.args(["--role", "relay", "--exit-when-idle", "1s"])
+            .env("DATABASE_URL", database_url(&pool))
+            .env("KAFKA_BROKERS", brokers());
+        match failpoint {
+            Some(f) => cmd.env("DEDUP_FAILPOINT", f),
+            None => cmd.env_remove("DEDUP_FAILPOINT"),
+        };
+        cmd.output().expect("run the outbox example")
+    };
+
+    // Dies after the broker acknowledged the event, before marking it.
+    let crashed = run(Some("relay-after-publish"));
+    assert!(
+        !crashed.status.success(),
+        "the failpoint must kill the relay"
+    );
+    assert_eq!(source.pending().await.expect("pending"), 1, "not marked");
+
+    let restarted = run(None);
+    assert!(
+        restarted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&restarted.stderr)
+    );
+    assert_eq!(
+        last_line(&restarted),
+        "relay: published=1 failed=0 batches=1"
+    );
+    assert_eq!(source.pending().await.expect("pending"), 0);
+
+    // Two copies in the topic, one id; the downstream consumer applies one.
+    let copies = common::read(&topic, 2).await;
+    assert_eq!(
+        header(&copies[0], "event-id"),
+        header(&copies[1], "event-id")
+    );
+    let downstream = drain_downstream(&pool, &topic).await;
+    assert_eq!(
+        (downstream.applied, downstream.skipped),
+        (1, 1),
+        "{downstream}"
+    );
+    assert_eq!(balance(&pool).await, 500, "applied exactly once");
+}
+
+#[sqlx::test(migrations = false)]
+async fn two_relays_publish_every_event_in_order_per_key(pool: PgPool) {
+    let source = migrated_outbox(&pool).await;
+    let topic = create_topic(4).await;
+    // 30 keys, batches of 20: two relays' batches share some keys (an
+    // overtaking would show) and not others (both relays get work).
+    let keys: Vec<String> = (0..30).map(|k| format!("key-{k:02}")).collect();
+    const ROUNDS: u64 = 20;
+
+    for n in 0..ROUNDS {
+        let events: Vec<_> = keys.iter().map(|k| numbered(k, n)).collect();
+        enqueue(&pool, &topic, &events).await;
+    }
+    // Small batches, so the relays take turns through the backlog.
+    let first = RunningRelay::start(source.clone(), &brokers(), 20);
+    let second = RunningRelay::start(migrated_outbox(&pool).await, &brokers(), 20);
+    wait_until_published(&source, Duration::from_secs(120)).await;
+    let (a, b) = (first.stop().await, second.stop().await);
+    assert_eq!(a.published + b.published, 30 * ROUNDS, "{a} / {b}");
+    assert!(
+        a.published > 0 && b.published > 0,
+        "both relays published: {a} / {b}"
+    );
+
+    let messages = read_events(&brokers(), &topic, keys.len() * ROUNDS as usize).await;
+    assert_eq!(messages.len(), keys.len() * ROUNDS as usize, "no copies");
+    let sequences = sequences(&messages);
+    let in_order: Vec<u64> = (0..ROUNDS).collect();
+    for key in &keys {
+        assert_eq!(sequences[key], in_order, "order of {key}");
+    }
+}
+
+/// A broker of this test's own (its own data and ports), stopped on drop.
+struct OwnBroker {
+    env: [(&'static str, String); 2],
+    address: String,
+}
+
+impl OwnBroker {
+    fn script() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka.sh")
+    }
+
+    async fn start() -> Self {
+        let home = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.kafka/outage-test");
+        let broker = OwnBroker {
+            env: [
+                ("DEDUP_KAFKA_HOME", home.display().to_string()),
+                ("DEDUP_KAFKA_PORT", "9192".to_owned()),
+            ],
+            address: "127.0.0.1:9192".to_owned(),
+        };
+        broker.run("start").await;
+        broker
+    }
+
+    async fn run(&self, action: &'static str) {
+        let mut cmd = Command::new("bash");
+        cmd.arg(Self::script()).arg(action);
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        let status = tokio::task::spawn_blocking(move || cmd.status())
+            .await
+            .expect("join")
+            .expect("kafka.sh");
+        assert!(status.success(), "kafka.sh {action} failed");
+    }
+}
+
+impl Drop for OwnBroker {
+    fn drop(&mut self) {
+        let mut cmd = Command::new("bash");
+        cmd.arg(Self::script()).arg("stop");
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        let _ = cmd.status();
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_relay_catches_up_after_the_broker_comes_back(pool: PgPool) {
+    let broker = OwnBroker::start().await;
+    let source = migrated_outbox(&pool).await;
+    let topic = create_topic_on(&broker.address, 2).await;
+    let keys = ["a", "b", "c", "d", "e"];
+    let relay = RunningRelay::start(source.clone(), &broker.address, 100);
+
+    let before: Vec<_> = keys.iter().map(|k| numbered(k, 0)).collect();
+    enqueue(&pool, &topic, &before).await;
+    wait_until_published(&source, Duration::from_secs(60)).await;
+
+    broker.run("stop").await;
+    for n in 1..=4 {
+        let events: Vec<_> = keys.iter().map(|k| numbered(k, n)).collect();
+        enqueue(&pool, &topic, &events).await;
+    }
+    // The relay tries, fails, keeps everything pending and backs off.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while relay.stats.snapshot().failed == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the relay never noticed the outage"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        source.pending().await.expect("pending"),
+        20,
+        "nothing is marked while the broker is down"
+    );
+
+    broker.run("start").await;
+    wait_until_published(&source, Duration::from_secs(120)).await;
+    let stats = relay.stop().await;
+    assert!(stats.failed > 0, "{stats}");
+
+    let messages = read_events(&broker.address, &topic, 25).await;
+    let sequences = sequences(&messages);
+    for key in keys {
+        assert_eq!(
+            sequences[key],
+            [0, 1, 2, 3, 4],
+            "every event of {key}, in order"
+        );
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_outbox_example_is_exactly_once_along_the_chain(pool: PgPool) {
+    let payments = create_topic(2).await;
+    let recorded = create_topic(2).await;
+    let producer = producer();
+    let mut total = 0;
+    let mut sent = Vec::new();
+    for i in 0..20 {
+        let account = format!("acct-{}", i % 4);
+        let cents = 100 + i;
+        total += cents;
+        sent.push((
+            account.clone(),
+            payment(uuid::Uuid::new_v4(), &account, cents),
+        ));
+    }
+    // Every fourth payment is sent twice, as a retrying producer would.
+    let duplicates: Vec<_> = sent.iter().step_by(4).cloned().collect();
+    for (account, body) in sent.iter().chain(&duplicates) {
+        producer
+            .send(
+                rdkafka::producer::FutureRecord::to(&payments)
+                    .key(account)
+                    .payload(body),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produced");
+    }
+
+    let group = unique("g");
+    let output = Command::new(example("outbox"))
+        .args(["--exit-when-idle", "3s"])
+        .env("DATABASE_URL", database_url(&pool))
+        .env("KAFKA_BROKERS", brokers())
+        .env("TOPIC", &payments)
+        .env("RECORDED_TOPIC", &recorded)
+        .env("GROUP_ID", &group)
+        .output()
+        .expect("run the outbox example");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let line = last_line(&output);
+    assert!(
+        line.starts_with(
+            "payments: applied=20 skipped=5 dead_lettered=0 | relay: published=20 failed=0 "
+        ) && line.ends_with(" | notices: applied=20 skipped=0 dead_lettered=0"),
+        "{line}"
+    );
+    assert_eq!(balance(&pool).await, total);
+    let (notices, notice_cents): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), coalesce(sum(amount_cents), 0)::int8 FROM payment_notices",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("notices");
+    assert_eq!(
+        (notices, notice_cents),
+        (20, total),
+        "one notice per payment"
+    );
+}

@@ -18,7 +18,7 @@ pub use error::{BoxError, Error, HandlerError, Result, StoreError, chain, sqlsta
 pub use handler::{Handler, Headers, Outcome, WithTtl};
 pub use key::{DedupKey, KeyError, MAX_KEY_BYTES};
 pub use memory::{MemoryStore, MemoryTx};
-pub use outbox::{OutboxMessage, OutboxRecord, OutboxSource};
+pub use outbox::{OutboxMessage, OutboxRecord, OutboxSource, PublishFailure};
 pub use purge::{PurgeConfig, Purger, purge_round};
 pub use store::{Claim, DedupStore, PurgeExpired};
 pub use ttl::{Ttl, TtlError, TtlErrorKind};

@@ -149,6 +149,31 @@ impl OutboxRecord {
     }
 }
 
+/// A publish attempt that failed: the event stays pending and is not
+/// offered again (nor any later event of its topic and key) before
+/// `retry_after` has passed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct PublishFailure {
+    /// The event's [`OutboxRecord::seq`].
+    pub seq: i64,
+    /// Why, as the producer said it; recorded with the event.
+    pub reason: String,
+    /// Its back-off.
+    pub retry_after: Duration,
+}
+
+impl PublishFailure {
+    /// A failure of event `seq`.
+    pub fn new(seq: i64, reason: impl Into<String>, retry_after: Duration) -> Self {
+        PublishFailure {
+            seq,
+            reason: reason.into(),
+            retry_after,
+        }
+    }
+}
+
 /// Where a relay reads pending events from: the outbox of a backend.
 ///
 /// # The contract
@@ -161,7 +186,9 @@ impl OutboxRecord {
 ///   key's order. (Events without a key have no order to keep.)
 /// - `finish` atomically marks the published events as sent (or deletes
 ///   them) and records the failures; events neither published nor failed
-///   stay pending. If the relay dies before `finish`, every event of the
+///   stay pending. A failed event is not offered again before its
+///   back-off has passed, and neither is any later event of its key; other
+///   keys' events are, so one poison event cannot stall the outbox. If the relay dies before `finish`, every event of the
 ///   batch stays pending and is published again: the relay is
 ///   at-least-once, and consumers deduplicate on the event id.
 pub trait OutboxSource: Send + Sync + 'static {
@@ -175,12 +202,12 @@ pub trait OutboxSource: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(Self::Lease, Vec<OutboxRecord>), StoreError>> + Send;
 
     /// Marks `published` (sequence numbers) sent, records `failed` attempts
-    /// with their reasons, and releases the batch.
+    /// with their reasons and back-offs, and releases the batch.
     fn finish(
         &self,
         lease: Self::Lease,
         published: &[i64],
-        failed: &[(i64, String)],
+        failed: &[PublishFailure],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Waits until new events may have been enqueued (a notification), or

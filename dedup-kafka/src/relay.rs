@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use dedup_core::outbox::{EVENT_ID_HEADER, OutboxRecord, OutboxSource};
+use dedup_core::outbox::{EVENT_ID_HEADER, OutboxRecord, OutboxSource, PublishFailure};
 use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
@@ -200,8 +200,11 @@ impl fmt::Display for RelayStatsSnapshot {
 ///
 /// Order: events of one topic and key are published in outbox order, also
 /// with several relays (a relay never takes an event while an earlier one
-/// of its key is pending elsewhere). When an event fails, the later events
-/// of its key in that batch stay pending with it.
+/// of its key is pending elsewhere). When an event fails, it backs off
+/// (the retry policy, by its attempts) and the later events of its key wait
+/// with it; other keys go on, so a poison event stalls only its own key.
+/// When nothing in a batch gets through (the broker is down) the relay
+/// itself backs off too.
 pub struct Relay<S> {
     source: S,
     producer: FutureProducer,
@@ -219,6 +222,14 @@ impl<S> fmt::Debug for Relay<S> {
             .field("stats", &self.stats.snapshot())
             .finish_non_exhaustive()
     }
+}
+
+/// What one batch did.
+#[derive(Default)]
+struct Round {
+    taken: usize,
+    published: usize,
+    failed: usize,
 }
 
 /// What became of one record of a batch.
@@ -272,17 +283,18 @@ impl<S: OutboxSource> Relay<S> {
                         tracing::warn!(error = %e, "outbox relay: purging sent events failed");
                     }
                 }
-                let wait = match self.round().await {
-                    Ok((taken, false)) => {
+                let wait = match self.round(&mut jitter).await {
+                    // Nothing got through: the broker is likely down.
+                    Ok(round) if round.failed > 0 && round.published == 0 => {
+                        failures += 1;
+                        Some(self.retry.backoff(failures, jitter.next()))
+                    }
+                    Ok(round) => {
                         failures = 0;
-                        if taken == self.batch_size {
+                        if round.taken == self.batch_size {
                             continue; // more may be waiting
                         }
                         None
-                    }
-                    Ok((_, true)) => {
-                        failures += 1;
-                        Some(self.retry.backoff(failures, jitter.next()))
                     }
                     Err(e) => {
                         failures += 1;
@@ -316,13 +328,12 @@ impl<S: OutboxSource> Relay<S> {
         self.stats.snapshot()
     }
 
-    /// One batch: lock, publish, mark. Returns how many events were taken
-    /// and whether any failed.
-    async fn round(&self) -> Result<(usize, bool), dedup_core::StoreError> {
+    /// One batch: lock, publish, mark.
+    async fn round(&self, jitter: &mut Jitter) -> Result<Round, dedup_core::StoreError> {
         let (lease, records) = self.source.lock_pending(self.batch_size).await?;
         if records.is_empty() {
             self.source.finish(lease, &[], &[]).await?;
-            return Ok((0, false));
+            return Ok(Round::default());
         }
         let outcomes = self.publish(&records).await;
         failpoint("relay-after-publish");
@@ -332,33 +343,41 @@ impl<S: OutboxSource> Relay<S> {
             match outcome {
                 Sent::Acked => published.push(record.seq),
                 Sent::Failed(reason) => {
+                    let attempts = record.attempts.saturating_add(1);
+                    let retry_after = self.retry.backoff(attempts, jitter.next());
                     tracing::warn!(
                         seq = record.seq,
                         event_id = %record.event_id,
                         topic = %record.topic,
-                        attempts = record.attempts + 1,
+                        attempts,
+                        ?retry_after,
                         error = %reason,
-                        "outbox relay: publishing failed; the event stays pending"
+                        "outbox relay: publishing failed; the event and its key's later ones wait"
                     );
-                    failed.push((record.seq, reason));
+                    failed.push(PublishFailure::new(record.seq, reason, retry_after));
                 }
                 Sent::Held => {}
             }
         }
         self.source.finish(lease, &published, &failed).await?;
+        let round = Round {
+            taken: records.len(),
+            published: published.len(),
+            failed: failed.len(),
+        };
         self.stats
             .published
-            .fetch_add(published.len() as u64, Ordering::Relaxed);
+            .fetch_add(round.published as u64, Ordering::Relaxed);
         self.stats
             .failed
-            .fetch_add(failed.len() as u64, Ordering::Relaxed);
+            .fetch_add(round.failed as u64, Ordering::Relaxed);
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(
-            published = published.len(),
-            failed = failed.len(),
+            published = round.published,
+            failed = round.failed,
             "outbox relay: batch done"
         );
-        Ok((records.len(), !failed.is_empty()))
+        Ok(round)
     }
 
     /// Sends every record (they queue in the producer together) and waits
@@ -367,8 +386,14 @@ impl<S: OutboxSource> Relay<S> {
     /// unsent earlier one.
     async fn publish(&self, records: &[OutboxRecord]) -> Vec<Sent> {
         let mut outcomes: Vec<Option<Sent>> = records.iter().map(|_| None).collect();
+        // Keys with a failure known so far: their later records are not sent.
+        let mut failed_keys: HashSet<(&str, &[u8])> = HashSet::new();
         let mut inflight: VecDeque<(usize, DeliveryFuture)> = VecDeque::new();
         for (i, record) in records.iter().enumerate() {
+            if key_of(record).is_some_and(|k| failed_keys.contains(&k)) {
+                outcomes[i] = Some(Sent::Held);
+                continue;
+            }
             let mut future_record = FutureRecord::to(&record.topic)
                 .payload(&record.payload)
                 .headers(headers(record));
@@ -385,11 +410,19 @@ impl<S: OutboxSource> Relay<S> {
                         // Make room: wait for the oldest acknowledgement.
                         future_record = back;
                         match inflight.pop_front() {
-                            Some((j, delivery)) => outcomes[j] = Some(settle(delivery).await),
+                            Some((j, delivery)) => {
+                                let sent = settle(delivery).await;
+                                if matches!(sent, Sent::Failed(_)) {
+                                    failed_keys.extend(key_of(&records[j]));
+                                }
+                                outcomes[j] = Some(sent);
+                            }
                             None => tokio::time::sleep(Duration::from_millis(10)).await,
                         }
                     }
+                    // Refused before sending (too large, unknown topic...).
                     Err((e, _)) => {
+                        failed_keys.extend(key_of(record));
                         outcomes[i] = Some(Sent::Failed(e.to_string()));
                         break;
                     }
@@ -399,19 +432,24 @@ impl<S: OutboxSource> Relay<S> {
         for (j, delivery) in inflight {
             outcomes[j] = Some(settle(delivery).await);
         }
-        // Hold back a key's records after its first failure.
+        // A delivery that failed after later records of its key were sent:
+        // those may have reached the broker, but none is marked past the
+        // failed one, so the key resumes from it.
         let mut failed_keys: HashSet<(&str, &[u8])> = HashSet::new();
         records
             .iter()
             .zip(outcomes)
             .map(|(record, outcome)| {
                 let outcome = outcome.unwrap_or(Sent::Held);
-                let Some(key) = record.key.as_deref() else {
+                let Some(key) = key_of(record) else {
                     return outcome;
                 };
-                let key = (record.topic.as_str(), key);
                 if failed_keys.contains(&key) {
-                    return Sent::Held;
+                    return match outcome {
+                        // Its own failure is still recorded.
+                        Sent::Failed(reason) => Sent::Failed(reason),
+                        _ => Sent::Held,
+                    };
                 }
                 if matches!(outcome, Sent::Failed(_)) {
                     failed_keys.insert(key);
@@ -420,6 +458,14 @@ impl<S: OutboxSource> Relay<S> {
             })
             .collect()
     }
+}
+
+/// The key a record's order is kept by, if it has one: (topic, key).
+fn key_of(record: &OutboxRecord) -> Option<(&str, &[u8])> {
+    record
+        .key
+        .as_deref()
+        .map(|key| (record.topic.as_str(), key))
 }
 
 async fn settle(delivery: DeliveryFuture) -> Sent {

@@ -16,13 +16,18 @@ CREATE TABLE IF NOT EXISTS {{table}} (
     -- the delete-on-publish retention).
     sent_at       timestamptz,
     attempts      integer     NOT NULL DEFAULT 0,
-    last_error    text
+    last_error    text,
+    -- After a failed attempt: not before this time (its back-off).
+    next_attempt_at timestamptz
 );
 
 -- The relay's queue: pending rows in order.
 CREATE INDEX IF NOT EXISTS {{index:pending_idx}} ON {{table}} (seq) WHERE sent_at IS NULL;
 -- The per-key order check: earlier pending rows of the same topic and key.
 CREATE INDEX IF NOT EXISTS {{index:key_idx}} ON {{table}} (topic, key, seq) WHERE sent_at IS NULL;
+-- Events backing off after a failure, which hold back their key.
+CREATE INDEX IF NOT EXISTS {{index:retry_idx}} ON {{table}} (topic, key, seq)
+    WHERE sent_at IS NULL AND next_attempt_at IS NOT NULL;
 -- Purging sent rows after their retention.
 CREATE INDEX IF NOT EXISTS {{index:sent_idx}} ON {{table}} (sent_at) WHERE sent_at IS NOT NULL;
 

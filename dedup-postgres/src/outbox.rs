@@ -6,7 +6,7 @@ use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use dedup_core::StoreError;
-use dedup_core::outbox::{OutboxMessage, OutboxRecord, OutboxSource};
+use dedup_core::outbox::{OutboxMessage, OutboxRecord, OutboxSource, PublishFailure};
 use dedup_core::sql::TableName;
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
@@ -82,14 +82,24 @@ impl Statements {
              VALUES (COALESCE($1, gen_random_uuid()::text), $2, $3, $4, $5, $6) \
              RETURNING event_id"
         );
-        // Lock the oldest pending rows no other relay holds, then keep only
-        // those with no earlier pending row of the same topic and key outside
-        // this batch: that row is another relay's (or failed), and publishing
-        // past it would overtake it.
+        // Lock the oldest pending rows no other relay holds, leaving out
+        // events backing off after a failure and every later event of their
+        // key (so one poison event holds back its key, not the outbox). Then
+        // keep only rows with no earlier pending row of the same topic and
+        // key outside this batch: that row is another relay's, and
+        // publishing past it would overtake it.
         let lock_pending = format!(
             "WITH locked AS ( \
-                 SELECT seq, event_id, topic, key, payload, header_names, header_values, attempts \
-                 FROM {t} WHERE sent_at IS NULL ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED \
+                 SELECT o.seq, o.event_id, o.topic, o.key, o.payload, o.header_names, \
+                        o.header_values, o.attempts \
+                 FROM {t} o \
+                 WHERE o.sent_at IS NULL \
+                   AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= now()) \
+                   AND (o.key IS NULL OR NOT EXISTS ( \
+                       SELECT 1 FROM {t} f \
+                       WHERE f.sent_at IS NULL AND f.next_attempt_at > now() \
+                         AND f.topic = o.topic AND f.key = o.key AND f.seq < o.seq)) \
+                 ORDER BY o.seq LIMIT $1 FOR UPDATE OF o SKIP LOCKED \
              ) \
              SELECT l.seq, l.event_id, l.topic, l.key, l.payload, l.header_names, \
                     l.header_values, l.attempts \
@@ -108,8 +118,10 @@ impl Statements {
             }
         };
         let record_failures = format!(
-            "UPDATE {t} AS o SET attempts = o.attempts + 1, last_error = f.error \
-             FROM unnest($1::int8[], $2::text[]) AS f(seq, error) WHERE o.seq = f.seq"
+            "UPDATE {t} AS o SET attempts = o.attempts + 1, last_error = f.error, \
+                 next_attempt_at = now() + f.delay_ms * interval '1 millisecond' \
+             FROM unnest($1::int8[], $2::text[], $3::int8[]) AS f(seq, error, delay_ms) \
+             WHERE o.seq = f.seq"
         );
         let purge_sent = format!(
             "DELETE FROM {t} WHERE seq IN ( \
@@ -328,7 +340,7 @@ impl OutboxSource for PgOutbox {
         &self,
         mut tx: PgTx,
         published: &[i64],
-        failed: &[(i64, String)],
+        failed: &[PublishFailure],
     ) -> Result<(), StoreError> {
         if !published.is_empty() {
             sqlx::query(sql(&self.statements.mark_sent))
@@ -338,11 +350,16 @@ impl OutboxSource for PgOutbox {
                 .map_err(store_error)?;
         }
         if !failed.is_empty() {
-            let (seqs, errors): (Vec<i64>, Vec<&str>) =
-                failed.iter().map(|(s, e)| (*s, e.as_str())).unzip();
+            let seqs: Vec<i64> = failed.iter().map(|f| f.seq).collect();
+            let reasons: Vec<&str> = failed.iter().map(|f| f.reason.as_str()).collect();
+            let delays: Vec<i64> = failed
+                .iter()
+                .map(|f| i64::try_from(f.retry_after.as_millis()).unwrap_or(i64::MAX))
+                .collect();
             sqlx::query(sql(&self.statements.record_failures))
                 .bind(seqs)
-                .bind(errors)
+                .bind(reasons)
+                .bind(delays)
                 .execute(&mut *tx)
                 .await
                 .map_err(store_error)?;

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use dedup_core::{OutboxMessage, OutboxSource};
+use dedup_core::{OutboxMessage, OutboxSource, PublishFailure};
 use dedup_postgres::{Outbox, OutboxConfig, PgOutbox, Retention};
 use sqlx::PgPool;
 
@@ -112,7 +112,11 @@ async fn a_second_relay_skips_held_events_and_never_overtakes_their_keys(pool: P
         .finish(
             lease_a,
             &[held[0].seq],
-            &[(held[1].seq, "broker down".to_owned())],
+            &[PublishFailure::new(
+                held[1].seq,
+                "broker down",
+                Duration::ZERO,
+            )],
         )
         .await
         .expect("finish A");
@@ -138,6 +142,55 @@ async fn a_second_relay_skips_held_events_and_never_overtakes_their_keys(pool: P
         .await
         .expect("count");
     assert_eq!(rows, 0, "delete-on-publish leaves no rows");
+}
+
+#[sqlx::test(migrations = false)]
+async fn an_event_backing_off_holds_back_its_key_and_nothing_else(pool: PgPool) {
+    let source = outbox(&pool, Retention::Delete).await;
+    enqueue_all(
+        &pool,
+        &[
+            (Some("k1"), "poison"),
+            (Some("k1"), "k1-2"),
+            (Some("k1"), "k1-3"),
+            (Some("k2"), "k2-1"),
+        ],
+    )
+    .await;
+    // A batch of 3 holds only k1; its first event fails and backs off.
+    let (lease, records) = source.lock_pending(3).await.expect("lock");
+    assert_eq!(payloads(&records), ["poison", "k1-2", "k1-3"]);
+    source
+        .finish(
+            lease,
+            &[],
+            &[PublishFailure::new(
+                records[0].seq,
+                "Message size too large",
+                Duration::from_secs(3600),
+            )],
+        )
+        .await
+        .expect("finish");
+
+    // The next batch of 3 gets past the whole key to k2.
+    let (lease, records) = source.lock_pending(3).await.expect("lock");
+    assert_eq!(payloads(&records), ["k2-1"]);
+    source
+        .finish(lease, &[records[0].seq], &[])
+        .await
+        .expect("finish");
+    assert_eq!(source.pending().await.expect("pending"), 3, "k1 waits");
+
+    // Once the back-off is over, the key comes back, in order.
+    sqlx::query("UPDATE dedup_outbox SET next_attempt_at = now() - interval '1 second'")
+        .execute(&pool)
+        .await
+        .expect("end the back-off");
+    let (lease, records) = source.lock_pending(10).await.expect("lock");
+    assert_eq!(payloads(&records), ["poison", "k1-2", "k1-3"]);
+    assert_eq!(records[0].attempts, 1);
+    source.finish(lease, &[], &[]).await.expect("finish");
 }
 
 #[sqlx::test(migrations = false)]

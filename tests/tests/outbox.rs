@@ -306,6 +306,45 @@ async fn two_relays_publish_every_event_in_order_per_key(pool: PgPool) {
     }
 }
 
+#[sqlx::test(migrations = false)]
+async fn a_poison_event_holds_back_only_its_own_key(pool: PgPool) {
+    let source = migrated_outbox(&pool).await;
+    let topic = create_topic(1).await;
+    // Over the producer's message.max.bytes: refused on every attempt.
+    let poison = vec![b'x'; 2_000_000];
+    let mut events = vec![("stuck".to_owned(), poison)];
+    events.extend((1..=30).map(|n| numbered("stuck", n)));
+    events.extend((0..10).map(|k| numbered(&format!("fine-{k}"), 0)));
+    enqueue(&pool, &topic, &events).await;
+
+    // Batches of 20: the first one is the poison event and 19 of its key.
+    let relay = RunningRelay::start(source.clone(), &brokers(), 20);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while source.pending().await.expect("pending") > 31 {
+        assert!(
+            Instant::now() < deadline,
+            "the other keys were stalled behind the poison event"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let stats = relay.stop().await;
+    assert!(stats.failed >= 1, "{stats}");
+
+    let (attempts, last_error): (i32, Option<String>) =
+        sqlx::query_as("SELECT attempts, last_error FROM dedup_outbox ORDER BY seq LIMIT 1")
+            .fetch_one(&pool)
+            .await
+            .expect("poison row");
+    assert!(attempts >= 1);
+    let last_error = last_error.expect("the reason is recorded");
+    assert!(last_error.contains("MessageSizeTooLarge"), "{last_error}");
+
+    let messages = read_events(&brokers(), &topic, 10).await;
+    let sequences = sequences(&messages);
+    assert_eq!(sequences.len(), 10, "only the other keys: {sequences:?}");
+    assert!(!sequences.contains_key("stuck"), "nothing of the stuck key");
+}
+
 /// A broker of this test's own (its own data and ports), stopped on drop.
 struct OwnBroker {
     env: [(&'static str, String); 2],

@@ -71,6 +71,7 @@ struct Statements {
     record_failures: Arc<str>,
     purge_sent: Arc<str>,
     pending: Arc<str>,
+    oldest_pending: Arc<str>,
 }
 
 impl Statements {
@@ -130,8 +131,14 @@ impl Statements {
                  ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
         );
         let pending = format!("SELECT count(*) FROM {t} WHERE sent_at IS NULL");
+        // Seconds on the database clock, so no date-time crate is needed.
+        let oldest_pending = format!(
+            "SELECT extract(epoch FROM now() - min(enqueued_at))::float8 \
+             FROM {t} WHERE sent_at IS NULL"
+        );
         Ok(Statements {
             pending: pending.into(),
+            oldest_pending: oldest_pending.into(),
             table,
             retention: config.retention,
             enqueue: enqueue.into(),
@@ -276,6 +283,15 @@ impl PgOutbox {
         sqlx::query_scalar(sql(&self.statements.pending))
             .fetch_one(&self.pool)
             .await
+    }
+
+    /// How long the oldest pending event has waited (`None` when nothing
+    /// waits): the relay's lag, on the database clock.
+    pub async fn oldest_pending_age(&self) -> Result<Option<Duration>, sqlx::Error> {
+        let seconds: Option<f64> = sqlx::query_scalar(sql(&self.statements.oldest_pending))
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(seconds.map(|s| Duration::from_secs_f64(s.max(0.0))))
     }
 
     /// Listens on the outbox's channel if not already listening. A failure

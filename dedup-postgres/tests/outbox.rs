@@ -67,6 +67,11 @@ async fn enqueue_gives_ids_and_only_committed_events_are_pending(pool: PgPool) {
     tx.rollback().await.expect("rollback");
 
     assert_eq!(source.pending().await.expect("pending"), 2);
+    let age = source.oldest_pending_age().await.expect("age");
+    assert!(
+        age.is_some_and(|a| a < Duration::from_secs(600)),
+        "the lag of events enqueued just now: {age:?}"
+    );
     let (lease, records) = source.lock_pending(10).await.expect("lock");
     assert_eq!(payloads(&records), ["x", "y"]);
     assert_eq!(records[0].event_id, "order-7:shipped");
@@ -142,6 +147,7 @@ async fn a_second_relay_skips_held_events_and_never_overtakes_their_keys(pool: P
         .await
         .expect("count");
     assert_eq!(rows, 0, "delete-on-publish leaves no rows");
+    assert_eq!(source.oldest_pending_age().await.expect("age"), None);
 }
 
 #[sqlx::test(migrations = false)]

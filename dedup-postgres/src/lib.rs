@@ -248,12 +248,6 @@ impl PgStore {
         run_migrations(&self.pool, &MIGRATOR, &self.statements.table).await
     }
 
-    /// The outbox with default settings (table `dedup_outbox`) over this
-    /// store's pool: the relay's [`OutboxSource`](dedup_core::OutboxSource).
-    pub fn outbox(&self) -> PgOutbox {
-        Outbox::default().source(self.pool.clone())
-    }
-
     /// Starts deleting expired claims in the background (see
     /// [`PurgeConfig`]); stop it with [`Purger::stop`].
     pub fn spawn_purger(&self, config: PurgeConfig) -> Purger {

@@ -209,6 +209,14 @@ pub async fn enqueue(
     DEFAULT_OUTBOX.enqueue(conn, message).await
 }
 
+impl crate::PgStore {
+    /// The outbox with default settings (table `dedup_outbox`) over this
+    /// store's pool: the relay's [`OutboxSource`](dedup_core::OutboxSource).
+    pub fn outbox(&self) -> PgOutbox {
+        DEFAULT_OUTBOX.source(self.pool().clone())
+    }
+}
+
 impl Outbox {
     /// An outbox with `config`.
     pub fn new(config: OutboxConfig) -> Result<Self, InvalidTableName> {

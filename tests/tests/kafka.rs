@@ -20,8 +20,8 @@ use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
 use common::{
-    KillOnDrop, brokers, create_topic, database_url, example, header, last_line, producer, read,
-    unique,
+    KillOnDrop, brokers, create_topic, database_url, drain, example, header, last_line, producer,
+    read, unique,
 };
 
 async fn produce(
@@ -121,21 +121,6 @@ impl Running {
         let _ = self.stop.send(());
         self.task.await.expect("consumer task")
     }
-}
-
-/// Runs a fresh consumer of `group` until it has been idle for `idle`
-/// (after getting its partitions) and returns what it did.
-async fn drain(builder: ConsumerBuilder<PgStore>, idle: Duration) -> StatsSnapshot {
-    let consumer = builder.build().expect("consumer");
-    let stats = consumer.stats();
-    consumer
-        .run_until(async move {
-            while stats.idle_for() < idle {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-        .await
-        .expect("consumer ran")
 }
 
 #[sqlx::test(migrations = false)]

@@ -18,8 +18,8 @@ use rdkafka::message::{Message as _, OwnedMessage};
 use sqlx::PgPool;
 
 use common::{
-    brokers, create_topic, create_topic_on, database_url, example, header, last_line, producer,
-    unique,
+    brokers, create_topic, create_topic_on, database_url, drain, example, header, last_line,
+    producer, unique,
 };
 
 /// A downstream service: deduplicates on the relay's `event-id` header and
@@ -150,22 +150,12 @@ fn numbered(key: &str, n: u64) -> (String, Vec<u8>) {
 
 /// Runs a downstream consumer of `topic` until idle and returns its counts.
 async fn drain_downstream(pool: &PgPool, topic: &str) -> StatsSnapshot {
-    let consumer = Consumer::builder(store_only(pool))
+    let builder = Consumer::builder(store_only(pool))
         .brokers(brokers())
         .group_id(unique("downstream"))
         .commit_interval(Duration::from_millis(200))
-        .handle(topic, credit_relayed_payment)
-        .build()
-        .expect("consumer");
-    let stats = consumer.stats();
-    consumer
-        .run_until(async move {
-            while stats.idle_for() < Duration::from_secs(3) {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-        .await
-        .expect("consumer ran")
+        .handle(topic, credit_relayed_payment);
+    drain(builder, Duration::from_secs(3)).await
 }
 
 /// A store on an already set-up database.
@@ -369,12 +359,18 @@ impl OwnBroker {
         broker
     }
 
-    async fn run(&self, action: &'static str) {
+    /// `kafka.sh <action>` for this broker.
+    fn command(&self, action: &str) -> Command {
         let mut cmd = Command::new("bash");
         cmd.arg(Self::script()).arg(action);
         for (k, v) in &self.env {
             cmd.env(k, v);
         }
+        cmd
+    }
+
+    async fn run(&self, action: &'static str) {
+        let mut cmd = self.command(action);
         let status = tokio::task::spawn_blocking(move || cmd.status())
             .await
             .expect("join")
@@ -385,12 +381,7 @@ impl OwnBroker {
 
 impl Drop for OwnBroker {
     fn drop(&mut self) {
-        let mut cmd = Command::new("bash");
-        cmd.arg(Self::script()).arg("stop");
-        for (k, v) in &self.env {
-            cmd.env(k, v);
-        }
-        let _ = cmd.status();
+        let _ = self.command("stop").status();
     }
 }
 

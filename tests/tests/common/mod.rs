@@ -7,6 +7,8 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use dedup_kafka::{ConsumerBuilder, StatsSnapshot};
+use dedup_postgres::PgStore;
 use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
@@ -142,4 +144,19 @@ impl Drop for KillOnDrop {
             let _ = child.wait();
         }
     }
+}
+
+/// Runs a fresh consumer of `group` until it has been idle for `idle`
+/// (after getting its partitions) and returns what it did.
+pub async fn drain(builder: ConsumerBuilder<PgStore>, idle: Duration) -> StatsSnapshot {
+    let consumer = builder.build().expect("consumer");
+    let stats = consumer.stats();
+    consumer
+        .run_until(async move {
+            while stats.idle_for() < idle {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("consumer ran")
 }

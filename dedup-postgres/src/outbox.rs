@@ -211,7 +211,7 @@ pub async fn enqueue(
 
 impl crate::PgStore {
     /// The outbox with default settings (table `dedup_outbox`) over this
-    /// store's pool: the relay's [`OutboxSource`](dedup_core::OutboxSource).
+    /// store's pool: the relay's [`OutboxSource`].
     pub fn outbox(&self) -> PgOutbox {
         DEFAULT_OUTBOX.source(self.pool().clone())
     }

@@ -423,6 +423,21 @@ mod tests {
         assert_eq!(config.get("enable.auto.offset.store"), Some("false"));
     }
 
+    /// A consumer must read whatever codec its producers chose; a librdkafka
+    /// built without one fails every batch of a topic that uses it. The
+    /// build no longer needs system headers, so check what it linked.
+    #[test]
+    fn the_linked_librdkafka_decodes_every_compression_codec() {
+        let native = rdkafka::ClientConfig::new()
+            .create_native_config()
+            .expect("native config");
+        let features = native.get("builtin.features").expect("builtin.features");
+        let features: Vec<&str> = features.split(',').collect();
+        for codec in ["gzip", "snappy", "lz4", "zstd"] {
+            assert!(features.contains(&codec), "{codec} missing: {features:?}");
+        }
+    }
+
     #[test]
     fn a_group_and_a_handler_are_required() {
         let err = Consumer::builder(MemoryStore::new()).build().unwrap_err();

@@ -13,8 +13,8 @@ use crate::PurgeExpired;
 pub struct PurgeConfig {
     /// Pause between purge rounds (default 60 s).
     pub interval: Duration,
-    /// Most claims deleted per statement (default 1000); a round repeats
-    /// batches until one comes back short.
+    /// Most claims deleted per statement (default 1000, at least 1: 0
+    /// counts as 1); a round repeats batches until one comes back short.
     pub batch_size: u32,
 }
 
@@ -90,8 +90,11 @@ impl Drop for Purger {
 
 /// Deletes expired claims batch by batch until a batch comes back short;
 /// returns the total. Errors are logged and end the round: the next round
-/// tries again.
+/// tries again. A `batch_size` of 0 counts as 1.
 pub async fn purge_round<P: PurgeExpired>(store: &P, batch_size: u32) -> u64 {
+    // Clamped here, not only in the setter: the field is public, and a batch
+    // of 0 always "comes back full", so the round would never end.
+    let batch_size = batch_size.max(1);
     let mut total = 0;
     loop {
         match store.purge_expired(batch_size).await {
@@ -113,4 +116,35 @@ pub async fn purge_round<P: PurgeExpired>(store: &P, batch_size: u32) -> u64 {
         tracing::info!(purged = total, "purged expired claims");
     }
     total
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{DedupKey, DedupStore, MemoryStore, Ttl};
+
+    #[tokio::test]
+    async fn a_zero_batch_size_still_ends_the_round() {
+        let store = MemoryStore::new();
+        let ttl = Ttl::from_secs(1).unwrap();
+        for key in ["a", "b", "c"] {
+            let mut tx = store.begin().await.unwrap();
+            let key = DedupKey::new("purge", key).unwrap();
+            store.claim(&mut tx, &key, ttl).await.unwrap();
+            store.commit(tx).await.unwrap();
+        }
+        store.advance(Duration::from_secs(2));
+        let mut config = PurgeConfig::default();
+        config.batch_size = 0;
+        let purged = tokio::time::timeout(
+            Duration::from_secs(10),
+            purge_round(&store, config.batch_size),
+        )
+        .await
+        .expect("a round with batch_size 0 never ended");
+        assert_eq!(purged, 3);
+        assert!(store.is_empty());
+    }
 }

@@ -1,7 +1,8 @@
 //! `#[idempotent]` handlers applied through `Handler::apply` on the memory store.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, AtomicU32, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dedup_core::{
@@ -11,10 +12,31 @@ use dedup_core::{
 #[derive(serde::Deserialize)]
 struct Payment {
     event_id: uuid::Uuid,
+    /// Each test pays into accounts of its own: tests run in parallel threads
+    /// of one process, so no two of them may share a balance.
+    account: String,
     amount_cents: i64,
 }
 
-static BALANCE: AtomicI64 = AtomicI64::new(0);
+/// Balances by account, the handlers' effect.
+static BALANCES: Mutex<Option<HashMap<String, i64>>> = Mutex::new(None);
+
+fn add_to(account: String, cents: i64) {
+    let mut balances = BALANCES.lock().unwrap();
+    *balances
+        .get_or_insert_with(HashMap::new)
+        .entry(account)
+        .or_default() += cents;
+}
+
+fn balance(account: &str) -> i64 {
+    BALANCES
+        .lock()
+        .unwrap()
+        .as_ref()
+        .and_then(|b| b.get(account).copied())
+        .unwrap_or(0)
+}
 
 /// A non-idempotent effect (add to a balance), staged to happen on commit.
 #[idempotent(key = "event_id", ttl = "1h")]
@@ -22,14 +44,12 @@ async fn add_payment(tx: &mut MemoryTx, ev: Payment) -> Result<(), HandlerError>
     if ev.amount_cents < 0 {
         return Err(HandlerError::permanent("negative amount"));
     }
-    tx.on_commit(move || {
-        BALANCE.fetch_add(ev.amount_cents, Ordering::SeqCst);
-    });
+    tx.on_commit(move || add_to(ev.account, ev.amount_cents));
     Ok(())
 }
 
-fn payment(id: &str, amount: i64) -> Vec<u8> {
-    format!(r#"{{"event_id":"{id}","amount_cents":{amount}}}"#).into_bytes()
+fn payment(account: &str, id: &str, amount: i64) -> Vec<u8> {
+    format!(r#"{{"event_id":"{id}","account":"{account}","amount_cents":{amount}}}"#).into_bytes()
 }
 
 const ID: &str = "7f0c2b0e-6a43-4a8e-9d8b-0a3c2f1e5b6d";
@@ -37,8 +57,7 @@ const ID: &str = "7f0c2b0e-6a43-4a8e-9d8b-0a3c2f1e5b6d";
 #[tokio::test]
 async fn the_three_ttl_cases() {
     let store = MemoryStore::new();
-    BALANCE.store(0, Ordering::SeqCst);
-    let msg = payment(ID, 250);
+    let msg = payment("ttl-cases", ID, 250);
 
     // (A) first delivery applies.
     let out = add_payment.apply(&store, &msg, &()).await;
@@ -46,12 +65,12 @@ async fn the_three_ttl_cases() {
         matches!(out, Outcome::Applied { reclaimed: false }),
         "{out:?}"
     );
-    assert_eq!(BALANCE.load(Ordering::SeqCst), 250);
+    assert_eq!(balance("ttl-cases"), 250);
 
     // (B) a redelivery within the TTL is skipped; the balance stays.
     let out = add_payment.apply(&store, &msg, &()).await;
     assert!(matches!(out, Outcome::Skipped { .. }), "{out:?}");
-    assert_eq!(BALANCE.load(Ordering::SeqCst), 250);
+    assert_eq!(balance("ttl-cases"), 250);
 
     // (C) after the TTL the same event is new again and applies.
     store.advance(Duration::from_secs(3600));
@@ -60,7 +79,7 @@ async fn the_three_ttl_cases() {
         matches!(out, Outcome::Applied { reclaimed: true }),
         "{out:?}"
     );
-    assert_eq!(BALANCE.load(Ordering::SeqCst), 500);
+    assert_eq!(balance("ttl-cases"), 500);
 }
 
 #[tokio::test]
@@ -80,7 +99,9 @@ async fn permanent_failures_are_classified() {
         "missing required key field: {out:?}"
     );
 
-    let out = add_payment.apply(&store, &payment(ID, -1), &()).await;
+    let out = add_payment
+        .apply(&store, &payment("permanent", ID, -1), &())
+        .await;
     let Outcome::Failed(e) = out else {
         panic!("{out:?}")
     };
@@ -158,32 +179,33 @@ async fn keys_from_nested_fields_options_and_headers() {
     );
 }
 
-static ATTEMPTS: AtomicU32 = AtomicU32::new(0);
-
+/// Fails the first attempt at each account with a transient error.
 #[idempotent(key = "event_id", ttl = "1h")]
 async fn flaky(tx: &mut MemoryTx, ev: Payment) -> Result<(), HandlerError> {
-    if ATTEMPTS.fetch_add(1, Ordering::SeqCst) == 0 {
-        return Err(HandlerError::transient(std::io::Error::other(
-            "downstream timed out",
-        )));
+    static FAILED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    {
+        let mut failed = FAILED.lock().unwrap();
+        if !failed.contains(&ev.account) {
+            failed.push(ev.account);
+            return Err(HandlerError::transient(std::io::Error::other(
+                "downstream timed out",
+            )));
+        }
     }
-    tx.on_commit(move || {
-        BALANCE_FLAKY.fetch_add(ev.amount_cents, Ordering::SeqCst);
-    });
+    tx.on_commit(move || add_to(ev.account, ev.amount_cents));
     Ok(())
 }
-static BALANCE_FLAKY: AtomicI64 = AtomicI64::new(0);
 
 #[tokio::test]
 async fn a_failed_attempt_rolls_back_so_the_retry_applies_once() {
     let store = MemoryStore::new();
-    let msg = payment(ID, 40);
+    let msg = payment("flaky", ID, 40);
     let out = flaky.apply(&store, &msg, &()).await;
     let Outcome::Failed(e) = out else {
         panic!("{out:?}")
     };
     assert!(e.is_retryable());
-    assert_eq!(BALANCE_FLAKY.load(Ordering::SeqCst), 0);
+    assert_eq!(balance("flaky"), 0);
     assert!(matches!(
         flaky.apply(&store, &msg, &()).await,
         Outcome::Applied { .. }
@@ -192,7 +214,7 @@ async fn a_failed_attempt_rolls_back_so_the_retry_applies_once() {
         flaky.apply(&store, &msg, &()).await,
         Outcome::Skipped { .. }
     ));
-    assert_eq!(BALANCE_FLAKY.load(Ordering::SeqCst), 40);
+    assert_eq!(balance("flaky"), 40);
 }
 
 #[tokio::test]
@@ -204,6 +226,7 @@ async fn the_body_stays_callable_for_unit_tests() {
         &mut tx,
         Payment {
             event_id: uuid::Uuid::nil(),
+            account: "callable".into(),
             amount_cents: 1,
         },
     )
@@ -215,25 +238,22 @@ async fn the_body_stays_callable_for_unit_tests() {
     });
     dedup_core::DedupStore::commit(&store, tx).await.unwrap();
     assert_eq!(seen.load(Ordering::SeqCst), 1);
+    assert_eq!(balance("callable"), 1);
 }
-
-static BALANCE_BATCH: AtomicI64 = AtomicI64::new(0);
 
 #[idempotent(key = "event_id", ttl = "1h")]
 async fn add_in_batch(tx: &mut MemoryTx, ev: Payment) -> Result<(), HandlerError> {
     if ev.amount_cents < 0 {
         return Err(HandlerError::permanent("negative amount"));
     }
-    tx.on_commit(move || {
-        BALANCE_BATCH.fetch_add(ev.amount_cents, Ordering::SeqCst);
-    });
+    tx.on_commit(move || add_to(ev.account, ev.amount_cents));
     Ok(())
 }
 
 fn prepared(ids: &[(&str, i64)]) -> Vec<(dedup_core::DedupKey, Payment)> {
     ids.iter()
         .map(|(id, cents)| {
-            let ev = add_in_batch.decode(&payment(id, *cents)).unwrap();
+            let ev = add_in_batch.decode(&payment("batch", id, *cents)).unwrap();
             (add_in_batch.dedup_key(&ev, &()).unwrap(), ev)
         })
         .collect()
@@ -254,7 +274,7 @@ async fn a_batch_claims_once_applies_in_order_and_rolls_back_whole() {
         .unwrap();
     let names: Vec<_> = out.iter().map(Outcome::name).collect();
     assert_eq!(names, ["applied", "applied", "skipped"]);
-    assert_eq!(BALANCE_BATCH.load(Ordering::SeqCst), 11);
+    assert_eq!(balance("batch"), 11);
 
     // A failure in the middle rolls back the whole batch: c is not applied.
     let err = add_in_batch
@@ -262,7 +282,7 @@ async fn a_batch_claims_once_applies_in_order_and_rolls_back_whole() {
         .await
         .unwrap_err();
     assert!(!err.is_retryable());
-    assert_eq!(BALANCE_BATCH.load(Ordering::SeqCst), 11);
+    assert_eq!(balance("batch"), 11);
     let out = add_in_batch
         .apply_batch(&store, prepared(&[(c, 100), (b, 10)]))
         .await
@@ -273,5 +293,5 @@ async fn a_batch_claims_once_applies_in_order_and_rolls_back_whole() {
         ["applied", "skipped"],
         "c was rolled back, b is a live duplicate"
     );
-    assert_eq!(BALANCE_BATCH.load(Ordering::SeqCst), 111);
+    assert_eq!(balance("batch"), 111);
 }

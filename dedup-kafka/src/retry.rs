@@ -11,11 +11,12 @@ use std::time::Duration;
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub struct RetryPolicy {
-    /// Attempts in all, the first included (default 8).
+    /// Attempts in all, the first included (default 8; 0 counts as 1).
     pub max_attempts: u32,
     /// Wait after the first failure (default 100 ms).
     pub initial_backoff: Duration,
-    /// Longest wait between attempts (default 10 s).
+    /// Longest wait between attempts (default 10 s; never below
+    /// `initial_backoff`).
     pub max_backoff: Duration,
     /// Growth factor between waits (default 2).
     pub multiplier: f64,
@@ -46,6 +47,12 @@ impl RetryPolicy {
         self
     }
 
+    /// Attempts in all, at least 1. The fields are public, so the clamps of
+    /// the setters are applied again where the values are used.
+    pub(crate) fn attempts(&self) -> u32 {
+        self.max_attempts.max(1)
+    }
+
     /// The wait after failed attempt `attempt` (1-based), given a random
     /// number in `[0, 1)` for the jitter.
     pub(crate) fn backoff(&self, attempt: u32, random: f64) -> Duration {
@@ -54,7 +61,8 @@ impl RetryPolicy {
             .max(1.0)
             .powi(attempt.saturating_sub(1).min(64) as i32);
         let full = self.initial_backoff.as_secs_f64() * exp;
-        let capped = full.min(self.max_backoff.as_secs_f64());
+        let cap = self.max_backoff.max(self.initial_backoff);
+        let capped = full.min(cap.as_secs_f64());
         Duration::from_secs_f64(capped * (1.0 - 0.5 * random.clamp(0.0, 1.0)))
     }
 }
@@ -93,6 +101,18 @@ mod tests {
         assert_eq!(p.backoff(4, 0.0), Duration::from_millis(800));
         assert_eq!(p.backoff(30, 0.0), Duration::from_secs(10));
         assert_eq!(p.backoff(1000, 0.0), Duration::from_secs(10));
+    }
+
+    #[test]
+    fn fields_set_directly_are_clamped_where_used() {
+        let mut p = RetryPolicy::default();
+        p.max_attempts = 0;
+        p.initial_backoff = Duration::from_secs(2);
+        p.max_backoff = Duration::from_millis(1);
+        p.multiplier = -3.0;
+        assert_eq!(p.attempts(), 1);
+        assert_eq!(p.backoff(1, 0.0), Duration::from_secs(2));
+        assert_eq!(p.backoff(9, 0.0), Duration::from_secs(2));
     }
 
     #[test]

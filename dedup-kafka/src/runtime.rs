@@ -736,7 +736,7 @@ async fn process<S: DedupStore>(
                 tracing::info!(outcome = "skipped", "duplicate within the TTL");
                 return true;
             }
-            Outcome::Failed(e) if e.is_retryable() && attempt < policy.max_attempts => {
+            Outcome::Failed(e) if e.is_retryable() && attempt < policy.attempts() => {
                 shared.stats.retries.fetch_add(1, Ordering::Relaxed);
                 let wait = policy.backoff(attempt, jitter.next());
                 tracing::warn!(outcome = "retry", attempt, ?wait, kind = e.kind(), error = %e);

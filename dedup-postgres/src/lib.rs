@@ -212,7 +212,7 @@ impl PgStore {
         let statements = Statements::new(&config)?;
         let options: PgConnectOptions = url.parse()?;
         let pool = PgPoolOptions::new()
-            .max_connections(config.max_connections)
+            .max_connections(config.max_connections.max(1))
             .connect_with(options)
             .await?;
         Ok(PgStore {

@@ -177,7 +177,7 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(config.lock_timeout);
         let pool = SqlitePoolOptions::new()
-            .max_connections(config.max_connections)
+            .max_connections(config.max_connections.max(1))
             .connect_with(options)
             .await?;
         Ok(SqliteStore { pool, statements })

@@ -104,3 +104,19 @@ async fn invalid_table_names_are_refused() {
     .expect_err("refused");
     assert!(err.to_string().contains("invalid table name"), "{err}");
 }
+
+#[tokio::test]
+async fn a_pool_size_of_zero_counts_as_one() {
+    let mut config = SqliteConfig::default();
+    config.max_connections = 0;
+    let store = store_with(config).await;
+    let msg = br#"{"event_id": "e-3", "account_id": "a", "amount_cents": 5}"#;
+    let out = tokio::time::timeout(
+        Duration::from_secs(10),
+        record_payment.apply(&store, msg, &()),
+    )
+    .await
+    .expect("a pool of 0 connections never hands one out");
+    assert!(matches!(out, Outcome::Applied { .. }), "{out:?}");
+    assert_eq!(balance(&store).await, 5);
+}

@@ -331,3 +331,36 @@ async fn debug_output_hides_the_connection_string(pool: PgPool) {
         "{shown}"
     );
 }
+
+/// The URL of the test's own database (`#[sqlx::test]` made it), for the
+/// constructors that take a URL.
+async fn own_database_url(pool: &PgPool) -> String {
+    let name: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    let base = std::env::var("DATABASE_URL").expect("DATABASE_URL");
+    let base = base.split('?').next().unwrap_or(&base);
+    let (server, _) = base.rsplit_once('/').expect("a URL with a database");
+    format!("{server}/{name}")
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_pool_size_of_zero_counts_as_one(pool: PgPool) {
+    let mut config = PgConfig::default();
+    config.max_connections = 0;
+    let store = PgStore::connect_with(&own_database_url(&pool).await, config)
+        .await
+        .expect("connect");
+    store.migrate().await.expect("migrate");
+    setup(&pool).await;
+    let msg = payment(uuid::Uuid::new_v4(), "acct-0", 7);
+    let out = tokio::time::timeout(
+        Duration::from_secs(20),
+        record_payment.apply(&store, &msg, &()),
+    )
+    .await
+    .expect("a pool of 0 connections never hands one out");
+    assert!(matches!(out, Outcome::Applied { .. }), "{out:?}");
+    assert_eq!(balance(&pool, "acct-0").await, 7);
+}

@@ -16,6 +16,11 @@ export DATABASE_URL KAFKA_BROKERS
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+# The end-to-end tests run the examples as processes (crashes, restarts);
+# built here, the build they start themselves is a no-op instead of competing
+# with the timing-sensitive tests beside it for the two cores.
+cargo build --locked -p dedup-examples --examples
+
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT
 cargo test --workspace --locked 2>&1 | tee "$log"

@@ -136,8 +136,11 @@ mod tests {
             store.commit(tx).await.unwrap();
         }
         store.advance(Duration::from_secs(2));
-        let mut config = PurgeConfig::default();
-        config.batch_size = 0;
+        // As a user outside the builder can: the field is public.
+        let config = PurgeConfig {
+            batch_size: 0,
+            ..PurgeConfig::default()
+        };
         let purged = tokio::time::timeout(
             Duration::from_secs(10),
             purge_round(&store, config.batch_size),

@@ -105,11 +105,12 @@ mod tests {
 
     #[test]
     fn fields_set_directly_are_clamped_where_used() {
-        let mut p = RetryPolicy::default();
-        p.max_attempts = 0;
-        p.initial_backoff = Duration::from_secs(2);
-        p.max_backoff = Duration::from_millis(1);
-        p.multiplier = -3.0;
+        let p = RetryPolicy {
+            max_attempts: 0,
+            initial_backoff: Duration::from_secs(2),
+            max_backoff: Duration::from_millis(1),
+            multiplier: -3.0,
+        };
         assert_eq!(p.attempts(), 1);
         assert_eq!(p.backoff(1, 0.0), Duration::from_secs(2));
         assert_eq!(p.backoff(9, 0.0), Duration::from_secs(2));

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -47,6 +47,9 @@ pub struct Stats {
     /// Milliseconds since `started` of the last assignment, message received
     /// or message finished; `u64::MAX` until the first assignment.
     last_activity_ms: AtomicU64,
+    /// Messages handed to partition workers and not yet finished or given
+    /// up; while any are, the consumer is not idle however long they take.
+    in_flight: AtomicI64,
 }
 
 /// A point-in-time copy of [`Stats`]; `Display` prints
@@ -89,6 +92,7 @@ impl Stats {
             batch_replays: AtomicU64::new(0),
             started: Instant::now(),
             last_activity_ms: AtomicU64::new(u64::MAX),
+            in_flight: AtomicI64::new(0),
         }
     }
 
@@ -107,8 +111,13 @@ impl Stats {
     /// How long since a message was last received or finished, or since
     /// partitions were assigned. Zero until the first assignment: joining a
     /// group can take a while (a crashed member is waited for until its
-    /// session times out), and that is not idleness.
+    /// session times out), and that is not idleness. Zero, too, while any
+    /// received message is unfinished: a long batch or a message being
+    /// retried is work, not idleness.
     pub fn idle_for(&self) -> Duration {
+        if self.in_flight.load(Ordering::Acquire) > 0 {
+            return Duration::ZERO;
+        }
         match self.last_activity_ms.load(Ordering::Relaxed) {
             u64::MAX => Duration::ZERO,
             last => self
@@ -116,6 +125,11 @@ impl Stats {
                 .elapsed()
                 .saturating_sub(Duration::from_millis(last)),
         }
+    }
+
+    /// `n` messages handed to workers (negative: finished or given up).
+    fn in_flight(&self, n: i64) {
+        self.in_flight.fetch_add(n, Ordering::AcqRel);
     }
 
     fn touch(&self) {
@@ -414,9 +428,11 @@ impl<S: DedupStore> Consumer<S> {
         };
         drop(partitions);
         let queued = partition.queued.fetch_add(1, Ordering::AcqRel) + 1;
+        self.shared.stats.in_flight(1);
         if partition.sender.send(msg).is_err() {
             // The worker is gone (stopping): the message stays unfinished and
             // its offset unstored, so it is delivered again.
+            self.shared.stats.in_flight(-1);
             return;
         }
         if queued >= self.shared.settings.max_buffered_per_partition
@@ -512,6 +528,8 @@ async fn worker<S: DedupStore>(
             store_offset(&shared, &partition, last);
             shared.stats.touch();
         }
+        // Finished, or (stopped mid-batch) left for redelivery.
+        shared.stats.in_flight(-(batch.len() as i64));
         if finished < batch.len() {
             break;
         }
@@ -522,6 +540,16 @@ async fn worker<S: DedupStore>(
                 .send((partition.topic.clone(), partition.partition));
         }
     }
+    // What is still buffered is given up (redelivered to whoever owns the
+    // partition next). Closed first, so a later send fails and is not
+    // counted by the dispatcher.
+    receiver.close();
+    let mut abandoned = 0;
+    while receiver.try_recv().is_ok() {
+        abandoned += 1;
+    }
+    shared.stats.in_flight(-abandoned);
+    shared.stats.touch();
 }
 
 /// Takes `first` and whatever else of the partition arrives within the
@@ -864,4 +892,21 @@ pub async fn shutdown_signal() {
     }
     #[cfg(not(unix))]
     let _ = tokio::signal::ctrl_c().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unfinished_messages_are_not_idleness() {
+        let stats = Stats::new();
+        assert_eq!(stats.idle_for(), Duration::ZERO, "no assignment yet");
+        stats.touch();
+        stats.in_flight(3);
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(stats.idle_for(), Duration::ZERO, "three in flight");
+        stats.in_flight(-3);
+        assert!(stats.idle_for() >= Duration::from_millis(30));
+    }
 }

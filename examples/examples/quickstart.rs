@@ -6,13 +6,13 @@
 //! store in a temporary file, unless `KAFKA_BROKERS` / `DATABASE_URL` are set
 //! (then it uses that broker and PostgreSQL). Then:
 //!
-//! 1. a retrying producer publishes payments, some of them twice, plus a few
-//!    malformed ones;
+//! 1. a retrying producer publishes payments, some of them twice;
 //! 2. a consumer whose handler ADDS each amount to a balance (not idempotent
 //!    by itself) crashes for real (the process aborts) right after a database
 //!    commit, before any offset commit;
-//! 3. a new consumer in the same group takes over, gets those messages again
-//!    and skips them;
+//! 3. a few malformed messages arrive, and a new consumer in the same group
+//!    takes over, gets the crashed consumer's messages again and skips them,
+//!    and sends the malformed ones to the dead-letter topic;
 //! 4. a handler with a 2 s TTL shows a redelivery after its TTL applied again.
 //!
 //! It ends with a report and checks that every balance equals the sum of the
@@ -367,16 +367,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             duplicates += 1;
         }
     }
-    for bad in [
-        r#"{"event_id": "#,
-        r#"{"account_id": "x", "amount_cents": 1}"#,
-        "not json",
-    ] {
-        send(&producer, &topic, "malformed", bad).await?;
-    }
     println!(
-        "produced {} messages: {distinct} payments, {duplicates} sent twice, 3 malformed",
-        distinct + duplicates + 3
+        "produced {} messages: {distinct} payments, {duplicates} sent twice",
+        distinct + duplicates
     );
 
     // 3. A consumer that crashes (the process aborts) right after the
@@ -408,8 +401,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         true => println!("consumer 1 was meant to crash but finished"),
     }
 
-    // 4. A new consumer in the same group takes over from the committed
-    //    offsets: it receives the crashed consumer's work again and skips it.
+    // 4. Three malformed messages arrive (sent now, so that only the next
+    //    consumer meets them and the count below is exact), and a new
+    //    consumer in the same group takes over from the committed offsets: it
+    //    receives the crashed consumer's work again and skips it, and
+    //    dead-letters the malformed ones.
+    for bad in [
+        r#"{"event_id": "#,
+        r#"{"account_id": "x", "amount_cents": 1}"#,
+        "not json",
+    ] {
+        send(&producer, &topic, "malformed", bad).await?;
+    }
+    println!("produced 3 malformed messages");
     let after = db.consume(&brokers, &topic, &group, false).await;
     println!(
         "consumer 2 took over from the committed offsets: applied={} skipped={} dead_lettered={}",

@@ -127,7 +127,9 @@ impl Running {
 async fn ttl_cases_end_to_end(pool: PgPool) {
     let store = store(&pool).await;
     let topic = create_topic(1).await;
-    let ttl = Ttl::from_secs(2).unwrap();
+    // Long enough that the duplicate surely arrives within it on a loaded
+    // machine, short enough to wait out.
+    let ttl = Ttl::from_secs(6).unwrap();
     let running =
         start(consumer(&store, &unique("g")).handle(&topic, record_payment.with_ttl(ttl)));
     let producer = producer();
@@ -137,6 +139,8 @@ async fn ttl_cases_end_to_end(pool: PgPool) {
     running
         .wait_for("first delivery applied", |s| s.applied == 1)
         .await;
+    // The claim was taken before this, so it has expired by then.
+    let expired_by = Instant::now() + ttl.as_duration() + Duration::from_millis(300);
     assert_eq!(balance(&pool).await, 100, "(A) the first delivery applies");
 
     produce(&producer, &topic, "acct", &event, None).await;
@@ -149,7 +153,7 @@ async fn ttl_cases_end_to_end(pool: PgPool) {
         "(B) a duplicate within the TTL is skipped"
     );
 
-    tokio::time::sleep(Duration::from_millis(2300)).await;
+    tokio::time::sleep_until(expired_by.into()).await;
     produce(&producer, &topic, "acct", &event, None).await;
     running
         .wait_for("late redelivery applied", |s| s.applied == 2)
@@ -504,7 +508,7 @@ async fn a_retrying_partition_does_not_stall_the_others(pool: PgPool) {
 
     let retry = RetryPolicy::default()
         .with_max_attempts(12)
-        .with_backoff(Duration::from_millis(200), Duration::from_millis(500));
+        .with_backoff(Duration::from_millis(1000), Duration::from_millis(1500));
     let running = start(
         consumer(&store, &unique("g"))
             // One handler at a time: backing off must not hold the slot.
@@ -512,7 +516,7 @@ async fn a_retrying_partition_does_not_stall_the_others(pool: PgPool) {
             .retry(retry)
             .handle(&topic, record_payment_stuck_account),
     );
-    // Partition 0 is in its retry loop (about 4 s of back-off in all) when
+    // Partition 0 is in its retry loop (8 to 16 s of back-off in all) when
     // partition 1's messages arrive; they must not wait for it.
     running
         .wait_for("partition 0 retrying", |s| s.retries >= 1)

@@ -59,12 +59,24 @@ struct RunningRelay {
 }
 
 impl RunningRelay {
+    /// A relay with the default 30 s delivery timeout: a shorter one can
+    /// time out a send the broker already wrote on a loaded machine, and the
+    /// re-send would break the tests that count copies.
     fn start(source: PgOutbox, brokers: &str, batch_size: usize) -> Self {
+        Self::start_with(source, brokers, batch_size, Duration::from_secs(30))
+    }
+
+    fn start_with(
+        source: PgOutbox,
+        brokers: &str,
+        batch_size: usize,
+        delivery_timeout: Duration,
+    ) -> Self {
         let relay = Relay::builder(source)
             .brokers(brokers)
             .batch_size(batch_size)
             .poll_interval(Duration::from_millis(200))
-            .delivery_timeout(Duration::from_secs(3))
+            .delivery_timeout(delivery_timeout)
             .retry(
                 RetryPolicy::default()
                     .with_backoff(Duration::from_millis(100), Duration::from_secs(1)),
@@ -355,6 +367,10 @@ impl OwnBroker {
             ],
             address: "127.0.0.1:9192".to_owned(),
         };
+        // A fresh broker each run: one left over from a killed run is
+        // stopped, and earlier runs' topics do not slow its start.
+        broker.run("stop").await;
+        let _ = std::fs::remove_dir_all(home.join("data"));
         broker.run("start").await;
         broker
     }
@@ -391,7 +407,9 @@ async fn the_relay_catches_up_after_the_broker_comes_back(pool: PgPool) {
     let source = migrated_outbox(&pool).await;
     let topic = create_topic_on(&broker.address, 2).await;
     let keys = ["a", "b", "c", "d", "e"];
-    let relay = RunningRelay::start(source.clone(), &broker.address, 100);
+    // Short, so sends to the stopped broker fail within the test.
+    let relay =
+        RunningRelay::start_with(source.clone(), &broker.address, 100, Duration::from_secs(3));
 
     let before: Vec<_> = keys.iter().map(|k| numbered(k, 0)).collect();
     enqueue(&pool, &topic, &before).await;

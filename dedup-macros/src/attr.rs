@@ -4,6 +4,8 @@ use proc_macro2::{Span, TokenStream};
 use syn::LitStr;
 use syn::meta::ParseNestedMeta;
 
+use crate::errors::Errors;
+
 const VALID: &str = "valid options: `key`, `ttl`, `scope`, `crate`, `batch`";
 const EXAMPLE: &str = r#"#[idempotent(key = "event_id", ttl = "4h")]"#;
 
@@ -71,11 +73,7 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
     });
     syn::parse::Parser::parse2(parser, attr)?;
 
-    let mut errors: Option<syn::Error> = None;
-    let mut push = |e: syn::Error| match &mut errors {
-        Some(all) => all.combine(e),
-        None => errors = Some(e),
-    };
+    let mut errors = Errors::default();
     let missing = |name: &str| {
         syn::Error::new(
             Span::call_site(),
@@ -83,31 +81,25 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
         )
     };
     let key_parsed = match &key {
-        Some(lit) => parse_key(lit).map_err(&mut push).ok(),
+        Some(lit) => errors.ok(parse_key(lit)),
         None => {
-            push(missing("key"));
+            errors.push(missing("key"));
             None
         }
     };
     let ttl_secs = match &ttl {
-        Some(lit) => dedup_ttl::parse_secs(&lit.value())
-            .map_err(|e| push(syn::Error::new(lit.span(), e)))
-            .ok(),
+        Some(lit) => errors
+            .ok(dedup_ttl::parse_secs(&lit.value()).map_err(|e| syn::Error::new(lit.span(), e))),
         None => {
-            push(missing("ttl"));
+            errors.push(missing("ttl"));
             None
         }
     };
     if let Some(lit) = scope.as_ref().filter(|lit| lit.value().is_empty()) {
-        push(syn::Error::new(lit.span(), "`scope` must not be empty"));
+        errors.push(syn::Error::new(lit.span(), "`scope` must not be empty"));
     }
-    let krate = match krate {
-        Some(lit) => lit.parse::<syn::Path>().map_err(&mut push).ok(),
-        None => None,
-    };
-    if let Some(e) = errors {
-        return Err(e);
-    }
+    let krate = krate.and_then(|lit| errors.ok(lit.parse::<syn::Path>()));
+    errors.finish()?;
     Ok(Args {
         key: key_parsed.expect("checked above"),
         key_lit: key.expect("checked above"),
@@ -144,10 +136,14 @@ fn parse_key(lit: &LitStr) -> syn::Result<KeySource> {
         .split('.')
         .map(|segment| {
             let mut member = syn::parse_str::<syn::Member>(segment).map_err(|_| bad())?;
-            // On the literal, so "no field" errors point at what the user wrote.
+            // Located on the literal, so "no field" errors point at what the
+            // user wrote; with the macro's context, so rustc offers no
+            // "similar field" fix, which would replace the whole literal,
+            // quotes included, by a bare name the attribute refuses.
+            let span = Span::call_site().located_at(lit.span());
             match &mut member {
-                syn::Member::Named(ident) => ident.set_span(lit.span()),
-                syn::Member::Unnamed(index) => index.span = lit.span(),
+                syn::Member::Named(ident) => ident.set_span(span),
+                syn::Member::Unnamed(index) => index.span = span,
             }
             Ok(member)
         })

@@ -6,6 +6,7 @@ use syn::spanned::Spanned;
 use syn::{FnArg, ItemFn, Type};
 
 use crate::attr::{self, Args, KeySource};
+use crate::errors::Errors;
 
 pub(crate) fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
     let func: ItemFn = match syn::parse2(item.clone()) {
@@ -13,20 +14,15 @@ pub(crate) fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
         // Not a function at all: let rustc report on the item as written.
         Err(e) => return token_stream_with_error(item, e),
     };
-    let args = attr::parse(attr);
-    let batch = args.as_ref().is_ok_and(|a| a.batch);
-    let signature = check_signature(&func, batch);
-    match (args, signature) {
-        (Ok(args), Ok((tx, event))) => generate(&args, &func, tx, event),
-        (args, signature) => {
-            let mut errors = args.err();
-            if let Err(e) = signature {
-                match &mut errors {
-                    Some(all) => all.combine(e),
-                    None => errors = Some(e),
-                }
-            }
-            token_stream_with_error(func.into_token_stream(), errors.expect("one failed"))
+    let mut errors = Errors::default();
+    let args = errors.ok(attr::parse(attr));
+    let batch = args.as_ref().is_some_and(|a| a.batch);
+    let signature = errors.ok(check_signature(&func, batch));
+    match (errors.finish(), args, signature) {
+        (Ok(()), Some(args), Some((tx, event))) => generate(&args, &func, tx, event),
+        (result, ..) => {
+            let error = result.expect_err("a part failed, so an error was recorded");
+            token_stream_with_error(func.into_token_stream(), error)
         }
     }
 }
@@ -41,7 +37,7 @@ fn token_stream_with_error(mut item: TokenStream, error: syn::Error) -> TokenStr
 /// transaction and event types.
 fn check_signature(func: &ItemFn, batch: bool) -> syn::Result<(&Type, &Type)> {
     let sig = &func.sig;
-    let mut errors = Vec::new();
+    let mut errors = Errors::default();
     if sig.asyncness.is_none() {
         errors.push(syn::Error::new(
             sig.fn_token.span,
@@ -105,13 +101,8 @@ fn check_signature(func: &ItemFn, batch: bool) -> syn::Result<(&Type, &Type)> {
             ));
         }
     }
-    match errors.into_iter().reduce(|mut all, e| {
-        all.combine(e);
-        all
-    }) {
-        Some(e) => Err(e),
-        None => Ok(types.expect("set when no error")),
-    }
+    errors.finish()?;
+    Ok(types.expect("set when no error"))
 }
 
 /// `T` of a `Vec<T>` type.
@@ -143,6 +134,16 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
         block,
     } = func;
     let name = &sig.ident;
+    // Docs describe the handler value, so they go on the struct; `cfg` must
+    // remove every generated item with the function; everything else (lint
+    // levels, `#[tracing::instrument]`, ...) is about the body, on `call`.
+    let is = |attr: &&syn::Attribute, name: &str| attr.path().is_ident(name);
+    let cfgs: Vec<_> = attrs.iter().filter(|a| is(a, "cfg")).collect();
+    let docs: Vec<_> = attrs.iter().filter(|a| is(a, "doc")).collect();
+    let body_attrs: Vec<_> = attrs
+        .iter()
+        .filter(|a| !is(a, "cfg") && !is(a, "doc"))
+        .collect();
     let inputs = &sig.inputs;
     let output = &sig.output;
     let ttl_secs = args.ttl_secs;
@@ -212,18 +213,22 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
     };
 
     quote! {
-        #(#attrs)*
+        #(#cfgs)*
+        #(#docs)*
         #[allow(non_camel_case_types)]
         #[derive(Debug, Clone, Copy, Default)]
         #vis struct #name;
 
+        #(#cfgs)*
         impl #name {
             /// The handler body exactly as written, without claiming: call it
             /// from unit tests.
             #[allow(dead_code)]
+            #(#body_attrs)*
             #vis async fn #call(#inputs) #output #block
         }
 
+        #(#cfgs)*
         impl #private::Handler for #name {
             type Tx = #tx;
             type Event = #event;
@@ -270,6 +275,39 @@ mod tests {
         assert!(out.contains("body ()"), "{out}");
         assert!(out.contains("ttl_from_secs (14400u64)"), "{out}");
         assert!(!out.contains("compile_error"), "{out}");
+    }
+
+    #[test]
+    fn docs_and_cfg_go_on_the_struct_other_attributes_on_the_body() {
+        let out = idempotent(
+            quote!(key = "event_id", ttl = "4h"),
+            quote!(
+                /// Records a payment.
+                #[cfg(feature = "payments")]
+                #[tracing::instrument(skip(tx))]
+                #[allow(unused_variables)]
+                pub async fn record(tx: &mut Tx, ev: Ev) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+        )
+        .to_string();
+        let cfg = "# [cfg (feature = \"payments\")]";
+        let strukt = out.find("pub struct record").expect("struct");
+        let call = out.find("async fn call").expect("call");
+        let handler = out.find("Handler for record").expect("impl Handler");
+        let before = |at: usize| &out[..at];
+        // Each item carries the cfg: the struct, `impl record`, `impl Handler`.
+        assert_eq!(before(strukt).matches(cfg).count(), 1, "{out}");
+        assert_eq!(before(handler).matches(cfg).count(), 3, "{out}");
+        // The doc is on the struct, before `impl record`.
+        let doc = out.find("Records a payment").expect("doc");
+        assert!(doc < strukt, "{out}");
+        // instrument and allow are on `call`, after the struct.
+        let instrument = out.find("tracing :: instrument").expect("instrument");
+        let allow = out.find("allow (unused_variables)").expect("allow");
+        assert!(strukt < instrument && instrument < call, "{out}");
+        assert!(strukt < allow && allow < call, "{out}");
     }
 
     #[test]

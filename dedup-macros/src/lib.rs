@@ -2,6 +2,7 @@
 //! where it is documented; this crate only holds the compiler plugin.
 
 mod attr;
+mod errors;
 mod expand;
 
 use proc_macro::TokenStream;

@@ -9,14 +9,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use dedup_core::outbox::{EVENT_ID_HEADER, OutboxRecord, OutboxSource, PublishFailure};
-use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 
+use crate::Error;
+use crate::config::{DEFAULT_BROKERS, idempotent_producer_config, redacted};
+use crate::failpoint::failpoint;
 use crate::retry::{Jitter, RetryPolicy};
-use crate::runtime::failpoint;
-use crate::{Error, redacted};
 
 /// Builds a [`Relay`] over an outbox.
 ///
@@ -105,21 +105,8 @@ impl<S: OutboxSource> RelayBuilder<S> {
 
     /// Builds the relay (creates its producer) without starting it.
     pub fn build(self) -> Result<Relay<S>, Error> {
-        let mut config = ClientConfig::new();
-        config.set("bootstrap.servers", &self.brokers);
-        for (k, v) in &self.settings {
-            config.set(k, v);
-        }
-        // The broker writes each message once per producer session and in
-        // order per partition, and a message counts only once all replicas
-        // have it.
-        config
-            .set("enable.idempotence", "true")
-            .set("acks", "all")
-            .set(
-                "message.timeout.ms",
-                self.delivery_timeout.as_millis().max(1).to_string(),
-            );
+        let config =
+            idempotent_producer_config(&self.brokers, &self.settings, self.delivery_timeout);
         let producer: FutureProducer = config.create()?;
         Ok(Relay {
             source: self.source,
@@ -247,7 +234,7 @@ impl<S: OutboxSource> Relay<S> {
     pub fn builder(source: S) -> RelayBuilder<S> {
         RelayBuilder {
             source,
-            brokers: "localhost:9092".to_owned(),
+            brokers: DEFAULT_BROKERS.to_owned(),
             settings: Vec::new(),
             batch_size: 500,
             poll_interval: Duration::from_secs(1),

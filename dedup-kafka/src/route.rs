@@ -1,10 +1,19 @@
-//! Handlers of different event types behind one interface.
+//! Topics routed to handlers, and handlers of different event types behind
+//! one interface.
 
 use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 
 use dedup_core::{DedupKey, DedupStore, Error, Handler, Headers, Outcome};
+
+/// A topic routed to a handler, with where its poison messages go.
+pub(crate) struct Route<S> {
+    pub(crate) topic: String,
+    pub(crate) handler: Arc<dyn ErasedHandler<S>>,
+    pub(crate) dead_letter_topic: String,
+}
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 

@@ -1,0 +1,185 @@
+//! The runtime's settings and the librdkafka client configurations: the
+//! consumer's, and the idempotent producer's (dead letters and the relay).
+
+use std::time::Duration;
+
+use rdkafka::ClientConfig;
+
+use crate::Error;
+use crate::retry::RetryPolicy;
+
+/// The bootstrap brokers unless `.brokers(...)` says otherwise.
+pub(crate) const DEFAULT_BROKERS: &str = "localhost:9092";
+
+/// The runtime's tunables, as the builder sets them.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Settings {
+    pub(crate) batch_size: usize,
+    pub(crate) batch_linger: Duration,
+    pub(crate) retry: RetryPolicy,
+    pub(crate) max_concurrent_partitions: usize,
+    pub(crate) max_buffered_per_partition: usize,
+    pub(crate) commit_interval: Duration,
+    pub(crate) shutdown_timeout: Duration,
+    pub(crate) dead_letter_timeout: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            batch_size: 200,
+            batch_linger: Duration::from_millis(5),
+            retry: RetryPolicy::default(),
+            max_concurrent_partitions: 16,
+            max_buffered_per_partition: 10_000,
+            commit_interval: Duration::from_secs(5),
+            shutdown_timeout: Duration::from_secs(30),
+            dead_letter_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Settings whose values must never be logged or shown by `Debug`.
+fn is_secret(key: &str) -> bool {
+    [
+        "password",
+        "secret",
+        "jaas",
+        "token",
+        "ssl.key.pem",
+        "ssl.keystore",
+    ]
+    .iter()
+    .any(|s| key.contains(s))
+}
+
+/// Settings as `Debug` may show them: secrets' values masked.
+pub(crate) fn redacted(settings: &[(String, String)]) -> Vec<(&str, &str)> {
+    settings
+        .iter()
+        .map(|(k, v)| (k.as_str(), if is_secret(k) { "***" } else { v.as_str() }))
+        .collect()
+}
+
+/// Client settings that apply to the dead-letter producer as well (security
+/// and networking), as opposed to consumer-only ones.
+pub(crate) fn is_shared_setting(key: &str) -> bool {
+    [
+        "security.",
+        "sasl.",
+        "ssl.",
+        "client.",
+        "socket.",
+        "broker.",
+        "reconnect.",
+        "metadata.",
+        "debug",
+    ]
+    .iter()
+    .any(|p| key.starts_with(p))
+}
+
+/// The consumer's configuration: `client_settings` passed through, except
+/// the group and the settings that make offsets safe.
+pub(crate) fn consumer_config(
+    brokers: &str,
+    group_id: Option<&str>,
+    client_settings: &[(String, String)],
+) -> Result<ClientConfig, Error> {
+    let group = group_id.ok_or_else(|| {
+        Error::Config("a group id is required: .group_id(\"my-service-v1\")".into())
+    })?;
+    let mut config = ClientConfig::new();
+    config
+        .set("bootstrap.servers", brokers)
+        .set("auto.offset.reset", "earliest");
+    for (k, v) in client_settings {
+        config.set(k, v);
+    }
+    // Offsets are stored only once a message is finished, and committed
+    // by the runtime: never by librdkafka on its own schedule.
+    config
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false");
+    Ok(config)
+}
+
+/// The configuration of an idempotent producer (the consumer's dead letters,
+/// the relay): `settings` passed through, then the idempotence settings,
+/// which they cannot override. A message not acknowledged within
+/// `message_timeout` fails (at least 1 ms: librdkafka takes 0 as no limit).
+pub(crate) fn idempotent_producer_config<'a>(
+    brokers: &str,
+    settings: impl IntoIterator<Item = &'a (String, String)>,
+    message_timeout: Duration,
+) -> ClientConfig {
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", brokers);
+    for (k, v) in settings {
+        config.set(k, v);
+    }
+    // The broker writes each message once per producer session and in
+    // order per partition, and a message counts only once all replicas
+    // have it.
+    config
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set(
+            "message.timeout.ms",
+            message_timeout.as_millis().max(1).to_string(),
+        );
+    config
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    #[test]
+    fn offsets_settings_cannot_be_overridden() {
+        let client_settings = settings(&[
+            ("enable.auto.commit", "true"),
+            ("enable.auto.offset.store", "true"),
+        ]);
+        let config = consumer_config(DEFAULT_BROKERS, Some("g"), &client_settings).unwrap();
+        assert_eq!(config.get("enable.auto.commit"), Some("false"));
+        assert_eq!(config.get("enable.auto.offset.store"), Some("false"));
+    }
+
+    #[test]
+    fn idempotence_settings_cannot_be_overridden() {
+        let passed = settings(&[
+            ("enable.idempotence", "false"),
+            ("acks", "1"),
+            ("sasl.username", "svc"),
+        ]);
+        let config = idempotent_producer_config(DEFAULT_BROKERS, &passed, Duration::ZERO);
+        assert_eq!(config.get("enable.idempotence"), Some("true"));
+        assert_eq!(config.get("acks"), Some("all"));
+        assert_eq!(config.get("message.timeout.ms"), Some("1"));
+        assert_eq!(config.get("sasl.username"), Some("svc"));
+    }
+
+    /// A consumer must read whatever codec its producers chose; a librdkafka
+    /// built without one fails every batch of a topic that uses it. The
+    /// build no longer needs system headers, so check what it linked.
+    #[test]
+    fn the_linked_librdkafka_decodes_every_compression_codec() {
+        let native = ClientConfig::new()
+            .create_native_config()
+            .expect("native config");
+        let features = native.get("builtin.features").expect("builtin.features");
+        let features: Vec<&str> = features.split(',').collect();
+        for codec in ["gzip", "snappy", "lz4", "zstd"] {
+            assert!(features.contains(&codec), "{codec} missing: {features:?}");
+        }
+    }
+}

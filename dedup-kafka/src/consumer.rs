@@ -1,0 +1,244 @@
+//! The consumer loop: receives messages and hands each to its partition's
+//! worker, pauses and resumes partitions for back-pressure, commits offsets
+//! on an interval, and shuts down gracefully.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use dedup_core::DedupStore;
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
+use rdkafka::message::{Message as _, OwnedMessage};
+use rdkafka::producer::FutureProducer;
+use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::task::JoinSet;
+
+use crate::Error;
+use crate::builder::ConsumerBuilder;
+use crate::config::Settings;
+use crate::partition::{Partition, PartitionMap, Shared, lock, worker};
+use crate::rebalance::{RebalanceContext, commit};
+use crate::route::Route;
+use crate::shutdown::shutdown_signal;
+use crate::stats::{Stats, StatsSnapshot};
+
+/// An idempotent Kafka consumer: runs each message through its topic's
+/// `#[idempotent]` handler and commits its offset only once the handler's
+/// transaction has committed (or the message was skipped as a duplicate, or
+/// dead-lettered).
+pub struct Consumer<S: DedupStore> {
+    shared: Arc<Shared<S>>,
+    routes: HashMap<String, Arc<Route<S>>>,
+    partitions: PartitionMap,
+    drained: mpsc::UnboundedReceiver<(String, i32)>,
+}
+
+impl<S: DedupStore> Consumer<S> {
+    /// Starts building a consumer over `store`.
+    pub fn builder(store: S) -> ConsumerBuilder<S> {
+        ConsumerBuilder::new(store)
+    }
+
+    /// Creates the Kafka clients; nothing is fetched before `run_until`.
+    pub(crate) fn new(
+        store: S,
+        routes: Vec<Route<S>>,
+        consumer_config: ClientConfig,
+        producer_config: ClientConfig,
+        settings: Settings,
+    ) -> Result<Self, Error> {
+        let partitions = PartitionMap::default();
+        let stats = Arc::new(Stats::new());
+        let closing = Arc::new(AtomicBool::new(false));
+        let kafka: StreamConsumer<RebalanceContext> =
+            consumer_config.create_with_context(RebalanceContext {
+                partitions: partitions.clone(),
+                stats: stats.clone(),
+                closing: closing.clone(),
+            })?;
+        let producer: FutureProducer = producer_config.create()?;
+        let (drained_tx, drained) = mpsc::unbounded_channel();
+        let permits = Semaphore::new(settings.max_concurrent_partitions);
+        Ok(Consumer {
+            shared: Arc::new(Shared {
+                store: Arc::new(store),
+                kafka,
+                producer,
+                stats,
+                settings,
+                permits,
+                stopping: watch::channel(false).0,
+                closing,
+                drained: drained_tx,
+            }),
+            routes: routes
+                .into_iter()
+                .map(|r| (r.topic.clone(), Arc::new(r)))
+                .collect(),
+            partitions,
+            drained,
+        })
+    }
+
+    /// Live counters: applied, skipped, dead-lettered, retries, and how long
+    /// the consumer has been idle.
+    pub fn stats(&self) -> Arc<Stats> {
+        self.shared.stats.clone()
+    }
+
+    /// Runs until SIGINT or SIGTERM, then shuts down gracefully (see
+    /// [`run_until`](Self::run_until)).
+    pub async fn run(self) -> Result<StatsSnapshot, Error> {
+        self.run_until(shutdown_signal()).await
+    }
+
+    /// Runs until `shutdown` completes. Then: stop fetching, let in-flight
+    /// messages finish (up to the shutdown timeout), commit what finished,
+    /// leave the group. Returns the final counters.
+    pub async fn run_until(
+        mut self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<StatsSnapshot, Error> {
+        let topics: Vec<&str> = self.routes.keys().map(String::as_str).collect();
+        self.shared.kafka.subscribe(&topics)?;
+        tracing::info!(?topics, "consumer started");
+
+        let mut workers = JoinSet::new();
+        let mut commit_tick = tokio::time::interval(self.shared.settings.commit_interval);
+        commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                biased;
+                () = &mut shutdown => break,
+                Some((topic, partition)) = self.drained.recv() => self.resume(&topic, partition),
+                Some(done) = workers.join_next(), if !workers.is_empty() => {
+                    if let Err(e) = done
+                        && e.is_panic()
+                    {
+                        tracing::error!(error = %e, "a partition worker panicked");
+                    }
+                }
+                _ = commit_tick.tick() => commit(&self.shared.kafka, CommitMode::Async, "interval"),
+                received = self.shared.kafka.recv() => match received {
+                    Ok(msg) => {
+                        let msg = msg.detach();
+                        self.dispatch(msg, &mut workers);
+                    }
+                    Err(e) => tracing::warn!(error = %e, "kafka consumer error"),
+                },
+            }
+        }
+        let stats = self.shared.stats.clone();
+        self.shutdown(workers).await;
+        Ok(stats.snapshot())
+    }
+
+    /// Hands a message to its partition's worker, starting one if needed.
+    fn dispatch(&self, msg: OwnedMessage, workers: &mut JoinSet<()>) {
+        self.shared.stats.touch();
+        let Some(route) = self.routes.get(msg.topic()) else {
+            tracing::warn!(
+                topic = msg.topic(),
+                "message from a topic without a handler"
+            );
+            return;
+        };
+        let key = (msg.topic().to_owned(), msg.partition());
+        let mut partitions = lock(&self.partitions);
+        let partition = match partitions.get(&key) {
+            Some(p) if !p.is_revoked() && !p.sender.is_closed() => p.clone(),
+            _ => {
+                let (sender, receiver) = mpsc::unbounded_channel();
+                let p = Arc::new(Partition {
+                    topic: key.0.clone(),
+                    partition: key.1,
+                    queued: AtomicUsize::new(0),
+                    paused: AtomicBool::new(false),
+                    revoked: watch::channel(false).0,
+                    sender,
+                });
+                partitions.insert(key, p.clone());
+                workers.spawn(worker(
+                    self.shared.clone(),
+                    route.clone(),
+                    p.clone(),
+                    receiver,
+                ));
+                p
+            }
+        };
+        drop(partitions);
+        let queued = partition.queued.fetch_add(1, Ordering::AcqRel) + 1;
+        self.shared.stats.in_flight(1);
+        if partition.sender.send(msg).is_err() {
+            // The worker is gone (stopping): the message stays unfinished and
+            // its offset unstored, so it is delivered again.
+            self.shared.stats.in_flight(-1);
+            return;
+        }
+        if queued >= self.shared.settings.max_buffered_per_partition
+            && !partition.paused.swap(true, Ordering::AcqRel)
+        {
+            // Stop fetching this partition only: the others keep flowing.
+            if let Err(e) = self.shared.kafka.pause(&partition.tpl()) {
+                tracing::warn!(error = %e, "pausing a partition failed");
+                partition.paused.store(false, Ordering::Release);
+            }
+        }
+    }
+
+    fn resume(&self, topic: &str, partition: i32) {
+        let partitions = lock(&self.partitions);
+        let Some(p) = partitions.get(&(topic.to_owned(), partition)) else {
+            return;
+        };
+        if !p.is_revoked()
+            && p.paused.swap(false, Ordering::AcqRel)
+            && let Err(e) = self.shared.kafka.resume(&p.tpl())
+        {
+            tracing::warn!(error = %e, "resuming a partition failed");
+        }
+    }
+
+    async fn shutdown(self, mut workers: JoinSet<()>) {
+        tracing::info!("shutting down: finishing in-flight messages");
+        self.shared.stopping.send_replace(true);
+        // Dropping the senders ends each worker after its current message.
+        lock(&self.partitions).clear();
+        let deadline = tokio::time::sleep(self.shared.settings.shutdown_timeout);
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                next = workers.join_next() => if next.is_none() { break },
+                () = &mut deadline => {
+                    tracing::warn!(remaining = workers.len(), "shutdown timeout: abandoning in-flight messages (they will be redelivered)");
+                    workers.abort_all();
+                    // Aborted workers still have to drop their state.
+                    while workers.join_next().await.is_some() {}
+                    break;
+                }
+            }
+        }
+        commit(&self.shared.kafka, CommitMode::Sync, "shutdown");
+        // Dropping the consumer closes it: it leaves the group, which revokes
+        // the partitions once more; everything finished is committed already.
+        self.shared.closing.store(true, Ordering::Release);
+        tracing::info!(stats = %self.shared.stats.snapshot(), "consumer stopped");
+        // Workers are gone and handler tasks hold only the store, so this
+        // is the last reference: the consumer closes here, while the runtime
+        // still runs, not in some task dropped during runtime teardown.
+        drop(self);
+    }
+}
+
+impl<S: DedupStore> fmt::Debug for Consumer<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Consumer")
+            .field("stats", &self.shared.stats.snapshot())
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,26 @@
+//! Test-only crash points, for the crash-recovery tests.
+
+/// Test-only crash points: with the `failpoints` feature and
+/// `DEDUP_FAILPOINT=<name>` (or `<name>:<n>`, the n-th time) set, the process
+/// aborts there, as a crash would.
+pub(crate) fn failpoint(name: &str) {
+    #[cfg(feature = "failpoints")]
+    {
+        use std::sync::atomic::{AtomicU64, Ordering};
+
+        static HITS: AtomicU64 = AtomicU64::new(0);
+        let Ok(spec) = std::env::var("DEDUP_FAILPOINT") else {
+            return;
+        };
+        let (point, nth) = match spec.split_once(':') {
+            Some((point, n)) => (point, n.parse::<u64>().unwrap_or(1)),
+            None => (spec.as_str(), 1),
+        };
+        if point == name && HITS.fetch_add(1, Ordering::SeqCst) + 1 >= nth {
+            tracing::error!(failpoint = name, "failpoint: aborting the process");
+            std::process::abort();
+        }
+    }
+    #[cfg(not(feature = "failpoints"))]
+    let _ = name;
+}

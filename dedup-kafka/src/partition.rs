@@ -1,0 +1,449 @@
+//! The partition workers: each runs its partition's messages in order, in
+//! batches or one by one, retries and dead-letters them, and stores the
+//! offsets of those finished.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use dedup_core::{DedupStore, Outcome};
+use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
+use rdkafka::producer::FutureProducer;
+use rdkafka::{Offset, TopicPartitionList};
+use tokio::sync::{Semaphore, mpsc, watch};
+use tokio::task::JoinError;
+use tracing::Instrument;
+
+use crate::config::Settings;
+use crate::dlq::{self, DeadLetter};
+use crate::failpoint::failpoint;
+use crate::rebalance::RebalanceContext;
+use crate::retry::Jitter;
+use crate::route::Route;
+use crate::stats::Stats;
+
+/// What the runtime knows of one assigned partition.
+pub(crate) struct Partition {
+    pub(crate) topic: String,
+    pub(crate) partition: i32,
+    /// Messages handed to the worker and not yet finished.
+    pub(crate) queued: AtomicUsize,
+    pub(crate) paused: AtomicBool,
+    /// Set when the partition is revoked: its worker stops, its offsets are
+    /// no longer stored.
+    pub(crate) revoked: watch::Sender<bool>,
+    pub(crate) sender: mpsc::UnboundedSender<OwnedMessage>,
+}
+
+impl Partition {
+    pub(crate) fn is_revoked(&self) -> bool {
+        *self.revoked.borrow()
+    }
+
+    pub(crate) fn tpl(&self) -> TopicPartitionList {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(&self.topic, self.partition);
+        tpl
+    }
+}
+
+/// The assigned partitions, by topic and partition.
+pub(crate) type PartitionMap = Arc<Mutex<HashMap<(String, i32), Arc<Partition>>>>;
+
+/// Locks the map, also after a panic elsewhere while it was locked.
+pub(crate) fn lock(map: &PartitionMap) -> MutexGuard<'_, HashMap<(String, i32), Arc<Partition>>> {
+    map.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Everything a partition worker needs, shared.
+pub(crate) struct Shared<S> {
+    /// Shared with the tasks that run handlers, which hold nothing else of
+    /// the runtime, so the consumer is dropped (closed) by `shutdown`.
+    pub(crate) store: Arc<S>,
+    pub(crate) kafka: StreamConsumer<RebalanceContext>,
+    pub(crate) producer: FutureProducer,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) settings: Settings,
+    /// Bounds how many partitions run a handler at once.
+    pub(crate) permits: Semaphore,
+    pub(crate) stopping: watch::Sender<bool>,
+    pub(crate) closing: Arc<AtomicBool>,
+    /// Workers report here when a paused partition has drained.
+    pub(crate) drained: mpsc::UnboundedSender<(String, i32)>,
+}
+
+impl<S: DedupStore> Shared<S> {
+    /// Runs one handler call, `call(store)`, holding a permit until it is
+    /// done, and as its own task in `span`, so that a panicking handler
+    /// fails this call (an `Err`) instead of killing the partition.
+    async fn run_handler<Fut>(
+        &self,
+        span: tracing::Span,
+        call: impl FnOnce(Arc<S>) -> Fut,
+    ) -> Result<Fut::Output, JoinError>
+    where
+        Fut: Future + Send + 'static,
+        Fut::Output: Send + 'static,
+    {
+        // Held (not `let _ =`, which would release it at once) until the
+        // task is joined.
+        let _permit = self.permits.acquire().await.expect("never closed");
+        tokio::spawn(call(self.store.clone()).instrument(span)).await
+    }
+}
+
+/// Processes one partition's messages strictly in order.
+pub(crate) async fn worker<S: DedupStore>(
+    shared: Arc<Shared<S>>,
+    route: Arc<Route<S>>,
+    partition: Arc<Partition>,
+    mut receiver: mpsc::UnboundedReceiver<OwnedMessage>,
+) {
+    let mut jitter = Jitter::new(partition.partition as u64);
+    let low_water = shared.settings.max_buffered_per_partition / 2;
+    let mut stopping = shared.stopping.subscribe();
+    let mut revoked = partition.revoked.subscribe();
+    loop {
+        // The partition entry (and with it the sender) may outlive this
+        // worker's usefulness: stop on shutdown or revoke, not on a closed channel.
+        let msg = tokio::select! {
+            biased;
+            _ = stopping.wait_for(|s| *s) => break,
+            _ = revoked.wait_for(|r| *r) => break,
+            msg = receiver.recv() => match msg {
+                Some(msg) => msg,
+                None => break,
+            },
+        };
+        let batch = gather(&mut receiver, msg, &shared.settings).await;
+        let finished = if batch.len() == 1 {
+            let msg = &batch[0];
+            let span = message_span(msg);
+            let done = process(&shared, &route, &partition, msg, &mut jitter)
+                .instrument(span)
+                .await;
+            usize::from(done)
+        } else {
+            process_batch(&shared, &route, &partition, &batch, &mut jitter).await
+        };
+        if let Some(last) = batch[..finished].last() {
+            store_offset(&shared, &partition, last);
+            shared.stats.touch();
+        }
+        // Finished, or (stopped mid-batch) left for redelivery.
+        shared.stats.in_flight(-(batch.len() as i64));
+        if finished < batch.len() {
+            break;
+        }
+        let left = partition.queued.fetch_sub(batch.len(), Ordering::AcqRel) - batch.len();
+        if left <= low_water && partition.paused.load(Ordering::Acquire) {
+            let _ = shared
+                .drained
+                .send((partition.topic.clone(), partition.partition));
+        }
+    }
+    // What is still buffered is given up (redelivered to whoever owns the
+    // partition next). Closed first, so a later send fails and is not
+    // counted by the dispatcher.
+    receiver.close();
+    let mut abandoned = 0;
+    while receiver.try_recv().is_ok() {
+        abandoned += 1;
+    }
+    shared.stats.in_flight(-abandoned);
+    shared.stats.touch();
+}
+
+/// Takes `first` and whatever else of the partition arrives within the
+/// linger time, up to the batch size.
+async fn gather(
+    receiver: &mut mpsc::UnboundedReceiver<OwnedMessage>,
+    first: OwnedMessage,
+    settings: &Settings,
+) -> Vec<OwnedMessage> {
+    let mut batch = vec![first];
+    let deadline = tokio::time::Instant::now() + settings.batch_linger;
+    while batch.len() < settings.batch_size {
+        match receiver.try_recv() {
+            Ok(msg) => batch.push(msg),
+            Err(mpsc::error::TryRecvError::Disconnected) => break,
+            Err(mpsc::error::TryRecvError::Empty) => {
+                match tokio::time::timeout_at(deadline, receiver.recv()).await {
+                    Ok(Some(msg)) => batch.push(msg),
+                    Ok(None) | Err(_) => break,
+                }
+            }
+        }
+    }
+    batch
+}
+
+/// The span a message is processed in; the core records its dedup key.
+fn message_span(msg: &OwnedMessage) -> tracing::Span {
+    tracing::info_span!(
+        "message",
+        topic = msg.topic(),
+        partition = msg.partition(),
+        offset = msg.offset(),
+        dedup.key = tracing::field::Empty,
+    )
+}
+
+/// A message's headers, owned, for the handler.
+fn headers_of(msg: &OwnedMessage) -> Vec<(String, Vec<u8>)> {
+    msg.headers()
+        .map(|hs| {
+            hs.iter()
+                .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Runs a batch of one partition's messages in one transaction (one claim
+/// statement, one commit). If a message cannot be decoded or keyed, or any
+/// handler or the store fails, nothing of the batch is committed and it is
+/// replayed message by message, so the poison message is isolated (retried
+/// or dead-lettered) and every other one is still applied exactly once.
+/// Returns how many messages, from the first, are finished.
+async fn process_batch<S: DedupStore>(
+    shared: &Arc<Shared<S>>,
+    route: &Arc<Route<S>>,
+    partition: &Partition,
+    batch: &[OwnedMessage],
+    jitter: &mut Jitter,
+) -> usize {
+    let span = tracing::info_span!(
+        "batch",
+        topic = batch[0].topic(),
+        partition = batch[0].partition(),
+        first_offset = batch[0].offset(),
+        last_offset = batch[batch.len() - 1].offset(),
+        size = batch.len(),
+    );
+    let prepared: Result<Vec<_>, _> = batch
+        .iter()
+        .map(|msg| {
+            let headers = headers_of(msg);
+            route
+                .handler
+                .prepare(msg.payload().unwrap_or_default(), &headers)
+        })
+        .collect();
+    let outcome = match prepared {
+        Ok(prepared) => {
+            let route = route.clone();
+            let joined = shared
+                .run_handler(span.clone(), move |store| async move {
+                    route.handler.apply_batch(&*store, prepared).await
+                })
+                .await;
+            match joined {
+                Ok(result) => result.map_err(|e| e.to_string()),
+                Err(e) => Err(format!("the handler panicked: {e}")),
+            }
+        }
+        Err(e) => Err(format!("message not decodable or without a key: {e}")),
+    };
+    match outcome {
+        Ok(outcomes) => {
+            let _enter = span.enter();
+            let (mut applied, mut skipped) = (0, 0);
+            for (msg, outcome) in batch.iter().zip(&outcomes) {
+                let name = outcome.name();
+                tracing::debug!(offset = msg.offset(), outcome = name);
+                if matches!(outcome, Outcome::Applied { .. }) {
+                    applied += 1;
+                    failpoint("after-commit");
+                } else {
+                    skipped += 1;
+                }
+            }
+            shared.stats.applied.fetch_add(applied, Ordering::Relaxed);
+            shared.stats.skipped.fetch_add(skipped, Ordering::Relaxed);
+            shared.stats.batches.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(outcome = "committed", applied, skipped);
+            batch.len()
+        }
+        Err(why) => {
+            shared.stats.batch_replays.fetch_add(1, Ordering::Relaxed);
+            span.in_scope(|| tracing::warn!(error = %why, "batch rolled back; replaying it message by message"));
+            for (i, msg) in batch.iter().enumerate() {
+                let span = message_span(msg);
+                if !process(shared, route, partition, msg, jitter)
+                    .instrument(span)
+                    .await
+                {
+                    return i;
+                }
+            }
+            batch.len()
+        }
+    }
+}
+
+/// Marks `msg` finished: its offset + 1 is committed by the next commit.
+/// Workers finish messages in order, so no offset is stored past an
+/// unfinished message.
+fn store_offset<S>(shared: &Shared<S>, partition: &Partition, msg: &OwnedMessage) {
+    if partition.is_revoked() {
+        return;
+    }
+    let mut tpl = TopicPartitionList::new();
+    if let Err(e) = tpl.add_partition_offset(
+        msg.topic(),
+        msg.partition(),
+        Offset::Offset(msg.offset() + 1),
+    ) {
+        tracing::warn!(error = %e, "bad offset");
+        return;
+    }
+    if let Err(e) = shared.kafka.store_offsets(&tpl) {
+        // The partition was revoked meanwhile: the next owner redelivers and skips it.
+        tracing::debug!(error = %e, "offset not stored");
+    }
+}
+
+/// Runs one message to a final state. Returns `false` if it was abandoned
+/// (shutdown or revoke during a retry wait): then its offset is not stored.
+async fn process<S: DedupStore>(
+    shared: &Arc<Shared<S>>,
+    route: &Arc<Route<S>>,
+    partition: &Partition,
+    msg: &OwnedMessage,
+    jitter: &mut Jitter,
+) -> bool {
+    let headers = Arc::new(headers_of(msg));
+    let payload: Arc<[u8]> = msg.payload().unwrap_or_default().into();
+    let policy = shared.settings.retry;
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        // The permit is held while the handler runs, not while backing off,
+        // so retrying partitions do not keep the others waiting. A panicking
+        // handler fails this message instead of killing the partition.
+        let joined = {
+            let (route, payload, headers) = (route.clone(), payload.clone(), headers.clone());
+            shared
+                .run_handler(tracing::Span::current(), move |store| async move {
+                    route.handler.apply(&*store, &payload, &*headers).await
+                })
+                .await
+        };
+        let outcome = match joined {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                let why = DeadLetter {
+                    topic: &route.dead_letter_topic,
+                    kind: "panic",
+                    message: format!("the handler panicked: {e}"),
+                    attempts: attempt,
+                    handler: route.handler.scope(),
+                };
+                return dead_letter(shared, partition, msg, why, jitter).await;
+            }
+        };
+        match outcome {
+            Outcome::Applied { reclaimed } => {
+                shared.stats.applied.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(outcome = "applied", reclaimed, attempt);
+                failpoint("after-commit");
+                return true;
+            }
+            Outcome::Skipped { .. } => {
+                shared.stats.skipped.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(outcome = "skipped", "duplicate within the TTL");
+                return true;
+            }
+            Outcome::Failed(e) if e.is_retryable() && attempt < policy.attempts() => {
+                shared.stats.retries.fetch_add(1, Ordering::Relaxed);
+                let wait = policy.backoff(attempt, jitter.next());
+                tracing::warn!(outcome = "retry", attempt, ?wait, kind = e.kind(), error = %e);
+                if !wait_unless_stopped(shared, partition, wait).await {
+                    return false;
+                }
+            }
+            Outcome::Failed(e) => {
+                let why = DeadLetter {
+                    topic: &route.dead_letter_topic,
+                    kind: e.kind(),
+                    message: error_chain(&e),
+                    attempts: attempt,
+                    handler: route.handler.scope(),
+                };
+                return dead_letter(shared, partition, msg, why, jitter).await;
+            }
+        }
+    }
+}
+
+/// The error and its sources, `: `-separated.
+fn error_chain(e: &dedup_core::Error) -> String {
+    let mut out = e.to_string();
+    for source in dedup_core::chain(e).skip(1) {
+        let s = source.to_string();
+        if !out.contains(&s) {
+            out.push_str(": ");
+            out.push_str(&s);
+        }
+    }
+    out
+}
+
+/// Sends `msg` to the dead-letter topic, retrying the produce until the
+/// broker acknowledges it: a message is never dropped because its dead
+/// letter could not be written.
+async fn dead_letter<S: DedupStore>(
+    shared: &Shared<S>,
+    partition: &Partition,
+    msg: &OwnedMessage,
+    why: DeadLetter<'_>,
+    jitter: &mut Jitter,
+) -> bool {
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        match dlq::send(
+            &shared.producer,
+            msg,
+            &why,
+            shared.settings.dead_letter_timeout,
+        )
+        .await
+        {
+            Ok(()) => {
+                shared.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    outcome = "dead_lettered",
+                    dead_letter_topic = why.topic,
+                    kind = why.kind,
+                    error = %why.message,
+                );
+                return true;
+            }
+            Err(e) => {
+                let wait = shared.settings.retry.backoff(attempt, jitter.next());
+                tracing::error!(error = %e, ?wait, "producing the dead letter failed; retrying");
+                if !wait_unless_stopped(shared, partition, wait).await {
+                    return false;
+                }
+            }
+        }
+    }
+}
+
+/// Sleeps `wait`; `false` if the consumer stops or the partition is revoked
+/// meanwhile.
+async fn wait_unless_stopped<S>(shared: &Shared<S>, partition: &Partition, wait: Duration) -> bool {
+    let mut stopping = shared.stopping.subscribe();
+    let mut revoked = partition.revoked.subscribe();
+    tokio::select! {
+        () = tokio::time::sleep(wait) => {}
+        _ = stopping.wait_for(|s| *s) => return false,
+        _ = revoked.wait_for(|r| *r) => return false,
+    }
+    !*shared.stopping.borrow() && !partition.is_revoked()
+}

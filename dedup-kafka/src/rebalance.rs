@@ -1,0 +1,125 @@
+//! The rebalance callbacks: stop the workers of revoked partitions and commit
+//! what they finished, resume newly assigned partitions.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::{ClientContext, TopicPartitionList};
+
+use crate::partition::{PartitionMap, lock};
+use crate::stats::Stats;
+
+/// Rebalance callbacks: they run inside the consumer's poll, on the task
+/// that receives messages.
+pub(crate) struct RebalanceContext {
+    pub(crate) partitions: PartitionMap,
+    pub(crate) stats: Arc<Stats>,
+    /// Set once shutdown has made its final commit: the revoke that closing
+    /// the consumer triggers must not commit again (a synchronous commit from
+    /// inside close can wait forever on a group that is leaving).
+    pub(crate) closing: Arc<AtomicBool>,
+}
+
+impl ClientContext for RebalanceContext {}
+
+impl RebalanceContext {
+    fn on_pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Revoke(tpl) => {
+                // Stop the workers of the revoked partitions first, so no
+                // offset past what is committed here is stored for them.
+                // A message in flight still finishes or rolls back; if it
+                // commits after this point its offset is not committed, the
+                // next owner receives it again and skips it as a duplicate.
+                let mut partitions = lock(&self.partitions);
+                for elem in tpl.elements() {
+                    if let Some(p) = partitions.remove(&(elem.topic().to_owned(), elem.partition()))
+                    {
+                        p.revoked.send_replace(true);
+                    }
+                }
+                drop(partitions);
+                if !self.closing.load(Ordering::Acquire) {
+                    commit(consumer, CommitMode::Sync, "revoke");
+                }
+                tracing::info!(partitions = tpl.count(), "partitions revoked");
+            }
+            Rebalance::Assign(tpl) => {
+                // Idleness counts from having partitions, not from start-up.
+                self.stats.touch();
+                tracing::info!(
+                    partitions = tpl.count(),
+                    "partitions assigned; resuming from committed offsets"
+                );
+            }
+            Rebalance::Error(e) => tracing::warn!(error = %e, "rebalance error"),
+        }
+    }
+
+    fn on_post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        // A partition paused for back-pressure and then revoked starts its
+        // new assignment unpaused: its new worker has an empty buffer.
+        if let Rebalance::Assign(tpl) = rebalance
+            && let Err(e) = consumer.resume(tpl)
+        {
+            tracing::debug!(error = %e, "resuming newly assigned partitions");
+        }
+    }
+
+    fn on_commit(&self, result: rdkafka::error::KafkaResult<()>, offsets: &TopicPartitionList) {
+        match result {
+            Ok(()) => tracing::debug!(partitions = offsets.count(), "offsets committed"),
+            Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
+            Err(e) => {
+                tracing::warn!(error = %e, "offset commit failed; the next commit retries it")
+            }
+        }
+    }
+}
+
+/// The callbacks run inside librdkafka (on the thread polling the
+/// consumer). A panic must not unwind through it: it leaves the consumer in a
+/// state where closing it never completes. So each one is contained.
+impl ConsumerContext for RebalanceContext {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        contained("pre_rebalance", || {
+            self.on_pre_rebalance(consumer, rebalance)
+        });
+    }
+
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        contained("post_rebalance", || {
+            self.on_post_rebalance(consumer, rebalance)
+        });
+    }
+
+    fn commit_callback(
+        &self,
+        result: rdkafka::error::KafkaResult<()>,
+        offsets: &TopicPartitionList,
+    ) {
+        contained("commit_callback", || self.on_commit(result, offsets));
+    }
+}
+
+fn contained(callback: &str, f: impl FnOnce()) {
+    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).is_err() {
+        // Logging may be what panicked; stay silent beyond one attempt.
+        let _ =
+            std::panic::catch_unwind(|| tracing::error!(callback, "a consumer callback panicked"));
+    }
+}
+
+/// Commits the stored offsets; "nothing to commit" is not an error.
+pub(crate) fn commit<C: rdkafka::consumer::Consumer<Ctx>, Ctx: ConsumerContext>(
+    consumer: &C,
+    mode: CommitMode,
+    why: &str,
+) {
+    match consumer.commit_consumer_state(mode) {
+        Ok(()) | Err(KafkaError::ConsumerCommit(RDKafkaErrorCode::NoOffset)) => {}
+        Err(e) => tracing::warn!(error = %e, why, "offset commit failed"),
+    }
+}

@@ -1,0 +1,131 @@
+//! The consumer's counters.
+
+use std::fmt;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// Counters of a running consumer.
+#[derive(Debug)]
+pub struct Stats {
+    pub(crate) applied: AtomicU64,
+    pub(crate) skipped: AtomicU64,
+    pub(crate) dead_lettered: AtomicU64,
+    pub(crate) retries: AtomicU64,
+    pub(crate) batches: AtomicU64,
+    pub(crate) batch_replays: AtomicU64,
+    started: Instant,
+    /// Milliseconds since `started` of the last assignment, message received
+    /// or message finished; `u64::MAX` until the first assignment.
+    last_activity_ms: AtomicU64,
+    /// Messages handed to partition workers and not yet finished or given
+    /// up; while any are, the consumer is not idle however long they take.
+    in_flight: AtomicI64,
+}
+
+/// A point-in-time copy of [`Stats`]; `Display` prints
+/// `applied=N skipped=N dead_lettered=N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct StatsSnapshot {
+    /// Messages whose effect was applied (claims taken and committed).
+    pub applied: u64,
+    /// Messages skipped as duplicates within the TTL.
+    pub skipped: u64,
+    /// Messages sent to a dead-letter topic.
+    pub dead_lettered: u64,
+    /// Retries of transient failures.
+    pub retries: u64,
+    /// Batches committed as one transaction.
+    pub batches: u64,
+    /// Batches rolled back and replayed message by message.
+    pub batch_replays: u64,
+}
+
+impl fmt::Display for StatsSnapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "applied={} skipped={} dead_lettered={}",
+            self.applied, self.skipped, self.dead_lettered
+        )
+    }
+}
+
+impl Stats {
+    pub(crate) fn new() -> Self {
+        Stats {
+            applied: AtomicU64::new(0),
+            skipped: AtomicU64::new(0),
+            dead_lettered: AtomicU64::new(0),
+            retries: AtomicU64::new(0),
+            batches: AtomicU64::new(0),
+            batch_replays: AtomicU64::new(0),
+            started: Instant::now(),
+            last_activity_ms: AtomicU64::new(u64::MAX),
+            in_flight: AtomicI64::new(0),
+        }
+    }
+
+    /// The counters now.
+    pub fn snapshot(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            applied: self.applied.load(Ordering::Relaxed),
+            skipped: self.skipped.load(Ordering::Relaxed),
+            dead_lettered: self.dead_lettered.load(Ordering::Relaxed),
+            retries: self.retries.load(Ordering::Relaxed),
+            batches: self.batches.load(Ordering::Relaxed),
+            batch_replays: self.batch_replays.load(Ordering::Relaxed),
+        }
+    }
+
+    /// How long since a message was last received or finished, or since
+    /// partitions were assigned. Zero until the first assignment: joining a
+    /// group can take a while (a crashed member is waited for until its
+    /// session times out), and that is not idleness. Zero, too, while any
+    /// received message is unfinished: a long batch or a message being
+    /// retried is work, not idleness.
+    pub fn idle_for(&self) -> Duration {
+        if self.in_flight.load(Ordering::Acquire) > 0 {
+            return Duration::ZERO;
+        }
+        match self.last_activity_ms.load(Ordering::Relaxed) {
+            u64::MAX => Duration::ZERO,
+            last => self
+                .started
+                .elapsed()
+                .saturating_sub(Duration::from_millis(last)),
+        }
+    }
+
+    /// `n` messages handed to workers (negative: finished or given up).
+    pub(crate) fn in_flight(&self, n: i64) {
+        self.in_flight.fetch_add(n, Ordering::AcqRel);
+    }
+
+    /// Activity now: idleness counts from here.
+    pub(crate) fn touch(&self) {
+        let now = self.started.elapsed().as_millis() as u64;
+        let _ = self
+            .last_activity_ms
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
+                (last == u64::MAX || last < now).then_some(now)
+            });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unfinished_messages_are_not_idleness() {
+        let stats = Stats::new();
+        assert_eq!(stats.idle_for(), Duration::ZERO, "no assignment yet");
+        stats.touch();
+        stats.in_flight(3);
+        std::thread::sleep(Duration::from_millis(30));
+        assert_eq!(stats.idle_for(), Duration::ZERO, "three in flight");
+        stats.in_flight(-3);
+        assert!(stats.idle_for() >= Duration::from_millis(30));
+    }
+}

@@ -126,7 +126,7 @@ impl DedupStore for NoDedup {
         self.0.rollback(tx).await
     }
 
-    fn classify(&self, error: &(dyn StdError + 'static)) -> Option<bool> {
+    fn classify(&self, error: &(dyn StdError + 'static)) -> dedup_core::Classification {
         self.0.classify(error)
     }
 }

@@ -111,6 +111,36 @@ impl StoreError {
     }
 }
 
+/// Whether a later attempt can get past an error: the runtime retries
+/// transient failures with back-off and dead-letters permanent ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Classification {
+    /// A later attempt may succeed (a timeout, a lost connection, a
+    /// serialization failure): retry.
+    Transient,
+    /// Every attempt will fail the same way (bad data, a bug): do not retry.
+    Permanent,
+    /// Not classified here: whoever judges next decides (the store, from the
+    /// error's codes; in the end, permanent).
+    Unknown,
+}
+
+impl Classification {
+    /// `self`, or `next()` when `self` is [`Unknown`](Self::Unknown).
+    pub fn or_else(self, next: impl FnOnce() -> Classification) -> Classification {
+        match self {
+            Classification::Unknown => next(),
+            known => known,
+        }
+    }
+
+    /// Transient or not, an unknown classification counting as permanent.
+    pub fn is_transient(self) -> bool {
+        self == Classification::Transient
+    }
+}
+
 /// The error type of handler bodies: `?` converts any error into it, and the
 /// handler may say whether a retry can help.
 ///
@@ -131,12 +161,13 @@ impl StoreError {
 ///     }
 ///     Ok(n)
 /// }
+/// use dedup_core::Classification;
 /// assert!(parse_amount("12").is_ok());
-/// assert_eq!(parse_amount("-1").unwrap_err().is_retryable(), Some(false));
-/// assert_eq!(parse_amount("x").unwrap_err().is_retryable(), None);
+/// assert_eq!(parse_amount("-1").unwrap_err().classification(), Classification::Permanent);
+/// assert_eq!(parse_amount("x").unwrap_err().classification(), Classification::Unknown);
 /// ```
 pub struct HandlerError {
-    retryable: Option<bool>,
+    classification: Classification,
     source: BoxError,
 }
 
@@ -145,7 +176,7 @@ impl HandlerError {
     /// timed out, say): the runtime retries with back-off.
     pub fn transient(source: impl Into<BoxError>) -> Self {
         HandlerError {
-            retryable: Some(true),
+            classification: Classification::Transient,
             source: source.into(),
         }
     }
@@ -153,15 +184,15 @@ impl HandlerError {
     /// A failure that every attempt will meet: the event is dead-lettered.
     pub fn permanent(source: impl Into<BoxError>) -> Self {
         HandlerError {
-            retryable: Some(false),
+            classification: Classification::Permanent,
             source: source.into(),
         }
     }
 
-    /// `Some` when the handler classified the error, `None` when it came
-    /// through `?` and is left to the store to classify.
-    pub fn is_retryable(&self) -> Option<bool> {
-        self.retryable
+    /// How the handler classified the error; [`Classification::Unknown`]
+    /// when it came through `?` and is left to the store to classify.
+    pub fn classification(&self) -> Classification {
+        self.classification
     }
 
     /// The underlying error.
@@ -173,12 +204,12 @@ impl HandlerError {
     /// `classify` (the store's judgement of the error chain), else permanent.
     pub(crate) fn into_error(
         self,
-        classify: impl FnOnce(&(dyn StdError + 'static)) -> Option<bool>,
+        classify: impl FnOnce(&(dyn StdError + 'static)) -> Classification,
     ) -> Error {
         let retryable = self
-            .retryable
+            .classification
             .or_else(|| classify(&*self.source))
-            .unwrap_or(false);
+            .is_transient();
         Error::Handler {
             retryable,
             source: self.source,
@@ -189,7 +220,7 @@ impl HandlerError {
 impl<E: StdError + Send + Sync + 'static> From<E> for HandlerError {
     fn from(e: E) -> Self {
         HandlerError {
-            retryable: None,
+            classification: Classification::Unknown,
             source: Box::new(e),
         }
     }
@@ -204,7 +235,7 @@ impl fmt::Display for HandlerError {
 impl fmt::Debug for HandlerError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HandlerError")
-            .field("retryable", &self.retryable)
+            .field("classification", &self.classification)
             .field("source", &self.source)
             .finish()
     }
@@ -250,11 +281,11 @@ mod tests {
     #[test]
     fn handler_classification_prefers_the_handler() {
         let io = || std::io::Error::other("boom");
-        let err = HandlerError::transient(io()).into_error(|_| Some(false));
+        let err = HandlerError::transient(io()).into_error(|_| Classification::Permanent);
         assert!(err.is_retryable());
-        let err = HandlerError::from(io()).into_error(|_| Some(true));
+        let err = HandlerError::from(io()).into_error(|_| Classification::Transient);
         assert!(err.is_retryable());
-        let err = HandlerError::from(io()).into_error(|_| None);
+        let err = HandlerError::from(io()).into_error(|_| Classification::Unknown);
         assert!(!err.is_retryable(), "unknown errors default to permanent");
         assert_eq!(err.kind(), "handler");
     }

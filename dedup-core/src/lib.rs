@@ -14,8 +14,10 @@ mod ttl;
 #[cfg(feature = "test-util")]
 pub mod conformance;
 
-pub use error::{BoxError, Error, HandlerError, Result, StoreError, chain, sqlstate};
-pub use handler::{Handler, Headers, Outcome, WithTtl};
+pub use error::{
+    BoxError, Classification, Error, HandlerError, Result, StoreError, chain, sqlstate,
+};
+pub use handler::{Handler, HandlerExt, Headers, Outcome, WithTtl};
 pub use key::{DedupKey, KeyError, MAX_KEY_BYTES};
 pub use memory::{MemoryStore, MemoryTx};
 pub use outbox::{OutboxMessage, OutboxRecord, OutboxSource, PublishFailure};

@@ -4,7 +4,7 @@ use std::error::Error as StdError;
 use std::future::Future;
 use std::time::SystemTime;
 
-use crate::{DedupKey, StoreError, Ttl};
+use crate::{Classification, DedupKey, StoreError, Ttl};
 
 /// The result of claiming a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,12 +88,14 @@ pub trait DedupStore: Send + Sync + 'static {
     fn rollback(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Classifies an error that a handler body returned through `?`:
-    /// `Some(true)` if the store recognises it as transient (a database error
-    /// whose code says a retry can help), `Some(false)` if it recognises it as
-    /// permanent, `None` if it is not the store's error at all.
-    fn classify(&self, error: &(dyn StdError + 'static)) -> Option<bool> {
+    /// [`Transient`](Classification::Transient) if the store recognises it
+    /// as an error a retry can help (a database error whose code says so),
+    /// [`Permanent`](Classification::Permanent) if it recognises it
+    /// otherwise, [`Unknown`](Classification::Unknown) if it is not the
+    /// store's error at all.
+    fn classify(&self, error: &(dyn StdError + 'static)) -> Classification {
         let _ = error;
-        None
+        Classification::Unknown
     }
 }
 

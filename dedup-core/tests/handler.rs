@@ -1,4 +1,4 @@
-//! `#[idempotent]` handlers applied through `Handler::apply` on the memory store.
+//! `#[idempotent]` handlers applied through `HandlerExt::apply` on the memory store.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dedup_core::{
-    Error, Handler, HandlerError, KeyError, MemoryStore, MemoryTx, Outcome, idempotent,
+    Error, Handler, HandlerError, HandlerExt, KeyError, MemoryStore, MemoryTx, Outcome, idempotent,
 };
 
 #[derive(serde::Deserialize)]

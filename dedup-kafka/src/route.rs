@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use dedup_core::{DedupKey, DedupStore, Error, Handler, Headers, Outcome};
+use dedup_core::{DedupKey, DedupStore, Error, Handler, HandlerExt, Headers, Outcome};
 
 /// A topic routed to a handler, with where its poison messages go.
 pub(crate) struct Route<S> {
@@ -40,7 +40,7 @@ pub(crate) trait ErasedHandler<S>: Send + Sync + 'static {
     ) -> Result<(DedupKey, AnyEvent), Error>;
 
     /// Applies events that [`prepare`](Self::prepare) made, in one
-    /// transaction (see `Handler::apply_batch`).
+    /// transaction (see `HandlerExt::apply_batch`).
     fn apply_batch<'a>(
         &'a self,
         store: &'a S,
@@ -63,7 +63,7 @@ where
         payload: &'a [u8],
         headers: &'a (dyn Headers + Sync),
     ) -> BoxFuture<'a, Outcome> {
-        Box::pin(Handler::apply(self, store, payload, headers))
+        Box::pin(HandlerExt::apply(self, store, payload, headers))
     }
 
     fn prepare(
@@ -90,6 +90,6 @@ where
                 (key, *event)
             })
             .collect();
-        Box::pin(Handler::apply_batch(self, store, batch))
+        Box::pin(HandlerExt::apply_batch(self, store, batch))
     }
 }

@@ -7,7 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use dedup_core::sql::{BatchClaims, TableName, time_from_unix_micros, ttl_seconds};
-use dedup_core::{Claim, DedupKey, DedupStore, PurgeConfig, PurgeExpired, Purger, StoreError, Ttl};
+use dedup_core::{
+    Claim, Classification, DedupKey, DedupStore, PurgeConfig, PurgeExpired, Purger, StoreError, Ttl,
+};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{AssertSqlSafe, SqlSafeStr, SqlitePool};
 
@@ -352,10 +354,12 @@ impl DedupStore for SqliteStore {
         tx.rollback().await.map_err(store_error)
     }
 
-    fn classify(&self, error: &(dyn StdError + 'static)) -> Option<bool> {
-        dedup_core::chain(error)
-            .find_map(|e| e.downcast_ref::<sqlx::Error>())
-            .map(is_transient)
+    fn classify(&self, error: &(dyn StdError + 'static)) -> Classification {
+        match dedup_core::chain(error).find_map(|e| e.downcast_ref::<sqlx::Error>()) {
+            Some(e) if is_transient(e) => Classification::Transient,
+            Some(_) => Classification::Permanent,
+            None => Classification::Unknown,
+        }
     }
 }
 

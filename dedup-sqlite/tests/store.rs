@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use dedup_core::{DedupStore, Error, Handler, HandlerError, Outcome, idempotent};
+use dedup_core::{DedupStore, Error, HandlerError, HandlerExt, Outcome, idempotent};
 use dedup_sqlite::{SqliteConfig, SqliteStore, SqliteTx};
 
 async fn store_with(config: SqliteConfig) -> SqliteStore {

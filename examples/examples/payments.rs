@@ -16,7 +16,7 @@
 
 use std::time::Duration;
 
-use dedup_core::{Handler, HandlerError, Ttl, idempotent};
+use dedup_core::{HandlerError, HandlerExt, Ttl, idempotent};
 use dedup_examples::env_or;
 use dedup_kafka::{Consumer, Stats};
 use dedup_postgres::{PgStore, PgTx};

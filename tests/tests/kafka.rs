@@ -9,7 +9,7 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use dedup_core::{Handler, Ttl, idempotent};
+use dedup_core::{Handler, HandlerExt, Ttl, idempotent};
 use dedup_kafka::{Consumer, ConsumerBuilder, RetryPolicy, StatsSnapshot};
 use dedup_postgres::{PgStore, PgTx};
 use dedup_tests::{PaymentReceived, credit, payment, store, total_balance as balance};

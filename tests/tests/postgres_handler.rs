@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use dedup_core::{DedupStore, Error, Handler, HandlerError, Outcome, idempotent};
+use dedup_core::{DedupStore, Error, Handler, HandlerError, HandlerExt, Outcome, idempotent};
 use dedup_postgres::{PgConfig, PgStore, PgTx};
 use dedup_tests::{
     PaymentReceived, balance, credit, payment, store as setup, store_with as setup_with,

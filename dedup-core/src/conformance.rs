@@ -328,7 +328,7 @@ pub async fn purge_removes_only_expired<S: DedupStore + PurgeExpired>(store: S) 
         "bounded by the limit"
     );
     assert_eq!(
-        crate::purge_round(&store, 2).await,
+        crate::purge::purge_round(&store, 2).await,
         3,
         "the rest of the expired claims"
     );

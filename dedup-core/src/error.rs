@@ -241,42 +241,9 @@ impl fmt::Debug for HandlerError {
     }
 }
 
-/// Classification of PostgreSQL-style SQLSTATE codes, shared by backends
-/// whose databases speak them.
-pub mod sqlstate {
-    /// Whether an error with this SQLSTATE may succeed when retried:
-    /// serialization failure (`40001`), deadlock (`40P01`), lock not
-    /// available / `lock_timeout` (`55P03`), any connection exception (class
-    /// `08`), and the server shutting down or starting (`57P01`, `57P02`,
-    /// `57P03`), too many connections (`53300`).
-    pub fn is_transient(code: &str) -> bool {
-        matches!(
-            code,
-            "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03" | "53300"
-        ) || code.starts_with("08")
-    }
-}
-
-/// Walks an error's `source()` chain, starting with the error itself.
-pub fn chain<'a>(
-    error: &'a (dyn StdError + 'static),
-) -> impl Iterator<Item = &'a (dyn StdError + 'static)> {
-    std::iter::successors(Some(error), |&e| e.source())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sqlstates() {
-        for code in ["40001", "40P01", "55P03", "08006", "08001", "57P01"] {
-            assert!(sqlstate::is_transient(code), "{code}");
-        }
-        for code in ["23505", "42P01", "22P02", "42601"] {
-            assert!(!sqlstate::is_transient(code), "{code}");
-        }
-    }
 
     #[test]
     fn handler_classification_prefers_the_handler() {

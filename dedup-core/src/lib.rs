@@ -7,21 +7,18 @@ mod key;
 mod memory;
 pub mod outbox;
 mod purge;
-pub mod sql;
 mod store;
 mod ttl;
 
 #[cfg(feature = "test-util")]
 pub mod conformance;
 
-pub use error::{
-    BoxError, Classification, Error, HandlerError, Result, StoreError, chain, sqlstate,
-};
+pub use error::{BoxError, Classification, Error, HandlerError, Result, StoreError};
 pub use handler::{Handler, HandlerExt, Headers, Outcome, WithTtl};
 pub use key::{DedupKey, KeyError, MAX_KEY_BYTES};
 pub use memory::{MemoryStore, MemoryTx};
 pub use outbox::{OutboxMessage, OutboxRecord, OutboxSource, PublishFailure};
-pub use purge::{PurgeConfig, Purger, purge_round};
+pub use purge::{PurgeConfig, Purger};
 pub use store::{Claim, DedupStore, PurgeExpired};
 pub use ttl::{Ttl, TtlError, TtlErrorKind};
 

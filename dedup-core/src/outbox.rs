@@ -126,26 +126,36 @@ impl std::fmt::Debug for OutboxRecord {
 }
 
 impl OutboxRecord {
-    /// A record as a backend read it from its table.
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        seq: i64,
-        event_id: String,
-        topic: String,
-        key: Option<Vec<u8>>,
-        payload: Vec<u8>,
-        headers: Vec<(String, Vec<u8>)>,
-        attempts: u32,
-    ) -> Self {
+    /// A record as a backend read it from its table: no key, no headers, no
+    /// attempts yet; the `with_*` methods add them.
+    pub fn new(seq: i64, event_id: String, topic: String, payload: Vec<u8>) -> Self {
         OutboxRecord {
             seq,
             event_id,
             topic,
-            key,
+            key: None,
             payload,
-            headers,
-            attempts,
+            headers: Vec::new(),
+            attempts: 0,
         }
+    }
+
+    /// Sets the message key.
+    pub fn with_key(mut self, key: Option<Vec<u8>>) -> Self {
+        self.key = key;
+        self
+    }
+
+    /// Sets the headers.
+    pub fn with_headers(mut self, headers: Vec<(String, Vec<u8>)>) -> Self {
+        self.headers = headers;
+        self
+    }
+
+    /// Sets how many publishing attempts failed before.
+    pub fn with_attempts(mut self, attempts: u32) -> Self {
+        self.attempts = attempts;
+        self
     }
 }
 

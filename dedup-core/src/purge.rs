@@ -91,7 +91,7 @@ impl Drop for Purger {
 /// Deletes expired claims batch by batch until a batch comes back short;
 /// returns the total. Errors are logged and end the round: the next round
 /// tries again. A `batch_size` of 0 counts as 1.
-pub async fn purge_round<P: PurgeExpired>(store: &P, batch_size: u32) -> u64 {
+pub(crate) async fn purge_round<P: PurgeExpired>(store: &P, batch_size: u32) -> u64 {
     // Clamped here, not only in the setter: the field is public, and a batch
     // of 0 always "comes back full", so the round would never end.
     let batch_size = batch_size.max(1);

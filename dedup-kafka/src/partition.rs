@@ -383,7 +383,7 @@ async fn process<S: DedupStore>(
 /// The error and its sources, `: `-separated.
 fn error_chain(e: &dedup_core::Error) -> String {
     let mut out = e.to_string();
-    for source in dedup_core::chain(e).skip(1) {
+    for source in std::iter::successors(std::error::Error::source(e), |&s| s.source()) {
         let s = source.to_string();
         if !out.contains(&s) {
             out.push_str(": ");

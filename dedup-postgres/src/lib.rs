@@ -8,14 +8,17 @@ use std::time::{Duration, SystemTime};
 use dedup_core::{
     Claim, Classification, DedupKey, DedupStore, PurgeConfig, PurgeExpired, Purger, StoreError, Ttl,
 };
+use dedup_sql::{
+    BatchClaims, Dialect, SqlConfig, TableName, run_migrations, sql, time_from_unix_micros,
+    ttl_seconds,
+};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{AssertSqlSafe, PgPool, Row, SqlSafeStr};
+use sqlx::{PgPool, Row};
 
-pub use dedup_core::sql::InvalidTableName;
+pub use dedup_sql::{Error, InvalidTableName};
 
 mod outbox;
-use dedup_core::sql::{BatchClaims, TableName, time_from_unix_micros, ttl_seconds};
-pub use outbox::{Outbox, OutboxConfig, PgOutbox, Retention, enqueue};
+pub use outbox::{OutboxConfig, OutboxReader, OutboxWriter, Retention, enqueue};
 
 /// The sqlx this backend is built on, so handlers can use the same version.
 pub use sqlx;
@@ -28,79 +31,31 @@ pub type PgTx = sqlx::Transaction<'static, sqlx::Postgres>;
 /// placeholders that [`PgStore::migrate`] fills with the configured name.
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
-/// Errors of setting up a [`PgStore`]. (Errors while claiming are
-/// [`dedup_core::StoreError`]s, classified by SQLSTATE.)
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum Error {
-    /// The configured table name is not a valid identifier.
-    #[error(transparent)]
-    InvalidTableName(#[from] InvalidTableName),
-    /// Connecting or running a statement failed.
-    #[error("postgres: {0}")]
-    Sqlx(#[from] sqlx::Error),
-    /// Applying the migrations failed.
-    #[error("migrating: {0}")]
-    Migrate(#[from] sqlx::migrate::MigrateError),
-}
+/// PostgreSQL as the shared SQL layer sees it: which SQLSTATEs a retry can
+/// get past.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Pg;
 
-impl Error {
-    /// Whether retrying may help (a lost connection, the server starting).
-    pub fn is_retryable(&self) -> bool {
-        match self {
-            Error::InvalidTableName(_) => false,
-            Error::Sqlx(e) => is_transient(e),
-            Error::Migrate(sqlx::migrate::MigrateError::Execute(e)) => is_transient(e),
-            Error::Migrate(_) => false,
-        }
+impl Dialect for Pg {
+    const NAME: &'static str = "postgres";
+    const DEFAULT_MAX_CONNECTIONS: u32 = 10;
+
+    /// Serialization failure (`40001`), deadlock (`40P01`), lock not
+    /// available / `lock_timeout` (`55P03`), any connection exception (class
+    /// `08`), the server shutting down or starting (`57P01`, `57P02`,
+    /// `57P03`), too many connections (`53300`).
+    fn is_transient_code(code: &str) -> bool {
+        matches!(
+            code,
+            "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03" | "53300"
+        ) || code.starts_with("08")
     }
 }
 
-/// Settings of a [`PgStore`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct PgConfig {
-    /// The dedup table, optionally schema-qualified (default
-    /// `dedup_claims`).
-    pub table: String,
-    /// How long a claim waits for another transaction's uncommitted claim of
-    /// the same key (and how long any statement of the handler's transaction
-    /// waits for a lock) before failing with a retryable error (default 5 s).
-    /// Applied as `SET LOCAL lock_timeout` in every transaction.
-    pub lock_timeout: Duration,
-    /// Largest connection pool [`PgStore::connect`] opens (default 10).
-    pub max_connections: u32,
-}
-
-impl Default for PgConfig {
-    fn default() -> Self {
-        PgConfig {
-            table: "dedup_claims".to_owned(),
-            lock_timeout: Duration::from_secs(5),
-            max_connections: 10,
-        }
-    }
-}
-
-impl PgConfig {
-    /// Sets the dedup table name.
-    pub fn with_table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
-        self
-    }
-
-    /// Sets the lock timeout (rounded to whole milliseconds, at least 1).
-    pub fn with_lock_timeout(mut self, timeout: Duration) -> Self {
-        self.lock_timeout = timeout;
-        self
-    }
-
-    /// Sets the pool size used by [`PgStore::connect_with`].
-    pub fn with_max_connections(mut self, max: u32) -> Self {
-        self.max_connections = max;
-        self
-    }
-}
+/// Settings of a [`PgStore`]: the table (default `dedup_claims`), the lock
+/// timeout (5 s, applied as `SET LOCAL lock_timeout` in every transaction),
+/// the pool size (10).
+pub type PgConfig = SqlConfig<Pg>;
 
 /// The statements of one store, built once from its table name.
 struct Statements {
@@ -122,10 +77,7 @@ impl Statements {
     fn new(config: &PgConfig) -> Result<Self, InvalidTableName> {
         let table = TableName::parse(&config.table)?;
         let t = table.quoted();
-        let lock_ms = config
-            .lock_timeout
-            .as_millis()
-            .clamp(1, u128::from(u32::MAX));
+        let lock_ms = config.lock_timeout_ms();
         // One simple-protocol message: BEGIN and the lock bound in one round trip.
         let begin = format!("BEGIN; SET LOCAL lock_timeout = {lock_ms}");
         // The claim: create if absent, take over if expired, else no row.
@@ -174,12 +126,6 @@ impl Statements {
     }
 }
 
-/// Statements are assembled from constants and a validated, quoted
-/// identifier only; every value is a bind parameter.
-fn sql(statement: &Arc<str>) -> impl SqlSafeStr {
-    AssertSqlSafe(statement.clone())
-}
-
 /// A [`DedupStore`] on PostgreSQL.
 ///
 /// Claims are one `INSERT ... ON CONFLICT ... DO UPDATE ... WHERE expired
@@ -212,11 +158,12 @@ impl PgStore {
     /// Connects with `config`.
     pub async fn connect_with(url: &str, config: PgConfig) -> Result<Self, Error> {
         let statements = Statements::new(&config)?;
-        let options: PgConnectOptions = url.parse()?;
+        let options: PgConnectOptions = url.parse().map_err(Error::database::<Pg>)?;
         let pool = PgPoolOptions::new()
-            .max_connections(config.max_connections.max(1))
+            .max_connections(config.pool_size())
             .connect_with(options)
-            .await?;
+            .await
+            .map_err(Error::database::<Pg>)?;
         Ok(PgStore {
             pool,
             statements: Arc::new(statements),
@@ -247,7 +194,9 @@ impl PgStore {
     /// `<table>_migrations`, so stores with different tables in one database
     /// migrate independently.
     pub async fn migrate(&self) -> Result<(), Error> {
-        run_migrations(&self.pool, &MIGRATOR, &self.statements.table).await
+        run_migrations(&self.pool, &MIGRATOR, &self.statements.table)
+            .await
+            .map_err(Error::migrate::<Pg>)
     }
 
     /// Starts deleting expired claims in the background (see
@@ -257,65 +206,8 @@ impl PgStore {
     }
 }
 
-/// Runs `migrator`'s templates for `table`: rendered with its quoted
-/// names, tracked in `<table>_migrations`, under sqlx's advisory lock.
-async fn run_migrations(
-    pool: &PgPool,
-    migrator: &sqlx::migrate::Migrator,
-    table: &TableName,
-) -> Result<(), Error> {
-    let migrations = migrator
-        .iter()
-        .map(|m| {
-            let sql = table.render(m.sql.as_str());
-            sqlx::migrate::Migration::new(
-                m.version,
-                m.description.clone(),
-                m.migration_type,
-                AssertSqlSafe(sql).into_sql_str(),
-                m.no_tx,
-            )
-        })
-        .collect();
-    let mut migrator = sqlx::migrate::Migrator::with_migrations(migrations);
-    migrator.dangerous_set_table_name(table.quoted_with_suffix("_migrations"));
-    if let Some(schema) = table.quoted_schema() {
-        migrator.create_schema(schema);
-    }
-    migrator.run(pool).await?;
-    Ok(())
-}
-
-/// Whether a retry may get past `e`, judged from codes only.
-fn is_transient(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(db) => db
-            .code()
-            .is_some_and(|c| dedup_core::sqlstate::is_transient(&c)),
-        // The connection broke, or none could be had in time; the pool
-        // closing means the process is shutting down, not that the event is bad.
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => true,
-        _ => false,
-    }
-}
-
 fn store_error(e: sqlx::Error) -> StoreError {
-    let code = match &e {
-        sqlx::Error::Database(db) => db.code().map(|c| c.into_owned()),
-        _ => None,
-    };
-    let err = if is_transient(&e) {
-        StoreError::transient(e)
-    } else {
-        StoreError::permanent(e)
-    };
-    match code {
-        Some(code) => err.with_code(code),
-        None => err,
-    }
+    dedup_sql::store_error::<Pg>(e)
 }
 
 impl DedupStore for PgStore {
@@ -411,11 +303,7 @@ impl DedupStore for PgStore {
     }
 
     fn classify(&self, error: &(dyn StdError + 'static)) -> Classification {
-        match dedup_core::chain(error).find_map(|e| e.downcast_ref::<sqlx::Error>()) {
-            Some(e) if is_transient(e) => Classification::Transient,
-            Some(_) => Classification::Permanent,
-            None => Classification::Unknown,
-        }
+        dedup_sql::classify::<Pg>(error)
     }
 }
 

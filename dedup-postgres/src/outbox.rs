@@ -1,5 +1,5 @@
 //! The transactional outbox on PostgreSQL: [`enqueue`] inside the caller's
-//! transaction, [`PgOutbox`] for the relay.
+//! transaction, [`OutboxReader`] for the relay.
 
 use std::fmt;
 use std::sync::{Arc, LazyLock};
@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use dedup_core::StoreError;
 use dedup_core::outbox::{OutboxMessage, OutboxRecord, OutboxSource, PublishFailure};
-use dedup_core::sql::TableName;
+use dedup_sql::{TableName, run_migrations, sql};
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
 
-use crate::{Error, InvalidTableName, PgTx, run_migrations, sql, store_error};
+use crate::{Error, InvalidTableName, Pg, PgTx, store_error};
 
 /// The outbox migrations, rendered with the configured table name.
 static OUTBOX_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./outbox-migrations");
@@ -27,7 +27,7 @@ pub enum Retention {
     Keep(Duration),
 }
 
-/// Settings of an [`Outbox`].
+/// Settings of an [`OutboxWriter`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct OutboxConfig {
@@ -150,16 +150,16 @@ impl Statements {
     }
 }
 
-/// An outbox table: [`enqueue`](Outbox::enqueue) events inside your
-/// transaction, [`migrate`](Outbox::migrate) it at start-up, and hand
-/// [`source`](Outbox::source) to a relay. Cloning is cheap.
+/// An outbox table: [`enqueue`](OutboxWriter::enqueue) events inside your
+/// transaction, [`migrate`](OutboxWriter::migrate) it at start-up, and hand
+/// [`reader`](OutboxWriter::reader) to a relay. Cloning is cheap.
 ///
 /// ```no_run
 /// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 /// use dedup_core::OutboxMessage;
-/// use dedup_postgres::Outbox;
+/// use dedup_postgres::OutboxWriter;
 ///
-/// let outbox = Outbox::default();
+/// let outbox = OutboxWriter::default();
 /// outbox.migrate(&pool).await?;
 /// let mut tx = pool.begin().await?;
 /// sqlx::query("UPDATE accounts SET balance = balance + 500 WHERE id = 'a'")
@@ -176,51 +176,48 @@ impl Statements {
 /// # let _ = event_id; Ok(()) }
 /// ```
 #[derive(Clone)]
-pub struct Outbox {
+pub struct OutboxWriter {
     statements: Arc<Statements>,
 }
 
-impl fmt::Debug for Outbox {
+impl fmt::Debug for OutboxWriter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Outbox")
+        f.debug_struct("OutboxWriter")
             .field("table", &self.statements.table.to_string())
             .field("retention", &self.statements.retention)
             .finish()
     }
 }
 
-impl Default for Outbox {
+impl Default for OutboxWriter {
     /// The table `dedup_outbox`, rows kept an hour after publishing.
     fn default() -> Self {
-        Outbox::new(OutboxConfig::default()).expect("the default outbox table name is valid")
+        OutboxWriter::new(OutboxConfig::default()).expect("the default outbox table name is valid")
     }
 }
 
 /// The default outbox, for [`enqueue`].
-static DEFAULT_OUTBOX: LazyLock<Outbox> = LazyLock::new(Outbox::default);
+static DEFAULT_OUTBOX: LazyLock<OutboxWriter> = LazyLock::new(OutboxWriter::default);
 
 /// Enqueues `message` in the default outbox (`dedup_outbox`) inside the
 /// transaction `conn` belongs to; returns its event id. In a handler:
 /// `dedup_postgres::enqueue(tx, message).await?`.
-pub async fn enqueue(
-    conn: &mut PgConnection,
-    message: OutboxMessage,
-) -> Result<String, sqlx::Error> {
+pub async fn enqueue(conn: &mut PgConnection, message: OutboxMessage) -> Result<String, Error> {
     DEFAULT_OUTBOX.enqueue(conn, message).await
 }
 
 impl crate::PgStore {
     /// The outbox with default settings (table `dedup_outbox`) over this
     /// store's pool: the relay's [`OutboxSource`].
-    pub fn outbox(&self) -> PgOutbox {
-        DEFAULT_OUTBOX.source(self.pool().clone())
+    pub fn outbox_reader(&self) -> OutboxReader {
+        DEFAULT_OUTBOX.reader(self.pool().clone())
     }
 }
 
-impl Outbox {
+impl OutboxWriter {
     /// An outbox with `config`.
-    pub fn new(config: OutboxConfig) -> Result<Self, InvalidTableName> {
-        Ok(Outbox {
+    pub fn new(config: OutboxConfig) -> Result<Self, Error> {
+        Ok(OutboxWriter {
             statements: Arc::new(Statements::new(&config)?),
         })
     }
@@ -229,7 +226,9 @@ impl Outbox {
     /// to call from every instance at start-up; tracked in
     /// `<table>_migrations`.
     pub async fn migrate(&self, pool: &PgPool) -> Result<(), Error> {
-        run_migrations(pool, &OUTBOX_MIGRATOR, &self.statements.table).await
+        run_migrations(pool, &OUTBOX_MIGRATOR, &self.statements.table)
+            .await
+            .map_err(Error::migrate::<Pg>)
     }
 
     /// Writes `message` into the outbox inside the transaction `conn`
@@ -240,7 +239,7 @@ impl Outbox {
         &self,
         conn: &mut PgConnection,
         message: OutboxMessage,
-    ) -> Result<String, sqlx::Error> {
+    ) -> Result<String, Error> {
         let (names, values): (Vec<String>, Vec<Vec<u8>>) = message.headers.into_iter().unzip();
         sqlx::query_scalar(sql(&self.statements.enqueue))
             .bind(message.event_id)
@@ -251,11 +250,12 @@ impl Outbox {
             .bind(values)
             .fetch_one(conn)
             .await
+            .map_err(Error::database::<Pg>)
     }
 
     /// The relay's view of this outbox over `pool`.
-    pub fn source(&self, pool: PgPool) -> PgOutbox {
-        PgOutbox {
+    pub fn reader(&self, pool: PgPool) -> OutboxReader {
+        OutboxReader {
             pool,
             statements: self.statements.clone(),
             listener: Arc::new(tokio::sync::Mutex::new(None)),
@@ -268,37 +268,39 @@ impl Outbox {
 /// while they are published; relays wake on `LISTEN`/`NOTIFY` and poll as a
 /// fallback.
 #[derive(Clone)]
-pub struct PgOutbox {
+pub struct OutboxReader {
     pool: PgPool,
     statements: Arc<Statements>,
     listener: Arc<tokio::sync::Mutex<Option<PgListener>>>,
 }
 
-impl fmt::Debug for PgOutbox {
+impl fmt::Debug for OutboxReader {
     // The pool's options hold the password; show only what is safe.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PgOutbox")
+        f.debug_struct("OutboxReader")
             .field("table", &self.statements.table.to_string())
             .field("retention", &self.statements.retention)
             .finish_non_exhaustive()
     }
 }
 
-impl PgOutbox {
+impl OutboxReader {
     /// How many events wait to be published: the relay's backlog, worth
     /// exporting as a metric.
-    pub async fn pending(&self) -> Result<i64, sqlx::Error> {
+    pub async fn pending(&self) -> Result<i64, StoreError> {
         sqlx::query_scalar(sql(&self.statements.pending))
             .fetch_one(&self.pool)
             .await
+            .map_err(store_error)
     }
 
     /// How long the oldest pending event has waited (`None` when nothing
     /// waits): the relay's lag, on the database clock.
-    pub async fn oldest_pending_age(&self) -> Result<Option<Duration>, sqlx::Error> {
+    pub async fn oldest_pending_age(&self) -> Result<Option<Duration>, StoreError> {
         let seconds: Option<f64> = sqlx::query_scalar(sql(&self.statements.oldest_pending))
             .fetch_one(&self.pool)
-            .await?;
+            .await
+            .map_err(store_error)?;
         Ok(seconds.map(|s| Duration::from_secs_f64(s.max(0.0))))
     }
 
@@ -323,23 +325,34 @@ impl PgOutbox {
     }
 }
 
-fn row_to_record(row: sqlx::postgres::PgRow) -> Result<OutboxRecord, sqlx::Error> {
-    use sqlx::Row;
-    let names: Vec<String> = row.try_get(5)?;
-    let values: Vec<Vec<u8>> = row.try_get(6)?;
-    let attempts: i32 = row.try_get(7)?;
-    Ok(OutboxRecord::new(
-        row.try_get(0)?,
-        row.try_get(1)?,
-        row.try_get(2)?,
-        row.try_get(3)?,
-        row.try_get(4)?,
-        names.into_iter().zip(values).collect(),
-        u32::try_from(attempts).unwrap_or(0),
-    ))
+/// A pending row as `lock_pending` selects it, read by column name.
+#[derive(sqlx::FromRow)]
+struct PendingRow {
+    seq: i64,
+    event_id: String,
+    topic: String,
+    key: Option<Vec<u8>>,
+    payload: Vec<u8>,
+    header_names: Vec<String>,
+    header_values: Vec<Vec<u8>>,
+    attempts: i32,
 }
 
-impl OutboxSource for PgOutbox {
+impl From<PendingRow> for OutboxRecord {
+    fn from(row: PendingRow) -> Self {
+        OutboxRecord::new(row.seq, row.event_id, row.topic, row.payload)
+            .with_key(row.key)
+            .with_headers(
+                row.header_names
+                    .into_iter()
+                    .zip(row.header_values)
+                    .collect(),
+            )
+            .with_attempts(u32::try_from(row.attempts).unwrap_or(0))
+    }
+}
+
+impl OutboxSource for OutboxReader {
     type Lease = PgTx;
 
     async fn lock_pending(&self, limit: usize) -> Result<(PgTx, Vec<OutboxRecord>), StoreError> {
@@ -347,17 +360,12 @@ impl OutboxSource for PgOutbox {
         // look still wakes the relay.
         self.ensure_listening().await;
         let mut tx = self.pool.begin().await.map_err(store_error)?;
-        let rows = sqlx::query(sql(&self.statements.lock_pending))
+        let rows: Vec<PendingRow> = sqlx::query_as(sql(&self.statements.lock_pending))
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
             .fetch_all(&mut *tx)
             .await
             .map_err(store_error)?;
-        let records = rows
-            .into_iter()
-            .map(row_to_record)
-            .collect::<Result<_, _>>()
-            .map_err(store_error)?;
-        Ok((tx, records))
+        Ok((tx, rows.into_iter().map(OutboxRecord::from).collect()))
     }
 
     async fn finish(

@@ -5,17 +5,18 @@
 use std::time::{Duration, Instant};
 
 use dedup_core::{OutboxMessage, OutboxSource, PublishFailure};
-use dedup_postgres::{Outbox, OutboxConfig, PgOutbox, Retention};
+use dedup_postgres::{OutboxConfig, OutboxReader, OutboxWriter, Retention};
 use sqlx::PgPool;
 
-async fn outbox(pool: &PgPool, retention: Retention) -> PgOutbox {
-    let outbox = Outbox::new(OutboxConfig::default().with_retention(retention)).expect("config");
+async fn outbox(pool: &PgPool, retention: Retention) -> OutboxReader {
+    let outbox =
+        OutboxWriter::new(OutboxConfig::default().with_retention(retention)).expect("config");
     outbox.migrate(pool).await.expect("migrate");
     outbox
         .migrate(pool)
         .await
         .expect("migrating twice is a no-op");
-    outbox.source(pool.clone())
+    outbox.reader(pool.clone())
 }
 
 /// Enqueues one event per `(key, payload)` in one committed transaction.
@@ -260,8 +261,9 @@ async fn a_commit_that_enqueued_wakes_a_waiting_relay(pool: PgPool) {
 
 #[sqlx::test(migrations = false)]
 async fn outbox_tables_are_validated_and_can_live_in_a_schema(pool: PgPool) {
-    assert!(Outbox::new(OutboxConfig::default().with_table("outbox; DROP TABLE x")).is_err());
-    let outbox = Outbox::new(OutboxConfig::default().with_table("events.outbox")).expect("valid");
+    assert!(OutboxWriter::new(OutboxConfig::default().with_table("outbox; DROP TABLE x")).is_err());
+    let outbox =
+        OutboxWriter::new(OutboxConfig::default().with_table("events.outbox")).expect("valid");
     outbox.migrate(&pool).await.expect("migrate");
     let mut tx = pool.begin().await.expect("begin");
     outbox
@@ -269,7 +271,7 @@ async fn outbox_tables_are_validated_and_can_live_in_a_schema(pool: PgPool) {
         .await
         .expect("enqueue");
     tx.commit().await.expect("commit");
-    let source = outbox.source(pool.clone());
+    let source = outbox.reader(pool.clone());
     assert_eq!(source.pending().await.expect("pending"), 1);
     let (lease, records) = source.lock_pending(10).await.expect("lock");
     assert_eq!(records.len(), 1);

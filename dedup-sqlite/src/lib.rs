@@ -4,16 +4,19 @@ use std::error::Error as StdError;
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
-use dedup_core::sql::{BatchClaims, TableName, time_from_unix_micros, ttl_seconds};
 use dedup_core::{
     Claim, Classification, DedupKey, DedupStore, PurgeConfig, PurgeExpired, Purger, StoreError, Ttl,
 };
+use dedup_sql::{
+    BatchClaims, Dialect, SqlConfig, TableName, run_migrations, sql, time_from_unix_micros,
+    ttl_seconds,
+};
+use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{AssertSqlSafe, SqlSafeStr, SqlitePool};
 
-pub use dedup_core::sql::InvalidTableName;
+pub use dedup_sql::{Error, InvalidTableName};
 
 /// The sqlx this backend is built on, so handlers can use the same version.
 pub use sqlx;
@@ -24,58 +27,30 @@ pub type SqliteTx = sqlx::Transaction<'static, sqlx::Sqlite>;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
-/// Errors of setting up a [`SqliteStore`].
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum Error {
-    /// The configured table name is not a valid identifier.
-    #[error(transparent)]
-    InvalidTableName(#[from] InvalidTableName),
-    /// Opening the database or running a statement failed.
-    #[error("sqlite: {0}")]
-    Sqlx(#[from] sqlx::Error),
-    /// Applying the migrations failed.
-    #[error("migrating the dedup table: {0}")]
-    Migrate(#[from] sqlx::migrate::MigrateError),
-}
+/// SQLite as the shared SQL layer sees it: which result codes a retry can
+/// get past.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Sqlite;
 
-/// Settings of a [`SqliteStore`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct SqliteConfig {
-    /// The dedup table (default `dedup_claims`).
-    pub table: String,
-    /// How long a transaction waits for the database's write lock (held by
-    /// another transaction) before failing with a retryable error (default
-    /// 5 s).
-    pub lock_timeout: Duration,
-    /// Connections in the pool (default 4). Writers still take turns.
-    pub max_connections: u32,
-}
+impl Dialect for Sqlite {
+    const NAME: &'static str = "sqlite";
+    const DEFAULT_MAX_CONNECTIONS: u32 = 4;
 
-impl Default for SqliteConfig {
-    fn default() -> Self {
-        SqliteConfig {
-            table: "dedup_claims".to_owned(),
-            lock_timeout: Duration::from_secs(5),
-            max_connections: 4,
-        }
+    /// `SQLITE_BUSY` (5) and `SQLITE_LOCKED` (6), with their extended codes.
+    fn is_transient_code(code: &str) -> bool {
+        code.parse::<i32>()
+            .is_ok_and(|code| matches!(code & 0xff, 5 | 6))
+    }
+
+    fn code_label(code: &str) -> String {
+        format!("SQLITE_{code}")
     }
 }
 
-impl SqliteConfig {
-    /// Sets the dedup table name.
-    pub fn with_table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
-        self
-    }
-
-    /// Sets how long a transaction waits for the write lock.
-    pub fn with_lock_timeout(mut self, timeout: Duration) -> Self {
-        self.lock_timeout = timeout;
-        self
-    }
-}
+/// Settings of a [`SqliteStore`]: the table (default `dedup_claims`), the
+/// lock timeout (5 s: how long a transaction waits for the database's write
+/// lock, SQLite's busy timeout), the pool size (4; writers still take turns).
+pub type SqliteConfig = SqlConfig<Sqlite>;
 
 /// SQLite's clock, in microseconds since the Unix epoch (millisecond
 /// resolution). `'now'` is fixed for the duration of one statement.
@@ -134,12 +109,6 @@ impl Statements {
     }
 }
 
-/// Statements are built from constants and a validated, quoted identifier;
-/// every value is a bind parameter.
-fn sql(statement: &Arc<str>) -> impl SqlSafeStr {
-    AssertSqlSafe(statement.clone())
-}
-
 /// A [`DedupStore`] on an SQLite database file.
 ///
 /// Claims use the same one-statement upsert as PostgreSQL, on SQLite's
@@ -179,9 +148,10 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(config.lock_timeout);
         let pool = SqlitePoolOptions::new()
-            .max_connections(config.max_connections.max(1))
+            .max_connections(config.pool_size())
             .connect_with(options)
-            .await?;
+            .await
+            .map_err(Error::database::<Sqlite>)?;
         Ok(SqliteStore { pool, statements })
     }
 
@@ -201,23 +171,9 @@ impl SqliteStore {
     /// Creates or upgrades the dedup table (tracked in
     /// `<table>_migrations`); safe to call at every start.
     pub async fn migrate(&self) -> Result<(), Error> {
-        let table = &self.statements.table;
-        let migrations = MIGRATOR
-            .iter()
-            .map(|m| {
-                sqlx::migrate::Migration::new(
-                    m.version,
-                    m.description.clone(),
-                    m.migration_type,
-                    AssertSqlSafe(table.render(m.sql.as_str())).into_sql_str(),
-                    m.no_tx,
-                )
-            })
-            .collect();
-        let mut migrator = sqlx::migrate::Migrator::with_migrations(migrations);
-        migrator.dangerous_set_table_name(table.quoted_with_suffix("_migrations"));
-        migrator.run(&self.pool).await?;
-        Ok(())
+        run_migrations(&self.pool, &MIGRATOR, &self.statements.table)
+            .await
+            .map_err(Error::migrate::<Sqlite>)
     }
 
     /// Starts deleting expired claims in the background.
@@ -226,37 +182,8 @@ impl SqliteStore {
     }
 }
 
-/// SQLite's result codes that a retry can get past: `SQLITE_BUSY` (5) and
-/// `SQLITE_LOCKED` (6) with their extended codes; plus lost I/O and an
-/// exhausted pool.
-fn is_transient(e: &sqlx::Error) -> bool {
-    match e {
-        sqlx::Error::Database(db) => db
-            .code()
-            .and_then(|c| c.parse::<i32>().ok())
-            .is_some_and(|code| matches!(code & 0xff, 5 | 6)),
-        sqlx::Error::Io(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => true,
-        _ => false,
-    }
-}
-
 fn store_error(e: sqlx::Error) -> StoreError {
-    let code = match &e {
-        sqlx::Error::Database(db) => db.code().map(|c| format!("SQLITE_{c}")),
-        _ => None,
-    };
-    let err = if is_transient(&e) {
-        StoreError::transient(e)
-    } else {
-        StoreError::permanent(e)
-    };
-    match code {
-        Some(code) => err.with_code(code),
-        None => err,
-    }
+    dedup_sql::store_error::<Sqlite>(e)
 }
 
 /// `[[scope, key], ...]` as a JSON text parameter.
@@ -355,11 +282,7 @@ impl DedupStore for SqliteStore {
     }
 
     fn classify(&self, error: &(dyn StdError + 'static)) -> Classification {
-        match dedup_core::chain(error).find_map(|e| e.downcast_ref::<sqlx::Error>()) {
-            Some(e) if is_transient(e) => Classification::Transient,
-            Some(_) => Classification::Permanent,
-            None => Classification::Unknown,
-        }
+        dedup_sql::classify::<Sqlite>(error)
     }
 }
 

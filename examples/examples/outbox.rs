@@ -25,7 +25,7 @@ use std::time::Duration;
 use dedup_core::{HandlerError, OutboxMessage, Ttl, idempotent};
 use dedup_examples::env_or;
 use dedup_kafka::{Consumer, Relay, StatsSnapshot};
-use dedup_postgres::{Outbox, PgOutbox, PgStore, PgTx};
+use dedup_postgres::{OutboxReader, OutboxWriter, PgStore, PgTx};
 
 #[derive(serde::Deserialize)]
 struct PaymentReceived {
@@ -116,7 +116,7 @@ fn args() -> Result<Args, Box<dyn std::error::Error>> {
 }
 
 /// Completes once the outbox has been empty, and `quiet` true, for `limit`.
-async fn idle(outbox: &PgOutbox, limit: Duration, quiet: impl Fn(Duration) -> bool) {
+async fn idle(outbox: &OutboxReader, limit: Duration, quiet: impl Fn(Duration) -> bool) {
     let mut empty_since = tokio::time::Instant::now();
     loop {
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -138,7 +138,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let store = PgStore::connect(&database_url).await?;
     store.migrate().await?;
-    Outbox::default().migrate(store.pool()).await?;
+    OutboxWriter::default().migrate(store.pool()).await?;
     for ddl in [
         "CREATE TABLE IF NOT EXISTS accounts (id text PRIMARY KEY, balance bigint NOT NULL)",
         "CREATE TABLE IF NOT EXISTS payment_notices (seq bigserial PRIMARY KEY, \
@@ -146,7 +146,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     ] {
         sqlx::query(ddl).execute(store.pool()).await?;
     }
-    let outbox = store.outbox();
+    let outbox = store.outbox_reader();
 
     let relay = Relay::builder(outbox.clone())
         .brokers(&brokers)

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use dedup_core::{OutboxMessage, idempotent};
 use dedup_kafka::{Consumer, Relay, RelayStats, RetryPolicy, StatsSnapshot};
-use dedup_postgres::{Outbox, PgOutbox, PgTx};
+use dedup_postgres::{OutboxReader, OutboxWriter, PgTx};
 use dedup_tests::{PaymentReceived, credit, payment, store, total_balance as balance};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
@@ -29,10 +29,10 @@ async fn credit_relayed_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<()
     credit(tx, &ev).await
 }
 
-async fn migrated_outbox(pool: &PgPool) -> PgOutbox {
-    let outbox = Outbox::default();
+async fn migrated_outbox(pool: &PgPool) -> OutboxReader {
+    let outbox = OutboxWriter::default();
     outbox.migrate(pool).await.expect("migrate outbox");
-    outbox.source(pool.clone())
+    outbox.reader(pool.clone())
 }
 
 /// Enqueues `(key, payload)` events in one transaction.
@@ -62,12 +62,12 @@ impl RunningRelay {
     /// A relay with the default 30 s delivery timeout: a shorter one can
     /// time out a send the broker already wrote on a loaded machine, and the
     /// re-send would break the tests that count copies.
-    fn start(source: PgOutbox, brokers: &str, batch_size: usize) -> Self {
+    fn start(source: OutboxReader, brokers: &str, batch_size: usize) -> Self {
         Self::start_with(source, brokers, batch_size, Duration::from_secs(30))
     }
 
     fn start_with(
-        source: PgOutbox,
+        source: OutboxReader,
         brokers: &str,
         batch_size: usize,
         delivery_timeout: Duration,
@@ -104,7 +104,7 @@ impl RunningRelay {
 }
 
 /// Waits until the outbox has nothing pending.
-async fn wait_until_published(source: &PgOutbox, within: Duration) {
+async fn wait_until_published(source: &OutboxReader, within: Duration) {
     let deadline = Instant::now() + within;
     loop {
         let pending = source.pending().await.expect("pending");

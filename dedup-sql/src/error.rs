@@ -1,0 +1,148 @@
+//! The backends' error type, and how sqlx errors become the core's
+//! [`StoreError`]s and [`Classification`]s: by code, never by message text.
+
+use std::error::Error as StdError;
+
+use dedup_core::{Classification, StoreError};
+use sqlx::migrate::MigrateError;
+
+use crate::{Dialect, InvalidTableName};
+
+/// Errors of setting up a store: connecting, migrating, configuring. (Errors
+/// while claiming are [`StoreError`]s, classified by the database's codes.)
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The configured table name is not a valid identifier.
+    #[error(transparent)]
+    InvalidTableName(#[from] InvalidTableName),
+    /// Connecting or running a statement failed.
+    #[error("{database}: {source}")]
+    Database {
+        /// Which database (`postgres`, `sqlite`).
+        database: &'static str,
+        /// Whether a retry may get past it.
+        retryable: bool,
+        /// What sqlx reported.
+        source: sqlx::Error,
+    },
+    /// Applying the migrations failed.
+    #[error("migrating the dedup table: {source}")]
+    Migrate {
+        /// Whether a retry may get past it.
+        retryable: bool,
+        /// What sqlx reported.
+        source: MigrateError,
+    },
+}
+
+impl Error {
+    /// A failed connection or statement of database `D`.
+    pub fn database<D: Dialect>(source: sqlx::Error) -> Self {
+        Error::Database {
+            database: D::NAME,
+            retryable: is_transient::<D>(&source),
+            source,
+        }
+    }
+
+    /// A failed migration on database `D`: retryable when the statement that
+    /// failed was (a lock timeout, a lost connection).
+    pub fn migrate<D: Dialect>(source: MigrateError) -> Self {
+        let retryable = match &source {
+            MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _) => is_transient::<D>(e),
+            _ => false,
+        };
+        Error::Migrate { retryable, source }
+    }
+
+    /// Whether retrying may help (a lost connection, the server starting).
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::InvalidTableName(_) => false,
+            Error::Database { retryable, .. } | Error::Migrate { retryable, .. } => *retryable,
+        }
+    }
+}
+
+/// Whether a retry may get past `e`: a database error by `D`'s code rule; a
+/// broken connection, or none to be had in time, always (the pool closing
+/// means the process is shutting down, not that the event is bad).
+pub fn is_transient<D: Dialect>(e: &sqlx::Error) -> bool {
+    match e {
+        sqlx::Error::Database(db) => db.code().is_some_and(|c| D::is_transient_code(&c)),
+        sqlx::Error::Io(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::WorkerCrashed => true,
+        _ => false,
+    }
+}
+
+/// A sqlx error as the core's [`StoreError`], classified and carrying the
+/// database's code.
+pub fn store_error<D: Dialect>(e: sqlx::Error) -> StoreError {
+    let code = match &e {
+        sqlx::Error::Database(db) => db.code().map(|c| D::code_label(&c)),
+        _ => None,
+    };
+    let err = if is_transient::<D>(&e) {
+        StoreError::transient(e)
+    } else {
+        StoreError::permanent(e)
+    };
+    match code {
+        Some(code) => err.with_code(code),
+        None => err,
+    }
+}
+
+/// [`DedupStore::classify`](dedup_core::DedupStore::classify) for SQL
+/// backends: the first sqlx error in `error`'s source chain decides;
+/// without one it is not the store's error.
+pub fn classify<D: Dialect>(error: &(dyn StdError + 'static)) -> Classification {
+    let mut chain = std::iter::successors(Some(error), |&e| e.source());
+    match chain.find_map(|e| e.downcast_ref::<sqlx::Error>()) {
+        Some(e) if is_transient::<D>(e) => Classification::Transient,
+        Some(_) => Classification::Permanent,
+        None => Classification::Unknown,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dialect::TestDialect as Test;
+
+    #[test]
+    fn lost_connections_are_transient_and_other_errors_are_not() {
+        assert!(is_transient::<Test>(&sqlx::Error::PoolTimedOut));
+        assert!(is_transient::<Test>(&sqlx::Error::Io(
+            std::io::Error::other("reset")
+        )));
+        assert!(!is_transient::<Test>(&sqlx::Error::RowNotFound));
+        assert!(store_error::<Test>(sqlx::Error::PoolTimedOut).is_retryable());
+        assert!(!Error::database::<Test>(sqlx::Error::RowNotFound).is_retryable());
+    }
+
+    #[test]
+    fn a_failed_migration_statement_is_judged_by_its_error() {
+        let execute = |e| MigrateError::ExecuteMigration(e, 1);
+        assert!(Error::migrate::<Test>(execute(sqlx::Error::PoolTimedOut)).is_retryable());
+        assert!(!Error::migrate::<Test>(execute(sqlx::Error::RowNotFound)).is_retryable());
+        assert!(!Error::migrate::<Test>(MigrateError::VersionMissing(3)).is_retryable());
+    }
+
+    #[test]
+    fn classify_finds_the_sqlx_error_in_the_chain() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("wrapped")]
+        struct Wrapped(#[source] sqlx::Error);
+        let wrapped = Wrapped(sqlx::Error::PoolTimedOut);
+        assert_eq!(classify::<Test>(&wrapped), Classification::Transient);
+        let other = std::io::Error::other("not sqlx");
+        assert_eq!(classify::<Test>(&other), Classification::Unknown);
+        let permanent = Wrapped(sqlx::Error::RowNotFound);
+        assert_eq!(classify::<Test>(&permanent), Classification::Permanent);
+    }
+}

@@ -1,0 +1,23 @@
+#![doc = include_str!("../README.md")]
+
+mod batch;
+mod config;
+mod dialect;
+mod error;
+mod migrate;
+mod table;
+
+use std::sync::Arc;
+
+pub use batch::{BatchClaims, time_from_unix_micros, ttl_seconds};
+pub use config::SqlConfig;
+pub use dialect::Dialect;
+pub use error::{Error, classify, is_transient, store_error};
+pub use migrate::run_migrations;
+pub use table::{InvalidTableName, MAX_TABLE_LEN, TableName};
+
+/// A statement the store built once from constants and a validated, quoted
+/// identifier (every value is a bind parameter), as sqlx takes it.
+pub fn sql(statement: &Arc<str>) -> sqlx::AssertSqlSafe<Arc<str>> {
+    sqlx::AssertSqlSafe(statement.clone())
+}

@@ -173,11 +173,11 @@ impl<S: DedupStore> Consumer<S> {
         };
         drop(partitions);
         let queued = partition.queued.fetch_add(1, Ordering::AcqRel) + 1;
-        self.shared.stats.in_flight(1);
+        self.shared.stats.add_in_flight(1);
         if partition.sender.send(msg).is_err() {
             // The worker is gone (stopping): the message stays unfinished and
             // its offset unstored, so it is delivered again.
-            self.shared.stats.in_flight(-1);
+            self.shared.stats.add_in_flight(-1);
             return;
         }
         if queued >= self.shared.settings.max_buffered_per_partition

@@ -95,13 +95,65 @@ impl<S: DedupStore> Shared<S> {
     }
 }
 
+/// A worker's end of its partition's queue. Every message the dispatcher
+/// counted in flight is counted out exactly once: when its batch is done,
+/// or when the worker ends, however it ends (returns, panics or is aborted
+/// at the shutdown timeout), for what it holds and what is still queued.
+struct Inbox {
+    receiver: mpsc::UnboundedReceiver<OwnedMessage>,
+    stats: Arc<Stats>,
+    /// Received from the queue and not yet counted out.
+    held: i64,
+}
+
+impl Inbox {
+    async fn recv(&mut self) -> Option<OwnedMessage> {
+        let msg = self.receiver.recv().await;
+        self.held += i64::from(msg.is_some());
+        msg
+    }
+
+    fn try_recv(&mut self) -> Result<OwnedMessage, mpsc::error::TryRecvError> {
+        let msg = self.receiver.try_recv();
+        self.held += i64::from(msg.is_ok());
+        msg
+    }
+
+    /// `n` held messages are finished, or left for redelivery.
+    fn done(&mut self, n: usize) {
+        let n = n as i64;
+        self.held -= n;
+        self.stats.add_in_flight(-n);
+    }
+}
+
+impl Drop for Inbox {
+    fn drop(&mut self) {
+        // What is still queued is given up (redelivered to whoever owns the
+        // partition next). Closed first, so a later send fails and the
+        // dispatcher counts it out itself.
+        self.receiver.close();
+        let mut queued = 0;
+        while self.receiver.try_recv().is_ok() {
+            queued += 1;
+        }
+        self.stats.add_in_flight(-(self.held + queued));
+        self.stats.touch();
+    }
+}
+
 /// Processes one partition's messages strictly in order.
 pub(crate) async fn worker<S: DedupStore>(
     shared: Arc<Shared<S>>,
     route: Arc<Route<S>>,
     partition: Arc<Partition>,
-    mut receiver: mpsc::UnboundedReceiver<OwnedMessage>,
+    receiver: mpsc::UnboundedReceiver<OwnedMessage>,
 ) {
+    let mut inbox = Inbox {
+        receiver,
+        stats: shared.stats.clone(),
+        held: 0,
+    };
     let mut jitter = Jitter::new(partition.partition as u64);
     let low_water = shared.settings.max_buffered_per_partition / 2;
     let mut stopping = shared.stopping.subscribe();
@@ -113,12 +165,12 @@ pub(crate) async fn worker<S: DedupStore>(
             biased;
             _ = stopping.wait_for(|s| *s) => break,
             _ = revoked.wait_for(|r| *r) => break,
-            msg = receiver.recv() => match msg {
+            msg = inbox.recv() => match msg {
                 Some(msg) => msg,
                 None => break,
             },
         };
-        let batch = gather(&mut receiver, msg, &shared.settings).await;
+        let batch = gather(&mut inbox, msg, &shared.settings).await;
         let finished = if batch.len() == 1 {
             let msg = &batch[0];
             let span = message_span(msg);
@@ -134,7 +186,7 @@ pub(crate) async fn worker<S: DedupStore>(
             shared.stats.touch();
         }
         // Finished, or (stopped mid-batch) left for redelivery.
-        shared.stats.in_flight(-(batch.len() as i64));
+        inbox.done(batch.len());
         if finished < batch.len() {
             break;
         }
@@ -145,22 +197,12 @@ pub(crate) async fn worker<S: DedupStore>(
                 .send((partition.topic.clone(), partition.partition));
         }
     }
-    // What is still buffered is given up (redelivered to whoever owns the
-    // partition next). Closed first, so a later send fails and is not
-    // counted by the dispatcher.
-    receiver.close();
-    let mut abandoned = 0;
-    while receiver.try_recv().is_ok() {
-        abandoned += 1;
-    }
-    shared.stats.in_flight(-abandoned);
-    shared.stats.touch();
 }
 
 /// Takes `first` and whatever else of the partition arrives within the
 /// linger time, up to the batch size.
 async fn gather(
-    receiver: &mut mpsc::UnboundedReceiver<OwnedMessage>,
+    receiver: &mut Inbox,
     first: OwnedMessage,
     settings: &Settings,
 ) -> Vec<OwnedMessage> {
@@ -446,4 +488,48 @@ async fn wait_unless_stopped<S>(shared: &Shared<S>, partition: &Partition, wait:
         _ = revoked.wait_for(|r| *r) => return false,
     }
     !*shared.stopping.borrow() && !partition.is_revoked()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::Timestamp;
+
+    fn message(offset: i64) -> OwnedMessage {
+        OwnedMessage::new(
+            None,
+            None,
+            "t".into(),
+            Timestamp::NotAvailable,
+            0,
+            offset,
+            None,
+        )
+    }
+
+    /// A worker that dies mid-batch (a panic, or the shutdown timeout
+    /// aborting it) must not leave its messages counted in flight: the
+    /// consumer would never look idle again.
+    #[test]
+    fn an_inbox_counts_out_what_it_holds_and_what_is_queued_when_dropped() {
+        let stats = Arc::new(Stats::new());
+        let (sender, receiver) = mpsc::unbounded_channel();
+        for offset in 0..5 {
+            stats.add_in_flight(1);
+            sender.send(message(offset)).unwrap();
+        }
+        let mut inbox = Inbox {
+            receiver,
+            stats: stats.clone(),
+            held: 0,
+        };
+        for _ in 0..3 {
+            inbox.try_recv().unwrap();
+        }
+        inbox.done(1);
+        assert_eq!(stats.in_flight(), 4);
+        drop(inbox);
+        assert_eq!(stats.in_flight(), 0);
+        assert!(sender.send(message(9)).is_err(), "closed on drop");
+    }
 }

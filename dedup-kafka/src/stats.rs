@@ -97,9 +97,18 @@ impl Stats {
         }
     }
 
+    /// Messages received and not yet finished (applied, skipped or
+    /// dead-lettered) nor given up for redelivery. A count that stays above
+    /// zero while nothing is applied is a stuck partition (a message being
+    /// retried, or a dead-letter topic that refuses it).
+    pub fn in_flight(&self) -> u64 {
+        u64::try_from(self.in_flight.load(Ordering::Acquire)).unwrap_or(0)
+    }
+
     /// `n` messages handed to workers (negative: finished or given up).
-    pub(crate) fn in_flight(&self, n: i64) {
-        self.in_flight.fetch_add(n, Ordering::AcqRel);
+    pub(crate) fn add_in_flight(&self, n: i64) {
+        let before = self.in_flight.fetch_add(n, Ordering::AcqRel);
+        debug_assert!(before + n >= 0, "more messages counted out than in");
     }
 
     /// Activity now: idleness counts from here.
@@ -122,10 +131,10 @@ mod tests {
         let stats = Stats::new();
         assert_eq!(stats.idle_for(), Duration::ZERO, "no assignment yet");
         stats.touch();
-        stats.in_flight(3);
+        stats.add_in_flight(3);
         std::thread::sleep(Duration::from_millis(30));
         assert_eq!(stats.idle_for(), Duration::ZERO, "three in flight");
-        stats.in_flight(-3);
+        stats.add_in_flight(-3);
         assert!(stats.idle_for() >= Duration::from_millis(30));
     }
 }

@@ -134,15 +134,17 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
         block,
     } = func;
     let name = &sig.ident;
-    // Docs describe the handler value, so they go on the struct; `cfg` must
-    // remove every generated item with the function; everything else (lint
-    // levels, `#[tracing::instrument]`, ...) is about the body, on `call`.
+    // Docs and deprecation describe the handler value, so they go on the
+    // struct that users name; `cfg` must remove every generated item with
+    // the function; everything else (lint levels, `#[tracing::instrument]`,
+    // ...) is about the body, on `call`.
     let is = |attr: &&syn::Attribute, name: &str| attr.path().is_ident(name);
+    let on_struct = |a: &&syn::Attribute| is(a, "doc") || is(a, "deprecated");
     let cfgs: Vec<_> = attrs.iter().filter(|a| is(a, "cfg")).collect();
-    let docs: Vec<_> = attrs.iter().filter(|a| is(a, "doc")).collect();
+    let docs: Vec<_> = attrs.iter().filter(on_struct).collect();
     let body_attrs: Vec<_> = attrs
         .iter()
-        .filter(|a| !is(a, "cfg") && !is(a, "doc"))
+        .filter(|a| !is(a, "cfg") && !on_struct(a))
         .collect();
     let inputs = &sig.inputs;
     let output = &sig.output;
@@ -283,6 +285,7 @@ mod tests {
             quote!(key = "event_id", ttl = "4h"),
             quote!(
                 /// Records a payment.
+                #[deprecated = "use record_v2"]
                 #[cfg(feature = "payments")]
                 #[tracing::instrument(skip(tx))]
                 #[allow(unused_variables)]
@@ -300,9 +303,10 @@ mod tests {
         // Each item carries the cfg: the struct, `impl record`, `impl Handler`.
         assert_eq!(before(strukt).matches(cfg).count(), 1, "{out}");
         assert_eq!(before(handler).matches(cfg).count(), 3, "{out}");
-        // The doc is on the struct, before `impl record`.
+        // The doc and the deprecation are on the struct.
         let doc = out.find("Records a payment").expect("doc");
-        assert!(doc < strukt, "{out}");
+        let deprecated = out.find("deprecated").expect("deprecated");
+        assert!(doc < strukt && deprecated < strukt, "{out}");
         // instrument and allow are on `call`, after the struct.
         let instrument = out.find("tracing :: instrument").expect("instrument");
         let allow = out.find("allow (unused_variables)").expect("allow");

@@ -60,11 +60,14 @@ impl<D> SqlConfig<D> {
         self.max_connections.max(1)
     }
 
-    /// The lock timeout in whole milliseconds, at least 1 (0 would mean
-    /// "wait for ever" to PostgreSQL and SQLite alike).
+    /// The lock timeout in whole milliseconds, from 1 (0 would mean "wait
+    /// for ever" to PostgreSQL and "never wait" to SQLite) to `i32::MAX`
+    /// (about 24.8 days: PostgreSQL refuses more, with an error that would
+    /// fail every transaction, and sqlx's SQLite panics on more).
     pub fn lock_timeout_ms(&self) -> u32 {
-        let ms = self.lock_timeout.as_millis().clamp(1, u128::from(u32::MAX));
-        u32::try_from(ms).expect("clamped to u32")
+        const MAX: u128 = i32::MAX as u128;
+        let ms = self.lock_timeout.as_millis().clamp(1, MAX);
+        u32::try_from(ms).expect("clamped to i32::MAX")
     }
 }
 
@@ -114,6 +117,6 @@ mod tests {
         assert_eq!(config.pool_size(), 1);
         assert_eq!(config.lock_timeout_ms(), 1);
         config.lock_timeout = Duration::from_secs(u64::MAX);
-        assert_eq!(config.lock_timeout_ms(), u32::MAX);
+        assert_eq!(config.lock_timeout_ms(), i32::MAX as u32);
     }
 }

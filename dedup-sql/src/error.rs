@@ -27,7 +27,7 @@ pub enum Error {
         source: sqlx::Error,
     },
     /// Applying the migrations failed.
-    #[error("migrating the dedup table: {source}")]
+    #[error("migrating: {source}")]
     Migrate {
         /// Whether a retry may get past it.
         retryable: bool,

@@ -11,10 +11,12 @@ pub const MAX_TABLE_LEN: usize = 48;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "invalid table name {name:?}: use letters, digits and underscores, not starting with a digit, \
-     at most {MAX_TABLE_LEN} bytes, optionally schema-qualified (\"dedup.claims\")"
+     at most {MAX_TABLE_LEN} bytes, {}",
+    if *.schema_allowed { "optionally schema-qualified (\"dedup.claims\")" } else { "without a schema (this database's tables have none)" }
 )]
 pub struct InvalidTableName {
     name: String,
+    schema_allowed: bool,
 }
 
 /// A validated `[schema.]table`: ASCII letters, digits and `_`, not
@@ -46,6 +48,7 @@ impl TableName {
     pub fn parse(name: &str) -> Result<Self, InvalidTableName> {
         let invalid = || InvalidTableName {
             name: name.to_owned(),
+            schema_allowed: true,
         };
         let (schema, table) = match name.split_once('.') {
             Some((schema, table)) => (Some(schema), table),
@@ -58,6 +61,18 @@ impl TableName {
             schema: schema.map(str::to_owned),
             table: table.to_owned(),
         })
+    }
+
+    /// Validates `name` as a plain `table`, for databases whose statements
+    /// cannot name a schema everywhere (SQLite's `CREATE INDEX` cannot).
+    pub fn parse_unqualified(name: &str) -> Result<Self, InvalidTableName> {
+        match Self::parse(name) {
+            Ok(table) if table.schema.is_none() => Ok(table),
+            _ => Err(InvalidTableName {
+                name: name.to_owned(),
+                schema_allowed: false,
+            }),
+        }
     }
 
     /// `"schema"."table"` with `suffix` appended to the table part (for
@@ -178,5 +193,17 @@ mod tests {
         ] {
             assert!(TableName::parse(bad).is_err(), "{bad:?} must be rejected");
         }
+    }
+
+    #[test]
+    fn unqualified_names_refuse_a_schema_and_say_so() {
+        assert!(TableName::parse_unqualified("claims").is_ok());
+        let err = TableName::parse_unqualified("main.claims").unwrap_err();
+        assert!(err.to_string().contains("without a schema"), "{err}");
+        let err = TableName::parse("a;b").unwrap_err();
+        assert!(
+            err.to_string().contains("optionally schema-qualified"),
+            "{err}"
+        );
     }
 }

@@ -4,7 +4,7 @@ use std::error::Error as StdError;
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use dedup_core::{
     Claim, Classification, DedupKey, DedupStore, PurgeConfig, PurgeExpired, Purger, StoreError, Ttl,
@@ -67,7 +67,7 @@ struct Statements {
 
 impl Statements {
     fn new(config: &SqliteConfig) -> Result<Self, InvalidTableName> {
-        let table = TableName::parse(&config.table)?;
+        let table = TableName::parse_unqualified(&config.table)?;
         let t = table.quoted();
         let upsert = format!(
             "ON CONFLICT (scope, key) DO UPDATE SET claimed_at = excluded.claimed_at, \
@@ -146,7 +146,7 @@ impl SqliteStore {
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(config.lock_timeout);
+            .busy_timeout(Duration::from_millis(config.lock_timeout_ms().into()));
         let pool = SqlitePoolOptions::new()
             .max_connections(config.pool_size())
             .connect_with(options)

@@ -126,3 +126,24 @@ async fn a_pool_size_of_zero_counts_as_one() {
     assert!(matches!(out, Outcome::Applied { .. }), "{out:?}");
     assert_eq!(balance(&store).await, 5);
 }
+
+#[tokio::test]
+async fn a_lock_timeout_of_a_month_is_accepted() {
+    let store =
+        store_with(SqliteConfig::default().with_lock_timeout(Duration::from_secs(30 * 86_400)))
+            .await;
+    let msg = br#"{"event_id": "e-4", "account_id": "a", "amount_cents": 2}"#;
+    let out = record_payment.apply(&store, msg, &()).await;
+    assert!(matches!(out, Outcome::Applied { .. }), "{out:?}");
+}
+
+/// SQLite's `CREATE INDEX` cannot name a schema, so a qualified name would
+/// only fail later, in the migration: it is refused up front, saying why.
+#[tokio::test]
+async fn schema_qualified_table_names_are_refused() {
+    let path = std::env::temp_dir().join(format!("dedup-sqlite-{}.db", uuid::Uuid::new_v4()));
+    let err = SqliteStore::open_with(&path, SqliteConfig::default().with_table("main.claims"))
+        .await
+        .expect_err("refused");
+    assert!(err.to_string().contains("without a schema"), "{err}");
+}

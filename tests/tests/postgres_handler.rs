@@ -365,3 +365,16 @@ async fn a_pool_size_of_zero_counts_as_one(pool: PgPool) {
     assert!(matches!(out, Outcome::Applied { .. }), "{out:?}");
     assert_eq!(balance(&pool, "acct-0").await, 7);
 }
+
+/// PostgreSQL takes at most `i32::MAX` ms for `lock_timeout`: a longer
+/// configured timeout must not fail every transaction's BEGIN (which would
+/// dead-letter every message).
+#[sqlx::test(migrations = false)]
+async fn a_lock_timeout_of_a_month_still_begins_transactions(pool: PgPool) {
+    let config = PgConfig::default().with_lock_timeout(Duration::from_secs(30 * 86_400));
+    let store = setup_with(&pool, config).await;
+    let msg = payment(uuid::Uuid::new_v4(), "acct-m", 3);
+    let out = record_payment.apply(&store, &msg, &()).await;
+    assert!(matches!(out, Outcome::Applied { .. }), "{out:?}");
+    assert_eq!(balance(&pool, "acct-m").await, 3);
+}

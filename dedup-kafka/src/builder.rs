@@ -165,10 +165,11 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self
     }
 
-    /// How often stored offsets are committed (default 5 s). They are also
-    /// committed synchronously on revoke and on shutdown.
+    /// How often stored offsets are committed (default 5 s, at least 1 ms).
+    /// They are also committed synchronously on revoke and on shutdown.
     pub fn commit_interval(mut self, interval: Duration) -> Self {
-        self.runtime.commit_interval = interval;
+        // A zero period would panic in the consumer loop's timer.
+        self.runtime.commit_interval = interval.max(Duration::from_millis(1));
         self
     }
 

@@ -89,6 +89,7 @@ pub(crate) fn consumer_config(
     let group = group_id.ok_or_else(|| {
         Error::Config("a group id is required: .group_id(\"my-service-v1\")".into())
     })?;
+    check_features(client_settings)?;
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", brokers)
@@ -103,6 +104,35 @@ pub(crate) fn consumer_config(
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false");
     Ok(config)
+}
+
+/// Refuses settings that need a librdkafka feature this build lacks, with
+/// the remedy: TLS and the SASL mechanisms built on OpenSSL are the `ssl`
+/// cargo feature, off by default so that a plain build needs no OpenSSL.
+/// (librdkafka alone would only say the value is unsupported.)
+pub(crate) fn check_features(settings: &[(String, String)]) -> Result<(), Error> {
+    const REMEDY: &str = "this build of librdkafka has no OpenSSL: enable dedup-kafka's `ssl` \
+        feature (links the system OpenSSL; needs libssl-dev) or `ssl-vendored` (builds it; needs perl)";
+    let builtin = ClientConfig::new()
+        .create_native_config()
+        .and_then(|native| native.get("builtin.features"))
+        .unwrap_or_default();
+    let has = |feature: &str| builtin.split(',').any(|f| f == feature);
+    for (key, value) in settings {
+        let value = value.to_ascii_lowercase();
+        let needs = match key.as_str() {
+            "security.protocol" if matches!(value.as_str(), "ssl" | "sasl_ssl") => "ssl",
+            "sasl.mechanism" | "sasl.mechanisms" if value.starts_with("scram-") => "sasl_scram",
+            "sasl.mechanism" | "sasl.mechanisms" if value == "oauthbearer" => "sasl_oauthbearer",
+            _ => continue,
+        };
+        if !has(needs) {
+            return Err(Error::Config(format!(
+                "{key}={value} needs {needs}, and {REMEDY}"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// The configuration of an idempotent producer (the consumer's dead letters,
@@ -141,6 +171,26 @@ mod tests {
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect()
+    }
+
+    /// Without the `ssl` feature, asking for TLS fails at build time with
+    /// the remedy, not with librdkafka's bare "unsupported value".
+    #[cfg(not(feature = "ssl"))]
+    #[test]
+    fn tls_without_the_ssl_feature_names_the_remedy() {
+        for pair in [
+            ("security.protocol", "SSL"),
+            ("security.protocol", "sasl_ssl"),
+            ("sasl.mechanisms", "SCRAM-SHA-512"),
+        ] {
+            let err = consumer_config("b", Some("g"), &settings(&[pair])).unwrap_err();
+            assert!(err.to_string().contains("`ssl`"), "{pair:?}: {err}");
+        }
+        let plain = settings(&[
+            ("security.protocol", "sasl_plaintext"),
+            ("sasl.mechanisms", "PLAIN"),
+        ]);
+        assert!(consumer_config("b", Some("g"), &plain).is_ok());
     }
 
     #[test]

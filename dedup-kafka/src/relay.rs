@@ -105,6 +105,7 @@ impl<S: OutboxSource> RelayBuilder<S> {
 
     /// Builds the relay (creates its producer) without starting it.
     pub fn build(self) -> Result<Relay<S>, Error> {
+        crate::config::check_features(&self.settings)?;
         let config =
             idempotent_producer_config(&self.brokers, &self.settings, self.delivery_timeout);
         let producer: FutureProducer = config.create()?;

@@ -129,6 +129,10 @@ impl DedupStore for NoDedup {
     fn classify(&self, error: &(dyn StdError + 'static)) -> dedup_core::Classification {
         self.0.classify(error)
     }
+
+    fn error_code(&self, error: &(dyn StdError + 'static)) -> Option<String> {
+        self.0.error_code(error)
+    }
 }
 
 struct Args {

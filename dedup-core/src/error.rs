@@ -13,8 +13,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Why one event could not be finished.
 ///
-/// [`is_retryable`](Error::is_retryable) tells the runtime what to do with
-/// it: retry with back-off, or dead-letter the event at once.
+/// [`classification`](Error::classification) tells the runtime what to do
+/// with it: dead-letter the event at once (its own fault), retry it a
+/// bounded number of times (contention), or wait the environment out.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -28,10 +29,13 @@ pub enum Error {
     #[error(transparent)]
     Store(#[from] StoreError),
     /// The handler body returned an error; the transaction was rolled back.
-    #[error("handler failed: {source}")]
+    #[error("handler failed{}: {source}", code.as_deref().map(|c| format!(" ({c})")).unwrap_or_default())]
     Handler {
-        /// Whether the handler or the store classified the error as transient.
-        retryable: bool,
+        /// How the handler or, failing that, the store classified the error
+        /// (never [`Classification::Unknown`]: unknown counts as permanent).
+        classification: Classification,
+        /// The store's code for the error (a SQLSTATE, say), if it has one.
+        code: Option<String>,
         /// The handler's error.
         #[source]
         source: BoxError,
@@ -39,17 +43,22 @@ pub enum Error {
 }
 
 impl Error {
-    /// Whether running the same event again may succeed.
-    ///
-    /// Decode and key errors never are; store errors are when the backend
-    /// classified them so (serialization failure, deadlock, lock timeout,
-    /// lost connection); handler errors as the handler or the store said.
-    pub fn is_retryable(&self) -> bool {
+    /// Whose fault the failure is. Decode and key errors are the event's
+    /// ([`Permanent`](Classification::Permanent)); store errors as the
+    /// backend classified them from their codes; handler errors as the
+    /// handler or the store said.
+    pub fn classification(&self) -> Classification {
         match self {
-            Error::Decode(_) | Error::Key(_) => false,
-            Error::Store(e) => e.is_retryable(),
-            Error::Handler { retryable, .. } => *retryable,
+            Error::Decode(_) | Error::Key(_) => Classification::Permanent,
+            Error::Store(e) => e.classification(),
+            Error::Handler { classification, .. } => *classification,
         }
+    }
+
+    /// Whether running the same event again may succeed: contention and
+    /// the environment's failures.
+    pub fn is_retryable(&self) -> bool {
+        self.classification().is_retryable()
     }
 
     /// A short stable name for the kind of failure (`decode`, `key`, `store`,
@@ -69,26 +78,38 @@ impl Error {
 #[derive(Debug, thiserror::Error)]
 #[error("dedup store error{}: {source}", code.as_deref().map(|c| format!(" ({c})")).unwrap_or_default())]
 pub struct StoreError {
-    retryable: bool,
+    classification: Classification,
     code: Option<String>,
     #[source]
     source: BoxError,
 }
 
 impl StoreError {
-    /// An error that a retry may get past (a lost connection, a deadlock).
+    /// An error that a retry may get past, caused by other transactions (a
+    /// deadlock, a serialization failure, a lock timeout): retried a bounded
+    /// number of times.
     pub fn transient(source: impl Into<BoxError>) -> Self {
-        StoreError {
-            retryable: true,
-            code: None,
-            source: source.into(),
-        }
+        Self::classified(Classification::Transient, source)
     }
 
-    /// An error that a retry will meet again (a missing table, bad SQL).
+    /// An error of the store's environment (unreachable, read-only, full,
+    /// timing out, a permission or a table missing): not the event's fault,
+    /// waited out however long it lasts.
+    pub fn environment(source: impl Into<BoxError>) -> Self {
+        Self::classified(Classification::Environment, source)
+    }
+
+    /// An error that every attempt at this event will meet (its data was
+    /// rejected).
     pub fn permanent(source: impl Into<BoxError>) -> Self {
+        Self::classified(Classification::Permanent, source)
+    }
+
+    /// An error of the given classification ([`Unknown`](Classification::Unknown)
+    /// counts as permanent).
+    pub fn classified(classification: Classification, source: impl Into<BoxError>) -> Self {
         StoreError {
-            retryable: false,
+            classification: classification.or_else(|| Classification::Permanent),
             code: None,
             source: source.into(),
         }
@@ -100,9 +121,14 @@ impl StoreError {
         self
     }
 
+    /// Whose fault the failure is.
+    pub fn classification(&self) -> Classification {
+        self.classification
+    }
+
     /// Whether a retry may succeed.
     pub fn is_retryable(&self) -> bool {
-        self.retryable
+        self.classification.is_retryable()
     }
 
     /// The backend's error code, if it gave one.
@@ -111,16 +137,26 @@ impl StoreError {
     }
 }
 
-/// Whether a later attempt can get past an error: the runtime retries
-/// transient failures with back-off and dead-letters permanent ones.
+/// Whose fault a failure is, which decides what the runtime does with the
+/// event: dead-letter it at once, retry it a bounded number of times, or
+/// wait the environment out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Classification {
-    /// A later attempt may succeed (a timeout, a lost connection, a
-    /// serialization failure): retry.
-    Transient,
-    /// Every attempt will fail the same way (bad data, a bug): do not retry.
+    /// The event's own fault: it cannot be decoded, has no key, the handler
+    /// said so, or the database rejected its data (a data exception, an
+    /// integrity violation). Every attempt fails the same way: dead-letter.
     Permanent,
+    /// Contention, or a failure the handler called transient: a later
+    /// attempt may succeed (a serialization failure, a deadlock, a lock
+    /// timeout, a downstream timeout). Retried a bounded number of times,
+    /// then dead-lettered.
+    Transient,
+    /// The environment's fault, never the event's: the database or broker is
+    /// unreachable, read-only, full, timing out, or a permission or table is
+    /// missing. The partition waits, retrying without limit, until it
+    /// answers; the event is never dead-lettered for it.
+    Environment,
     /// Not classified here: whoever judges next decides (the store, from the
     /// error's codes; in the end, permanent).
     Unknown,
@@ -135,9 +171,13 @@ impl Classification {
         }
     }
 
-    /// Transient or not, an unknown classification counting as permanent.
-    pub fn is_transient(self) -> bool {
-        self == Classification::Transient
+    /// Whether a retry may succeed: contention and the environment's
+    /// failures.
+    pub fn is_retryable(self) -> bool {
+        matches!(
+            self,
+            Classification::Transient | Classification::Environment
+        )
     }
 }
 
@@ -145,9 +185,10 @@ impl Classification {
 /// handler may say whether a retry can help.
 ///
 /// Errors converted with `?` are *unclassified*: when the runtime applies the
-/// handler, the store classifies them (a database error by its SQLSTATE:
-/// serialization failure, deadlock, lock timeout and lost connections are
-/// transient); anything the store does not recognise is permanent. Say so
+/// handler, the store classifies them by their codes (the database rejected
+/// the event's data: permanent; contention: transient; a database that is
+/// unreachable, read-only, full or refusing: the environment's, waited
+/// out); anything the store does not recognise is permanent. Say so
 /// explicitly with [`HandlerError::transient`] or
 /// [`HandlerError::permanent`] when you know better.
 ///
@@ -201,17 +242,16 @@ impl HandlerError {
     }
 
     /// Resolves the classification: the handler's own if it gave one, else
-    /// `classify` (the store's judgement of the error chain), else permanent.
-    pub(crate) fn into_error(
-        self,
-        classify: impl FnOnce(&(dyn StdError + 'static)) -> Classification,
-    ) -> Error {
-        let retryable = self
+    /// the store's judgement of the error chain, else permanent; and the
+    /// store's error code, if the error carries one.
+    pub(crate) fn into_error<S: crate::DedupStore + ?Sized>(self, store: &S) -> Error {
+        let classification = self
             .classification
-            .or_else(|| classify(&*self.source))
-            .is_transient();
+            .or_else(|| store.classify(&*self.source))
+            .or_else(|| Classification::Permanent);
         Error::Handler {
-            retryable,
+            classification,
+            code: store.error_code(&*self.source),
             source: self.source,
         }
     }
@@ -248,11 +288,12 @@ mod tests {
     #[test]
     fn handler_classification_prefers_the_handler() {
         let io = || std::io::Error::other("boom");
-        let err = HandlerError::transient(io()).into_error(|_| Classification::Permanent);
+        let store = crate::MemoryStore::new();
+        let err = HandlerError::transient(io()).into_error(&store);
         assert!(err.is_retryable());
-        let err = HandlerError::from(io()).into_error(|_| Classification::Transient);
-        assert!(err.is_retryable());
-        let err = HandlerError::from(io()).into_error(|_| Classification::Unknown);
+        let err = HandlerError::permanent(io()).into_error(&store);
+        assert!(!err.is_retryable());
+        let err = HandlerError::from(io()).into_error(&store);
         assert!(!err.is_retryable(), "unknown errors default to permanent");
         assert_eq!(err.kind(), "handler");
     }

@@ -231,7 +231,7 @@ pub trait HandlerExt: Handler {
             {
                 tracing::debug!(first_key = %keys[0], "a handler failed inside a batch; rolling the batch back");
                 rollback_quietly(store, tx, &keys[0]).await;
-                return Err(e.into_error(|source| store.classify(source)));
+                return Err(e.into_error(store));
             }
             store.commit(tx).await?;
             Ok(outcomes)
@@ -271,7 +271,7 @@ where
     };
     if let Err(e) = handler.handle(&mut tx, event).await {
         rollback_quietly(store, tx, key).await;
-        return Err(e.into_error(|source| store.classify(source)));
+        return Err(e.into_error(store));
     }
     store.commit(tx).await?;
     Ok(Outcome::Applied { reclaimed })

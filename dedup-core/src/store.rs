@@ -97,6 +97,14 @@ pub trait DedupStore: Send + Sync + 'static {
         let _ = error;
         Classification::Unknown
     }
+
+    /// The store's code for an error a handler body returned (a SQLSTATE,
+    /// say), if it is the store's error and has one: it goes into the
+    /// dead letter's reason so an operator sees which rule was broken.
+    fn error_code(&self, error: &(dyn StdError + 'static)) -> Option<String> {
+        let _ = error;
+        None
+    }
 }
 
 /// Deleting expired claims, so the table stays about `rate x TTL` rows.

@@ -31,8 +31,7 @@ pub type PgTx = sqlx::Transaction<'static, sqlx::Postgres>;
 /// placeholders that [`PgStore::migrate`] fills with the configured name.
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./migrations");
 
-/// PostgreSQL as the shared SQL layer sees it: which SQLSTATEs a retry can
-/// get past.
+/// PostgreSQL as the shared SQL layer sees it: whose fault each SQLSTATE is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Pg;
 
@@ -40,15 +39,22 @@ impl Dialect for Pg {
     const NAME: &'static str = "postgres";
     const DEFAULT_MAX_CONNECTIONS: u32 = 10;
 
-    /// Serialization failure (`40001`), deadlock (`40P01`), lock not
-    /// available / `lock_timeout` (`55P03`), any connection exception (class
-    /// `08`), the server shutting down or starting (`57P01`, `57P02`,
-    /// `57P03`), too many connections (`53300`).
-    fn is_transient_code(code: &str) -> bool {
-        matches!(
-            code,
-            "40001" | "40P01" | "55P03" | "57P01" | "57P02" | "57P03" | "53300"
-        ) || code.starts_with("08")
+    /// The event's data (permanent): a data exception (class `22`, such as
+    /// `22P02` invalid text) or an integrity violation (class `23`, such as
+    /// a unique violation) raised by the handler's statements. Contention
+    /// (transient, bounded retries): a transaction rollback (class `40`:
+    /// serialization failure, deadlock) or a lock timeout (`55P03`).
+    /// Everything else is the environment's, waited out: connections
+    /// (`08`), a read-only standby (`25006`), a full disk or memory (`53`),
+    /// a statement timeout or a shutdown (`57`), a rotated password (`28`),
+    /// a dropped table or revoked grant (`42`), internal errors (`XX`).
+    fn classify_code(code: &str) -> Classification {
+        match code.get(..2) {
+            Some("22" | "23") => Classification::Permanent,
+            Some("40") => Classification::Transient,
+            _ if code == "55P03" => Classification::Transient,
+            _ => Classification::Environment,
+        }
     }
 }
 
@@ -304,6 +310,10 @@ impl DedupStore for PgStore {
 
     fn classify(&self, error: &(dyn StdError + 'static)) -> Classification {
         dedup_sql::classify::<Pg>(error)
+    }
+
+    fn error_code(&self, error: &(dyn StdError + 'static)) -> Option<String> {
+        dedup_sql::error_code::<Pg>(error)
     }
 }
 

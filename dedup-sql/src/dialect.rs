@@ -1,17 +1,22 @@
 //! What tells one SQL database from another where the shared code needs it.
 
+use dedup_core::Classification;
+
 /// A database as the shared SQL layer sees it: its name for messages, its
-/// default pool size, and its rule for which error codes a retry can get
-/// past. Each backend defines one unit type implementing it.
+/// default pool size, and its rule for whose fault an error code is. Each
+/// backend defines one unit type implementing it.
 pub trait Dialect: Send + Sync + 'static {
     /// A short name for error messages (`postgres`, `sqlite`).
     const NAME: &'static str;
     /// The default pool size of the backend's config.
     const DEFAULT_MAX_CONNECTIONS: u32;
 
-    /// Whether an error with this database error `code` may succeed when
-    /// retried. Decided from codes, never from message text.
-    fn is_transient_code(code: &str) -> bool;
+    /// Whose fault an error with this database error `code` is: the
+    /// event's data ([`Permanent`](Classification::Permanent)), contention
+    /// ([`Transient`](Classification::Transient)) or the environment
+    /// ([`Environment`](Classification::Environment)). Decided from codes,
+    /// never from message text.
+    fn classify_code(code: &str) -> Classification;
 
     /// The code as reported in [`dedup_core::StoreError::code`] (SQLite
     /// prefixes its numeric codes, say).
@@ -20,7 +25,8 @@ pub trait Dialect: Send + Sync + 'static {
     }
 }
 
-/// A dialect for unit tests: code `T` is transient, pools default to 3.
+/// A dialect for unit tests: code `T` is transient, `P` permanent, the rest
+/// the environment's; pools default to 3.
 #[cfg(test)]
 pub(crate) struct TestDialect;
 
@@ -28,7 +34,11 @@ pub(crate) struct TestDialect;
 impl Dialect for TestDialect {
     const NAME: &'static str = "test";
     const DEFAULT_MAX_CONNECTIONS: u32 = 3;
-    fn is_transient_code(code: &str) -> bool {
-        code == "T"
+    fn classify_code(code: &str) -> Classification {
+        match code {
+            "T" => Classification::Transient,
+            "P" => Classification::Permanent,
+            _ => Classification::Environment,
+        }
     }
 }

@@ -41,7 +41,7 @@ impl Error {
     pub fn database<D: Dialect>(source: sqlx::Error) -> Self {
         Error::Database {
             database: D::NAME,
-            retryable: is_transient::<D>(&source),
+            retryable: classify_sqlx::<D>(&source).is_retryable(),
             source,
         }
     }
@@ -50,7 +50,9 @@ impl Error {
     /// failed was (a lock timeout, a lost connection).
     pub fn migrate<D: Dialect>(source: MigrateError) -> Self {
         let retryable = match &source {
-            MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _) => is_transient::<D>(e),
+            MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _) => {
+                classify_sqlx::<D>(e).is_retryable()
+            }
             _ => false,
         };
         Error::Migrate { retryable, source }
@@ -65,17 +67,27 @@ impl Error {
     }
 }
 
-/// Whether a retry may get past `e`: a database error by `D`'s code rule; a
-/// broken connection, or none to be had in time, always (the pool closing
-/// means the process is shutting down, not that the event is bad).
-pub fn is_transient<D: Dialect>(e: &sqlx::Error) -> bool {
+/// Whose fault `e` is: a database error by `D`'s code rule; a broken or
+/// refused connection, none to be had in time, a closing pool: the
+/// environment's, however long it lasts (the pool closing means the process
+/// is shutting down, not that the event is bad); anything else (a value
+/// that does not decode or encode, a missing row): permanent.
+pub fn classify_sqlx<D: Dialect>(e: &sqlx::Error) -> Classification {
     match e {
-        sqlx::Error::Database(db) => db.code().is_some_and(|c| D::is_transient_code(&c)),
+        sqlx::Error::Database(db) => match db.code() {
+            Some(code) => D::classify_code(&code),
+            // A database error without a code says nothing about the event.
+            None => Classification::Environment,
+        },
         sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
+        | sqlx::Error::Configuration(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
-        | sqlx::Error::WorkerCrashed => true,
-        _ => false,
+        | sqlx::Error::WorkerCrashed
+        | sqlx::Error::BeginFailed => Classification::Environment,
+        _ => Classification::Permanent,
     }
 }
 
@@ -86,11 +98,7 @@ pub fn store_error<D: Dialect>(e: sqlx::Error) -> StoreError {
         sqlx::Error::Database(db) => db.code().map(|c| D::code_label(&c)),
         _ => None,
     };
-    let err = if is_transient::<D>(&e) {
-        StoreError::transient(e)
-    } else {
-        StoreError::permanent(e)
-    };
+    let err = StoreError::classified(classify_sqlx::<D>(&e), e);
     match code {
         Some(code) => err.with_code(code),
         None => err,
@@ -102,11 +110,21 @@ pub fn store_error<D: Dialect>(e: sqlx::Error) -> StoreError {
 /// without one it is not the store's error.
 pub fn classify<D: Dialect>(error: &(dyn StdError + 'static)) -> Classification {
     let mut chain = std::iter::successors(Some(error), |&e| e.source());
-    match chain.find_map(|e| e.downcast_ref::<sqlx::Error>()) {
-        Some(e) if is_transient::<D>(e) => Classification::Transient,
-        Some(_) => Classification::Permanent,
-        None => Classification::Unknown,
-    }
+    chain
+        .find_map(|e| e.downcast_ref::<sqlx::Error>())
+        .map_or(Classification::Unknown, classify_sqlx::<D>)
+}
+
+/// [`DedupStore::error_code`](dedup_core::DedupStore::error_code) for SQL
+/// backends: the code of the first database error in `error`'s source
+/// chain, as `D` labels it.
+pub fn error_code<D: Dialect>(error: &(dyn StdError + 'static)) -> Option<String> {
+    std::iter::successors(Some(error), |&e| e.source()).find_map(|e| {
+        match e.downcast_ref::<sqlx::Error>() {
+            Some(sqlx::Error::Database(db)) => db.code().map(|c| D::code_label(&c)),
+            _ => None,
+        }
+    })
 }
 
 #[cfg(test)]
@@ -115,13 +133,20 @@ mod tests {
     use crate::dialect::TestDialect as Test;
 
     #[test]
-    fn lost_connections_are_transient_and_other_errors_are_not() {
-        assert!(is_transient::<Test>(&sqlx::Error::PoolTimedOut));
-        assert!(is_transient::<Test>(&sqlx::Error::Io(
-            std::io::Error::other("reset")
-        )));
-        assert!(!is_transient::<Test>(&sqlx::Error::RowNotFound));
-        assert!(store_error::<Test>(sqlx::Error::PoolTimedOut).is_retryable());
+    fn lost_connections_are_the_environments_and_bad_values_the_events() {
+        let environment = Classification::Environment;
+        assert_eq!(
+            classify_sqlx::<Test>(&sqlx::Error::PoolTimedOut),
+            environment
+        );
+        let reset = sqlx::Error::Io(std::io::Error::other("reset"));
+        assert_eq!(classify_sqlx::<Test>(&reset), environment);
+        assert_eq!(
+            classify_sqlx::<Test>(&sqlx::Error::RowNotFound),
+            Classification::Permanent
+        );
+        let store = store_error::<Test>(sqlx::Error::PoolTimedOut);
+        assert_eq!(store.classification(), environment);
         assert!(!Error::database::<Test>(sqlx::Error::RowNotFound).is_retryable());
     }
 
@@ -139,7 +164,7 @@ mod tests {
         #[error("wrapped")]
         struct Wrapped(#[source] sqlx::Error);
         let wrapped = Wrapped(sqlx::Error::PoolTimedOut);
-        assert_eq!(classify::<Test>(&wrapped), Classification::Transient);
+        assert_eq!(classify::<Test>(&wrapped), Classification::Environment);
         let other = std::io::Error::other("not sqlx");
         assert_eq!(classify::<Test>(&other), Classification::Unknown);
         let permanent = Wrapped(sqlx::Error::RowNotFound);

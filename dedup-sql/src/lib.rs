@@ -12,7 +12,7 @@ use std::sync::Arc;
 pub use batch::{BatchClaims, time_from_unix_micros, ttl_seconds};
 pub use config::SqlConfig;
 pub use dialect::Dialect;
-pub use error::{Error, classify, is_transient, store_error};
+pub use error::{Error, classify, classify_sqlx, error_code, store_error};
 pub use migrate::run_migrations;
 pub use table::{InvalidTableName, MAX_TABLE_LEN, TableName};
 

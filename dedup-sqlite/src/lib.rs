@@ -36,10 +36,18 @@ impl Dialect for Sqlite {
     const NAME: &'static str = "sqlite";
     const DEFAULT_MAX_CONNECTIONS: u32 = 4;
 
-    /// `SQLITE_BUSY` (5) and `SQLITE_LOCKED` (6), with their extended codes.
-    fn is_transient_code(code: &str) -> bool {
-        code.parse::<i32>()
-            .is_ok_and(|code| matches!(code & 0xff, 5 | 6))
+    /// By primary result code (extended codes included): contention
+    /// (transient) is `SQLITE_BUSY` (5) and `SQLITE_LOCKED` (6); the event's
+    /// data (permanent) is `SQLITE_CONSTRAINT` (19), `SQLITE_MISMATCH` (20),
+    /// `SQLITE_TOOBIG` (18) and `SQLITE_RANGE` (25); everything else (a full
+    /// disk, a read-only or unreadable file, I/O errors, a missing table) is
+    /// the environment's, waited out.
+    fn classify_code(code: &str) -> Classification {
+        match code.parse::<i32>().map(|code| code & 0xff) {
+            Ok(5 | 6) => Classification::Transient,
+            Ok(18 | 19 | 20 | 25) => Classification::Permanent,
+            _ => Classification::Environment,
+        }
     }
 
     fn code_label(code: &str) -> String {
@@ -283,6 +291,10 @@ impl DedupStore for SqliteStore {
 
     fn classify(&self, error: &(dyn StdError + 'static)) -> Classification {
         dedup_sql::classify::<Sqlite>(error)
+    }
+
+    fn error_code(&self, error: &(dyn StdError + 'static)) -> Option<String> {
+        dedup_sql::error_code::<Sqlite>(error)
     }
 }
 

@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use dedup_core::{DedupStore, Error, Handler, HandlerError, HandlerExt, Outcome, idempotent};
+use dedup_core::{
+    Classification, DedupStore, Error, Handler, HandlerError, HandlerExt, Outcome, idempotent,
+};
 use dedup_postgres::{PgConfig, PgStore, PgTx};
 use dedup_tests::{
     PaymentReceived, balance, credit, payment, store as setup, store_with as setup_with,
@@ -251,12 +253,27 @@ async fn handler_database_errors_are_classified_by_sqlstate(pool: PgPool) {
     .execute(&pool)
     .await
     .unwrap();
-    for (code, retryable) in [
-        ("40001", true),
-        ("40P01", true),
-        ("55P03", true),
-        ("23505", false),
-        ("22P02", false),
+    use Classification::{Environment, Permanent, Transient};
+    for (code, whose) in [
+        // Contention: retried a bounded number of times.
+        ("40001", Transient),
+        ("40P01", Transient),
+        ("55P03", Transient),
+        // The event's data: dead-lettered at once.
+        ("23505", Permanent),
+        ("22P02", Permanent),
+        ("22003", Permanent),
+        // The environment's: waited out, never dead-lettered.
+        ("25006", Environment),
+        ("53100", Environment),
+        ("53200", Environment),
+        ("57014", Environment),
+        ("57P01", Environment),
+        ("08006", Environment),
+        ("28P01", Environment),
+        ("42P01", Environment),
+        ("42501", Environment),
+        ("XX000", Environment),
     ] {
         let msg = serde_json::json!({ "id": code, "sqlstate": code }).to_string();
         let out = raise.apply(&store, msg.as_bytes(), &()).await;
@@ -264,7 +281,7 @@ async fn handler_database_errors_are_classified_by_sqlstate(pool: PgPool) {
             panic!("{code}: {out:?}")
         };
         assert_eq!(e.kind(), "handler");
-        assert_eq!(e.is_retryable(), retryable, "SQLSTATE {code}: {e}");
+        assert_eq!(e.classification(), whose, "SQLSTATE {code}: {e}");
     }
 }
 

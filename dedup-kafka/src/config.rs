@@ -48,6 +48,9 @@ fn is_secret(key: &str) -> bool {
         "token",
         "ssl.key.pem",
         "ssl.keystore",
+        // May hold a client secret or a token (`key=value ...`).
+        "sasl.oauthbearer.config",
+        "sasl.oauthbearer.client.secret",
     ]
     .iter()
     .any(|s| key.contains(s))
@@ -191,6 +194,21 @@ mod tests {
             ("sasl.mechanisms", "PLAIN"),
         ]);
         assert!(consumer_config("b", Some("g"), &plain).is_ok());
+    }
+
+    #[test]
+    fn secrets_are_masked_including_the_oauthbearer_config() {
+        let all = settings(&[
+            ("sasl.password", "p1"),
+            ("sasl.oauthbearer.config", "principal=svc secret=p2"),
+            ("ssl.key.password", "p3"),
+            ("client.id", "visible"),
+        ]);
+        let shown = format!("{:?}", redacted(&all));
+        for secret in ["p1", "p2", "p3"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
+        assert!(shown.contains("visible"), "{shown}");
     }
 
     #[test]

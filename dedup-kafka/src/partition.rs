@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use dedup_core::{DedupStore, Outcome};
+use dedup_core::{Classification, DedupStore, Outcome};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
 use rdkafka::producer::FutureProducer;
@@ -21,7 +21,7 @@ use crate::config::Settings;
 use crate::dlq::{self, DeadLetter};
 use crate::failpoint::failpoint;
 use crate::rebalance::RebalanceContext;
-use crate::retry::Jitter;
+use crate::retry::{Jitter, RetryPolicy};
 use crate::route::Route;
 use crate::stats::Stats;
 
@@ -266,37 +266,59 @@ async fn process_batch<S: DedupStore>(
         last_offset = batch[batch.len() - 1].offset(),
         size = batch.len(),
     );
-    let prepared: Result<Vec<_>, _> = batch
-        .iter()
-        .map(|msg| {
-            let headers = headers_of(msg);
-            route
-                .handler
-                .prepare(msg.payload().unwrap_or_default(), &headers)
-        })
-        .collect();
-    let outcome = match prepared {
-        Ok(prepared) => {
-            let route = route.clone();
-            let joined = shared
-                .run_handler(span.clone(), move |store| async move {
-                    route.handler.apply_batch(&*store, prepared).await
-                })
-                .await;
-            match joined {
-                Ok(result) => result.map_err(|e| e.to_string()),
-                Err(e) => Err(format!("the handler panicked: {e}")),
+    // Decoding and keys are known before any transaction: a message that
+    // fails them is the event's fault, dead-lettered where it stands, and
+    // the rest still go as one batch (no replay at per-message speed).
+    let mut members = Vec::with_capacity(batch.len());
+    let mut prepared = Vec::with_capacity(batch.len());
+    for (i, msg) in batch.iter().enumerate() {
+        let headers = headers_of(msg);
+        match route
+            .handler
+            .prepare(msg.payload().unwrap_or_default(), &headers)
+        {
+            Ok(ready) => {
+                members.push(i);
+                prepared.push(ready);
+            }
+            Err(e) => {
+                let why = DeadLetter {
+                    topic: &route.dead_letter_topic,
+                    kind: e.kind(),
+                    message: error_chain(&e),
+                    attempts: 1,
+                    handler: route.handler.scope(),
+                };
+                let dead = dead_letter(shared, partition, msg, why, jitter)
+                    .instrument(message_span(msg))
+                    .await;
+                if !dead {
+                    // Stopped: nothing of the batch is finished.
+                    return 0;
+                }
             }
         }
-        Err(e) => Err(format!("message not decodable or without a key: {e}")),
+    }
+    if prepared.is_empty() {
+        return batch.len();
+    }
+    let route_for_task = route.clone();
+    let joined = shared
+        .run_handler(span.clone(), move |store| async move {
+            route_for_task.handler.apply_batch(&*store, prepared).await
+        })
+        .await;
+    let outcome = match joined {
+        Ok(result) => result.map_err(|e| e.to_string()),
+        Err(e) => Err(format!("the handler panicked: {e}")),
     };
     match outcome {
         Ok(outcomes) => {
             let _enter = span.enter();
             let (mut applied, mut skipped) = (0, 0);
-            for (msg, outcome) in batch.iter().zip(&outcomes) {
+            for (&i, outcome) in members.iter().zip(&outcomes) {
                 let name = outcome.name();
-                tracing::debug!(offset = msg.offset(), outcome = name);
+                tracing::debug!(offset = batch[i].offset(), outcome = name);
                 if matches!(outcome, Outcome::Applied { .. }) {
                     applied += 1;
                     failpoint("after-commit");
@@ -313,10 +335,12 @@ async fn process_batch<S: DedupStore>(
         Err(why) => {
             shared.stats.batch_replays.fetch_add(1, Ordering::Relaxed);
             span.in_scope(|| tracing::warn!(error = %why, "batch rolled back; replaying it message by message"));
-            for (i, msg) in batch.iter().enumerate() {
-                let span = message_span(msg);
+            // The dead-lettered ones are finished already; the others run
+            // on their own, in order.
+            for &i in &members {
+                let msg = &batch[i];
                 if !process(shared, route, partition, msg, jitter)
-                    .instrument(span)
+                    .instrument(message_span(msg))
                     .await
                 {
                     return i;
@@ -361,7 +385,12 @@ async fn process<S: DedupStore>(
     let headers = Arc::new(headers_of(msg));
     let payload: Arc<[u8]> = msg.payload().unwrap_or_default().into();
     let policy = shared.settings.retry;
+    // Every attempt, for logs and the dead letter's header.
     let mut attempt = 0;
+    // Failures that may be the event's (contention, a handler's transient
+    // error): bounded by the policy.
+    let mut failures = 0;
+    let mut outage = Outage::new(shared, partition);
     loop {
         attempt += 1;
         // The permit is held while the handler runs, not while backing off,
@@ -400,9 +429,23 @@ async fn process<S: DedupStore>(
                 tracing::info!(outcome = "skipped", "duplicate within the TTL");
                 return true;
             }
-            Outcome::Failed(e) if e.is_retryable() && attempt < policy.attempts() => {
+            Outcome::Failed(e) if e.classification() == Classification::Environment => {
+                // Not the event's fault: wait it out, however long, with the
+                // partition paused; logged once at the start and the end.
                 shared.stats.retries.fetch_add(1, Ordering::Relaxed);
-                let wait = policy.backoff(attempt, jitter.next());
+                let wait = outage.failed(&e, &policy, jitter);
+                tracing::debug!(outcome = "waiting", attempt, ?wait, kind = e.kind(), error = %e);
+                if !wait_unless_stopped(shared, partition, wait).await {
+                    return false;
+                }
+            }
+            Outcome::Failed(e)
+                if e.classification() == Classification::Transient
+                    && failures + 1 < policy.attempts() =>
+            {
+                failures += 1;
+                shared.stats.retries.fetch_add(1, Ordering::Relaxed);
+                let wait = policy.backoff(failures, jitter.next());
                 tracing::warn!(outcome = "retry", attempt, ?wait, kind = e.kind(), error = %e);
                 if !wait_unless_stopped(shared, partition, wait).await {
                     return false;
@@ -418,6 +461,54 @@ async fn process<S: DedupStore>(
                 };
                 return dead_letter(shared, partition, msg, why, jitter).await;
             }
+        }
+    }
+}
+
+/// One partition's part in an outage of the environment: entered at the
+/// first failure of the environment (the partition's fetching is paused, so
+/// its buffer does not grow while it waits; its worker resumes it once it has
+/// drained), left when the message gets through or the wait is abandoned.
+struct Outage<'a, S> {
+    shared: &'a Shared<S>,
+    partition: &'a Partition,
+    failures: u32,
+}
+
+impl<'a, S> Outage<'a, S> {
+    fn new(shared: &'a Shared<S>, partition: &'a Partition) -> Self {
+        Outage {
+            shared,
+            partition,
+            failures: 0,
+        }
+    }
+
+    /// Records a failure of the environment; returns how long to wait.
+    fn failed(
+        &mut self,
+        error: &dedup_core::Error,
+        policy: &RetryPolicy,
+        jitter: &mut Jitter,
+    ) -> Duration {
+        if self.failures == 0 {
+            self.shared.stats.enter_outage(error);
+            if !self.partition.paused.swap(true, Ordering::AcqRel)
+                && let Err(e) = self.shared.kafka.pause(&self.partition.tpl())
+            {
+                tracing::warn!(error = %e, "pausing a partition failed");
+                self.partition.paused.store(false, Ordering::Release);
+            }
+        }
+        self.failures += 1;
+        policy.outage_backoff(self.failures, jitter.next())
+    }
+}
+
+impl<S> Drop for Outage<'_, S> {
+    fn drop(&mut self) {
+        if self.failures > 0 {
+            self.shared.stats.leave_outage();
         }
     }
 }

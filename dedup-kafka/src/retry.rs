@@ -11,7 +11,9 @@ use std::time::Duration;
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub struct RetryPolicy {
-    /// Attempts in all, the first included (default 8; 0 counts as 1).
+    /// Attempts in all, the first included, for failures that may be the
+    /// event's (contention, a handler's transient error), before it is
+    /// dead-lettered (default 8; 0 counts as 1).
     pub max_attempts: u32,
     /// Wait after the first failure (default 100 ms).
     pub initial_backoff: Duration,
@@ -20,6 +22,10 @@ pub struct RetryPolicy {
     pub max_backoff: Duration,
     /// Growth factor between waits (default 2).
     pub multiplier: f64,
+    /// Longest wait between attempts while the environment fails (the
+    /// database or broker unreachable, read-only, full...): such failures
+    /// are retried without limit, never dead-lettered (default 30 s).
+    pub max_outage_backoff: Duration,
 }
 
 impl Default for RetryPolicy {
@@ -29,6 +35,7 @@ impl Default for RetryPolicy {
             initial_backoff: Duration::from_millis(100),
             max_backoff: Duration::from_secs(10),
             multiplier: 2.0,
+            max_outage_backoff: Duration::from_secs(30),
         }
     }
 }
@@ -45,6 +52,24 @@ impl RetryPolicy {
         self.initial_backoff = initial;
         self.max_backoff = max.max(initial);
         self
+    }
+
+    /// Sets the longest wait between attempts during an outage.
+    pub fn with_outage_backoff(mut self, max: Duration) -> Self {
+        self.max_outage_backoff = max;
+        self
+    }
+
+    /// The wait after the `n`th consecutive failure of the environment:
+    /// the same curve as [`backoff`](Self::backoff), capped at
+    /// `max_outage_backoff` instead (never below the initial wait).
+    pub(crate) fn outage_backoff(&self, n: u32, random: f64) -> Duration {
+        let cap = self.max_outage_backoff.max(self.initial_backoff);
+        RetryPolicy {
+            max_backoff: cap,
+            ..*self
+        }
+        .backoff(n, random)
     }
 
     /// Attempts in all, at least 1. The fields are public, so the clamps of
@@ -110,10 +135,20 @@ mod tests {
             initial_backoff: Duration::from_secs(2),
             max_backoff: Duration::from_millis(1),
             multiplier: -3.0,
+            max_outage_backoff: Duration::ZERO,
         };
         assert_eq!(p.attempts(), 1);
+        assert_eq!(p.outage_backoff(5, 0.0), Duration::from_secs(2));
         assert_eq!(p.backoff(1, 0.0), Duration::from_secs(2));
         assert_eq!(p.backoff(9, 0.0), Duration::from_secs(2));
+    }
+
+    #[test]
+    fn outages_back_off_up_to_their_own_cap() {
+        let p = RetryPolicy::default();
+        assert_eq!(p.outage_backoff(1, 0.0), Duration::from_millis(100));
+        assert_eq!(p.outage_backoff(8, 0.0), Duration::from_millis(12_800));
+        assert_eq!(p.outage_backoff(1000, 0.0), Duration::from_secs(30));
     }
 
     #[test]

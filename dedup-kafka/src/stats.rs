@@ -13,6 +13,11 @@ pub struct Stats {
     pub(crate) retries: AtomicU64,
     pub(crate) batches: AtomicU64,
     pub(crate) batch_replays: AtomicU64,
+    pub(crate) outages: AtomicU64,
+    /// Partitions waiting out a failure of the environment right now.
+    waiting_out: AtomicU64,
+    /// When the current outage began, in milliseconds since `started`.
+    outage_since_ms: AtomicU64,
     started: Instant,
     /// Milliseconds since `started` of the last assignment, message received
     /// or message finished; `u64::MAX` until the first assignment.
@@ -39,6 +44,10 @@ pub struct StatsSnapshot {
     pub batches: u64,
     /// Batches rolled back and replayed message by message.
     pub batch_replays: u64,
+    /// Outages of the environment (the database or broker unreachable,
+    /// read-only, full...) waited out, counted once however many partitions
+    /// waited.
+    pub outages: u64,
 }
 
 impl fmt::Display for StatsSnapshot {
@@ -60,6 +69,9 @@ impl Stats {
             retries: AtomicU64::new(0),
             batches: AtomicU64::new(0),
             batch_replays: AtomicU64::new(0),
+            outages: AtomicU64::new(0),
+            waiting_out: AtomicU64::new(0),
+            outage_since_ms: AtomicU64::new(0),
             started: Instant::now(),
             last_activity_ms: AtomicU64::new(u64::MAX),
             in_flight: AtomicI64::new(0),
@@ -75,6 +87,42 @@ impl Stats {
             retries: self.retries.load(Ordering::Relaxed),
             batches: self.batches.load(Ordering::Relaxed),
             batch_replays: self.batch_replays.load(Ordering::Relaxed),
+            outages: self.outages.load(Ordering::Relaxed),
+        }
+    }
+
+    /// How many partitions are waiting out a failure of the environment
+    /// right now (0 when all is well): worth a health check and an alert.
+    pub fn waiting_out(&self) -> u64 {
+        self.waiting_out.load(Ordering::Acquire)
+    }
+
+    /// A partition starts waiting out a failure of the environment. The
+    /// first one logs the outage's start (once, not once per partition or
+    /// attempt).
+    pub(crate) fn enter_outage(&self, error: &dyn fmt::Display) {
+        if self.waiting_out.fetch_add(1, Ordering::AcqRel) == 0 {
+            let now = self.started.elapsed().as_millis() as u64;
+            self.outage_since_ms.store(now, Ordering::Release);
+            self.outages.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                %error,
+                "the environment failed (not the events' fault): pausing the partitions it \
+                 affects and retrying until it answers; nothing is dead-lettered for it"
+            );
+        }
+    }
+
+    /// A partition got through (or stopped waiting). The last one logs the
+    /// outage's end.
+    pub(crate) fn leave_outage(&self) {
+        if self.waiting_out.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let since = self.outage_since_ms.load(Ordering::Acquire);
+            let lasted = self
+                .started
+                .elapsed()
+                .saturating_sub(Duration::from_millis(since));
+            tracing::info!(?lasted, "the environment answers again: outage over");
         }
     }
 

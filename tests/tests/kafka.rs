@@ -829,3 +829,181 @@ async fn a_batch_handler_gets_each_batch_in_one_call(pool: PgPool) {
     );
     assert_eq!(balance(&pool).await, (0..100).sum::<i64>());
 }
+
+/// Turns the test's own database read-only (or back) the way a failover to
+/// a standby looks to a consumer: new sessions are read-only, and the
+/// existing ones are cut off.
+async fn set_read_only(pool: &PgPool, on: bool) {
+    let mut conn = pool.acquire().await.expect("connection");
+    // This session may have started read-only itself.
+    sqlx::query("SET default_transaction_read_only = off")
+        .execute(&mut *conn)
+        .await
+        .expect("session read-write");
+    let db: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&mut *conn)
+        .await
+        .expect("database name");
+    let change = if on {
+        "SET default_transaction_read_only = on"
+    } else {
+        "RESET default_transaction_read_only"
+    };
+    // The name comes from the server, quoted as an identifier.
+    let alter = format!("ALTER DATABASE \"{}\" {change}", db.replace('"', "\"\""));
+    sqlx::query(sqlx::AssertSqlSafe(alter))
+        .execute(&mut *conn)
+        .await
+        .expect("alter database");
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .execute(&mut *conn)
+    .await
+    .expect("cut the sessions off");
+    // Not back into the pool: its session setting is not the database's.
+    conn.close().await.expect("close");
+}
+
+/// A database that turns read-only (SQLSTATE 25006) is the environment's
+/// fault, not the events': they wait, none is dead-lettered, and once the
+/// database is writable again every one is applied once.
+#[sqlx::test(migrations = false)]
+async fn a_read_only_database_is_waited_out_not_dead_lettered(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let running = start(
+        consumer(&store, &unique("g"))
+            .retry(
+                RetryPolicy::default()
+                    .with_backoff(Duration::from_millis(20), Duration::from_millis(200))
+                    .with_outage_backoff(Duration::from_secs(1)),
+            )
+            .handle(&topic, record_payment),
+    );
+    let producer = producer();
+    let send = |cents| {
+        let event = payment(uuid::Uuid::new_v4(), "acct", cents);
+        let producer = producer.clone();
+        let topic = topic.clone();
+        async move { produce(&producer, &topic, "acct", &event, None).await }
+    };
+    send(1).await;
+    running
+        .wait_for("the first event", |s| s.applied == 1)
+        .await;
+
+    set_read_only(&pool, true).await;
+    for _ in 0..20 {
+        send(10).await;
+    }
+    running
+        .wait_for("the read-only database to be retried", |s| s.retries >= 3)
+        .await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let during = running.stats.snapshot();
+    assert_eq!(
+        during.dead_lettered, 0,
+        "read-only is not the events' fault: {during}"
+    );
+    assert_eq!(during.applied, 1, "{during}");
+    assert_eq!(running.stats.waiting_out(), 1, "its one partition waits");
+
+    set_read_only(&pool, false).await;
+    running
+        .wait_for("every event applied after the outage", |s| s.applied == 21)
+        .await;
+    assert_eq!(running.stats.waiting_out(), 0);
+    let after = running.stop().await;
+    assert_eq!(after.dead_lettered, 0, "{after}");
+    assert_eq!(after.outages, 1, "one outage, counted once");
+    assert_eq!(balance(&pool).await, 201, "each event applied exactly once");
+}
+
+/// Opens an account: a plain INSERT, so a second event for the same account
+/// violates the primary key (SQLSTATE 23505), which is that event's fault.
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn open_account(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO accounts (id, balance) VALUES ($1, $2)")
+        .bind(&ev.account_id)
+        .bind(ev.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// The database rejecting an event's own data is dead-lettered at once,
+/// with the SQLSTATE in the reason, and the partition moves on.
+#[sqlx::test(migrations = false)]
+async fn an_integrity_violation_of_the_events_data_is_dead_lettered_at_once(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let running = start(
+        consumer(&store, &unique("g"))
+            .batch_size(1)
+            .handle(&topic, open_account),
+    );
+    let producer = producer();
+    for account in ["a", "a", "b"] {
+        let event = payment(uuid::Uuid::new_v4(), account, 5);
+        produce(&producer, &topic, account, &event, None).await;
+    }
+    running
+        .wait_for("two opened, one dead-lettered", |s| {
+            s.applied == 2 && s.dead_lettered == 1
+        })
+        .await;
+    let stats = running.stop().await;
+    assert_eq!(stats.retries, 0, "not retried: {stats}");
+    let dead = read(&format!("{topic}.dlq"), 1).await;
+    assert_eq!(header(&dead[0], "dedup.attempts"), Some("1"));
+    let message = header(&dead[0], "dedup.error.message").unwrap_or_default();
+    assert!(message.contains("23505"), "{message}");
+    assert_eq!(balance(&pool).await, 10);
+}
+
+/// A message that cannot be decoded is known to be bad before any
+/// transaction: it is dead-lettered where it stands and its neighbours
+/// still go as batches, instead of each batch being replayed message by
+/// message.
+#[sqlx::test(migrations = false)]
+async fn malformed_messages_do_not_slow_their_batches(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let producer = producer();
+    let mut deliveries = Vec::new();
+    for i in 0..2000 {
+        let payload = if i % 100 == 99 {
+            b"{not json".to_vec()
+        } else {
+            payment(uuid::Uuid::new_v4(), "a", 1)
+        };
+        let record = FutureRecord::<str, [u8]>::to(&topic)
+            .key("k")
+            .payload(&payload);
+        deliveries.push(
+            producer
+                .send_result(record)
+                .map_err(|(e, _)| e)
+                .expect("queued"),
+        );
+    }
+    for delivery in deliveries {
+        delivery
+            .await
+            .expect("delivered")
+            .map_err(|(e, _)| e)
+            .expect("produced");
+    }
+    let running = start(consumer(&store, &unique("g")).handle(&topic, record_payment));
+    running
+        .wait_for("1,980 applied and 20 dead-lettered", |s| {
+            s.applied == 1980 && s.dead_lettered == 20
+        })
+        .await;
+    let stats = running.stop().await;
+    assert_eq!(stats.batch_replays, 0, "{stats:?}");
+    assert!(stats.batches >= 8, "{stats:?}");
+    assert_eq!(balance(&pool).await, 1980);
+}

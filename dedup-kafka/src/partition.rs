@@ -267,10 +267,14 @@ async fn process_batch<S: DedupStore>(
         size = batch.len(),
     );
     // Decoding and keys are known before any transaction: a message that
-    // fails them is the event's fault, dead-lettered where it stands, and
-    // the rest still go as one batch (no replay at per-message speed).
+    // fails them is the event's fault and is dead-lettered, and the rest
+    // still go as one batch (no replay at per-message speed). The batch
+    // commits first, then the bad ones are dead-lettered in offset order: a
+    // stop or a crash in between leaves the bad ones to be dead-lettered by
+    // their redelivery, once, and the good ones to be skipped.
     let mut members = Vec::with_capacity(batch.len());
     let mut prepared = Vec::with_capacity(batch.len());
+    let mut bad = Vec::new();
     for (i, msg) in batch.iter().enumerate() {
         let headers = headers_of(msg);
         match route
@@ -281,74 +285,97 @@ async fn process_batch<S: DedupStore>(
                 members.push(i);
                 prepared.push(ready);
             }
-            Err(e) => {
-                let why = DeadLetter {
-                    topic: &route.dead_letter_topic,
-                    kind: e.kind(),
-                    message: error_chain(&e),
-                    attempts: 1,
-                    handler: route.handler.scope(),
-                };
-                let dead = dead_letter(shared, partition, msg, why, jitter)
-                    .instrument(message_span(msg))
-                    .await;
-                if !dead {
-                    // Stopped: nothing of the batch is finished.
-                    return 0;
-                }
-            }
+            Err(e) => bad.push((i, e)),
         }
     }
-    if prepared.is_empty() {
-        return batch.len();
-    }
-    let route_for_task = route.clone();
-    let joined = shared
-        .run_handler(span.clone(), move |store| async move {
-            route_for_task.handler.apply_batch(&*store, prepared).await
-        })
-        .await;
-    let outcome = match joined {
-        Ok(result) => result.map_err(|e| e.to_string()),
-        Err(e) => Err(format!("the handler panicked: {e}")),
+    let committed = if prepared.is_empty() {
+        Ok(Vec::new())
+    } else {
+        let route = route.clone();
+        let joined = shared
+            .run_handler(span.clone(), move |store| async move {
+                route.handler.apply_batch(&*store, prepared).await
+            })
+            .await;
+        match joined {
+            Ok(result) => result.map_err(|e| e.to_string()),
+            Err(e) => Err(format!("the handler panicked: {e}")),
+        }
     };
-    match outcome {
+    match committed {
         Ok(outcomes) => {
-            let _enter = span.enter();
-            let (mut applied, mut skipped) = (0, 0);
-            for (&i, outcome) in members.iter().zip(&outcomes) {
-                let name = outcome.name();
-                tracing::debug!(offset = batch[i].offset(), outcome = name);
-                if matches!(outcome, Outcome::Applied { .. }) {
-                    applied += 1;
-                    failpoint("after-commit");
-                } else {
-                    skipped += 1;
+            if !outcomes.is_empty() {
+                let _enter = span.enter();
+                let (mut applied, mut skipped) = (0, 0);
+                for (&i, outcome) in members.iter().zip(&outcomes) {
+                    let name = outcome.name();
+                    tracing::debug!(offset = batch[i].offset(), outcome = name);
+                    if matches!(outcome, Outcome::Applied { .. }) {
+                        applied += 1;
+                        failpoint("after-commit");
+                    } else {
+                        skipped += 1;
+                    }
+                }
+                shared.stats.applied.fetch_add(applied, Ordering::Relaxed);
+                shared.stats.skipped.fetch_add(skipped, Ordering::Relaxed);
+                shared.stats.batches.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(outcome = "committed", applied, skipped);
+            }
+            for (i, e) in bad {
+                let msg = &batch[i];
+                if !dead_letter_unprepared(shared, route, partition, msg, &e, jitter).await {
+                    // Everything before it is finished: applied, or dead-lettered.
+                    return i;
                 }
             }
-            shared.stats.applied.fetch_add(applied, Ordering::Relaxed);
-            shared.stats.skipped.fetch_add(skipped, Ordering::Relaxed);
-            shared.stats.batches.fetch_add(1, Ordering::Relaxed);
-            tracing::info!(outcome = "committed", applied, skipped);
             batch.len()
         }
         Err(why) => {
             shared.stats.batch_replays.fetch_add(1, Ordering::Relaxed);
             span.in_scope(|| tracing::warn!(error = %why, "batch rolled back; replaying it message by message"));
-            // The dead-lettered ones are finished already; the others run
-            // on their own, in order.
-            for &i in &members {
-                let msg = &batch[i];
-                if !process(shared, route, partition, msg, jitter)
-                    .instrument(message_span(msg))
-                    .await
-                {
+            // In offset order: each good one on its own, each bad one to the
+            // dead-letter topic.
+            let mut bad = bad.into_iter().peekable();
+            for (i, msg) in batch.iter().enumerate() {
+                let finished = match bad.next_if(|(b, _)| *b == i) {
+                    Some((_, e)) => {
+                        dead_letter_unprepared(shared, route, partition, msg, &e, jitter).await
+                    }
+                    None => {
+                        process(shared, route, partition, msg, jitter)
+                            .instrument(message_span(msg))
+                            .await
+                    }
+                };
+                if !finished {
                     return i;
                 }
             }
             batch.len()
         }
     }
+}
+
+/// Dead-letters a message that could not be decoded or has no key.
+async fn dead_letter_unprepared<S: DedupStore>(
+    shared: &Shared<S>,
+    route: &Route<S>,
+    partition: &Partition,
+    msg: &OwnedMessage,
+    error: &dedup_core::Error,
+    jitter: &mut Jitter,
+) -> bool {
+    let why = DeadLetter {
+        topic: &route.dead_letter_topic,
+        kind: error.kind(),
+        message: error_chain(error),
+        attempts: 1,
+        handler: route.handler.scope(),
+    };
+    dead_letter(shared, partition, msg, why, jitter)
+        .instrument(message_span(msg))
+        .await
 }
 
 /// Marks `msg` finished: its offset + 1 is committed by the next commit.
@@ -390,7 +417,7 @@ async fn process<S: DedupStore>(
     // Failures that may be the event's (contention, a handler's transient
     // error): bounded by the policy.
     let mut failures = 0;
-    let mut outage = Outage::new(shared, partition);
+    let mut outage = Outage::new(shared);
     loop {
         attempt += 1;
         // The permit is held while the handler runs, not while backing off,
@@ -466,20 +493,21 @@ async fn process<S: DedupStore>(
 }
 
 /// One partition's part in an outage of the environment: entered at the
-/// first failure of the environment (the partition's fetching is paused, so
-/// its buffer does not grow while it waits; its worker resumes it once it has
-/// drained), left when the message gets through or the wait is abandoned.
+/// first failure of the environment, left when the message gets through or
+/// the wait is abandoned. While it waits, the consumer keeps polling (it
+/// stays in its group) and the partition's buffer fills up to
+/// `max_buffered_per_partition`, where its fetching pauses. (Pausing here,
+/// from the worker, could race a rebalance and pause a partition's next
+/// assignment with nothing left to resume it.)
 struct Outage<'a, S> {
     shared: &'a Shared<S>,
-    partition: &'a Partition,
     failures: u32,
 }
 
 impl<'a, S> Outage<'a, S> {
-    fn new(shared: &'a Shared<S>, partition: &'a Partition) -> Self {
+    fn new(shared: &'a Shared<S>) -> Self {
         Outage {
             shared,
-            partition,
             failures: 0,
         }
     }
@@ -493,12 +521,6 @@ impl<'a, S> Outage<'a, S> {
     ) -> Duration {
         if self.failures == 0 {
             self.shared.stats.enter_outage(error);
-            if !self.partition.paused.swap(true, Ordering::AcqRel)
-                && let Err(e) = self.shared.kafka.pause(&self.partition.tpl())
-            {
-                tracing::warn!(error = %e, "pausing a partition failed");
-                self.partition.paused.store(false, Ordering::Release);
-            }
         }
         self.failures += 1;
         policy.outage_backoff(self.failures, jitter.next())

@@ -60,7 +60,7 @@ impl RetryPolicy {
         self
     }
 
-    /// The wait after the `n`th consecutive failure of the environment:
+    /// The wait after a message's `n`th failure of the environment:
     /// the same curve as [`backoff`](Self::backoff), capped at
     /// `max_outage_backoff` instead (never below the initial wait).
     pub(crate) fn outage_backoff(&self, n: u32, random: f64) -> Duration {

@@ -41,19 +41,30 @@ impl Dialect for Pg {
 
     /// The event's data (permanent): a data exception (class `22`, such as
     /// `22P02` invalid text) or an integrity violation (class `23`, such as
-    /// a unique violation) raised by the handler's statements. Contention
-    /// (transient, bounded retries): a transaction rollback (class `40`:
-    /// serialization failure, deadlock) or a lock timeout (`55P03`).
-    /// Everything else is the environment's, waited out: connections
-    /// (`08`), a read-only standby (`25006`), a full disk or memory (`53`),
-    /// a statement timeout or a shutdown (`57`), a rotated password (`28`),
-    /// a dropped table or revoked grant (`42`), internal errors (`XX`).
+    /// a unique violation) raised by the handler's statements.
+    ///
+    /// The environment's, waited out however long it lasts (an allow-list:
+    /// a code here must be one no event can cause): a connection exception
+    /// (`08`), a read-only standby (`25006`), an authorization failure such
+    /// as a rotated password (`28`), a missing database (`3D000`), a dropped
+    /// table (`42P01`) or revoked grant (`42501`), insufficient resources
+    /// such as a full disk or memory (`53`), operator intervention such as a
+    /// statement timeout or a shutdown (`57`), a system or I/O error (`58`),
+    /// an internal error (`XX`).
+    ///
+    /// Everything else (contention: serialization failure and deadlock in
+    /// class `40`, a lock timeout `55P03`; and any code not listed, such as
+    /// a trigger's `RAISE EXCEPTION`) is transient: retried a bounded number
+    /// of times, then dead-lettered, so that no event stalls its partition
+    /// for good.
     fn classify_code(code: &str) -> Classification {
         match code.get(..2) {
             Some("22" | "23") => Classification::Permanent,
-            Some("40") => Classification::Transient,
-            _ if code == "55P03" => Classification::Transient,
-            _ => Classification::Environment,
+            Some("08" | "28" | "53" | "57" | "58" | "XX") => Classification::Environment,
+            _ if matches!(code, "25006" | "3D000" | "42P01" | "42501") => {
+                Classification::Environment
+            }
+            _ => Classification::Transient,
         }
     }
 }

@@ -68,10 +68,12 @@ impl Error {
 }
 
 /// Whose fault `e` is: a database error by `D`'s code rule; a broken or
-/// refused connection, none to be had in time, a closing pool: the
-/// environment's, however long it lasts (the pool closing means the process
-/// is shutting down, not that the event is bad); anything else (a value
-/// that does not decode or encode, a missing row): permanent.
+/// refused connection, none to be had in time, a closing pool, a column or
+/// type the schema no longer has: the environment's, however long it lasts
+/// (the pool closing means the process is shutting down, not that the event
+/// is bad); a protocol error (a connection gone wrong, or a statement with
+/// too many parameters for one event): transient, bounded; anything else (a
+/// value that does not decode or encode, a missing row): permanent.
 pub fn classify_sqlx<D: Dialect>(e: &sqlx::Error) -> Classification {
     match e {
         sqlx::Error::Database(db) => match db.code() {
@@ -81,12 +83,14 @@ pub fn classify_sqlx<D: Dialect>(e: &sqlx::Error) -> Classification {
         },
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
-        | sqlx::Error::Protocol(_)
         | sqlx::Error::Configuration(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::WorkerCrashed
-        | sqlx::Error::BeginFailed => Classification::Environment,
+        | sqlx::Error::BeginFailed
+        | sqlx::Error::ColumnNotFound(_)
+        | sqlx::Error::TypeNotFound { .. } => Classification::Environment,
+        sqlx::Error::Protocol(_) => Classification::Transient,
         _ => Classification::Permanent,
     }
 }

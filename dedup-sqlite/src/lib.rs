@@ -36,17 +36,21 @@ impl Dialect for Sqlite {
     const NAME: &'static str = "sqlite";
     const DEFAULT_MAX_CONNECTIONS: u32 = 4;
 
-    /// By primary result code (extended codes included): contention
-    /// (transient) is `SQLITE_BUSY` (5) and `SQLITE_LOCKED` (6); the event's
-    /// data (permanent) is `SQLITE_CONSTRAINT` (19), `SQLITE_MISMATCH` (20),
-    /// `SQLITE_TOOBIG` (18) and `SQLITE_RANGE` (25); everything else (a full
-    /// disk, a read-only or unreadable file, I/O errors, a missing table) is
-    /// the environment's, waited out.
+    /// By primary result code (extended codes included). The event's data
+    /// (permanent): `SQLITE_TOOBIG` (18), `SQLITE_CONSTRAINT` (19),
+    /// `SQLITE_MISMATCH` (20), `SQLITE_RANGE` (25). The environment's,
+    /// waited out: `SQLITE_PERM` (3), `SQLITE_NOMEM` (7), `SQLITE_READONLY`
+    /// (8), `SQLITE_IOERR` (10), `SQLITE_CORRUPT` (11), `SQLITE_FULL` (13),
+    /// `SQLITE_CANTOPEN` (14), `SQLITE_AUTH` (23), `SQLITE_NOTADB` (26).
+    /// Everything else, contention (`SQLITE_BUSY` 5, `SQLITE_LOCKED` 6)
+    /// included, and the generic `SQLITE_ERROR` (1: a missing table, but
+    /// also malformed JSON in the event), is transient: retried a bounded
+    /// number of times, then dead-lettered.
     fn classify_code(code: &str) -> Classification {
         match code.parse::<i32>().map(|code| code & 0xff) {
-            Ok(5 | 6) => Classification::Transient,
             Ok(18 | 19 | 20 | 25) => Classification::Permanent,
-            _ => Classification::Environment,
+            Ok(3 | 7 | 8 | 10 | 11 | 13 | 14 | 23 | 26) => Classification::Environment,
+            _ => Classification::Transient,
         }
     }
 

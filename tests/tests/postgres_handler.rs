@@ -274,6 +274,11 @@ async fn handler_database_errors_are_classified_by_sqlstate(pool: PgPool) {
         ("42P01", Environment),
         ("42501", Environment),
         ("XX000", Environment),
+        // Not known to be the environment's: bounded, so no event can
+        // stall its partition for good.
+        ("P0001", Transient),
+        ("54000", Transient),
+        ("25P02", Transient),
     ] {
         let msg = serde_json::json!({ "id": code, "sqlstate": code }).to_string();
         let out = raise.apply(&store, msg.as_bytes(), &()).await;

@@ -13,6 +13,7 @@ use rdkafka::ClientConfig;
 use rdkafka::consumer::{CommitMode, Consumer as _, StreamConsumer};
 use rdkafka::message::{Message as _, OwnedMessage};
 use rdkafka::producer::FutureProducer;
+use rdkafka::producer::Producer as _;
 use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 
@@ -110,47 +111,97 @@ impl<S: DedupStore> Consumer<S> {
         let mut commit_tick = tokio::time::interval(self.shared.settings.commit_interval);
         commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tokio::pin!(shutdown);
-        loop {
+        let fatal = loop {
             tokio::select! {
                 biased;
-                () = &mut shutdown => break,
+                () = &mut shutdown => break None,
                 Some((topic, partition)) = self.drained.recv() => self.resume(&topic, partition),
                 Some(done) = workers.join_next(), if !workers.is_empty() => {
                     if let Err(e) = done
                         && e.is_panic()
                     {
-                        tracing::error!(error = %e, "a partition worker panicked");
+                        // User code runs where panics are contained, so this
+                        // is a bug of the runtime: its partition's buffered
+                        // messages are gone, and no later one may be applied
+                        // past them.
+                        tracing::error!(error = %e, "a partition worker panicked; stopping");
+                        break Some(Error::Fatal(format!("a partition worker panicked: {e}")));
                     }
                 }
-                _ = commit_tick.tick() => commit(&self.shared.kafka, CommitMode::Async, "interval"),
+                _ = commit_tick.tick() => {
+                    commit(&self.shared.kafka, CommitMode::Async, "interval");
+                    if let Some(e) = self.fatal_client_error() {
+                        break Some(e);
+                    }
+                }
                 received = self.shared.kafka.recv() => match received {
                     Ok(msg) => {
                         let msg = msg.detach();
-                        self.dispatch(msg, &mut workers);
+                        if let Err(e) = self.dispatch(msg, &mut workers) {
+                            break Some(e);
+                        }
                     }
-                    Err(e) => tracing::warn!(error = %e, "kafka consumer error"),
+                    Err(e) => {
+                        if let Some(fatal) = self.fatal_client_error() {
+                            break Some(fatal);
+                        }
+                        tracing::warn!(error = %e, "kafka consumer error");
+                    }
                 },
             }
-        }
+        };
         let stats = self.shared.stats.clone();
         self.shutdown(workers).await;
-        Ok(stats.snapshot())
+        match fatal {
+            Some(e) => {
+                tracing::error!(error = %e, "consumer stopped");
+                Err(e)
+            }
+            None => Ok(stats.snapshot()),
+        }
+    }
+
+    /// A fatal error of the consumer or of the dead-letter producer: the
+    /// client cannot be used any more (librdkafka says so once; retrying
+    /// cannot help), so the consumer stops instead of hanging.
+    fn fatal_client_error(&self) -> Option<Error> {
+        let (client, (code, reason)) = [
+            ("consumer", self.shared.kafka.client().fatal_error()),
+            (
+                "dead-letter producer",
+                self.shared.producer.client().fatal_error(),
+            ),
+        ]
+        .into_iter()
+        .find_map(|(client, fatal)| Some((client, fatal?)))?;
+        Some(Error::Fatal(format!(
+            "fatal error of the {client}: {reason} ({code:?})"
+        )))
     }
 
     /// Hands a message to its partition's worker, starting one if needed.
-    fn dispatch(&self, msg: OwnedMessage, workers: &mut JoinSet<()>) {
+    fn dispatch(&self, msg: OwnedMessage, workers: &mut JoinSet<()>) -> Result<(), Error> {
         self.shared.stats.touch();
         let Some(route) = self.routes.get(msg.topic()) else {
             tracing::warn!(
                 topic = msg.topic(),
                 "message from a topic without a handler"
             );
-            return;
+            return Ok(());
         };
         let key = (msg.topic().to_owned(), msg.partition());
         let mut partitions = lock(&self.partitions);
         let partition = match partitions.get(&key) {
             Some(p) if !p.is_revoked() && !p.sender.is_closed() => p.clone(),
+            Some(p) if !p.is_revoked() => {
+                // A worker ends on its own only when its partition is revoked
+                // or the consumer stops. This one died: what it buffered is
+                // gone, and a new worker would store offsets past it.
+                return Err(Error::Fatal(format!(
+                    "the worker of partition {}/{} ended unexpectedly",
+                    p.topic, p.partition
+                )));
+            }
             _ => {
                 let (sender, receiver) = mpsc::unbounded_channel();
                 let p = Arc::new(Partition {
@@ -178,7 +229,7 @@ impl<S: DedupStore> Consumer<S> {
             // The worker is gone (stopping): the message stays unfinished and
             // its offset unstored, so it is delivered again.
             self.shared.stats.add_in_flight(-1);
-            return;
+            return Ok(());
         }
         if queued >= self.shared.settings.max_buffered_per_partition
             && !partition.paused.swap(true, Ordering::AcqRel)
@@ -189,6 +240,7 @@ impl<S: DedupStore> Consumer<S> {
                 partition.paused.store(false, Ordering::Release);
             }
         }
+        Ok(())
     }
 
     fn resume(&self, topic: &str, partition: i32) {

@@ -31,4 +31,10 @@ pub enum Error {
     /// librdkafka refused a setting or an operation.
     #[error("kafka: {0}")]
     Kafka(#[from] rdkafka::error::KafkaError),
+    /// The consumer cannot go on and stopped, after committing what it had
+    /// finished: a fatal client error (another instance with the same
+    /// `group.instance.id`, say), or a partition whose worker died, whose
+    /// later messages must not be applied past the ones it dropped.
+    #[error("the consumer stopped: {0}")]
+    Fatal(String),
 }

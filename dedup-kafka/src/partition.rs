@@ -277,15 +277,20 @@ async fn process_batch<S: DedupStore>(
     let mut bad = Vec::new();
     for (i, msg) in batch.iter().enumerate() {
         let headers = headers_of(msg);
-        match route
-            .handler
-            .prepare(msg.payload().unwrap_or_default(), &headers)
-        {
-            Ok(ready) => {
+        // User code (a Deserialize impl, a key's Display, a custom decode):
+        // a panic fails this message, never the worker, which would drop
+        // everything it buffered.
+        let payload = msg.payload().unwrap_or_default();
+        let ready = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            route.handler.prepare(payload, &headers)
+        }));
+        match ready {
+            Ok(Ok(ready)) => {
                 members.push(i);
                 prepared.push(ready);
             }
-            Err(e) => bad.push((i, e)),
+            Ok(Err(e)) => bad.push((i, Unprepared::Error(e))),
+            Err(panic) => bad.push((i, Unprepared::Panic(panic_message(&*panic)))),
         }
     }
     let committed = if prepared.is_empty() {
@@ -357,19 +362,41 @@ async fn process_batch<S: DedupStore>(
     }
 }
 
-/// Dead-letters a message that could not be decoded or has no key.
+/// Why a message of a batch could not be prepared.
+enum Unprepared {
+    /// It cannot be decoded or has no key.
+    Error(dedup_core::Error),
+    /// Decoding it or reading its key panicked.
+    Panic(String),
+}
+
+/// What a panic said, if it said it with a string.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    let said = panic
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string payload".to_owned());
+    format!("decoding the event or reading its key panicked: {said}")
+}
+
+/// Dead-letters a message that could not be prepared.
 async fn dead_letter_unprepared<S: DedupStore>(
     shared: &Shared<S>,
     route: &Route<S>,
     partition: &Partition,
     msg: &OwnedMessage,
-    error: &dedup_core::Error,
+    unprepared: &Unprepared,
     jitter: &mut Jitter,
 ) -> bool {
+    let (kind, message) = match unprepared {
+        Unprepared::Error(e) => (e.kind(), error_chain(e)),
+        Unprepared::Panic(message) => ("panic", message.clone()),
+    };
     let why = DeadLetter {
         topic: &route.dead_letter_topic,
-        kind: error.kind(),
-        message: error_chain(error),
+        kind,
+        message,
         attempts: 1,
         handler: route.handler.scope(),
     };

@@ -1007,3 +1007,94 @@ async fn malformed_messages_do_not_slow_their_batches(pool: PgPool) {
     assert!(stats.batches >= 8, "{stats:?}");
     assert_eq!(balance(&pool).await, 1980);
 }
+
+/// A payment whose decoding panics for one amount: user code (a
+/// `Deserialize` impl) that the runtime must contain.
+#[derive(Debug, serde::Deserialize)]
+struct PanickyPayment {
+    event_id: String,
+    account_id: String,
+    #[serde(deserialize_with = "amount_or_panic")]
+    amount_cents: i64,
+}
+
+fn amount_or_panic<'de, D: serde::Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
+    let amount = <i64 as serde::Deserialize>::deserialize(d)?;
+    assert_ne!(amount, 666, "a Deserialize impl that panics");
+    Ok(amount)
+}
+
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn record_panicky_payment(tx: &mut PgTx, ev: PanickyPayment) -> Result<(), sqlx::Error> {
+    let ev = PaymentReceived {
+        event_id: ev.event_id,
+        account_id: ev.account_id,
+        amount_cents: ev.amount_cents,
+    };
+    credit(tx, &ev).await
+}
+
+/// A panic while decoding one message of a batch fails that message (a dead
+/// letter of kind `panic`), not the partition's worker, which would drop
+/// the messages it buffered and let a new worker commit past them.
+#[sqlx::test(migrations = false)]
+async fn a_panicking_decode_is_dead_lettered_and_its_neighbours_applied(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let producer = producer();
+    for i in 0..11 {
+        let cents = if i == 5 { 666 } else { 1 };
+        let event = payment(uuid::Uuid::new_v4(), "a", cents);
+        produce(&producer, &topic, "k", &event, None).await;
+    }
+    let running = start(
+        consumer(&store, &unique("g"))
+            .batch_linger(Duration::from_millis(200))
+            .handle(&topic, record_panicky_payment),
+    );
+    running
+        .wait_for("10 applied, 1 dead-lettered", |s| {
+            s.applied == 10 && s.dead_lettered == 1
+        })
+        .await;
+    running.stop().await;
+    let dead = read(&format!("{topic}.dlq"), 1).await;
+    assert_eq!(header(&dead[0], "dedup.error.kind"), Some("panic"));
+    assert_eq!(header(&dead[0], "dedup.original.offset"), Some("5"));
+    assert_eq!(balance(&pool).await, 10);
+}
+
+/// A fatal client error stops the consumer with an error instead of leaving
+/// it running deaf: two instances with one `group.instance.id` (static
+/// membership), the older one fenced by the broker.
+#[sqlx::test(migrations = false)]
+async fn a_fenced_static_member_stops_with_an_error(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let group = unique("g");
+    let instance = unique("instance");
+    let member = |store: &PgStore| {
+        consumer(store, &group)
+            .set("group.instance.id", &instance)
+            .handle(&topic, record_payment)
+            .build()
+            .expect("consumer")
+    };
+    let first = member(&store);
+    let first_stats = first.stats();
+    let first = tokio::spawn(first.run_until(std::future::pending()));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while first_stats.idle_for() == Duration::ZERO {
+        assert!(Instant::now() < deadline, "the first member never joined");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let second =
+        tokio::spawn(member(&store).run_until(tokio::time::sleep(Duration::from_secs(40))));
+    let fenced = tokio::time::timeout(Duration::from_secs(30), first)
+        .await
+        .expect("the fenced member must stop within 30 s")
+        .expect("task");
+    let err = fenced.expect_err("fenced is an error");
+    assert!(err.to_string().contains("fatal"), "{err}");
+    second.abort();
+}

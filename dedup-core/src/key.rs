@@ -36,6 +36,13 @@ pub enum KeyError {
         /// The header name.
         header: String,
     },
+    /// The event id or scope contains a NUL character, which databases
+    /// cannot store in text.
+    #[error("the dedup {part} contains a NUL character, which the dedup table cannot store")]
+    ContainsNul {
+        /// `id` or `scope`.
+        part: &'static str,
+    },
 }
 
 /// The identity of one claim: which handler claims (`scope`) which event
@@ -45,7 +52,8 @@ pub enum KeyError {
 /// can take the other's claim. Parts longer than [`MAX_KEY_BYTES`] bytes are
 /// replaced by `sha256:<64 hex digits>` of their bytes: stable across
 /// processes and versions, never truncated (two long ids with a common prefix
-/// stay distinct).
+/// stay distinct). So are parts that themselves start with `sha256:`, so
+/// that no id written that way can be taken for another id's digest.
 ///
 /// ```
 /// use dedup_core::DedupKey;
@@ -57,7 +65,12 @@ pub enum KeyError {
 /// assert!(long.id().starts_with("sha256:"));
 /// assert_eq!(long.id().len(), 71);
 ///
+/// // An id written like a digest is digested too: the two never meet.
+/// let digest = long.id().to_owned();
+/// assert_ne!(DedupKey::new("payments::record", digest)?.id(), long.id());
+///
 /// assert!(DedupKey::new("payments::record", "").is_err());
+/// assert!(DedupKey::new("payments::record", "a\0b").is_err());
 /// # Ok::<(), dedup_core::KeyError>(())
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -76,6 +89,11 @@ impl DedupKey {
         if id.is_empty() {
             return Err(KeyError::Empty);
         }
+        for (part, value) in [("scope", &scope), ("id", &id)] {
+            if value.contains('\0') {
+                return Err(KeyError::ContainsNul { part });
+            }
+        }
         Ok(DedupKey {
             scope: bounded(scope),
             id: bounded(id),
@@ -93,13 +111,15 @@ impl DedupKey {
     }
 }
 
+const DIGEST_PREFIX: &str = "sha256:";
+
 fn bounded(part: String) -> String {
-    if part.len() <= MAX_KEY_BYTES {
+    if part.len() <= MAX_KEY_BYTES && !part.starts_with(DIGEST_PREFIX) {
         return part;
     }
     let digest = Sha256::digest(part.as_bytes());
-    let mut out = String::with_capacity(7 + 64);
-    out.push_str("sha256:");
+    let mut out = String::with_capacity(DIGEST_PREFIX.len() + 64);
+    out.push_str(DIGEST_PREFIX);
     for byte in digest {
         out.push(char::from_digit(u32::from(byte >> 4), 16).expect("nibble"));
         out.push(char::from_digit(u32::from(byte & 0xf), 16).expect("nibble"));
@@ -130,6 +150,28 @@ mod tests {
         assert_eq!(
             key.id(),
             "sha256:02d7160d77e18c6447be80c2e355c7ed4388545271702c50253b0914c65ce5fe"
+        );
+    }
+
+    #[test]
+    fn an_id_written_as_a_digest_never_equals_a_digest() {
+        let long = DedupKey::new("s", "a".repeat(256)).unwrap();
+        let forged = DedupKey::new("s", long.id()).unwrap();
+        assert!(forged.id().starts_with("sha256:"));
+        assert_ne!(forged.id(), long.id());
+        // Other ids, with the prefix further in, stay as written.
+        assert_eq!(DedupKey::new("s", "x-sha256:1").unwrap().id(), "x-sha256:1");
+    }
+
+    #[test]
+    fn nul_characters_are_a_key_error() {
+        assert_eq!(
+            DedupKey::new("s", "a\0").unwrap_err(),
+            KeyError::ContainsNul { part: "id" }
+        );
+        assert_eq!(
+            DedupKey::new("s\0", "a").unwrap_err(),
+            KeyError::ContainsNul { part: "scope" }
         );
     }
 

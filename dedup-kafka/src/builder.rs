@@ -200,13 +200,16 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         )?;
         // The dead-letter producer takes only the security and networking
         // settings: the others are the consumer's.
-        let producer_config = config::idempotent_producer_config(
+        let mut producer_config = config::idempotent_producer_config(
             &self.brokers,
             self.client_settings
                 .iter()
                 .filter(|(k, _)| is_shared_setting(k)),
             self.runtime.dead_letter_timeout,
         );
+        // librdkafka's own default (1,000,000 bytes) is below the broker's,
+        // so a message that fitted its topic could not be dead-lettered.
+        producer_config.set("message.max.bytes", crate::dlq::MAX_DEAD_LETTER_BYTES);
         let ConsumerBuilder {
             store,
             mut routes,

@@ -74,6 +74,8 @@ impl<S: DedupStore> Consumer<S> {
                 stopping: watch::channel(false).0,
                 closing,
                 drained: drained_tx,
+                fatal: std::sync::Mutex::new(None),
+                fatal_set: tokio::sync::Notify::new(),
             }),
             routes: routes
                 .into_iter()
@@ -115,6 +117,10 @@ impl<S: DedupStore> Consumer<S> {
             tokio::select! {
                 biased;
                 () = &mut shutdown => break None,
+                () = self.shared.fatal_set.notified() => {
+                    let why = self.shared.fatal.lock().unwrap_or_else(|p| p.into_inner()).take();
+                    break Some(Error::Fatal(why.unwrap_or_default()));
+                }
                 Some((topic, partition)) = self.drained.recv() => self.resume(&topic, partition),
                 Some(done) = workers.join_next(), if !workers.is_empty() => {
                     if let Err(e) = done

@@ -2,12 +2,48 @@
 
 use std::time::Duration;
 
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
 /// Longest `dedup.error.message` header; longer messages are cut at a
 /// character boundary.
 pub const MAX_ERROR_MESSAGE_BYTES: usize = 4096;
+
+/// How much of the payload a dead letter keeps when the whole record is
+/// too large for the broker (headers `dedup.payload.truncated` and
+/// `dedup.original.size` say so; the original stays in its topic at
+/// `dedup.original.offset`). If even that is refused, the payload is dropped.
+pub const TRUNCATED_PAYLOAD_BYTES: usize = 64 * 1024;
+
+/// The largest record the dead-letter producer sends: the broker's default
+/// `message.max.bytes`, so that a message that just fitted its own topic
+/// still fits the dead-letter topic with dedup's headers added.
+pub(crate) const MAX_DEAD_LETTER_BYTES: &str = "1048588";
+
+/// The broker (or the producer) refused the record as too large.
+pub(crate) fn is_too_large(e: &KafkaError) -> bool {
+    matches!(
+        e,
+        KafkaError::MessageProduction(RDKafkaErrorCode::MessageSizeTooLarge)
+    )
+}
+
+/// The dead-letter topic cannot be written, however often we try: it does
+/// not exist (and is not created on demand), its name is invalid, or the
+/// consumer may not write it.
+pub(crate) fn is_unwritable(e: &KafkaError) -> bool {
+    matches!(
+        e,
+        KafkaError::MessageProduction(
+            RDKafkaErrorCode::UnknownTopic
+                | RDKafkaErrorCode::UnknownTopicOrPartition
+                | RDKafkaErrorCode::InvalidTopic
+                | RDKafkaErrorCode::TopicAuthorizationFailed
+                | RDKafkaErrorCode::ClusterAuthorizationFailed
+        )
+    )
+}
 
 /// Why a message is dead-lettered.
 pub(crate) struct DeadLetter<'a> {
@@ -29,8 +65,13 @@ fn truncate(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
-/// The dead-letter headers: the original ones, then `dedup.*`.
-pub(crate) fn headers(msg: &OwnedMessage, why: &DeadLetter<'_>) -> OwnedHeaders {
+/// The dead-letter headers: the original ones, then `dedup.*`; with
+/// `truncated`, the payload's original size.
+pub(crate) fn headers(
+    msg: &OwnedMessage,
+    why: &DeadLetter<'_>,
+    truncated: Option<usize>,
+) -> OwnedHeaders {
     let mut out = OwnedHeaders::new();
     if let Some(original) = msg.headers() {
         for h in original.iter() {
@@ -61,22 +102,40 @@ pub(crate) fn headers(msg: &OwnedMessage, why: &DeadLetter<'_>) -> OwnedHeaders 
             value: Some(value.as_bytes()),
         });
     }
+    if let Some(size) = truncated {
+        let size = size.to_string();
+        for (key, value) in [
+            ("dedup.payload.truncated", "true"),
+            ("dedup.original.size", size.as_str()),
+        ] {
+            out = out.insert(Header {
+                key,
+                value: Some(value.as_bytes()),
+            });
+        }
+    }
     out
 }
 
-/// Produces the dead letter and waits for the broker's acknowledgement.
+/// Produces the dead letter and waits for the broker's acknowledgement;
+/// with `keep`, at most that many bytes of the payload.
 pub(crate) async fn send(
     producer: &FutureProducer,
     msg: &OwnedMessage,
     why: &DeadLetter<'_>,
     timeout: Duration,
-) -> Result<(), rdkafka::error::KafkaError> {
-    let mut record = FutureRecord::<[u8], [u8]>::to(why.topic).headers(headers(msg, why));
+    keep: Option<usize>,
+) -> Result<(), KafkaError> {
+    let payload = msg.payload().unwrap_or_default();
+    let kept = keep.map_or(payload, |n| &payload[..n.min(payload.len())]);
+    let truncated = (kept.len() < payload.len()).then_some(payload.len());
+    let mut record =
+        FutureRecord::<[u8], [u8]>::to(why.topic).headers(headers(msg, why, truncated));
     if let Some(key) = msg.key() {
         record = record.key(key);
     }
-    if let Some(payload) = msg.payload() {
-        record = record.payload(payload);
+    if msg.payload().is_some() {
+        record = record.payload(kept);
     }
     producer
         .send(record, timeout)

@@ -15,7 +15,7 @@ mod stats;
 
 pub use builder::ConsumerBuilder;
 pub use consumer::Consumer;
-pub use dlq::MAX_ERROR_MESSAGE_BYTES;
+pub use dlq::{MAX_ERROR_MESSAGE_BYTES, TRUNCATED_PAYLOAD_BYTES};
 pub use relay::{Relay, RelayBuilder, RelayStats, RelayStatsSnapshot};
 pub use retry::RetryPolicy;
 pub use shutdown::shutdown_signal;

@@ -73,6 +73,23 @@ pub(crate) struct Shared<S> {
     pub(crate) closing: Arc<AtomicBool>,
     /// Workers report here when a paused partition has drained.
     pub(crate) drained: mpsc::UnboundedSender<(String, i32)>,
+    /// Why the consumer must stop, set by a worker that cannot go on (a
+    /// dead-letter topic that cannot be written); the consumer loop is woken
+    /// by `fatal_set`.
+    pub(crate) fatal: Mutex<Option<String>>,
+    pub(crate) fatal_set: tokio::sync::Notify,
+}
+
+impl<S> Shared<S> {
+    /// Stops the consumer with an error (the first reason wins).
+    fn fail(&self, why: String) {
+        let mut fatal = self.fatal.lock().unwrap_or_else(|p| p.into_inner());
+        if fatal.is_none() {
+            tracing::error!(error = %why, "stopping the consumer");
+            *fatal = Some(why);
+        }
+        self.fatal_set.notify_one();
+    }
 }
 
 impl<S: DedupStore> Shared<S> {
@@ -586,6 +603,9 @@ async fn dead_letter<S: DedupStore>(
     jitter: &mut Jitter,
 ) -> bool {
     let mut attempt = 0;
+    // The payload kept: whole, then cut, then none, as long as the broker
+    // refuses the record as too large (the original stays in its topic).
+    let mut keep = None;
     loop {
         attempt += 1;
         match dlq::send(
@@ -593,6 +613,7 @@ async fn dead_letter<S: DedupStore>(
             msg,
             &why,
             shared.settings.dead_letter_timeout,
+            keep,
         )
         .await
         {
@@ -605,6 +626,21 @@ async fn dead_letter<S: DedupStore>(
                     error = %why.message,
                 );
                 return true;
+            }
+            Err(e) if dlq::is_too_large(&e) && keep != Some(0) => {
+                keep = Some(match keep {
+                    None => dlq::TRUNCATED_PAYLOAD_BYTES,
+                    Some(_) => 0,
+                });
+                tracing::warn!(error = %e, keep, "the dead letter is too large for the broker; sending it with its payload cut");
+            }
+            Err(e) if dlq::is_unwritable(&e) => {
+                shared.fail(format!(
+                    "the dead-letter topic {:?} cannot be written ({e}): create it, or grant the \
+                     consumer's principal Write on it, or name another with dead_letter_topic()",
+                    why.topic
+                ));
+                return false;
             }
             Err(e) => {
                 let wait = shared.settings.retry.backoff(attempt, jitter.next());

@@ -1098,3 +1098,88 @@ async fn a_fenced_static_member_stops_with_an_error(pool: PgPool) {
     assert!(err.to_string().contains("fatal"), "{err}");
     second.abort();
 }
+
+/// A poison message just under Kafka's size limit: its dead letter (the
+/// original plus dedup's headers) still fits, instead of being refused by
+/// the producer and retried for ever while the partition stalls.
+#[sqlx::test(migrations = false)]
+async fn a_message_near_the_size_limit_is_dead_lettered_not_stalled(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let producer = producer();
+    produce(&producer, &topic, "k", &vec![b'x'; 999_900], None).await;
+    let event = payment(uuid::Uuid::new_v4(), "a", 7);
+    produce(&producer, &topic, "k", &event, None).await;
+    let running = start(consumer(&store, &unique("g")).handle(&topic, record_payment));
+    running
+        .wait_for("dead-lettered, and the next one applied", |s| {
+            s.dead_lettered == 1 && s.applied == 1
+        })
+        .await;
+    running.stop().await;
+    let dead = read(&format!("{topic}.dlq"), 1).await;
+    assert_eq!(
+        dead[0].payload().map(<[u8]>::len),
+        Some(999_900),
+        "kept whole"
+    );
+    assert_eq!(balance(&pool).await, 7);
+}
+
+/// A dead letter larger than its topic takes keeps a cut payload, says so,
+/// and the partition moves on.
+#[sqlx::test(migrations = false)]
+async fn a_dead_letter_too_large_for_its_topic_keeps_a_cut_payload(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let dlq = common::create_topic_with(&brokers(), 1, &[("max.message.bytes", "100000")]).await;
+    let producer = producer();
+    produce(&producer, &topic, "k", &vec![b'x'; 200_000], None).await;
+    let event = payment(uuid::Uuid::new_v4(), "a", 3);
+    produce(&producer, &topic, "k", &event, None).await;
+    let running = start(
+        consumer(&store, &unique("g"))
+            .handle(&topic, record_payment)
+            .dead_letter_topic(&topic, &dlq),
+    );
+    running
+        .wait_for("dead-lettered, and the next one applied", |s| {
+            s.dead_lettered == 1 && s.applied == 1
+        })
+        .await;
+    running.stop().await;
+    let dead = read(&dlq, 1).await;
+    assert_eq!(
+        dead[0].payload().map(<[u8]>::len),
+        Some(dedup_kafka::TRUNCATED_PAYLOAD_BYTES)
+    );
+    assert_eq!(header(&dead[0], "dedup.payload.truncated"), Some("true"));
+    assert_eq!(header(&dead[0], "dedup.original.size"), Some("200000"));
+    assert_eq!(header(&dead[0], "dedup.error.kind"), Some("decode"));
+}
+
+/// A dead-letter topic that can never be written stops the consumer with an
+/// error that says what to do, instead of retrying silently for ever; the
+/// poison message's offset is not committed.
+#[sqlx::test(migrations = false)]
+async fn an_unwritable_dead_letter_topic_stops_the_consumer(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let producer = producer();
+    produce(&producer, &topic, "k", b"not json", None).await;
+    let consumer = consumer(&store, &unique("g"))
+        .handle(&topic, record_payment)
+        .dead_letter_topic(&topic, "no such topic: spaces are invalid")
+        .build()
+        .expect("consumer");
+    let stats = consumer.stats();
+    let result = tokio::time::timeout(
+        Duration::from_secs(60),
+        consumer.run_until(std::future::pending()),
+    )
+    .await
+    .expect("the consumer must stop on its own");
+    let err = result.expect_err("an unwritable dead-letter topic is fatal");
+    assert!(err.to_string().contains("cannot be written"), "{err}");
+    assert_eq!(stats.snapshot().dead_lettered, 0);
+}

@@ -31,12 +31,21 @@ pub async fn create_topic(partitions: i32) -> String {
 
 /// Creates a topic with a random name on the broker at `brokers`.
 pub async fn create_topic_on(brokers: &str, partitions: i32) -> String {
+    create_topic_with(brokers, partitions, &[]).await
+}
+
+/// Creates a topic with a random name and topic `configs` on the broker at
+/// `brokers`.
+pub async fn create_topic_with(brokers: &str, partitions: i32, configs: &[(&str, &str)]) -> String {
     let name = unique("dedup-test");
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()
         .expect("admin client");
-    let topic = NewTopic::new(&name, partitions, TopicReplication::Fixed(1));
+    let mut topic = NewTopic::new(&name, partitions, TopicReplication::Fixed(1));
+    for (key, value) in configs {
+        topic = topic.set(key, value);
+    }
     let results = admin
         .create_topics([&topic], &AdminOptions::new())
         .await

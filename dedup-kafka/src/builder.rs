@@ -210,6 +210,9 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         // librdkafka's own default (1,000,000 bytes) is below the broker's,
         // so a message that fitted its topic could not be dead-lettered.
         producer_config.set("message.max.bytes", crate::dlq::MAX_DEAD_LETTER_BYTES);
+        // One dead letter per request: dead letters are rare, and batched
+        // together they could exceed a topic's limit that each one fits.
+        producer_config.set("batch.num.messages", "1");
         let ConsumerBuilder {
             store,
             mut routes,

@@ -157,7 +157,10 @@ impl<S: DedupStore> Consumer<S> {
             }
         };
         let stats = self.shared.stats.clone();
-        self.shutdown(workers).await;
+        // A worker's reason wins: it may have failed while the loop was
+        // already stopping, or just before another symptom of it was seen.
+        let reason = self.shutdown(workers).await;
+        let fatal = reason.map(Error::Fatal).or(fatal);
         match fatal {
             Some(e) => {
                 tracing::error!(error = %e, "consumer stopped");
@@ -262,7 +265,9 @@ impl<S: DedupStore> Consumer<S> {
         }
     }
 
-    async fn shutdown(self, mut workers: JoinSet<()>) {
+    /// Finishes in-flight work, commits and closes; returns the reason a
+    /// worker gave for stopping the consumer, if one did.
+    async fn shutdown(self, mut workers: JoinSet<()>) -> Option<String> {
         tracing::info!("shutting down: finishing in-flight messages");
         self.shared.stopping.send_replace(true);
         // Dropping the senders ends each worker after its current message.
@@ -286,10 +291,17 @@ impl<S: DedupStore> Consumer<S> {
         // the partitions once more; everything finished is committed already.
         self.shared.closing.store(true, Ordering::Release);
         tracing::info!(stats = %self.shared.stats.snapshot(), "consumer stopped");
+        let reason = self
+            .shared
+            .fatal
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         // Workers are gone and handler tasks hold only the store, so this
         // is the last reference: the consumer closes here, while the runtime
         // still runs, not in some task dropped during runtime teardown.
         drop(self);
+        reason
     }
 }
 

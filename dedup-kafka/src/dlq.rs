@@ -29,8 +29,21 @@ pub(crate) fn is_too_large(e: &KafkaError) -> bool {
     )
 }
 
-/// The dead-letter topic cannot be written, however often we try: it does
-/// not exist (and is not created on demand), its name is invalid, or the
+/// How long the dead-letter topic must look unwritable (unknown, not
+/// authorized) before the consumer stops: longer than librdkafka's topic
+/// metadata settling (30 s) and a grant spreading across brokers.
+pub(crate) const UNWRITABLE_FOR: Duration = Duration::from_secs(60);
+
+/// The dead-letter topic's name is invalid: no retry can help.
+pub(crate) fn is_invalid(e: &KafkaError) -> bool {
+    matches!(
+        e,
+        KafkaError::MessageProduction(RDKafkaErrorCode::InvalidTopic)
+    )
+}
+
+/// The dead-letter topic cannot be written as things stand: it does not
+/// exist (and is not created on demand), its name is invalid, or the
 /// consumer may not write it.
 pub(crate) fn is_unwritable(e: &KafkaError) -> bool {
     matches!(

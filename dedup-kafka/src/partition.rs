@@ -606,6 +606,10 @@ async fn dead_letter<S: DedupStore>(
     // The payload kept: whole, then cut, then none, as long as the broker
     // refuses the record as too large (the original stays in its topic).
     let mut keep = None;
+    // Since when the topic has looked unwritable: a topic can look unknown
+    // or unauthorized for a while (a broker restarted with an empty cache, a
+    // grant still spreading), so only a lasting refusal stops the consumer.
+    let mut unwritable_since: Option<std::time::Instant> = None;
     loop {
         attempt += 1;
         match dlq::send(
@@ -634,13 +638,31 @@ async fn dead_letter<S: DedupStore>(
                 });
                 tracing::warn!(error = %e, keep, "the dead letter is too large for the broker; sending it with its payload cut");
             }
-            Err(e) if dlq::is_unwritable(&e) => {
+            Err(e) if dlq::is_too_large(&e) => {
                 shared.fail(format!(
-                    "the dead-letter topic {:?} cannot be written ({e}): create it, or grant the \
-                     consumer's principal Write on it, or name another with dead_letter_topic()",
-                    why.topic
+                    "a dead letter for {:?} is too large even without its payload (its key and \
+                     headers exceed the topic's max.message.bytes): raise the limit of {:?}",
+                    why.topic, why.topic
                 ));
                 return false;
+            }
+            Err(e) if dlq::is_unwritable(&e) => {
+                let since = *unwritable_since.get_or_insert_with(std::time::Instant::now);
+                let lasting = since.elapsed() >= dlq::UNWRITABLE_FOR && attempt >= 3;
+                if dlq::is_invalid(&e) || lasting {
+                    shared.fail(format!(
+                        "the dead-letter topic {:?} cannot be written ({e}): create it, or grant \
+                         the consumer's principal Write on it, or name another with \
+                         dead_letter_topic()",
+                        why.topic
+                    ));
+                    return false;
+                }
+                let wait = shared.settings.retry.backoff(attempt, jitter.next());
+                tracing::error!(error = %e, ?wait, topic = why.topic, "the dead-letter topic cannot be written; retrying");
+                if !wait_unless_stopped(shared, partition, wait).await {
+                    return false;
+                }
             }
             Err(e) => {
                 let wait = shared.settings.retry.backoff(attempt, jitter.next());

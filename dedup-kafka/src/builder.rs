@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dedup_core::{DedupStore, Handler};
+use rdkafka::ClientConfig;
 
 use crate::Error;
 use crate::config::{self, DEFAULT_BROKERS, Settings, is_shared_setting, redacted};
@@ -43,6 +44,8 @@ pub struct ConsumerBuilder<S> {
     group_id: Option<String>,
     /// librdkafka settings passed through, in the order they were set.
     client_settings: Vec<(String, String)>,
+    /// librdkafka settings of the dead-letter producer only.
+    dead_letter_settings: Vec<(String, String)>,
     routes: Vec<Route<S>>,
     dead_letter_overrides: HashMap<String, String>,
     runtime: Settings,
@@ -56,11 +59,48 @@ impl<S> fmt::Debug for ConsumerBuilder<S> {
             .field("group_id", &self.group_id)
             .field("settings", &settings)
             .field(
+                "dead_letter_settings",
+                &redacted(&self.dead_letter_settings),
+            )
+            .field(
                 "topics",
                 &self.routes.iter().map(|r| &r.topic).collect::<Vec<_>>(),
             )
             .field("retry", &self.runtime.retry)
             .finish_non_exhaustive()
+    }
+}
+
+impl<S> ConsumerBuilder<S> {
+    /// The dead-letter producer's configuration: the shared settings (how to
+    /// reach and trust the brokers; the others are the consumer's), the
+    /// runtime's defaults, the dead-letter producer's own settings, then the
+    /// idempotence settings, which none of them can override.
+    fn dead_letter_producer_config(&self) -> Result<ClientConfig, Error> {
+        config::check_features(&self.dead_letter_settings)?;
+        let defaults = [
+            // librdkafka's own default (1,000,000 bytes) is below the
+            // broker's, so a message that fitted its topic could not be
+            // dead-lettered.
+            (
+                "message.max.bytes".to_owned(),
+                crate::dlq::MAX_DEAD_LETTER_BYTES.to_owned(),
+            ),
+            // One dead letter per request: dead letters are rare, and
+            // batched together they could exceed a limit each one fits.
+            ("batch.num.messages".to_owned(), "1".to_owned()),
+        ];
+        let settings = self
+            .client_settings
+            .iter()
+            .filter(|(k, _)| is_shared_setting(k))
+            .chain(&defaults)
+            .chain(&self.dead_letter_settings);
+        Ok(config::idempotent_producer_config(
+            &self.brokers,
+            settings,
+            self.runtime.dead_letter_timeout,
+        ))
     }
 }
 
@@ -71,6 +111,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             brokers: DEFAULT_BROKERS.to_owned(),
             group_id: None,
             client_settings: Vec::new(),
+            dead_letter_settings: Vec::new(),
             routes: Vec::new(),
             dead_letter_overrides: HashMap::new(),
             runtime: Settings::default(),
@@ -96,6 +137,20 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// overridden.
     pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.client_settings.push((key.into(), value.into()));
+        self
+    }
+
+    /// Passes a librdkafka setting to the dead-letter producer only, after
+    /// the shared ones (`linger.ms`, `compression.type`, a
+    /// `message.max.bytes` for topics that allow larger records...).
+    /// `enable.idempotence`, `acks` and `message.timeout.ms` stay the
+    /// runtime's.
+    pub fn dead_letter_producer_set(
+        mut self,
+        key: impl Into<String>,
+        value: impl Into<String>,
+    ) -> Self {
+        self.dead_letter_settings.push((key.into(), value.into()));
         self
     }
 
@@ -198,21 +253,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             self.group_id.as_deref(),
             &self.client_settings,
         )?;
-        // The dead-letter producer takes only the security and networking
-        // settings: the others are the consumer's.
-        let mut producer_config = config::idempotent_producer_config(
-            &self.brokers,
-            self.client_settings
-                .iter()
-                .filter(|(k, _)| is_shared_setting(k)),
-            self.runtime.dead_letter_timeout,
-        );
-        // librdkafka's own default (1,000,000 bytes) is below the broker's,
-        // so a message that fitted its topic could not be dead-lettered.
-        producer_config.set("message.max.bytes", crate::dlq::MAX_DEAD_LETTER_BYTES);
-        // One dead letter per request: dead letters are rare, and batched
-        // together they could exceed a topic's limit that each one fits.
-        producer_config.set("batch.num.messages", "1");
+        let producer_config = self.dead_letter_producer_config()?;
         let ConsumerBuilder {
             store,
             mut routes,
@@ -247,6 +288,27 @@ impl<S: DedupStore> ConsumerBuilder<S> {
 mod tests {
     use super::*;
     use dedup_core::MemoryStore;
+
+    #[test]
+    fn the_dead_letter_producer_gets_shared_settings_and_its_own() {
+        let b = Consumer::builder(MemoryStore::new())
+            .group_id("g")
+            .set("enable.ssl.certificate.verification", "false")
+            .set("fetch.min.bytes", "9")
+            .dead_letter_producer_set("linger.ms", "7")
+            .dead_letter_producer_set("message.max.bytes", "5000000")
+            .dead_letter_producer_set("enable.idempotence", "false");
+        let config = b.dead_letter_producer_config().unwrap();
+        assert_eq!(
+            config.get("enable.ssl.certificate.verification"),
+            Some("false")
+        );
+        assert_eq!(config.get("fetch.min.bytes"), None, "the consumer's");
+        assert_eq!(config.get("linger.ms"), Some("7"));
+        assert_eq!(config.get("message.max.bytes"), Some("5000000"));
+        assert_eq!(config.get("batch.num.messages"), Some("1"));
+        assert_eq!(config.get("enable.idempotence"), Some("true"));
+    }
 
     #[test]
     fn debug_hides_secrets() {

@@ -64,19 +64,29 @@ pub(crate) fn redacted(settings: &[(String, String)]) -> Vec<(&str, &str)> {
         .collect()
 }
 
-/// Client settings that apply to the dead-letter producer as well (security
-/// and networking), as opposed to consumer-only ones.
+/// Client settings that apply to the dead-letter producer as well (how to
+/// reach and trust the brokers: security, networking, protocol, logging), as
+/// opposed to consumer-only ones.
 pub(crate) fn is_shared_setting(key: &str) -> bool {
     [
         "security.",
         "sasl.",
         "ssl.",
+        "enable.ssl.",
+        "enable.sasl.",
+        "https.",
         "client.",
         "socket.",
         "broker.",
         "reconnect.",
+        "retry.backoff",
         "metadata.",
+        "topic.metadata.",
+        "api.version.",
+        "connections.max.idle.ms",
         "debug",
+        "log_level",
+        "log.",
     ]
     .iter()
     .any(|p| key.starts_with(p))
@@ -209,6 +219,24 @@ mod tests {
             assert!(!shown.contains(secret), "{shown}");
         }
         assert!(shown.contains("visible"), "{shown}");
+    }
+
+    #[test]
+    fn how_to_reach_and_trust_the_brokers_is_shared_with_the_dead_letter_producer() {
+        for key in [
+            "security.protocol",
+            "ssl.ca.location",
+            "enable.ssl.certificate.verification",
+            "https.ca.location",
+            "api.version.request",
+            "sasl.oauthbearer.token.endpoint.url",
+            "client.id",
+        ] {
+            assert!(is_shared_setting(key), "{key}");
+        }
+        for key in ["auto.offset.reset", "fetch.min.bytes", "group.instance.id"] {
+            assert!(!is_shared_setting(key), "{key}");
+        }
     }
 
     #[test]

@@ -106,6 +106,32 @@ pub async fn reclaim_after_expiry<S: DedupStore>(store: S) {
     );
 }
 
+/// Refreshing a claim inside its transaction restarts its TTL from the
+/// store's clock: a transaction that ran for most of its TTL does not commit
+/// a claim that is already (nearly) expired.
+pub async fn refresh_restarts_the_ttl<S: DedupStore>(store: S) {
+    let k = key("conformance", "refresh");
+    let mut tx = store.begin().await.expect("begin");
+    assert_eq!(
+        store.claim(&mut tx, &k, ttl(3)).await.expect("claim"),
+        Claim::Fresh
+    );
+    // A slow handler.
+    tokio::time::sleep(Duration::from_millis(2000)).await;
+    store
+        .refresh_claims(&mut tx, std::slice::from_ref(&k), ttl(3))
+        .await
+        .expect("refresh");
+    store.commit(tx).await.expect("commit");
+    // Past the claim's first expiry (3 s), well within the refreshed one.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let again = claim_committed(&store, &k, ttl(HOUR)).await;
+    assert!(
+        !again.is_claimed(),
+        "the refreshed claim must still be live, got {again:?}"
+    );
+}
+
 /// The same id in two scopes is two independent claims.
 pub async fn scope_isolation<S: DedupStore>(store: S) {
     let a = key("handler-a", "evt-1");
@@ -371,6 +397,7 @@ macro_rules! conformance_tests {
             exclusive_under_concurrency,
             duplicate_within_ttl,
             reclaim_after_expiry,
+            refresh_restarts_the_ttl,
             scope_isolation,
             rollback_releases_the_claim,
             second_claimer_waits_for_the_first,

@@ -1,7 +1,7 @@
 //! What `#[idempotent]` generates and the runtime calls.
 
 use std::future::Future;
-use std::time::SystemTime;
+use std::time::{Instant, SystemTime};
 
 use serde::de::DeserializeOwned;
 
@@ -203,6 +203,7 @@ pub trait HandlerExt: Handler {
                 return Ok(Vec::new());
             }
             let (keys, events): (Vec<DedupKey>, Vec<Self::Event>) = batch.into_iter().unzip();
+            let started = Instant::now();
             let mut tx = store.begin().await?;
             let claims = match store.claim_many(&mut tx, &keys, self.ttl()).await {
                 Ok(claims) => claims,
@@ -213,7 +214,8 @@ pub trait HandlerExt: Handler {
             };
             let mut outcomes = Vec::with_capacity(claims.len());
             let mut fresh = Vec::with_capacity(claims.len());
-            for (claim, event) in claims.into_iter().zip(events) {
+            let mut claimed = Vec::with_capacity(claims.len());
+            for ((claim, event), key) in claims.into_iter().zip(events).zip(&keys) {
                 match claim {
                     Claim::Duplicate { expires_at } => {
                         outcomes.push(Outcome::Skipped { expires_at })
@@ -223,6 +225,7 @@ pub trait HandlerExt: Handler {
                             reclaimed: claim == Claim::Reclaimed,
                         });
                         fresh.push(event);
+                        claimed.push(key.clone());
                     }
                 }
             }
@@ -233,7 +236,7 @@ pub trait HandlerExt: Handler {
                 rollback_quietly(store, tx, &keys[0]).await;
                 return Err(e.into_error(store));
             }
-            store.commit(tx).await?;
+            commit_claims(store, tx, &claimed, self.ttl(), started).await?;
             Ok(outcomes)
         }
     }
@@ -252,6 +255,7 @@ where
     S: DedupStore<Tx = H::Tx>,
 {
     tracing::Span::current().record("dedup.key", tracing::field::display(key));
+    let started = Instant::now();
     let mut tx = store.begin().await?;
     let claim = match store.claim(&mut tx, key, handler.ttl()).await {
         Ok(claim) => claim,
@@ -273,8 +277,31 @@ where
         rollback_quietly(store, tx, key).await;
         return Err(e.into_error(store));
     }
-    store.commit(tx).await?;
+    commit_claims(store, tx, std::slice::from_ref(key), handler.ttl(), started).await?;
     Ok(Outcome::Applied { reclaimed })
+}
+
+/// Commits `tx`. If it ran for half its TTL or more since it began (a slow
+/// handler, a long batch), its claims' TTL restarts first, on the store's
+/// clock: a claim counted from the start of the transaction could commit
+/// already expired, and the next duplicate would be applied again. (Under
+/// half the TTL, the claims commit with at least half of it left.)
+async fn commit_claims<S: DedupStore>(
+    store: &S,
+    mut tx: S::Tx,
+    claimed: &[DedupKey],
+    ttl: Ttl,
+    started: Instant,
+) -> Result<(), Error> {
+    if !claimed.is_empty() && started.elapsed() >= ttl.as_duration() / 2 {
+        tracing::debug!(elapsed = ?started.elapsed(), %ttl, "a long transaction: restarting its claims' TTL");
+        if let Err(e) = store.refresh_claims(&mut tx, claimed, ttl).await {
+            rollback_quietly(store, tx, &claimed[0]).await;
+            return Err(e.into());
+        }
+    }
+    store.commit(tx).await?;
+    Ok(())
 }
 
 /// Rolls back after a failure that is already being reported. A failed

@@ -293,6 +293,24 @@ impl DedupStore for MemoryStore {
         Ok(claims)
     }
 
+    async fn refresh_claims(
+        &self,
+        tx: &mut MemoryTx,
+        keys: &[DedupKey],
+        ttl: Ttl,
+    ) -> Result<(), StoreError> {
+        let mut state = self.lock();
+        let now = SystemTime::now() + state.clock_offset;
+        for key in keys {
+            if let Some(row) = state.rows.get_mut(key)
+                && row.writer == Some(tx.id)
+            {
+                row.expires_at = now + ttl.as_duration();
+            }
+        }
+        Ok(())
+    }
+
     async fn commit(&self, mut tx: MemoryTx) -> Result<(), StoreError> {
         self.finish(&mut tx, true);
         for effect in tx.on_commit.drain(..) {

@@ -81,6 +81,22 @@ pub trait DedupStore: Send + Sync + 'static {
         ttl: Ttl,
     ) -> impl Future<Output = Result<Vec<Claim>, StoreError>> + Send;
 
+    /// Restarts the TTL of claims that `tx` took, from the store's clock now:
+    /// `expires_at = now + ttl`. The protocol calls it before committing a
+    /// transaction that ran for half its TTL or more, so that a slow handler
+    /// does not commit a claim already (nearly) expired, which the next
+    /// duplicate would take over and apply again. The default does nothing:
+    /// claims keep the expiry they got when claimed.
+    fn refresh_claims(
+        &self,
+        tx: &mut Self::Tx,
+        keys: &[DedupKey],
+        ttl: Ttl,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (tx, keys, ttl);
+        std::future::ready(Ok(()))
+    }
+
     /// Commits `tx`: its claims and the handler's effects become visible.
     fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
 

@@ -83,6 +83,7 @@ struct Statements {
     claim_many: Arc<str>,
     expiry: Arc<str>,
     expiry_many: Arc<str>,
+    refresh: Arc<str>,
     purge: Arc<str>,
 }
 
@@ -121,6 +122,12 @@ impl Statements {
             "SELECT scope, key, {EXPIRES_MICROS} AS expires_us FROM {t} \
              WHERE (scope, key) IN (SELECT * FROM unnest($1::text[], $2::text[]))"
         );
+        // clock_timestamp(), not now(): now() is the transaction's start,
+        // which is what a long transaction must not count from.
+        let refresh = format!(
+            "UPDATE {t} SET expires_at = clock_timestamp() + $3 * interval '1 second' \
+             WHERE (scope, key) IN (SELECT * FROM unnest($1::text[], $2::text[]))"
+        );
         // Bounded, oldest first, skipping rows a running claim holds; the
         // outer condition re-checks expiry on the row version it deletes.
         let purge = format!(
@@ -138,6 +145,7 @@ impl Statements {
             claim_many: claim_many.into(),
             expiry: expiry.into(),
             expiry_many: expiry_many.into(),
+            refresh: refresh.into(),
             purge: purge.into(),
         })
     }
@@ -309,6 +317,24 @@ impl DedupStore for PgStore {
             }
         }
         Ok(batch.finish())
+    }
+
+    async fn refresh_claims(
+        &self,
+        tx: &mut PgTx,
+        keys: &[DedupKey],
+        ttl: Ttl,
+    ) -> Result<(), StoreError> {
+        let (scopes, ids): (Vec<&str>, Vec<&str>) =
+            keys.iter().map(|k| (k.scope(), k.id())).unzip();
+        sqlx::query(sql(&self.statements.refresh))
+            .bind(&scopes)
+            .bind(&ids)
+            .bind(ttl_seconds(ttl))
+            .execute(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        Ok(())
     }
 
     async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {

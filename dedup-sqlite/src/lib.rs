@@ -74,6 +74,7 @@ struct Statements {
     claim_many: Arc<str>,
     expiry: Arc<str>,
     expiry_many: Arc<str>,
+    refresh: Arc<str>,
     purge: Arc<str>,
 }
 
@@ -106,6 +107,10 @@ impl Statements {
             "SELECT scope, key, expires_at FROM {t} \
              WHERE (scope, key) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(?1))"
         );
+        let refresh = format!(
+            "UPDATE {t} SET expires_at = {NOW_US} + ?2 * 1000000 \
+             WHERE (scope, key) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(?1))"
+        );
         let purge = format!(
             "DELETE FROM {t} WHERE rowid IN \
              (SELECT rowid FROM {t} WHERE expires_at <= {NOW_US} ORDER BY expires_at LIMIT ?1)"
@@ -116,6 +121,7 @@ impl Statements {
             claim_many: claim_many.into(),
             expiry: expiry.into(),
             expiry_many: expiry_many.into(),
+            refresh: refresh.into(),
             purge: purge.into(),
         })
     }
@@ -283,6 +289,21 @@ impl DedupStore for SqliteStore {
             }
         }
         Ok(batch.finish())
+    }
+
+    async fn refresh_claims(
+        &self,
+        tx: &mut SqliteTx,
+        keys: &[DedupKey],
+        ttl: Ttl,
+    ) -> Result<(), StoreError> {
+        sqlx::query(sql(&self.statements.refresh))
+            .bind(json_pairs(keys.iter()))
+            .bind(ttl_seconds(ttl))
+            .execute(&mut **tx)
+            .await
+            .map_err(store_error)?;
+        Ok(())
     }
 
     async fn commit(&self, tx: SqliteTx) -> Result<(), StoreError> {

@@ -1183,3 +1183,37 @@ async fn an_unwritable_dead_letter_topic_stops_the_consumer(pool: PgPool) {
     assert!(err.to_string().contains("cannot be written"), "{err}");
     assert_eq!(stats.snapshot().dead_lettered, 0);
 }
+
+/// Slower than its own TTL: the claim taken at the start of the
+/// transaction would expire before the commit.
+#[idempotent(key = "event_id", ttl = "2s")]
+async fn record_payment_slower_than_its_ttl(
+    tx: &mut PgTx,
+    ev: PaymentReceived,
+) -> Result<(), sqlx::Error> {
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    credit(tx, &ev).await
+}
+
+/// A handler that runs longer than its TTL still commits a live claim (its
+/// TTL restarts at the commit), so the duplicate right behind it is skipped.
+#[sqlx::test(migrations = false)]
+async fn a_handler_slower_than_its_ttl_still_applies_once(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let producer = producer();
+    let event = payment(uuid::Uuid::new_v4(), "a", 5);
+    produce(&producer, &topic, "k", &event, None).await;
+    produce(&producer, &topic, "k", &event, None).await;
+    let running = start(
+        consumer(&store, &unique("g"))
+            .batch_size(1)
+            .handle(&topic, record_payment_slower_than_its_ttl),
+    );
+    running
+        .wait_for("applied, then skipped", |s| s.applied + s.skipped == 2)
+        .await;
+    let stats = running.stop().await;
+    assert_eq!((stats.applied, stats.skipped), (1, 1), "{stats}");
+    assert_eq!(balance(&pool).await, 5);
+}

@@ -248,6 +248,13 @@ impl<S: DedupStore> Consumer<S> {
                 tracing::warn!(error = %e, "pausing a partition failed");
                 partition.paused.store(false, Ordering::Release);
             }
+            // The worker may have drained the buffer between the send and
+            // the flag, seeing no pause to report: then nothing would ever
+            // resume the partition. Look again now that the flag is set.
+            let low_water = self.shared.settings.max_buffered_per_partition / 2;
+            if partition.queued.load(Ordering::Acquire) <= low_water {
+                self.resume(&partition.topic, partition.partition);
+            }
         }
         Ok(())
     }

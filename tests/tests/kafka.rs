@@ -1217,3 +1217,46 @@ async fn a_handler_slower_than_its_ttl_still_applies_once(pool: PgPool) {
     assert_eq!((stats.applied, stats.skipped), (1, 1), "{stats}");
     assert_eq!(balance(&pool).await, 5);
 }
+
+/// With the smallest buffer, fetching pauses and resumes for nearly every
+/// message; a worker that drains between the dispatcher's send and its
+/// pause must not leave the partition paused for good.
+#[sqlx::test(migrations = false)]
+async fn a_tiny_buffer_pauses_and_resumes_without_stalling(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let producer = producer();
+    let mut deliveries = Vec::new();
+    for _ in 0..300 {
+        let payload = payment(uuid::Uuid::new_v4(), "a", 1);
+        let record = FutureRecord::<str, [u8]>::to(&topic)
+            .key("k")
+            .payload(&payload);
+        deliveries.push(
+            producer
+                .send_result(record)
+                .map_err(|(e, _)| e)
+                .expect("queued"),
+        );
+    }
+    for delivery in deliveries {
+        delivery
+            .await
+            .expect("delivered")
+            .map_err(|(e, _)| e)
+            .expect("produced");
+    }
+    let running = start(
+        consumer(&store, &unique("g"))
+            .max_buffered_per_partition(2)
+            .batch_size(1)
+            // Each resume fetches again: do not wait long for data there.
+            .set("fetch.wait.max.ms", "10")
+            .handle(&topic, record_payment),
+    );
+    running
+        .wait_for("every event applied", |s| s.applied == 300)
+        .await;
+    running.stop().await;
+    assert_eq!(balance(&pool).await, 300);
+}

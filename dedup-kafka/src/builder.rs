@@ -228,6 +228,18 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self
     }
 
+    /// Longest one attempt at a message or a batch may take: begin, claim,
+    /// the handler body, commit (default 60 s, at least 1 ms). A database
+    /// that vanishes without closing its connections, or a downstream that
+    /// never answers, would otherwise hang the attempt for ever while the
+    /// partition is held. An attempt past it is abandoned (rolled back) and
+    /// retried as a transient failure; if its commit did go through, the
+    /// retry finds the claim and skips the event.
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.runtime.attempt_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
     /// How long shutdown waits for in-flight messages (default 30 s).
     pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
         self.runtime.shutdown_timeout = timeout;

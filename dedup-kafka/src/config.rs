@@ -22,6 +22,7 @@ pub(crate) struct Settings {
     pub(crate) commit_interval: Duration,
     pub(crate) shutdown_timeout: Duration,
     pub(crate) dead_letter_timeout: Duration,
+    pub(crate) attempt_timeout: Duration,
 }
 
 impl Default for Settings {
@@ -35,6 +36,7 @@ impl Default for Settings {
             commit_interval: Duration::from_secs(5),
             shutdown_timeout: Duration::from_secs(30),
             dead_letter_timeout: Duration::from_secs(30),
+            attempt_timeout: Duration::from_secs(60),
         }
     }
 }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use dedup_core::{Classification, DedupStore, Outcome};
+use dedup_core::{Classification, DedupStore, Outcome, StoreError};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
 use rdkafka::producer::FutureProducer;
@@ -100,7 +100,7 @@ impl<S: DedupStore> Shared<S> {
         &self,
         span: tracing::Span,
         call: impl FnOnce(Arc<S>) -> Fut,
-    ) -> Result<Fut::Output, JoinError>
+    ) -> Result<Fut::Output, RunFailure>
     where
         Fut: Future + Send + 'static,
         Fut::Output: Send + 'static,
@@ -108,9 +108,36 @@ impl<S: DedupStore> Shared<S> {
         // Held (not `let _ =`, which would release it at once) until the
         // task is joined.
         let _permit = self.permits.acquire().await.expect("never closed");
-        tokio::spawn(call(self.store.clone()).instrument(span)).await
+        let mut task = tokio::spawn(call(self.store.clone()).instrument(span));
+        let limit = self.settings.attempt_timeout;
+        match tokio::time::timeout(limit, &mut task).await {
+            Ok(joined) => joined.map_err(RunFailure::Panicked),
+            Err(_) => {
+                // Dropping the attempt's future rolls its transaction back.
+                task.abort();
+                let _ = task.await;
+                Err(RunFailure::TimedOut(limit))
+            }
+        }
     }
 }
+
+/// Why a handler call gave no outcome.
+#[derive(Debug)]
+pub(crate) enum RunFailure {
+    /// It panicked.
+    Panicked(JoinError),
+    /// It outlived the attempt timeout and was abandoned.
+    TimedOut(Duration),
+}
+
+/// An attempt that outlived the attempt timeout.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the attempt did not finish within {0:?} (a database or a downstream that hangs) and was \
+     abandoned; retrying: the claim tells whether its commit went through"
+)]
+struct AttemptTimedOut(Duration);
 
 /// A worker's end of its partition's queue. Every message the dispatcher
 /// counted in flight is counted out exactly once: when its batch is done,
@@ -321,7 +348,8 @@ async fn process_batch<S: DedupStore>(
             .await;
         match joined {
             Ok(result) => result.map_err(|e| e.to_string()),
-            Err(e) => Err(format!("the handler panicked: {e}")),
+            Err(RunFailure::Panicked(e)) => Err(format!("the handler panicked: {e}")),
+            Err(RunFailure::TimedOut(limit)) => Err(AttemptTimedOut(limit).to_string()),
         }
     };
     match committed {
@@ -477,7 +505,10 @@ async fn process<S: DedupStore>(
         };
         let outcome = match joined {
             Ok(outcome) => outcome,
-            Err(e) => {
+            Err(RunFailure::TimedOut(limit)) => Outcome::Failed(dedup_core::Error::Store(
+                StoreError::transient(AttemptTimedOut(limit)).with_code("attempt_timeout"),
+            )),
+            Err(RunFailure::Panicked(e)) => {
                 let why = DeadLetter {
                     topic: &route.dead_letter_topic,
                     kind: "panic",

@@ -1260,3 +1260,86 @@ async fn a_tiny_buffer_pauses_and_resumes_without_stalling(pool: PgPool) {
     running.stop().await;
     assert_eq!(balance(&pool).await, 300);
 }
+
+/// The backend the first attempt ran on, frozen by that attempt itself.
+static FROZEN_BACKEND: std::sync::Mutex<Option<i32>> = std::sync::Mutex::new(None);
+
+/// Freezes its own database backend (`kill -STOP`) on the first attempt, as
+/// a database host that vanishes without closing its connections does; the
+/// statement after it hangs.
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn record_payment_on_a_backend_that_hangs(
+    tx: &mut PgTx,
+    ev: PaymentReceived,
+) -> Result<(), sqlx::Error> {
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut **tx)
+        .await?;
+    let first = {
+        let mut frozen = FROZEN_BACKEND.lock().unwrap();
+        frozen.is_none().then(|| *frozen = Some(pid)).is_some()
+    };
+    if first {
+        let stopped = Command::new("kill")
+            .args(["-STOP", &pid.to_string()])
+            .status()
+            .expect("kill");
+        assert!(stopped.success(), "kill -STOP {pid}");
+    }
+    credit(tx, &ev).await
+}
+
+/// An attempt that hangs (its database backend frozen) is abandoned after
+/// the attempt timeout and retried; once the backend thaws, the event is
+/// applied exactly once.
+#[sqlx::test(migrations = false)]
+async fn a_hanging_attempt_is_abandoned_and_retried(pool: PgPool) {
+    /// Thaws the frozen backend however the test ends, so that it never
+    /// outlives the test holding its database.
+    struct Thaw;
+    impl Drop for Thaw {
+        fn drop(&mut self) {
+            let frozen = *FROZEN_BACKEND.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(pid) = frozen {
+                let _ = Command::new("kill")
+                    .args(["-CONT", &pid.to_string()])
+                    .status();
+            }
+        }
+    }
+    let _thaw = Thaw;
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let producer = producer();
+    produce(
+        &producer,
+        &topic,
+        "k",
+        &payment(uuid::Uuid::new_v4(), "a", 9),
+        None,
+    )
+    .await;
+    let running = start(
+        consumer(&store, &unique("g"))
+            .attempt_timeout(Duration::from_secs(2))
+            .retry(
+                RetryPolicy::default()
+                    .with_max_attempts(30)
+                    .with_backoff(Duration::from_millis(200), Duration::from_secs(1)),
+            )
+            .handle(&topic, record_payment_on_a_backend_that_hangs),
+    );
+    running
+        .wait_for("the hanging attempt retried", |s| s.retries >= 1)
+        .await;
+    let pid = FROZEN_BACKEND.lock().unwrap().expect("frozen");
+    let thawed = Command::new("kill")
+        .args(["-CONT", &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(thawed.success());
+    running.wait_for("applied", |s| s.applied == 1).await;
+    let stats = running.stop().await;
+    assert_eq!((stats.applied, stats.dead_lettered), (1, 0), "{stats}");
+    assert_eq!(balance(&pool).await, 9, "applied exactly once");
+}

@@ -233,8 +233,10 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// that vanishes without closing its connections, or a downstream that
     /// never answers, would otherwise hang the attempt for ever while the
     /// partition is held. An attempt past it is abandoned (rolled back) and
-    /// retried as a transient failure; if its commit did go through, the
-    /// retry finds the claim and skips the event.
+    /// the message waited out as a failure of the environment (never
+    /// dead-lettered for it); if its commit did go through, the retry finds
+    /// the claim and skips the event. Keep it under half the shortest TTL, so
+    /// that a commit abandoned in flight cannot land an expired claim.
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
         self.runtime.attempt_timeout = timeout.max(Duration::from_millis(1));
         self

@@ -232,7 +232,10 @@ impl<S: DedupStore> Consumer<S> {
             }
         };
         drop(partitions);
-        let queued = partition.queued.fetch_add(1, Ordering::AcqRel) + 1;
+        // SeqCst here and in the worker: each side writes one of `queued` and
+        // `paused` and then reads the other, which only sequential
+        // consistency guarantees one of them sees.
+        let queued = partition.queued.fetch_add(1, Ordering::SeqCst) + 1;
         self.shared.stats.add_in_flight(1);
         if partition.sender.send(msg).is_err() {
             // The worker is gone (stopping): the message stays unfinished and
@@ -241,7 +244,7 @@ impl<S: DedupStore> Consumer<S> {
             return Ok(());
         }
         if queued >= self.shared.settings.max_buffered_per_partition
-            && !partition.paused.swap(true, Ordering::AcqRel)
+            && !partition.paused.swap(true, Ordering::SeqCst)
         {
             // Stop fetching this partition only: the others keep flowing.
             if let Err(e) = self.shared.kafka.pause(&partition.tpl()) {
@@ -252,7 +255,7 @@ impl<S: DedupStore> Consumer<S> {
             // the flag, seeing no pause to report: then nothing would ever
             // resume the partition. Look again now that the flag is set.
             let low_water = self.shared.settings.max_buffered_per_partition / 2;
-            if partition.queued.load(Ordering::Acquire) <= low_water {
+            if partition.queued.load(Ordering::SeqCst) <= low_water {
                 self.resume(&partition.topic, partition.partition);
             }
         }

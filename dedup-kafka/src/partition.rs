@@ -115,12 +115,22 @@ impl<S: DedupStore> Shared<S> {
             Err(_) => {
                 // Dropping the attempt's future rolls its transaction back.
                 task.abort();
-                let _ = task.await;
+                // A handler that blocks without yielding cannot be stopped:
+                // go on without it (its claim lock keeps it from doubling).
+                if tokio::time::timeout(ABORT_GRACE, task).await.is_err() {
+                    tracing::warn!(
+                        ?limit,
+                        "an abandoned attempt did not stop (a handler that blocks its thread); going on without it"
+                    );
+                }
                 Err(RunFailure::TimedOut(limit))
             }
         }
     }
 }
+
+/// How long an abandoned attempt gets to stop.
+const ABORT_GRACE: Duration = Duration::from_secs(5);
 
 /// Why a handler call gave no outcome.
 #[derive(Debug)]
@@ -135,7 +145,7 @@ pub(crate) enum RunFailure {
 #[derive(Debug, thiserror::Error)]
 #[error(
     "the attempt did not finish within {0:?} (a database or a downstream that hangs) and was \
-     abandoned; retrying: the claim tells whether its commit went through"
+     abandoned; waiting it out: the claim tells whether its commit went through"
 )]
 struct AttemptTimedOut(Duration);
 
@@ -234,8 +244,8 @@ pub(crate) async fn worker<S: DedupStore>(
         if finished < batch.len() {
             break;
         }
-        let left = partition.queued.fetch_sub(batch.len(), Ordering::AcqRel) - batch.len();
-        if left <= low_water && partition.paused.load(Ordering::Acquire) {
+        let left = partition.queued.fetch_sub(batch.len(), Ordering::SeqCst) - batch.len();
+        if left <= low_water && partition.paused.load(Ordering::SeqCst) {
             let _ = shared
                 .drained
                 .send((partition.topic.clone(), partition.partition));
@@ -490,6 +500,10 @@ async fn process<S: DedupStore>(
     // error): bounded by the policy.
     let mut failures = 0;
     let mut outage = Outage::new(shared);
+    // An attempt of this message was abandoned: until its rollback reaches
+    // the database it holds the claim's lock, so the lock timeouts that
+    // follow are its doing, not contention, and must not use up attempts.
+    let mut abandoned = false;
     loop {
         attempt += 1;
         // The permit is held while the handler runs, not while backing off,
@@ -505,9 +519,14 @@ async fn process<S: DedupStore>(
         };
         let outcome = match joined {
             Ok(outcome) => outcome,
-            Err(RunFailure::TimedOut(limit)) => Outcome::Failed(dedup_core::Error::Store(
-                StoreError::transient(AttemptTimedOut(limit)).with_code("attempt_timeout"),
-            )),
+            Err(RunFailure::TimedOut(limit)) => {
+                // A frozen database makes attempts hang rather than fail: the
+                // environment's fault, waited out, never dead-lettered.
+                abandoned = true;
+                Outcome::Failed(dedup_core::Error::Store(
+                    StoreError::environment(AttemptTimedOut(limit)).with_code("attempt_timeout"),
+                ))
+            }
             Err(RunFailure::Panicked(e)) => {
                 let why = DeadLetter {
                     topic: &route.dead_letter_topic,
@@ -531,7 +550,10 @@ async fn process<S: DedupStore>(
                 tracing::info!(outcome = "skipped", "duplicate within the TTL");
                 return true;
             }
-            Outcome::Failed(e) if e.classification() == Classification::Environment => {
+            Outcome::Failed(e)
+                if e.classification() == Classification::Environment
+                    || (abandoned && e.classification() == Classification::Transient) =>
+            {
                 // Not the event's fault: wait it out, however long, with the
                 // partition paused; logged once at the start and the end.
                 shared.stats.retries.fetch_add(1, Ordering::Relaxed);

@@ -1322,16 +1322,23 @@ async fn a_hanging_attempt_is_abandoned_and_retried(pool: PgPool) {
     let running = start(
         consumer(&store, &unique("g"))
             .attempt_timeout(Duration::from_secs(2))
+            // Few attempts: the abandoned attempt's lock timeouts must not
+            // use them up.
             .retry(
                 RetryPolicy::default()
-                    .with_max_attempts(30)
-                    .with_backoff(Duration::from_millis(200), Duration::from_secs(1)),
+                    .with_max_attempts(2)
+                    .with_backoff(Duration::from_millis(200), Duration::from_secs(1))
+                    .with_outage_backoff(Duration::from_secs(1)),
             )
             .handle(&topic, record_payment_on_a_backend_that_hangs),
     );
     running
         .wait_for("the hanging attempt retried", |s| s.retries >= 1)
         .await;
+    // Frozen well past the attempt timeout, the lock timeout (5 s) and the
+    // two attempts: waited out, not dead-lettered.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    assert_eq!(running.stats.snapshot().dead_lettered, 0);
     let pid = FROZEN_BACKEND.lock().unwrap().expect("frozen");
     let thawed = Command::new("kill")
         .args(["-CONT", &pid.to_string()])

@@ -3,6 +3,7 @@
 # 127.0.0.1:9092 for the tests, fetched from Maven Central with Maven.
 #   scripts/kafka.sh start    # fetch if needed, format once, start, wait until it answers; no-op if running
 #   scripts/kafka.sh stop
+#   scripts/kafka.sh kill     # SIGKILL (a crashed broker), for tests
 #   scripts/kafka.sh status   # exit 0 if running
 # Everything lives under .kafka/: jars, data, server.log. A second broker (the
 # outbox outage test stops and restarts one of its own) takes another home and
@@ -121,9 +122,22 @@ stop() {
     rm -f "$PIDFILE"
 }
 
+# SIGKILL, as a crashed broker: for the tests that survive one.
+kill_hard() {
+    if [ -f "$PIDFILE" ]; then
+        kill -9 "$(cat "$PIDFILE")" 2>/dev/null || true
+        for _ in $(seq 1 60); do
+            kill -0 "$(cat "$PIDFILE")" 2>/dev/null || break
+            sleep 0.5
+        done
+    fi
+    rm -f "$PIDFILE"
+}
+
 case "${1:-start}" in
     start) start ;;
     stop) stop ;;
+    kill) kill_hard ;;
     status) running ;;
-    *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+    *) echo "usage: $0 start|stop|kill|status" >&2; exit 2 ;;
 esac

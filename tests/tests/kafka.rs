@@ -1350,3 +1350,64 @@ async fn a_hanging_attempt_is_abandoned_and_retried(pool: PgPool) {
     assert_eq!((stats.applied, stats.dead_lettered), (1, 0), "{stats}");
     assert_eq!(balance(&pool).await, 9, "applied exactly once");
 }
+
+/// A broker killed with SIGKILL mid-stream and started again: the consumer
+/// rides it out, and every event is applied exactly once (nothing lost,
+/// nothing doubled), none dead-lettered.
+#[sqlx::test(migrations = false)]
+async fn a_broker_killed_mid_stream_loses_and_doubles_nothing(pool: PgPool) {
+    let broker = common::OwnBroker::start("kill-test", 9194).await;
+    let store = store(&pool).await;
+    let topic = common::create_topic_with(&broker.address, 2, &[]).await;
+    let producer: FutureProducer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", &broker.address)
+        .set("enable.idempotence", "true")
+        .create()
+        .expect("producer");
+    let mut deliveries = Vec::new();
+    for i in 0..1000 {
+        let account = format!("acct-{}", i % 10);
+        let payload = payment(uuid::Uuid::new_v4(), &account, 1);
+        let record = FutureRecord::<str, [u8]>::to(&topic)
+            .key(&account)
+            .payload(&payload);
+        deliveries.push(
+            producer
+                .send_result(record)
+                .map_err(|(e, _)| e)
+                .expect("queued"),
+        );
+    }
+    for delivery in deliveries {
+        delivery
+            .await
+            .expect("delivered")
+            .map_err(|(e, _)| e)
+            .expect("produced");
+    }
+    let running = start(
+        consumer(&store, &unique("g"))
+            .brokers(&broker.address)
+            .batch_size(20)
+            .handle(&topic, record_payment_slowly),
+    );
+    running
+        .wait_for("part of the stream applied", |s| s.applied >= 100)
+        .await;
+    broker.run("kill").await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    broker.run("start").await;
+    running
+        .wait_for("every event applied after the broker's return", |s| {
+            s.applied == 1000
+        })
+        .await;
+    let stats = running.stop().await;
+    assert_eq!(stats.dead_lettered, 0, "{stats}");
+    assert_eq!(stats.applied, 1000, "{stats}");
+    assert_eq!(
+        balance(&pool).await,
+        1000,
+        "each event applied exactly once"
+    );
+}

@@ -18,8 +18,8 @@ use rdkafka::message::{Message as _, OwnedMessage};
 use sqlx::PgPool;
 
 use common::{
-    brokers, create_topic, create_topic_on, database_url, drain, example, header, last_line,
-    producer, unique,
+    OwnBroker, brokers, create_topic, create_topic_on, database_url, drain, example, header,
+    last_line, producer, unique,
 };
 
 /// A downstream service: deduplicates on the relay's `event-id` header and
@@ -347,63 +347,9 @@ async fn a_poison_event_holds_back_only_its_own_key(pool: PgPool) {
     assert!(!sequences.contains_key("stuck"), "nothing of the stuck key");
 }
 
-/// A broker of this test's own (its own data and ports), stopped on drop.
-struct OwnBroker {
-    env: [(&'static str, String); 2],
-    address: String,
-}
-
-impl OwnBroker {
-    fn script() -> std::path::PathBuf {
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka.sh")
-    }
-
-    async fn start() -> Self {
-        let home = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../.kafka/outage-test");
-        let broker = OwnBroker {
-            env: [
-                ("DEDUP_KAFKA_HOME", home.display().to_string()),
-                ("DEDUP_KAFKA_PORT", "9192".to_owned()),
-            ],
-            address: "127.0.0.1:9192".to_owned(),
-        };
-        // A fresh broker each run: one left over from a killed run is
-        // stopped, and earlier runs' topics do not slow its start.
-        broker.run("stop").await;
-        let _ = std::fs::remove_dir_all(home.join("data"));
-        broker.run("start").await;
-        broker
-    }
-
-    /// `kafka.sh <action>` for this broker.
-    fn command(&self, action: &str) -> Command {
-        let mut cmd = Command::new("bash");
-        cmd.arg(Self::script()).arg(action);
-        for (k, v) in &self.env {
-            cmd.env(k, v);
-        }
-        cmd
-    }
-
-    async fn run(&self, action: &'static str) {
-        let mut cmd = self.command(action);
-        let status = tokio::task::spawn_blocking(move || cmd.status())
-            .await
-            .expect("join")
-            .expect("kafka.sh");
-        assert!(status.success(), "kafka.sh {action} failed");
-    }
-}
-
-impl Drop for OwnBroker {
-    fn drop(&mut self) {
-        let _ = self.command("stop").status();
-    }
-}
-
 #[sqlx::test(migrations = false)]
 async fn the_relay_catches_up_after_the_broker_comes_back(pool: PgPool) {
-    let broker = OwnBroker::start().await;
+    let broker = OwnBroker::start("outage-test", 9192).await;
     let source = migrated_outbox(&pool).await;
     let topic = create_topic_on(&broker.address, 2).await;
     let keys = ["a", "b", "c", "d", "e"];

@@ -169,3 +169,64 @@ pub async fn drain(builder: ConsumerBuilder<PgStore>, idle: Duration) -> StatsSn
         .await
         .expect("consumer ran")
 }
+
+/// A broker of a test's own (its own data and ports), stopped on drop: for
+/// tests that stop or kill a broker, so the tests beside them never notice.
+pub struct OwnBroker {
+    env: [(&'static str, String); 2],
+    /// Its `bootstrap.servers`.
+    pub address: String,
+}
+
+impl OwnBroker {
+    fn script() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka.sh")
+    }
+
+    /// Starts a fresh broker in `.kafka/<name>` on `port` (its controller on
+    /// `port + 1`); each test that uses one takes its own name and port.
+    pub async fn start(name: &str, port: u16) -> Self {
+        let home = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../.kafka")
+            .join(name);
+        let broker = OwnBroker {
+            env: [
+                ("DEDUP_KAFKA_HOME", home.display().to_string()),
+                ("DEDUP_KAFKA_PORT", port.to_string()),
+            ],
+            address: format!("127.0.0.1:{port}"),
+        };
+        // A fresh broker each run: one left over from a killed run is
+        // stopped, and earlier runs' topics do not slow its start.
+        broker.run("stop").await;
+        let _ = std::fs::remove_dir_all(home.join("data"));
+        broker.run("start").await;
+        broker
+    }
+
+    /// `kafka.sh <action>` for this broker.
+    fn command(&self, action: &str) -> Command {
+        let mut cmd = Command::new("bash");
+        cmd.arg(Self::script()).arg(action);
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        cmd
+    }
+
+    /// Runs `kafka.sh <action>` (`start`, `stop`, `kill`) for this broker.
+    pub async fn run(&self, action: &'static str) {
+        let mut cmd = self.command(action);
+        let status = tokio::task::spawn_blocking(move || cmd.status())
+            .await
+            .expect("join")
+            .expect("kafka.sh");
+        assert!(status.success(), "kafka.sh {action} failed");
+    }
+}
+
+impl Drop for OwnBroker {
+    fn drop(&mut self) {
+        let _ = self.command("stop").status();
+    }
+}

@@ -121,6 +121,18 @@ pub(crate) fn consumer_config(
     Ok(config)
 }
 
+/// The features the linked librdkafka was built with (`gzip,snappy,...`),
+/// read once.
+pub(crate) fn builtin_features() -> &'static str {
+    static FEATURES: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    FEATURES.get_or_init(|| {
+        ClientConfig::new()
+            .create_native_config()
+            .and_then(|native| native.get("builtin.features"))
+            .unwrap_or_default()
+    })
+}
+
 /// Refuses settings that need a librdkafka feature this build lacks, with
 /// the remedy: TLS and the SASL mechanisms built on OpenSSL are the `ssl`
 /// cargo feature, off by default so that a plain build needs no OpenSSL.
@@ -128,11 +140,7 @@ pub(crate) fn consumer_config(
 pub(crate) fn check_features(settings: &[(String, String)]) -> Result<(), Error> {
     const REMEDY: &str = "this build of librdkafka has no OpenSSL: enable dedup-kafka's `ssl` \
         feature (links the system OpenSSL; needs libssl-dev) or `ssl-vendored` (builds it; needs perl)";
-    let builtin = ClientConfig::new()
-        .create_native_config()
-        .and_then(|native| native.get("builtin.features"))
-        .unwrap_or_default();
-    let has = |feature: &str| builtin.split(',').any(|f| f == feature);
+    let has = |feature: &str| builtin_features().split(',').any(|f| f == feature);
     for (key, value) in settings {
         let value = value.to_ascii_lowercase();
         let needs = match key.as_str() {
@@ -271,11 +279,7 @@ mod tests {
     /// build no longer needs system headers, so check what it linked.
     #[test]
     fn the_linked_librdkafka_decodes_every_compression_codec() {
-        let native = ClientConfig::new()
-            .create_native_config()
-            .expect("native config");
-        let features = native.get("builtin.features").expect("builtin.features");
-        let features: Vec<&str> = features.split(',').collect();
+        let features: Vec<&str> = builtin_features().split(',').collect();
         for codec in ["gzip", "snappy", "lz4", "zstd"] {
             assert!(features.contains(&codec), "{codec} missing: {features:?}");
         }

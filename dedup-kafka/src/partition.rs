@@ -448,13 +448,7 @@ async fn dead_letter_unprepared<S: DedupStore>(
         Unprepared::Error(e) => (e.kind(), error_chain(e)),
         Unprepared::Panic(message) => ("panic", message.clone()),
     };
-    let why = DeadLetter {
-        topic: &route.dead_letter_topic,
-        kind,
-        message,
-        attempts: 1,
-        handler: route.handler.scope(),
-    };
+    let why = route.dead_letter(kind, message, 1);
     dead_letter(shared, partition, msg, why, jitter)
         .instrument(message_span(msg))
         .await
@@ -528,13 +522,7 @@ async fn process<S: DedupStore>(
                 ))
             }
             Err(RunFailure::Panicked(e)) => {
-                let why = DeadLetter {
-                    topic: &route.dead_letter_topic,
-                    kind: "panic",
-                    message: format!("the handler panicked: {e}"),
-                    attempts: attempt,
-                    handler: route.handler.scope(),
-                };
+                let why = route.dead_letter("panic", format!("the handler panicked: {e}"), attempt);
                 return dead_letter(shared, partition, msg, why, jitter).await;
             }
         };
@@ -554,8 +542,9 @@ async fn process<S: DedupStore>(
                 if e.classification() == Classification::Environment
                     || (abandoned && e.classification() == Classification::Transient) =>
             {
-                // Not the event's fault: wait it out, however long, with the
-                // partition paused; logged once at the start and the end.
+                // Not the event's fault: wait it out, however long (the
+                // partition's buffer fills and its fetching pauses); logged
+                // once at the start and the end.
                 shared.stats.retries.fetch_add(1, Ordering::Relaxed);
                 let wait = outage.failed(&e, &policy, jitter);
                 tracing::debug!(outcome = "waiting", attempt, ?wait, kind = e.kind(), error = %e);
@@ -576,13 +565,7 @@ async fn process<S: DedupStore>(
                 }
             }
             Outcome::Failed(e) => {
-                let why = DeadLetter {
-                    topic: &route.dead_letter_topic,
-                    kind: e.kind(),
-                    message: error_chain(&e),
-                    attempts: attempt,
-                    handler: route.handler.scope(),
-                };
+                let why = route.dead_letter(e.kind(), error_chain(&e), attempt);
                 return dead_letter(shared, partition, msg, why, jitter).await;
             }
         }

@@ -15,6 +15,24 @@ pub(crate) struct Route<S> {
     pub(crate) dead_letter_topic: String,
 }
 
+impl<S: 'static> Route<S> {
+    /// Why a message of this route is dead-lettered.
+    pub(crate) fn dead_letter(
+        &self,
+        kind: &'static str,
+        message: String,
+        attempts: u32,
+    ) -> crate::dlq::DeadLetter<'_> {
+        crate::dlq::DeadLetter {
+            topic: &self.dead_letter_topic,
+            kind,
+            message,
+            attempts,
+            handler: self.handler.scope(),
+        }
+    }
+}
+
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
 /// A decoded event whose type only its handler knows.

@@ -98,10 +98,7 @@ pub fn classify_sqlx<D: Dialect>(e: &sqlx::Error) -> Classification {
 /// A sqlx error as the core's [`StoreError`], classified and carrying the
 /// database's code.
 pub fn store_error<D: Dialect>(e: sqlx::Error) -> StoreError {
-    let code = match &e {
-        sqlx::Error::Database(db) => db.code().map(|c| D::code_label(&c)),
-        _ => None,
-    };
+    let code = code_of::<D>(&e);
     let err = StoreError::classified(classify_sqlx::<D>(&e), e);
     match code {
         Some(code) => err.with_code(code),
@@ -113,9 +110,8 @@ pub fn store_error<D: Dialect>(e: sqlx::Error) -> StoreError {
 /// backends: the first sqlx error in `error`'s source chain decides;
 /// without one it is not the store's error.
 pub fn classify<D: Dialect>(error: &(dyn StdError + 'static)) -> Classification {
-    let mut chain = std::iter::successors(Some(error), |&e| e.source());
-    chain
-        .find_map(|e| e.downcast_ref::<sqlx::Error>())
+    sqlx_errors(error)
+        .next()
         .map_or(Classification::Unknown, classify_sqlx::<D>)
 }
 
@@ -123,12 +119,21 @@ pub fn classify<D: Dialect>(error: &(dyn StdError + 'static)) -> Classification 
 /// backends: the code of the first database error in `error`'s source
 /// chain, as `D` labels it.
 pub fn error_code<D: Dialect>(error: &(dyn StdError + 'static)) -> Option<String> {
-    std::iter::successors(Some(error), |&e| e.source()).find_map(|e| {
-        match e.downcast_ref::<sqlx::Error>() {
-            Some(sqlx::Error::Database(db)) => db.code().map(|c| D::code_label(&c)),
-            _ => None,
-        }
-    })
+    sqlx_errors(error).find_map(code_of::<D>)
+}
+
+/// The sqlx errors in `error`'s source chain, itself first.
+fn sqlx_errors<'a>(error: &'a (dyn StdError + 'static)) -> impl Iterator<Item = &'a sqlx::Error> {
+    std::iter::successors(Some(error), |&e| e.source())
+        .filter_map(|e| e.downcast_ref::<sqlx::Error>())
+}
+
+/// A database error's code, as `D` labels it.
+fn code_of<D: Dialect>(e: &sqlx::Error) -> Option<String> {
+    match e {
+        sqlx::Error::Database(db) => db.code().map(|c| D::code_label(&c)),
+        _ => None,
+    }
 }
 
 #[cfg(test)]

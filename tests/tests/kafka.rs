@@ -42,6 +42,33 @@ async fn produce(
         .expect("produced");
 }
 
+/// Produces every `(key, payload)` without waiting for each in turn, then
+/// waits until all are acknowledged.
+async fn produce_all(
+    producer: &FutureProducer,
+    topic: &str,
+    records: impl IntoIterator<Item = (String, Vec<u8>)>,
+) {
+    let mut deliveries = Vec::new();
+    for (key, payload) in records {
+        let record = FutureRecord::<str, [u8]>::to(topic)
+            .key(&key)
+            .payload(&payload);
+        let delivery = producer
+            .send_result(record)
+            .map_err(|(e, _)| e)
+            .expect("queued");
+        deliveries.push(delivery);
+    }
+    for delivery in deliveries {
+        delivery
+            .await
+            .expect("delivered")
+            .map_err(|(e, _)| e)
+            .expect("produced");
+    }
+}
+
 #[idempotent(key = "event_id", ttl = "4h")]
 async fn record_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), sqlx::Error> {
     credit(tx, &ev).await
@@ -972,30 +999,15 @@ async fn malformed_messages_do_not_slow_their_batches(pool: PgPool) {
     let store = store(&pool).await;
     let topic = create_topic(1).await;
     let producer = producer();
-    let mut deliveries = Vec::new();
-    for i in 0..2000 {
+    let records = (0..2000).map(|i| {
         let payload = if i % 100 == 99 {
             b"{not json".to_vec()
         } else {
             payment(uuid::Uuid::new_v4(), "a", 1)
         };
-        let record = FutureRecord::<str, [u8]>::to(&topic)
-            .key("k")
-            .payload(&payload);
-        deliveries.push(
-            producer
-                .send_result(record)
-                .map_err(|(e, _)| e)
-                .expect("queued"),
-        );
-    }
-    for delivery in deliveries {
-        delivery
-            .await
-            .expect("delivered")
-            .map_err(|(e, _)| e)
-            .expect("produced");
-    }
+        ("k".to_owned(), payload)
+    });
+    produce_all(&producer, &topic, records).await;
     let running = start(consumer(&store, &unique("g")).handle(&topic, record_payment));
     running
         .wait_for("1,980 applied and 20 dead-lettered", |s| {
@@ -1226,26 +1238,8 @@ async fn a_tiny_buffer_pauses_and_resumes_without_stalling(pool: PgPool) {
     let store = store(&pool).await;
     let topic = create_topic(1).await;
     let producer = producer();
-    let mut deliveries = Vec::new();
-    for _ in 0..300 {
-        let payload = payment(uuid::Uuid::new_v4(), "a", 1);
-        let record = FutureRecord::<str, [u8]>::to(&topic)
-            .key("k")
-            .payload(&payload);
-        deliveries.push(
-            producer
-                .send_result(record)
-                .map_err(|(e, _)| e)
-                .expect("queued"),
-        );
-    }
-    for delivery in deliveries {
-        delivery
-            .await
-            .expect("delivered")
-            .map_err(|(e, _)| e)
-            .expect("produced");
-    }
+    let records = (0..300).map(|_| ("k".to_owned(), payment(uuid::Uuid::new_v4(), "a", 1)));
+    produce_all(&producer, &topic, records).await;
     let running = start(
         consumer(&store, &unique("g"))
             .max_buffered_per_partition(2)
@@ -1359,32 +1353,13 @@ async fn a_broker_killed_mid_stream_loses_and_doubles_nothing(pool: PgPool) {
     let broker = common::OwnBroker::start("kill-test", 9194).await;
     let store = store(&pool).await;
     let topic = common::create_topic_with(&broker.address, 2, &[]).await;
-    let producer: FutureProducer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", &broker.address)
-        .set("enable.idempotence", "true")
-        .create()
-        .expect("producer");
-    let mut deliveries = Vec::new();
-    for i in 0..1000 {
+    let producer = common::producer_on(&broker.address);
+    let records = (0..1000).map(|i| {
         let account = format!("acct-{}", i % 10);
         let payload = payment(uuid::Uuid::new_v4(), &account, 1);
-        let record = FutureRecord::<str, [u8]>::to(&topic)
-            .key(&account)
-            .payload(&payload);
-        deliveries.push(
-            producer
-                .send_result(record)
-                .map_err(|(e, _)| e)
-                .expect("queued"),
-        );
-    }
-    for delivery in deliveries {
-        delivery
-            .await
-            .expect("delivered")
-            .map_err(|(e, _)| e)
-            .expect("produced");
-    }
+        (account, payload)
+    });
+    produce_all(&producer, &topic, records).await;
     let running = start(
         consumer(&store, &unique("g"))
             .brokers(&broker.address)

@@ -57,8 +57,13 @@ pub async fn create_topic_with(brokers: &str, partitions: i32, configs: &[(&str,
 }
 
 pub fn producer() -> FutureProducer {
+    producer_on(&brokers())
+}
+
+/// An idempotent producer for the broker at `brokers`.
+pub fn producer_on(brokers: &str) -> FutureProducer {
     ClientConfig::new()
-        .set("bootstrap.servers", brokers())
+        .set("bootstrap.servers", brokers)
         .set("enable.idempotence", "true")
         .create()
         .expect("producer")

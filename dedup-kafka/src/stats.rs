@@ -102,8 +102,7 @@ impl Stats {
     /// attempt).
     pub(crate) fn enter_outage(&self, error: &dyn fmt::Display) {
         if self.waiting_out.fetch_add(1, Ordering::AcqRel) == 0 {
-            let now = self.started.elapsed().as_millis() as u64;
-            self.outage_since_ms.store(now, Ordering::Release);
+            self.outage_since_ms.store(self.now_ms(), Ordering::Release);
             self.outages.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(
                 %error,
@@ -117,11 +116,7 @@ impl Stats {
     /// outage's end.
     pub(crate) fn leave_outage(&self) {
         if self.waiting_out.fetch_sub(1, Ordering::AcqRel) == 1 {
-            let since = self.outage_since_ms.load(Ordering::Acquire);
-            let lasted = self
-                .started
-                .elapsed()
-                .saturating_sub(Duration::from_millis(since));
+            let lasted = self.since(self.outage_since_ms.load(Ordering::Acquire));
             tracing::info!(?lasted, "the environment answers again: outage over");
         }
     }
@@ -138,11 +133,20 @@ impl Stats {
         }
         match self.last_activity_ms.load(Ordering::Relaxed) {
             u64::MAX => Duration::ZERO,
-            last => self
-                .started
-                .elapsed()
-                .saturating_sub(Duration::from_millis(last)),
+            last => self.since(last),
         }
+    }
+
+    /// Milliseconds since `started`: how the stamps above are kept.
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// How long ago a stamp taken with [`now_ms`](Self::now_ms) was.
+    fn since(&self, stamp_ms: u64) -> Duration {
+        self.started
+            .elapsed()
+            .saturating_sub(Duration::from_millis(stamp_ms))
     }
 
     /// Messages received and not yet finished (applied, skipped or
@@ -161,7 +165,7 @@ impl Stats {
 
     /// Activity now: idleness counts from here.
     pub(crate) fn touch(&self) {
-        let now = self.started.elapsed().as_millis() as u64;
+        let now = self.now_ms();
         let _ = self
             .last_activity_ms
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {

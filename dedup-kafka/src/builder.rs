@@ -325,6 +325,15 @@ mod tests {
     }
 
     #[test]
+    fn a_zero_commit_interval_is_clamped() {
+        // tokio's interval panics on a zero period.
+        let b = Consumer::builder(MemoryStore::new()).commit_interval(Duration::ZERO);
+        assert_eq!(b.runtime.commit_interval, Duration::from_millis(1));
+        let b = Consumer::builder(MemoryStore::new()).attempt_timeout(Duration::ZERO);
+        assert_eq!(b.runtime.attempt_timeout, Duration::from_millis(1));
+    }
+
+    #[test]
     fn debug_hides_secrets() {
         let b = Consumer::builder(MemoryStore::new())
             .group_id("g")

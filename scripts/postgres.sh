@@ -5,9 +5,14 @@
 #   scripts/postgres.sh start   # then: export DATABASE_URL=$(scripts/postgres.sh url)
 #   scripts/postgres.sh url
 #   scripts/postgres.sh stop
+#   scripts/postgres.sh kill   # the server gone at once, as in a crash
+#   scripts/postgres.sh drop   # stop and delete the cluster
+# A test that stops PostgreSQL runs a cluster of its own, so the tests beside
+# it never notice: DEDUP_PG_CLUSTER=<name> PGPORT=<port> scripts/postgres.sh start
 set -euo pipefail
 
 PGPORT="${PGPORT:-5432}"
+CLUSTER="${DEDUP_PG_CLUSTER:-main}"
 URL="postgres://dedup:dedup@127.0.0.1:${PGPORT}/dedup"
 
 as_postgres() {
@@ -32,11 +37,11 @@ start() {
     fi
     local version
     version="$(server_version)"
-    if ! pg_lsclusters -h | awk '{print $1" "$2}' | grep -qx "$version main"; then
-        pg_createcluster "$version" main --port "$PGPORT" >/dev/null
+    if ! pg_lsclusters -h | awk '{print $1" "$2}' | grep -qx "$version $CLUSTER"; then
+        pg_createcluster "$version" "$CLUSTER" --port "$PGPORT" >/dev/null
     fi
-    if ! pg_lsclusters -h | awk -v v="$version" '$1==v && $2=="main" {print $4}' | grep -q online; then
-        pg_ctlcluster "$version" main start
+    if ! pg_lsclusters -h | awk -v v="$version" -v c="$CLUSTER" '$1==v && $2==c {print $4}' | grep -q online; then
+        pg_ctlcluster "$version" "$CLUSTER" start
     fi
     for _ in $(seq 1 60); do
         pg_isready -q -h 127.0.0.1 -p "$PGPORT" && break
@@ -60,6 +65,12 @@ SQL
 case "${1:-start}" in
     start) start ;;
     url) echo "$URL" ;;
-    stop) pg_ctlcluster "$(server_version)" main stop ;;
-    *) echo "usage: $0 start|url|stop" >&2; exit 2 ;;
+    stop) pg_ctlcluster "$(server_version)" "$CLUSTER" stop --mode fast ;;
+    kill) pg_ctlcluster "$(server_version)" "$CLUSTER" stop --mode immediate ;;
+    drop)
+        if pg_lsclusters -h | awk '{print $1" "$2}' | grep -qx "$(server_version) $CLUSTER"; then
+            pg_dropcluster --stop "$(server_version)" "$CLUSTER"
+        fi
+        ;;
+    *) echo "usage: $0 start|url|stop|kill|drop" >&2; exit 2 ;;
 esac

@@ -49,6 +49,7 @@ impl RebalanceContext {
             Rebalance::Assign(tpl) => {
                 // Idleness counts from having partitions, not from start-up.
                 self.stats.touch();
+                self.stats.assignments.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(
                     partitions = tpl.count(),
                     "partitions assigned; resuming from committed offsets"

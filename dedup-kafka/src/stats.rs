@@ -14,6 +14,7 @@ pub struct Stats {
     pub(crate) batches: AtomicU64,
     pub(crate) batch_replays: AtomicU64,
     pub(crate) outages: AtomicU64,
+    pub(crate) assignments: AtomicU64,
     /// Partitions waiting out a failure of the environment right now.
     waiting_out: AtomicU64,
     /// When the current outage began, in milliseconds since `started`.
@@ -48,6 +49,10 @@ pub struct StatsSnapshot {
     /// read-only, full...) waited out, counted once however many partitions
     /// waited.
     pub outages: u64,
+    /// Partition assignments received from the group (1 for a consumer that
+    /// joined once and never left; more after rebalances, or after it was
+    /// dropped from its group and rejoined).
+    pub assignments: u64,
 }
 
 impl fmt::Display for StatsSnapshot {
@@ -70,6 +75,7 @@ impl Stats {
             batches: AtomicU64::new(0),
             batch_replays: AtomicU64::new(0),
             outages: AtomicU64::new(0),
+            assignments: AtomicU64::new(0),
             waiting_out: AtomicU64::new(0),
             outage_since_ms: AtomicU64::new(0),
             started: Instant::now(),
@@ -88,6 +94,7 @@ impl Stats {
             batches: self.batches.load(Ordering::Relaxed),
             batch_replays: self.batch_replays.load(Ordering::Relaxed),
             outages: self.outages.load(Ordering::Relaxed),
+            assignments: self.assignments.load(Ordering::Relaxed),
         }
     }
 

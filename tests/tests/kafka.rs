@@ -1386,3 +1386,123 @@ async fn a_broker_killed_mid_stream_loses_and_doubles_nothing(pool: PgPool) {
         "each event applied exactly once"
     );
 }
+
+/// A payment numbered within its account, so the order of applying shows.
+#[derive(Debug, serde::Deserialize)]
+struct NumberedPayment {
+    event_id: String,
+    account_id: String,
+    seq: i64,
+}
+
+/// Records each payment as a row; `n` is the order of applying.
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn record_numbered(tx: &mut PgTx, ev: NumberedPayment) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO applied (account, seq) VALUES ($1, $2)")
+        .bind(&ev.account_id)
+        .bind(ev.seq)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// PostgreSQL stopped for 60 s while 2,000 events stream through 4
+/// partitions: the consumer waits it out without leaving its group, and once
+/// the database is back every event is applied exactly once, in order within
+/// its partition, and none is dead-lettered. The database is a cluster of
+/// the test's own, so the tests beside it never notice.
+#[tokio::test]
+async fn a_database_stopped_for_a_minute_is_waited_out_in_order() {
+    const ACCOUNTS: i64 = 20;
+    const EVENTS: i64 = 2000;
+    let pg = common::OwnPostgres::start("outage-kafka", 5442).await;
+    // The pool as a service would make it: default settings.
+    let pool = PgPool::connect(&pg.url).await.expect("own database");
+    let store = store(&pool).await;
+    sqlx::query(
+        "CREATE TABLE applied (n bigserial PRIMARY KEY, account text NOT NULL, seq bigint NOT NULL)",
+    )
+    .execute(&pool)
+    .await
+    .expect("create applied");
+    let topic = create_topic(4).await;
+    let producer = producer();
+    let events = |range: std::ops::Range<i64>| {
+        range.map(|i| {
+            let account = format!("acct-{}", i % ACCOUNTS);
+            let payload = serde_json::json!({
+                "event_id": uuid::Uuid::new_v4(),
+                "account_id": account,
+                "seq": i / ACCOUNTS + 1,
+            });
+            (account, payload.to_string().into_bytes())
+        })
+    };
+    produce_all(&producer, &topic, events(0..800)).await;
+    let running = start(
+        consumer(&store, &unique("g"))
+            .retry(
+                RetryPolicy::default()
+                    .with_backoff(Duration::from_millis(20), Duration::from_millis(200))
+                    .with_outage_backoff(Duration::from_secs(5)),
+            )
+            .batch_size(20)
+            .handle(&topic, record_numbered),
+    );
+    running
+        .wait_for("part of the stream applied", |s| s.applied >= 200)
+        .await;
+
+    pg.run("stop").await;
+    let stopped = Instant::now();
+    // The rest of the stream arrives while the database is down.
+    produce_all(&producer, &topic, events(800..EVENTS)).await;
+    tokio::time::sleep(Duration::from_secs(60).saturating_sub(stopped.elapsed())).await;
+    let during = running.stats.snapshot();
+    assert_eq!(
+        during.dead_lettered, 0,
+        "an outage is not the events' fault: {during:?}"
+    );
+    assert_eq!(during.outages, 1, "one outage: {during:?}");
+    assert!(
+        running.stats.waiting_out() >= 1,
+        "waiting it out: {during:?}"
+    );
+    assert!(during.applied < EVENTS as u64, "{during:?}");
+
+    pg.run("start").await;
+    running
+        .wait_for("every event applied after the database's return", |s| {
+            s.applied == EVENTS as u64
+        })
+        .await;
+    assert_eq!(running.stats.waiting_out(), 0, "the outage is over");
+    let stats = running.stop().await;
+    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    assert_eq!(stats.applied, EVENTS as u64, "{stats:?}");
+    assert_eq!(
+        stats.assignments, 1,
+        "the consumer stayed in its group throughout: {stats:?}"
+    );
+
+    let (rows, distinct): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT (account, seq)) FROM applied")
+            .fetch_one(&pool)
+            .await
+            .expect("counts");
+    assert_eq!(
+        (rows, distinct),
+        (EVENTS, EVENTS),
+        "each event applied exactly once"
+    );
+    // Each account is one key, so one partition: its events in order.
+    let out_of_order: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT seq, lag(seq) OVER (PARTITION BY account ORDER BY n) AS prev \
+         FROM applied) t WHERE seq <> coalesce(prev, 0) + 1",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("order");
+    assert_eq!(out_of_order, 0, "applied in order within each partition");
+    pool.close().await;
+}

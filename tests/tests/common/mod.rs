@@ -175,19 +175,46 @@ pub async fn drain(builder: ConsumerBuilder<PgStore>, idle: Duration) -> StatsSn
         .expect("consumer ran")
 }
 
+/// A service that `scripts/<name>.sh` runs with the environment `env`:
+/// one of a test's own.
+struct Script {
+    name: &'static str,
+    env: Vec<(&'static str, String)>,
+}
+
+impl Script {
+    fn command(&self, action: &str) -> Command {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../scripts")
+            .join(format!("{}.sh", self.name));
+        let mut cmd = Command::new("bash");
+        cmd.arg(path).arg(action);
+        for (k, v) in &self.env {
+            cmd.env(k, v);
+        }
+        cmd
+    }
+
+    /// Runs `<name>.sh <action>`, failing the test if it fails.
+    async fn run(&self, action: &str) {
+        let mut cmd = self.command(action);
+        let status = tokio::task::spawn_blocking(move || cmd.status())
+            .await
+            .expect("join")
+            .expect("script");
+        assert!(status.success(), "{}.sh {action} failed", self.name);
+    }
+}
+
 /// A broker of a test's own (its own data and ports), stopped on drop: for
 /// tests that stop or kill a broker, so the tests beside them never notice.
 pub struct OwnBroker {
-    env: [(&'static str, String); 2],
+    script: Script,
     /// Its `bootstrap.servers`.
     pub address: String,
 }
 
 impl OwnBroker {
-    fn script() -> std::path::PathBuf {
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka.sh")
-    }
-
     /// Starts a fresh broker in `.kafka/<name>` on `port` (its controller on
     /// `port + 1`); each test that uses one takes its own name and port.
     pub async fn start(name: &str, port: u16) -> Self {
@@ -195,10 +222,13 @@ impl OwnBroker {
             .join("../.kafka")
             .join(name);
         let broker = OwnBroker {
-            env: [
-                ("DEDUP_KAFKA_HOME", home.display().to_string()),
-                ("DEDUP_KAFKA_PORT", port.to_string()),
-            ],
+            script: Script {
+                name: "kafka",
+                env: vec![
+                    ("DEDUP_KAFKA_HOME", home.display().to_string()),
+                    ("DEDUP_KAFKA_PORT", port.to_string()),
+                ],
+            },
             address: format!("127.0.0.1:{port}"),
         };
         // A fresh broker each run: one left over from a killed run is
@@ -209,29 +239,56 @@ impl OwnBroker {
         broker
     }
 
-    /// `kafka.sh <action>` for this broker.
-    fn command(&self, action: &str) -> Command {
-        let mut cmd = Command::new("bash");
-        cmd.arg(Self::script()).arg(action);
-        for (k, v) in &self.env {
-            cmd.env(k, v);
-        }
-        cmd
-    }
-
     /// Runs `kafka.sh <action>` (`start`, `stop`, `kill`) for this broker.
-    pub async fn run(&self, action: &'static str) {
-        let mut cmd = self.command(action);
-        let status = tokio::task::spawn_blocking(move || cmd.status())
-            .await
-            .expect("join")
-            .expect("kafka.sh");
-        assert!(status.success(), "kafka.sh {action} failed");
+    pub async fn run(&self, action: &str) {
+        self.script.run(action).await;
     }
 }
 
 impl Drop for OwnBroker {
     fn drop(&mut self) {
-        let _ = self.command("stop").status();
+        let _ = self.script.command("stop").status();
+    }
+}
+
+/// A PostgreSQL cluster of a test's own (its own data directory and port),
+/// deleted on drop: for tests that stop or kill the database, so the tests
+/// beside them never notice.
+pub struct OwnPostgres {
+    script: Script,
+    /// The URL of its `dedup` database.
+    pub url: String,
+}
+
+impl OwnPostgres {
+    /// Starts a fresh cluster `<name>` on `port`; each test that uses one
+    /// takes its own name and port.
+    pub async fn start(name: &str, port: u16) -> Self {
+        let pg = OwnPostgres {
+            script: Script {
+                name: "postgres",
+                env: vec![
+                    ("DEDUP_PG_CLUSTER", name.to_owned()),
+                    ("PGPORT", port.to_string()),
+                ],
+            },
+            url: format!("postgres://dedup:dedup@127.0.0.1:{port}/dedup"),
+        };
+        // A fresh cluster each run: one left over from a killed run goes.
+        pg.run("drop").await;
+        pg.run("start").await;
+        pg
+    }
+
+    /// Runs `postgres.sh <action>` (`start`, `stop`, `kill`) for this
+    /// cluster.
+    pub async fn run(&self, action: &str) {
+        self.script.run(action).await;
+    }
+}
+
+impl Drop for OwnPostgres {
+    fn drop(&mut self) {
+        let _ = self.script.command("drop").status();
     }
 }

@@ -546,7 +546,11 @@ async fn process<S: DedupStore>(
                 // partition's buffer fills and its fetching pauses); logged
                 // once at the start and the end.
                 shared.stats.retries.fetch_add(1, Ordering::Relaxed);
-                let wait = outage.failed(&e, &policy, jitter);
+                let Some(wait) = outage.failed(&e, &policy, jitter) else {
+                    // Waited longer than `max_outage`: the consumer stops;
+                    // this message stays uncommitted for the next run.
+                    return false;
+                };
                 tracing::debug!(outcome = "waiting", attempt, ?wait, kind = e.kind(), error = %e);
                 if !wait_unless_stopped(shared, partition, wait).await {
                     return false;
@@ -582,6 +586,7 @@ async fn process<S: DedupStore>(
 struct Outage<'a, S> {
     shared: &'a Shared<S>,
     failures: u32,
+    since: Option<std::time::Instant>,
 }
 
 impl<'a, S> Outage<'a, S> {
@@ -589,21 +594,40 @@ impl<'a, S> Outage<'a, S> {
         Outage {
             shared,
             failures: 0,
+            since: None,
         }
     }
 
-    /// Records a failure of the environment; returns how long to wait.
+    /// Records a failure of the environment; returns how long to wait, or
+    /// `None` once it has lasted longer than the policy's `max_outage`
+    /// (then the consumer is stopping with an error).
     fn failed(
         &mut self,
         error: &dedup_core::Error,
         policy: &RetryPolicy,
         jitter: &mut Jitter,
-    ) -> Duration {
+    ) -> Option<Duration> {
+        let since = *self.since.get_or_insert_with(std::time::Instant::now);
         if self.failures == 0 {
             self.shared.stats.enter_outage(error);
         }
         self.failures += 1;
-        policy.outage_backoff(self.failures, jitter.next())
+        let wait = policy.outage_backoff(self.failures, jitter.next());
+        let Some(limit) = policy.max_outage else {
+            return Some(wait);
+        };
+        if since.elapsed() > limit {
+            self.shared.fail(format!(
+                "the environment has failed for {:?}, longer than max_outage ({limit:?}); \
+                 nothing was dead-lettered for it and the waiting message was not committed: \
+                 {error}",
+                since.elapsed()
+            ));
+            return None;
+        }
+        // The attempt after the limit is the last one.
+        let left = limit.saturating_sub(since.elapsed());
+        Some(wait.min(left + Duration::from_millis(1)))
     }
 }
 

@@ -26,6 +26,11 @@ pub struct RetryPolicy {
     /// database or broker unreachable, read-only, full...): such failures
     /// are retried without limit, never dead-lettered (default 30 s).
     pub max_outage_backoff: Duration,
+    /// How long a partition may wait out such a failure before the consumer
+    /// gives up and stops with an error (`None`, the default: for as long as
+    /// it takes). The waiting message is neither dead-lettered nor
+    /// committed: the next run starts from it.
+    pub max_outage: Option<Duration>,
 }
 
 impl Default for RetryPolicy {
@@ -36,6 +41,7 @@ impl Default for RetryPolicy {
             max_backoff: Duration::from_secs(10),
             multiplier: 2.0,
             max_outage_backoff: Duration::from_secs(30),
+            max_outage: None,
         }
     }
 }
@@ -57,6 +63,16 @@ impl RetryPolicy {
     /// Sets the longest wait between attempts during an outage.
     pub fn with_outage_backoff(mut self, max: Duration) -> Self {
         self.max_outage_backoff = max;
+        self
+    }
+
+    /// Stops the consumer with an error once a partition has waited out a
+    /// failure of the environment for longer than `limit`, instead of
+    /// waiting for as long as it takes: for a deployment that would rather
+    /// restart, or alert through its supervisor. Nothing is dead-lettered
+    /// for it.
+    pub fn with_max_outage(mut self, limit: Duration) -> Self {
+        self.max_outage = Some(limit);
         self
     }
 
@@ -136,6 +152,7 @@ mod tests {
             max_backoff: Duration::from_millis(1),
             multiplier: -3.0,
             max_outage_backoff: Duration::ZERO,
+            max_outage: None,
         };
         assert_eq!(p.attempts(), 1);
         assert_eq!(p.outage_backoff(5, 0.0), Duration::from_secs(2));

@@ -948,6 +948,58 @@ async fn a_read_only_database_is_waited_out_not_dead_lettered(pool: PgPool) {
     assert_eq!(balance(&pool).await, 201, "each event applied exactly once");
 }
 
+/// With `max_outage` set, an outage that outlasts it stops the consumer with
+/// an error instead of waiting for ever: nothing is dead-lettered, nothing
+/// committed past the waiting event, and the next run applies it once.
+#[sqlx::test(migrations = false)]
+async fn an_outage_longer_than_max_outage_stops_the_consumer_and_loses_nothing(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let group = unique("g");
+    set_read_only(&pool, true).await;
+    let event = payment(uuid::Uuid::new_v4(), "acct", 5);
+    produce(&producer(), &topic, "acct", &event, None).await;
+    let impatient = consumer(&store, &group)
+        .retry(
+            RetryPolicy::default()
+                .with_outage_backoff(Duration::from_millis(500))
+                .with_max_outage(Duration::from_secs(3)),
+        )
+        .handle(&topic, record_payment)
+        .build()
+        .expect("consumer");
+    let stats = impatient.stats();
+    let started = Instant::now();
+    let ran = tokio::time::timeout(
+        Duration::from_secs(60),
+        impatient.run_until(std::future::pending()),
+    )
+    .await
+    .expect("the consumer must stop once the outage outlasts max_outage");
+    let err = ran.expect_err("an outage past max_outage is an error");
+    assert!(err.to_string().contains("max_outage"), "{err}");
+    assert!(
+        started.elapsed() >= Duration::from_secs(3),
+        "not before max_outage: {:?}",
+        started.elapsed()
+    );
+    let during = stats.snapshot();
+    assert_eq!(during.dead_lettered, 0, "{during:?}");
+    assert_eq!(during.applied, 0, "{during:?}");
+
+    set_read_only(&pool, false).await;
+    let after = drain(
+        consumer(&store, &group).handle(&topic, record_payment),
+        Duration::from_secs(3),
+    )
+    .await;
+    assert_eq!(
+        after.applied, 1,
+        "the waiting event was not committed: {after:?}"
+    );
+    assert_eq!(balance(&pool).await, 5, "applied once");
+}
+
 /// Opens an account: a plain INSERT, so a second event for the same account
 /// violates the primary key (SQLSTATE 23505), which is that event's fault.
 #[idempotent(key = "event_id", ttl = "4h")]

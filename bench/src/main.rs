@@ -118,6 +118,10 @@ impl DedupStore for NoDedup {
         Ok(vec![Claim::Fresh; keys.len()])
     }
 
+    async fn live_ids_from(&self, from: &DedupKey) -> Result<Vec<String>, StoreError> {
+        self.0.live_ids_from(from).await
+    }
+
     async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {
         self.0.commit(tx).await
     }

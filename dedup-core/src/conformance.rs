@@ -132,6 +132,45 @@ pub async fn refresh_restarts_the_ttl<S: DedupStore>(store: S) {
     );
 }
 
+/// `live_ids_from` lists the committed, live ids of one scope from an id
+/// on, in order: not another scope's, not an uncommitted or rolled-back
+/// claim's, not an expired one's.
+pub async fn live_ids_from_lists_committed_live_ids<S: DedupStore>(store: S) {
+    let offset = |n: u64| format!("{n:020}");
+    for n in [3, 7, 12, 100] {
+        claim_committed(&store, &key("conformance-ids", &offset(n)), ttl(HOUR)).await;
+    }
+    claim_committed(&store, &key("conformance-ids", &offset(9)), ttl(1)).await;
+    claim_committed(&store, &key("conformance-other", &offset(8)), ttl(HOUR)).await;
+    let mut rolled_back = store.begin().await.expect("begin");
+    store
+        .claim(
+            &mut rolled_back,
+            &key("conformance-ids", &offset(10)),
+            ttl(HOUR),
+        )
+        .await
+        .expect("claim");
+    store.rollback(rolled_back).await.expect("rollback");
+    let mut open = store.begin().await.expect("begin");
+    store
+        .claim(&mut open, &key("conformance-ids", &offset(11)), ttl(HOUR))
+        .await
+        .expect("claim");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+
+    let ids = store
+        .live_ids_from(&key("conformance-ids", &offset(7)))
+        .await
+        .expect("live ids");
+    assert_eq!(
+        ids,
+        [offset(7), offset(12), offset(100)],
+        "committed, live, in scope, from 7 on, in numeric order"
+    );
+    store.rollback(open).await.expect("rollback");
+}
+
 /// The same id in two scopes is two independent claims.
 pub async fn scope_isolation<S: DedupStore>(store: S) {
     let a = key("handler-a", "evt-1");
@@ -404,6 +443,7 @@ macro_rules! conformance_tests {
             batch_claims,
             batch_rollback_releases_every_claim,
             long_keys_are_digested,
+            live_ids_from_lists_committed_live_ids,
             purge_removes_only_expired
         );
     };

@@ -311,6 +311,27 @@ impl DedupStore for MemoryStore {
         Ok(())
     }
 
+    async fn live_ids_from(&self, from: &DedupKey) -> Result<Vec<String>, StoreError> {
+        let state = self.lock();
+        let now = SystemTime::now() + state.clock_offset;
+        let mut ids: Vec<String> = state
+            .rows
+            .iter()
+            .filter(|(key, _)| key.scope() == from.scope() && key.id() >= from.id())
+            .filter_map(|(key, row)| {
+                // What other transactions see: the committed version.
+                let expires_at = match (row.writer, row.before) {
+                    (None, _) => row.expires_at,
+                    (Some(_), Some((_, expires_at))) => expires_at,
+                    (Some(_), None) => return None,
+                };
+                (expires_at > now).then(|| key.id().to_owned())
+            })
+            .collect();
+        ids.sort_unstable();
+        Ok(ids)
+    }
+
     async fn commit(&self, mut tx: MemoryTx) -> Result<(), StoreError> {
         self.finish(&mut tx, true);
         for effect in tx.on_commit.drain(..) {

@@ -97,6 +97,17 @@ pub trait DedupStore: Send + Sync + 'static {
         std::future::ready(Ok(()))
     }
 
+    /// The ids of the committed, live claims (on the store's clock) of
+    /// `from`'s scope whose ids sort at or after `from`'s id, in ascending
+    /// order. Ids of one length made only of ASCII digits sort as numbers in
+    /// every store. The runtime reads with it, once per assigned partition,
+    /// which of the partition's offsets it has already dead-lettered, so a
+    /// redelivery neither dead-letters them again nor applies them.
+    fn live_ids_from(
+        &self,
+        from: &DedupKey,
+    ) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send;
+
     /// Commits `tx`: its claims and the handler's effects become visible.
     fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
 

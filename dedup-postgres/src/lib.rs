@@ -84,6 +84,7 @@ struct Statements {
     expiry: Arc<str>,
     expiry_many: Arc<str>,
     refresh: Arc<str>,
+    live_ids: Arc<str>,
     purge: Arc<str>,
 }
 
@@ -128,6 +129,9 @@ impl Statements {
             "UPDATE {t} SET expires_at = clock_timestamp() + $3 * interval '1 second' \
              WHERE (scope, key) IN (SELECT * FROM unnest($1::text[], $2::text[]))"
         );
+        let live_ids = format!(
+            "SELECT key FROM {t} WHERE scope = $1 AND key >= $2 AND expires_at > now() ORDER BY key"
+        );
         // Bounded, oldest first, skipping rows a running claim holds; the
         // outer condition re-checks expiry on the row version it deletes.
         let purge = format!(
@@ -146,6 +150,7 @@ impl Statements {
             expiry: expiry.into(),
             expiry_many: expiry_many.into(),
             refresh: refresh.into(),
+            live_ids: live_ids.into(),
             purge: purge.into(),
         })
     }
@@ -335,6 +340,15 @@ impl DedupStore for PgStore {
             .await
             .map_err(store_error)?;
         Ok(())
+    }
+
+    async fn live_ids_from(&self, from: &DedupKey) -> Result<Vec<String>, StoreError> {
+        sqlx::query_scalar(sql(&self.statements.live_ids))
+            .bind(from.scope())
+            .bind(from.id())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(store_error)
     }
 
     async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {

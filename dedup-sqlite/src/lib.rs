@@ -75,6 +75,7 @@ struct Statements {
     expiry: Arc<str>,
     expiry_many: Arc<str>,
     refresh: Arc<str>,
+    live_ids: Arc<str>,
     purge: Arc<str>,
 }
 
@@ -111,6 +112,9 @@ impl Statements {
             "UPDATE {t} SET expires_at = {NOW_US} + ?2 * 1000000 \
              WHERE (scope, key) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(?1))"
         );
+        let live_ids = format!(
+            "SELECT key FROM {t} WHERE scope = ?1 AND key >= ?2 AND expires_at > {NOW_US} ORDER BY key"
+        );
         let purge = format!(
             "DELETE FROM {t} WHERE rowid IN \
              (SELECT rowid FROM {t} WHERE expires_at <= {NOW_US} ORDER BY expires_at LIMIT ?1)"
@@ -122,6 +126,7 @@ impl Statements {
             expiry: expiry.into(),
             expiry_many: expiry_many.into(),
             refresh: refresh.into(),
+            live_ids: live_ids.into(),
             purge: purge.into(),
         })
     }
@@ -304,6 +309,15 @@ impl DedupStore for SqliteStore {
             .await
             .map_err(store_error)?;
         Ok(())
+    }
+
+    async fn live_ids_from(&self, from: &DedupKey) -> Result<Vec<String>, StoreError> {
+        sqlx::query_scalar(sql(&self.statements.live_ids))
+            .bind(from.scope())
+            .bind(from.id())
+            .fetch_all(&self.pool)
+            .await
+            .map_err(store_error)
     }
 
     async fn commit(&self, tx: SqliteTx) -> Result<(), StoreError> {

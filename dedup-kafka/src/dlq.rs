@@ -78,6 +78,14 @@ fn truncate(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
+/// Whether a header of the original message is kept in its dead letter:
+/// all but the `dedup.*` headers of an earlier dead letter (a replayed
+/// record dead-lettered again gets one fresh set, not a second one); the
+/// replay's own (`dedup.replay.count`, `dedup.replayed.from`) stay.
+fn kept(key: &str) -> bool {
+    !key.starts_with("dedup.") || key.starts_with("dedup.replay")
+}
+
 /// The dead-letter headers: the original ones, then `dedup.*`; with
 /// `truncated`, the payload's original size.
 pub(crate) fn headers(
@@ -87,7 +95,7 @@ pub(crate) fn headers(
 ) -> OwnedHeaders {
     let mut out = OwnedHeaders::new();
     if let Some(original) = msg.headers() {
-        for h in original.iter() {
+        for h in original.iter().filter(|h| kept(h.key)) {
             out = out.insert(Header {
                 key: h.key,
                 value: h.value,
@@ -160,6 +168,74 @@ pub(crate) async fn send(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_dead_letter_dead_lettered_again_has_one_set_of_dedup_headers() {
+        let mut original = OwnedHeaders::new();
+        for (key, value) in [
+            ("trace-id", "t-1"),
+            ("dedup.original.topic", "payments"),
+            ("dedup.original.offset", "7"),
+            ("dedup.error.kind", "decode"),
+            ("dedup.error.message", "old"),
+            ("dedup.attempts", "1"),
+            ("dedup.handler", "h"),
+            ("dedup.payload.truncated", "true"),
+            ("dedup.replay.count", "1"),
+            ("dedup.replayed.from", "payments.dlq/0/3"),
+        ] {
+            original = original.insert(Header {
+                key,
+                value: Some(value.as_bytes()),
+            });
+        }
+        let msg = OwnedMessage::new(
+            Some(b"{}".to_vec()),
+            None,
+            "payments".into(),
+            rdkafka::Timestamp::NotAvailable,
+            0,
+            42,
+            Some(original),
+        );
+        let why = DeadLetter {
+            topic: "payments.dlq",
+            kind: "handler",
+            message: "new".into(),
+            attempts: 2,
+            handler: "h",
+        };
+        let out = headers(&msg, &why, None);
+        let all: Vec<(String, String)> = out
+            .iter()
+            .map(|h| {
+                let value = String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned();
+                (h.key.to_owned(), value)
+            })
+            .collect();
+        let count = |key: &str| all.iter().filter(|(k, _)| k == key).count();
+        let value = |key: &str| all.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str());
+        for key in [
+            "dedup.original.topic",
+            "dedup.original.offset",
+            "dedup.error.kind",
+            "dedup.error.message",
+            "dedup.attempts",
+            "dedup.handler",
+        ] {
+            assert_eq!(count(key), 1, "{key} once: {all:?}");
+        }
+        assert_eq!(value("dedup.error.message"), Some("new"));
+        assert_eq!(value("dedup.original.offset"), Some("42"));
+        assert_eq!(count("dedup.payload.truncated"), 0, "not cut this time");
+        assert_eq!(
+            value("dedup.replay.count"),
+            Some("1"),
+            "the replay's headers stay"
+        );
+        assert_eq!(value("dedup.replayed.from"), Some("payments.dlq/0/3"));
+        assert_eq!(value("trace-id"), Some("t-1"), "the user's headers stay");
+    }
 
     #[test]
     fn truncates_on_a_char_boundary() {

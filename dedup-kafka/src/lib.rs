@@ -3,6 +3,7 @@
 mod builder;
 mod config;
 mod consumer;
+mod dead_letter;
 mod dlq;
 mod failpoint;
 mod partition;

@@ -2,7 +2,7 @@
 //! batches or one by one, retries and dead-letters them, and stores the
 //! offsets of those finished.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -18,7 +18,7 @@ use tokio::task::JoinError;
 use tracing::Instrument;
 
 use crate::config::Settings;
-use crate::dlq::{self, DeadLetter};
+use crate::dead_letter::{self as dead_letters, dead_letter};
 use crate::failpoint::failpoint;
 use crate::rebalance::RebalanceContext;
 use crate::retry::{Jitter, RetryPolicy};
@@ -82,7 +82,7 @@ pub(crate) struct Shared<S> {
 
 impl<S> Shared<S> {
     /// Stops the consumer with an error (the first reason wins).
-    fn fail(&self, why: String) {
+    pub(crate) fn fail(&self, why: String) {
         let mut fatal = self.fatal.lock().unwrap_or_else(|p| p.into_inner());
         if fatal.is_none() {
             tracing::error!(error = %why, "stopping the consumer");
@@ -147,7 +147,7 @@ pub(crate) enum RunFailure {
     "the attempt did not finish within {0:?} (a database or a downstream that hangs) and was \
      abandoned; waiting it out: the claim tells whether its commit went through"
 )]
-struct AttemptTimedOut(Duration);
+pub(crate) struct AttemptTimedOut(pub(crate) Duration);
 
 /// A worker's end of its partition's queue. Every message the dispatcher
 /// counted in flight is counted out exactly once: when its batch is done,
@@ -212,6 +212,10 @@ pub(crate) async fn worker<S: DedupStore>(
     let low_water = shared.settings.max_buffered_per_partition / 2;
     let mut stopping = shared.stopping.subscribe();
     let mut revoked = partition.revoked.subscribe();
+    // The partition's offsets dead-lettered before (by this consumer before
+    // a crash, or by its previous owner) whose offsets may not have been
+    // committed: read once, before the first message, and skipped.
+    let mut dead_lettered = None;
     loop {
         // The partition entry (and with it the sender) may outlive this
         // worker's usefulness: stop on shutdown or revoke, not on a closed channel.
@@ -225,15 +229,30 @@ pub(crate) async fn worker<S: DedupStore>(
             },
         };
         let batch = gather(&mut inbox, msg, &shared.settings).await;
+        if dead_lettered.is_none() {
+            let from = batch[0].offset();
+            dead_lettered =
+                dead_letters::recorded(&shared, &route, &partition, from, &mut jitter).await;
+            if dead_lettered.is_none() {
+                // Stopped while the store was unreachable.
+                inbox.done(batch.len());
+                break;
+            }
+        }
+        let known = dead_lettered.as_ref().expect("read above");
         let finished = if batch.len() == 1 {
             let msg = &batch[0];
-            let span = message_span(msg);
-            let done = process(&shared, &route, &partition, msg, &mut jitter)
-                .instrument(span)
-                .await;
+            let done = if known.contains(&msg.offset()) {
+                dead_letters::skip(&shared, msg);
+                true
+            } else {
+                process(&shared, &route, &partition, msg, &mut jitter)
+                    .instrument(message_span(msg))
+                    .await
+            };
             usize::from(done)
         } else {
-            process_batch(&shared, &route, &partition, &batch, &mut jitter).await
+            process_batch(&shared, &route, &partition, &batch, known, &mut jitter).await
         };
         if let Some(last) = batch[..finished].last() {
             store_offset(&shared, &partition, last);
@@ -310,6 +329,7 @@ async fn process_batch<S: DedupStore>(
     route: &Arc<Route<S>>,
     partition: &Partition,
     batch: &[OwnedMessage],
+    dead_lettered: &BTreeSet<i64>,
     jitter: &mut Jitter,
 ) -> usize {
     let span = tracing::info_span!(
@@ -330,6 +350,10 @@ async fn process_batch<S: DedupStore>(
     let mut prepared = Vec::with_capacity(batch.len());
     let mut bad = Vec::new();
     for (i, msg) in batch.iter().enumerate() {
+        if dead_lettered.contains(&msg.offset()) {
+            bad.push((i, Unprepared::DeadLettered));
+            continue;
+        }
         let headers = headers_of(msg);
         // User code (a Deserialize impl, a key's Display, a custom decode):
         // a panic fails this message, never the worker, which would drop
@@ -423,6 +447,8 @@ enum Unprepared {
     Error(dedup_core::Error),
     /// Decoding it or reading its key panicked.
     Panic(String),
+    /// It was dead-lettered before (a redelivery): skipped.
+    DeadLettered,
 }
 
 /// What a panic said, if it said it with a string.
@@ -447,9 +473,13 @@ async fn dead_letter_unprepared<S: DedupStore>(
     let (kind, message) = match unprepared {
         Unprepared::Error(e) => (e.kind(), error_chain(e)),
         Unprepared::Panic(message) => ("panic", message.clone()),
+        Unprepared::DeadLettered => {
+            dead_letters::skip(shared, msg);
+            return true;
+        }
     };
     let why = route.dead_letter(kind, message, 1);
-    dead_letter(shared, partition, msg, why, jitter)
+    dead_letter(shared, route, partition, msg, why, jitter)
         .instrument(message_span(msg))
         .await
 }
@@ -523,7 +553,7 @@ async fn process<S: DedupStore>(
             }
             Err(RunFailure::Panicked(e)) => {
                 let why = route.dead_letter("panic", format!("the handler panicked: {e}"), attempt);
-                return dead_letter(shared, partition, msg, why, jitter).await;
+                return dead_letter(shared, route, partition, msg, why, jitter).await;
             }
         };
         match outcome {
@@ -570,7 +600,7 @@ async fn process<S: DedupStore>(
             }
             Outcome::Failed(e) => {
                 let why = route.dead_letter(e.kind(), error_chain(&e), attempt);
-                return dead_letter(shared, partition, msg, why, jitter).await;
+                return dead_letter(shared, route, partition, msg, why, jitter).await;
             }
         }
     }
@@ -583,14 +613,14 @@ async fn process<S: DedupStore>(
 /// `max_buffered_per_partition`, where its fetching pauses. (Pausing here,
 /// from the worker, could race a rebalance and pause a partition's next
 /// assignment with nothing left to resume it.)
-struct Outage<'a, S> {
+pub(crate) struct Outage<'a, S> {
     shared: &'a Shared<S>,
     failures: u32,
     since: Option<std::time::Instant>,
 }
 
 impl<'a, S> Outage<'a, S> {
-    fn new(shared: &'a Shared<S>) -> Self {
+    pub(crate) fn new(shared: &'a Shared<S>) -> Self {
         Outage {
             shared,
             failures: 0,
@@ -601,7 +631,7 @@ impl<'a, S> Outage<'a, S> {
     /// Records a failure of the environment; returns how long to wait, or
     /// `None` once it has lasted longer than the policy's `max_outage`
     /// (then the consumer is stopping with an error).
-    fn failed(
+    pub(crate) fn failed(
         &mut self,
         error: &dedup_core::Error,
         policy: &RetryPolicy,
@@ -652,92 +682,13 @@ fn error_chain(e: &dedup_core::Error) -> String {
     out
 }
 
-/// Sends `msg` to the dead-letter topic, retrying the produce until the
-/// broker acknowledges it: a message is never dropped because its dead
-/// letter could not be written.
-async fn dead_letter<S: DedupStore>(
-    shared: &Shared<S>,
-    partition: &Partition,
-    msg: &OwnedMessage,
-    why: DeadLetter<'_>,
-    jitter: &mut Jitter,
-) -> bool {
-    let mut attempt = 0;
-    // The payload kept: whole, then cut, then none, as long as the broker
-    // refuses the record as too large (the original stays in its topic).
-    let mut keep = None;
-    // Since when the topic has looked unwritable: a topic can look unknown
-    // or unauthorized for a while (a broker restarted with an empty cache, a
-    // grant still spreading), so only a lasting refusal stops the consumer.
-    let mut unwritable_since: Option<std::time::Instant> = None;
-    loop {
-        attempt += 1;
-        match dlq::send(
-            &shared.producer,
-            msg,
-            &why,
-            shared.settings.dead_letter_timeout,
-            keep,
-        )
-        .await
-        {
-            Ok(()) => {
-                shared.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    outcome = "dead_lettered",
-                    dead_letter_topic = why.topic,
-                    kind = why.kind,
-                    error = %why.message,
-                );
-                return true;
-            }
-            Err(e) if dlq::is_too_large(&e) && keep != Some(0) => {
-                keep = Some(match keep {
-                    None => dlq::TRUNCATED_PAYLOAD_BYTES,
-                    Some(_) => 0,
-                });
-                tracing::warn!(error = %e, keep, "the dead letter is too large for the broker; sending it with its payload cut");
-            }
-            Err(e) if dlq::is_too_large(&e) => {
-                shared.fail(format!(
-                    "a dead letter for {:?} is too large even without its payload (its key and \
-                     headers exceed the topic's max.message.bytes): raise the limit of {:?}",
-                    why.topic, why.topic
-                ));
-                return false;
-            }
-            Err(e) if dlq::is_unwritable(&e) => {
-                let since = *unwritable_since.get_or_insert_with(std::time::Instant::now);
-                let lasting = since.elapsed() >= dlq::UNWRITABLE_FOR && attempt >= 3;
-                if dlq::is_invalid(&e) || lasting {
-                    shared.fail(format!(
-                        "the dead-letter topic {:?} cannot be written ({e}): create it, or grant \
-                         the consumer's principal Write on it, or name another with \
-                         dead_letter_topic()",
-                        why.topic
-                    ));
-                    return false;
-                }
-                let wait = shared.settings.retry.backoff(attempt, jitter.next());
-                tracing::error!(error = %e, ?wait, topic = why.topic, "the dead-letter topic cannot be written; retrying");
-                if !wait_unless_stopped(shared, partition, wait).await {
-                    return false;
-                }
-            }
-            Err(e) => {
-                let wait = shared.settings.retry.backoff(attempt, jitter.next());
-                tracing::error!(error = %e, ?wait, "producing the dead letter failed; retrying");
-                if !wait_unless_stopped(shared, partition, wait).await {
-                    return false;
-                }
-            }
-        }
-    }
-}
-
 /// Sleeps `wait`; `false` if the consumer stops or the partition is revoked
 /// meanwhile.
-async fn wait_unless_stopped<S>(shared: &Shared<S>, partition: &Partition, wait: Duration) -> bool {
+pub(crate) async fn wait_unless_stopped<S>(
+    shared: &Shared<S>,
+    partition: &Partition,
+    wait: Duration,
+) -> bool {
     let mut stopping = shared.stopping.subscribe();
     let mut revoked = partition.revoked.subscribe();
     tokio::select! {

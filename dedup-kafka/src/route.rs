@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use dedup_core::{DedupKey, DedupStore, Error, Handler, HandlerExt, Headers, Outcome};
+use dedup_core::{DedupKey, DedupStore, Error, Handler, HandlerExt, Headers, Outcome, Ttl};
 
 /// A topic routed to a handler, with where its poison messages go.
 pub(crate) struct Route<S> {
@@ -31,6 +31,21 @@ impl<S: 'static> Route<S> {
             handler: self.handler.scope(),
         }
     }
+
+    /// The claim that records that the message at `offset` was
+    /// dead-lettered: scope
+    /// `dedup.dead-letter/<handler scope>/<topic>/<partition>`, id the
+    /// offset as 20 digits (so ids sort as offsets). Taken in the store
+    /// once the dead-letter topic has acknowledged the copy, it tells a
+    /// redelivery of that message (a crash or a rebalance before its offset was
+    /// committed) not to dead-letter it again, nor to apply it.
+    pub(crate) fn dead_letter_record(&self, topic: &str, partition: i32, offset: i64) -> DedupKey {
+        let scope = format!(
+            "dedup.dead-letter/{}/{topic}/{partition}",
+            self.handler.scope()
+        );
+        DedupKey::new(scope, format!("{:020}", offset.max(0))).expect("never empty")
+    }
 }
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -42,6 +57,8 @@ pub(crate) type AnyEvent = Box<dyn Any + Send>;
 /// handlers of different event types over one store.
 pub(crate) trait ErasedHandler<S>: Send + Sync + 'static {
     fn scope(&self) -> &str;
+
+    fn ttl(&self) -> Ttl;
 
     fn apply<'a>(
         &'a self,
@@ -73,6 +90,10 @@ where
 {
     fn scope(&self) -> &str {
         Handler::scope(self)
+    }
+
+    fn ttl(&self) -> Ttl {
+        Handler::ttl(self)
     }
 
     fn apply<'a>(

@@ -15,6 +15,7 @@ pub struct Stats {
     pub(crate) batch_replays: AtomicU64,
     pub(crate) outages: AtomicU64,
     pub(crate) assignments: AtomicU64,
+    pub(crate) already_dead_lettered: AtomicU64,
     /// Partitions waiting out a failure of the environment right now.
     waiting_out: AtomicU64,
     /// When the current outage began, in milliseconds since `started`.
@@ -53,6 +54,10 @@ pub struct StatsSnapshot {
     /// joined once and never left; more after rebalances, or after it was
     /// dropped from its group and rejoined).
     pub assignments: u64,
+    /// Redelivered messages skipped because they were dead-lettered before
+    /// (a crash or a rebalance came between the dead letter and its offset
+    /// commit): neither dead-lettered again nor applied.
+    pub already_dead_lettered: u64,
 }
 
 impl fmt::Display for StatsSnapshot {
@@ -76,6 +81,7 @@ impl Stats {
             batch_replays: AtomicU64::new(0),
             outages: AtomicU64::new(0),
             assignments: AtomicU64::new(0),
+            already_dead_lettered: AtomicU64::new(0),
             waiting_out: AtomicU64::new(0),
             outage_since_ms: AtomicU64::new(0),
             started: Instant::now(),
@@ -95,6 +101,7 @@ impl Stats {
             batch_replays: self.batch_replays.load(Ordering::Relaxed),
             outages: self.outages.load(Ordering::Relaxed),
             assignments: self.assignments.load(Ordering::Relaxed),
+            already_dead_lettered: self.already_dead_lettered.load(Ordering::Relaxed),
         }
     }
 

@@ -21,7 +21,7 @@ use tokio::task::JoinHandle;
 
 use common::{
     KillOnDrop, brokers, create_topic, database_url, drain, example, header, last_line, producer,
-    read, unique,
+    read_exactly, unique,
 };
 
 async fn produce(
@@ -255,7 +255,7 @@ async fn poison_messages_are_dead_lettered_and_the_partition_moves_on(pool: PgPo
         "the good messages after the poison ones are applied"
     );
 
-    let dead = read(&format!("{topic}.dlq"), 3).await;
+    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 3).await;
     let kinds: Vec<_> = dead
         .iter()
         .map(|m| header(m, "dedup.error.kind").unwrap())
@@ -497,6 +497,94 @@ async fn a_crash_between_database_commit_and_offset_commit_is_skipped_on_restart
     );
 }
 
+/// A crash after a dead letter is acknowledged and before its offset is
+/// committed: the restarted consumer neither dead-letters the message again
+/// (the dead-letter topic holds exactly one copy) nor, once the cause is
+/// gone, applies it. Run as the payments example, killed at the failpoint.
+#[sqlx::test(migrations = false)]
+async fn a_crash_after_a_dead_letter_neither_copies_nor_applies_it(pool: PgPool) {
+    let topic = create_topic(1).await;
+    let group = unique("g");
+    // The database refuses account "blocked" (a CHECK-like rule of the
+    // event's data, SQLSTATE 23514): dead-lettered at once.
+    sqlx::raw_sql(
+        "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL); \
+         CREATE FUNCTION refuse_blocked() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN IF NEW.id = 'blocked' THEN \
+             RAISE EXCEPTION 'account blocked' USING ERRCODE = 'check_violation'; \
+         END IF; RETURN NEW; END $$; \
+         CREATE TRIGGER refuse_blocked BEFORE INSERT OR UPDATE ON accounts \
+         FOR EACH ROW EXECUTE FUNCTION refuse_blocked();",
+    )
+    .execute(&pool)
+    .await
+    .expect("schema");
+    let producer = producer();
+    produce(&producer, &topic, "x", b"not json", None).await;
+    let blocked = payment(uuid::Uuid::new_v4(), "blocked", 1000);
+    produce(&producer, &topic, "blocked", &blocked, None).await;
+    let good = payment(uuid::Uuid::new_v4(), "acct", 5);
+    produce(&producer, &topic, "acct", &good, None).await;
+    let binary = example("payments");
+    let run = |failpoint: Option<&str>| {
+        let mut cmd = Command::new(&binary);
+        cmd.args(["--exit-when-idle", "3s"])
+            .env("DATABASE_URL", database_url(&pool))
+            .env("KAFKA_BROKERS", brokers())
+            .env("TOPIC", &topic)
+            .env("GROUP_ID", &group)
+            .env("KAFKA_SESSION_TIMEOUT_MS", "6000");
+        match failpoint {
+            Some(f) => cmd.env("DEDUP_FAILPOINT", f),
+            None => cmd.env_remove("DEDUP_FAILPOINT"),
+        };
+        cmd.output().expect("run the payments example")
+    };
+
+    // Both dead letters acknowledged, then the process dies before any
+    // offset commit (every 5 s).
+    let crashed = run(Some("after-dead-letter:2"));
+    assert!(
+        !crashed.status.success(),
+        "the failpoint must kill the process: {}",
+        String::from_utf8_lossy(&crashed.stderr)
+    );
+    assert_eq!(balance(&pool).await, 0, "nothing applied before the crash");
+
+    // The cause is fixed: the blocked account would now be credited.
+    sqlx::query("DROP TRIGGER refuse_blocked ON accounts")
+        .execute(&pool)
+        .await
+        .expect("unblock");
+    let restarted = run(None);
+    assert!(
+        restarted.status.success(),
+        "{}",
+        String::from_utf8_lossy(&restarted.stderr)
+    );
+    let stdout = String::from_utf8_lossy(&restarted.stdout);
+    assert_eq!(
+        stdout.lines().last(),
+        Some("applied=1 skipped=0 dead_lettered=0"),
+        "{stdout}"
+    );
+    assert_eq!(
+        balance(&pool).await,
+        5,
+        "the dead-lettered payment is not applied by its redelivery"
+    );
+    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 2).await;
+    let offsets: Vec<_> = dead
+        .iter()
+        .map(|m| header(m, "dedup.original.offset").map(str::to_owned))
+        .collect();
+    assert_eq!(
+        offsets,
+        [Some("0".into()), Some("1".into())],
+        "one copy each"
+    );
+}
+
 /// Fails transiently, forever, for the account "stuck".
 #[idempotent(key = "event_id", ttl = "4h")]
 async fn record_payment_stuck_account(
@@ -568,7 +656,7 @@ async fn a_retrying_partition_does_not_stall_the_others(pool: PgPool) {
         })
         .await;
     running.stop().await;
-    let dead = read(&format!("{topic}.dlq"), 1).await;
+    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 1).await;
     assert_eq!(header(&dead[0], "dedup.attempts"), Some("12"));
     assert_eq!(header(&dead[0], "dedup.error.kind"), Some("handler"));
     assert_eq!(balance(&pool).await, 21);
@@ -785,7 +873,7 @@ async fn a_poison_message_inside_a_batch_is_isolated(pool: PgPool) {
         balance(&pool).await,
         (10..15).sum::<i64>() + (20..25).sum::<i64>()
     );
-    let dead = read(&format!("{topic}.dlq"), 1).await;
+    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 1).await;
     assert_eq!(header(&dead[0], "dedup.error.kind"), Some("handler"));
     assert_eq!(header(&dead[0], "dedup.original.offset"), Some("5"));
 }
@@ -1035,7 +1123,7 @@ async fn an_integrity_violation_of_the_events_data_is_dead_lettered_at_once(pool
         .await;
     let stats = running.stop().await;
     assert_eq!(stats.retries, 0, "not retried: {stats}");
-    let dead = read(&format!("{topic}.dlq"), 1).await;
+    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 1).await;
     assert_eq!(header(&dead[0], "dedup.attempts"), Some("1"));
     let message = header(&dead[0], "dedup.error.message").unwrap_or_default();
     assert!(message.contains("23505"), "{message}");
@@ -1122,7 +1210,7 @@ async fn a_panicking_decode_is_dead_lettered_and_its_neighbours_applied(pool: Pg
         })
         .await;
     running.stop().await;
-    let dead = read(&format!("{topic}.dlq"), 1).await;
+    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 1).await;
     assert_eq!(header(&dead[0], "dedup.error.kind"), Some("panic"));
     assert_eq!(header(&dead[0], "dedup.original.offset"), Some("5"));
     assert_eq!(balance(&pool).await, 10);
@@ -1181,7 +1269,7 @@ async fn a_message_near_the_size_limit_is_dead_lettered_not_stalled(pool: PgPool
         })
         .await;
     running.stop().await;
-    let dead = read(&format!("{topic}.dlq"), 1).await;
+    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 1).await;
     assert_eq!(
         dead[0].payload().map(<[u8]>::len),
         Some(999_900),
@@ -1212,7 +1300,7 @@ async fn a_dead_letter_too_large_for_its_topic_keeps_a_cut_payload(pool: PgPool)
         })
         .await;
     running.stop().await;
-    let dead = read(&dlq, 1).await;
+    let dead = read_exactly(&brokers(), &dlq, 1).await;
     assert_eq!(
         dead[0].payload().map(<[u8]>::len),
         Some(dedup_kafka::TRUNCATED_PAYLOAD_BYTES)

@@ -104,6 +104,42 @@ pub async fn read_until(
     out
 }
 
+/// Reads `topic` from the beginning on the broker at `brokers`, expecting
+/// exactly `n` records: `n` arrive, then none more within 5 s.
+pub async fn read_exactly(brokers: &str, topic: &str, n: usize) -> Vec<OwnedMessage> {
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", unique("reader"))
+        .set("auto.offset.reset", "earliest")
+        .create()
+        .expect("reader");
+    consumer.subscribe(&[topic]).expect("subscribe");
+    let mut out = Vec::new();
+    loop {
+        // Generous while records are owed, then a settling wait.
+        let wait = if out.len() < n { 30 } else { 5 };
+        match tokio::time::timeout(Duration::from_secs(wait), consumer.recv()).await {
+            Ok(msg) => out.push(msg.expect("record").detach()),
+            Err(_) if out.len() < n => {
+                panic!("{topic}: {} records of the {n} expected", out.len())
+            }
+            Err(_) => break,
+        }
+        assert!(
+            out.len() <= n,
+            "{topic}: more than the {n} records expected: {:?}",
+            out.iter()
+                .map(|m| (
+                    m.partition(),
+                    m.offset(),
+                    header(m, "dedup.original.offset")
+                ))
+                .collect::<Vec<_>>()
+        );
+    }
+    out
+}
+
 pub fn header<'a>(msg: &'a OwnedMessage, name: &str) -> Option<&'a str> {
     msg.headers()?
         .iter()

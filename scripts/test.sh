@@ -20,6 +20,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 # built here, the build they start themselves is a no-op instead of competing
 # with the timing-sensitive tests beside it for the two cores.
 cargo build --locked -p dedup-examples --examples
+cargo build --locked -p dedup-cli --features failpoints
 
 log="$(mktemp)"
 trap 'rm -f "$log"' EXIT

@@ -160,23 +160,38 @@ pub fn database_url(pool: &PgPool) -> String {
     format!("{server}/{db}")
 }
 
-/// The binary of an example of `examples/`. They are built once per test
-/// run (a no-op when `cargo test --workspace` built them already).
-pub fn example(name: &str) -> std::path::PathBuf {
-    static BUILT: OnceLock<()> = OnceLock::new();
-    BUILT.get_or_init(|| {
+/// Runs `cargo build --quiet <args>` once per test binary (`built` says
+/// whether it ran) and returns `target/<profile>`. A no-op when
+/// `scripts/test.sh` built the same already.
+fn build_once(built: &OnceLock<()>, args: &[&str]) -> std::path::PathBuf {
+    built.get_or_init(|| {
         let status = Command::new(env!("CARGO"))
-            .args(["build", "--quiet", "-p", "dedup-examples", "--examples"])
+            .arg("build")
+            .arg("--quiet")
+            .args(args)
             .status()
             .expect("cargo build");
-        assert!(status.success(), "building the examples failed");
+        assert!(status.success(), "cargo build {args:?} failed");
     });
     let deps = std::env::current_exe().expect("test binary");
-    let profile_dir = deps
-        .parent()
+    deps.parent()
         .and_then(|d| d.parent())
-        .expect("target/<profile>");
-    profile_dir.join("examples").join(name)
+        .expect("target/<profile>")
+        .to_owned()
+}
+
+/// The binary of an example of `examples/`.
+pub fn example(name: &str) -> std::path::PathBuf {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    build_once(&BUILT, &["-p", "dedup-examples", "--examples"])
+        .join("examples")
+        .join(name)
+}
+
+/// The `dedup` operator tool, with its test-only crash points.
+pub fn cli() -> std::path::PathBuf {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    build_once(&BUILT, &["-p", "dedup-cli", "--features", "failpoints"]).join("dedup")
 }
 
 pub fn last_line(output: &std::process::Output) -> String {

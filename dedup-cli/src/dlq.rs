@@ -1,0 +1,776 @@
+//! `dedup dlq`: what a dead-letter topic holds, and putting it back.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use clap::Args;
+use dedup_core::Ttl;
+use rdkafka::consumer::{CommitMode, Consumer as _};
+use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
+use serde_json::json;
+
+use crate::claims::Claims;
+use crate::failpoint::failpoint;
+use crate::kafka::{self, TIMEOUT};
+use crate::time::rfc3339_millis;
+use crate::{Database, Failure, KafkaArgs, Report};
+
+/// Headers the runtime writes on a dead letter.
+const ORIGINAL_TOPIC: &str = "dedup.original.topic";
+const ORIGINAL_PARTITION: &str = "dedup.original.partition";
+const ORIGINAL_OFFSET: &str = "dedup.original.offset";
+const ERROR_KIND: &str = "dedup.error.kind";
+const ERROR_MESSAGE: &str = "dedup.error.message";
+const HANDLER: &str = "dedup.handler";
+const TRUNCATED: &str = "dedup.payload.truncated";
+/// Headers a replay writes on the record it produces.
+const REPLAY_COUNT: &str = "dedup.replay.count";
+const REPLAYED_FROM: &str = "dedup.replayed.from";
+
+/// Where a dead letter's message was.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct Origin {
+    topic: String,
+    partition: i32,
+    offset: i64,
+}
+
+/// A dead letter and what its headers say.
+struct DeadLetter {
+    msg: OwnedMessage,
+    origin: Option<Origin>,
+    kind: Option<String>,
+    handler: Option<String>,
+    error: Option<String>,
+    truncated: bool,
+    replays: u32,
+}
+
+impl DeadLetter {
+    /// Reads the dedup headers; a malformed one is an error naming the
+    /// record.
+    fn parse(msg: OwnedMessage) -> Result<Self, Failure> {
+        let at = format!("{}/{}/{}", msg.topic(), msg.partition(), msg.offset());
+        let mut text: HashMap<&str, String> = HashMap::new();
+        if let Some(headers) = msg.headers() {
+            for h in headers.iter().filter(|h| h.key.starts_with("dedup.")) {
+                let value = std::str::from_utf8(h.value.unwrap_or_default()).map_err(|_| {
+                    Failure::new(format!("record {at}: header {} is not UTF-8 text", h.key))
+                })?;
+                // The last one wins, as for a consumer reading headers.
+                let key: &'static str = match h.key {
+                    ORIGINAL_TOPIC => ORIGINAL_TOPIC,
+                    ORIGINAL_PARTITION => ORIGINAL_PARTITION,
+                    ORIGINAL_OFFSET => ORIGINAL_OFFSET,
+                    ERROR_KIND => ERROR_KIND,
+                    ERROR_MESSAGE => ERROR_MESSAGE,
+                    HANDLER => HANDLER,
+                    TRUNCATED => TRUNCATED,
+                    REPLAY_COUNT => REPLAY_COUNT,
+                    _ => continue,
+                };
+                text.insert(key, value.to_owned());
+            }
+        }
+        let number = |key: &str| -> Result<Option<i64>, Failure> {
+            text.get(key)
+                .map(|v| {
+                    v.parse::<i64>().map_err(|_| {
+                        Failure::new(format!("record {at}: header {key} = {v:?} is not a number"))
+                    })
+                })
+                .transpose()
+        };
+        let origin = match (
+            text.get(ORIGINAL_TOPIC),
+            number(ORIGINAL_PARTITION)?,
+            number(ORIGINAL_OFFSET)?,
+        ) {
+            (Some(topic), Some(partition), Some(offset)) if !topic.is_empty() => Some(Origin {
+                topic: topic.clone(),
+                partition: i32::try_from(partition).map_err(|_| {
+                    Failure::new(format!("record {at}: partition {partition} out of range"))
+                })?,
+                offset,
+            }),
+            (None, None, None) => None,
+            _ => {
+                return Err(Failure::new(format!(
+                    "record {at}: its dedup.original.* headers are incomplete"
+                )));
+            }
+        };
+        let replays = number(REPLAY_COUNT)?.unwrap_or(0);
+        Ok(DeadLetter {
+            origin,
+            kind: text.remove(ERROR_KIND),
+            handler: text.remove(HANDLER),
+            error: text.remove(ERROR_MESSAGE),
+            truncated: text.get(TRUNCATED).is_some_and(|v| v == "true"),
+            replays: u32::try_from(replays).unwrap_or(0),
+            msg,
+        })
+    }
+
+    fn at(&self) -> String {
+        format!(
+            "{}/{}/{}",
+            self.msg.topic(),
+            self.msg.partition(),
+            self.msg.offset()
+        )
+    }
+
+    fn millis(&self) -> Option<i64> {
+        self.msg.timestamp().to_millis()
+    }
+}
+
+/// A bounded, printable preview of bytes.
+fn preview(bytes: Option<&[u8]>, max: usize) -> String {
+    let Some(bytes) = bytes else {
+        return "(none)".to_owned();
+    };
+    let shown = String::from_utf8_lossy(&bytes[..bytes.len().min(max)]);
+    let mut out: String = shown.chars().flat_map(char::escape_debug).collect();
+    if bytes.len() > max {
+        out.push_str(&format!("... ({} bytes)", bytes.len()));
+    }
+    out
+}
+
+/// Reads every dead letter of `topic` (as of now) with `group`.
+fn read(
+    kafka: &KafkaArgs,
+    topic: &str,
+    group: &str,
+) -> Result<(Vec<DeadLetter>, rdkafka::consumer::BaseConsumer), Failure> {
+    let consumer = kafka::consumer(kafka, group)?;
+    let letters = kafka::read_to_end(&consumer, topic)?
+        .into_iter()
+        .map(DeadLetter::parse)
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((letters, consumer))
+}
+
+/// `dlq inspect`.
+pub(crate) async fn inspect(
+    kafka: &KafkaArgs,
+    topic: &str,
+    show: usize,
+) -> Result<InspectReport, Failure> {
+    let (kafka, topic) = (kafka.clone(), topic.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let group = format!("dedup-inspect-{}", uuid::Uuid::new_v4().simple());
+        let (letters, _) = read(&kafka, &topic, &group)?;
+        Ok(InspectReport::new(topic, letters, show))
+    })
+    .await
+    .map_err(|e| Failure::new(format!("reading failed: {e}")))?
+}
+
+/// `dlq inspect`'s counts.
+pub(crate) struct InspectReport {
+    topic: String,
+    records: usize,
+    by_kind: BTreeMap<String, usize>,
+    by_origin: BTreeMap<String, usize>,
+    by_handler: BTreeMap<String, usize>,
+    distinct: usize,
+    copies: usize,
+    without_headers: usize,
+    first: Option<i64>,
+    last: Option<i64>,
+    shown: Vec<serde_json::Value>,
+}
+
+impl InspectReport {
+    fn new(topic: String, letters: Vec<DeadLetter>, show: usize) -> Self {
+        let mut report = InspectReport {
+            topic,
+            records: letters.len(),
+            by_kind: BTreeMap::new(),
+            by_origin: BTreeMap::new(),
+            by_handler: BTreeMap::new(),
+            distinct: 0,
+            copies: 0,
+            without_headers: 0,
+            first: None,
+            last: None,
+            shown: Vec::new(),
+        };
+        let mut seen = HashSet::new();
+        let none = || "(none)".to_owned();
+        for letter in &letters {
+            *report
+                .by_kind
+                .entry(letter.kind.clone().unwrap_or_else(none))
+                .or_default() += 1;
+            *report
+                .by_handler
+                .entry(letter.handler.clone().unwrap_or_else(none))
+                .or_default() += 1;
+            match &letter.origin {
+                Some(origin) => {
+                    *report
+                        .by_origin
+                        .entry(format!("{}/{}", origin.topic, origin.partition))
+                        .or_default() += 1;
+                    if seen.insert(origin.clone()) {
+                        report.distinct += 1;
+                    } else {
+                        report.copies += 1;
+                    }
+                }
+                None => report.without_headers += 1,
+            }
+            if let Some(ms) = letter.millis() {
+                report.first = Some(report.first.map_or(ms, |f| f.min(ms)));
+                report.last = Some(report.last.map_or(ms, |l| l.max(ms)));
+            }
+        }
+        report.shown = letters.iter().take(show).map(shown).collect();
+        report
+    }
+}
+
+/// One record as `--show` prints it.
+fn shown(letter: &DeadLetter) -> serde_json::Value {
+    let headers: Vec<_> = letter
+        .msg
+        .headers()
+        .map(|hs| {
+            hs.iter()
+                .map(|h| json!([h.key, preview(h.value, 200)]))
+                .collect()
+        })
+        .unwrap_or_default();
+    json!({
+        "at": letter.at(),
+        "timestamp": letter.millis().map(rfc3339_millis),
+        "kind": letter.kind,
+        "error": letter.error,
+        "original": letter.origin.as_ref().map(|o| format!("{}/{}/{}", o.topic, o.partition, o.offset)),
+        "key": preview(letter.msg.key(), 100),
+        "payload": preview(letter.msg.payload(), 200),
+        "headers": headers,
+    })
+}
+
+fn counts(map: &BTreeMap<String, usize>) -> String {
+    map.iter()
+        .map(|(k, n)| format!("{k}={n}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+impl Report for InspectReport {
+    fn text(&self) -> String {
+        let mut out = format!(
+            "{}: {} dead letters, {} distinct original messages, {} copies",
+            self.topic, self.records, self.distinct, self.copies
+        );
+        if self.without_headers > 0 {
+            out.push_str(&format!(", {} without dedup headers", self.without_headers));
+        }
+        out.push('\n');
+        if let (Some(first), Some(last)) = (self.first, self.last) {
+            out.push_str(&format!(
+                "  from {} to {}\n",
+                rfc3339_millis(first),
+                rfc3339_millis(last)
+            ));
+        }
+        out.push_str(&format!("  by kind:      {}\n", counts(&self.by_kind)));
+        out.push_str(&format!("  by original:  {}\n", counts(&self.by_origin)));
+        out.push_str(&format!("  by handler:   {}\n", counts(&self.by_handler)));
+        for record in &self.shown {
+            out.push_str(&format!("\n{:#}\n", record));
+        }
+        out
+    }
+
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "topic": self.topic,
+            "records": self.records,
+            "distinct": self.distinct,
+            "copies": self.copies,
+            "without_headers": self.without_headers,
+            "first": self.first.map(rfc3339_millis),
+            "last": self.last.map(rfc3339_millis),
+            "by_kind": self.by_kind,
+            "by_original": self.by_origin,
+            "by_handler": self.by_handler,
+            "shown": self.shown,
+        })
+    }
+}
+
+/// `dlq replay`'s options.
+#[derive(Args)]
+pub(crate) struct ReplayArgs {
+    #[command(flatten)]
+    kafka: KafkaArgs,
+    /// The dead-letter topic.
+    topic: String,
+    /// Produce to this topic instead of each record's
+    /// `dedup.original.topic` (partitioned by key).
+    #[arg(long)]
+    to: Option<String>,
+    /// The replay's consumer group on the dead-letter topic: it commits as it
+    /// goes, so an interrupted replay resumes (default
+    /// `dedup-replay.<topic>`, plus the filters given).
+    #[arg(long)]
+    group: Option<String>,
+    /// Only records of this `dedup.error.kind` (decode, key, handler, store,
+    /// panic).
+    #[arg(long)]
+    kind: Option<String>,
+    /// Only records dead-lettered within this long, e.g. `2h`.
+    #[arg(long)]
+    since: Option<Ttl>,
+    /// Only records whose original partition is this one.
+    #[arg(long)]
+    partition: Option<i32>,
+    /// Skip records whose event already holds a live claim (applied through
+    /// another copy or path). Needs --scope and --key-field or --key-header.
+    #[arg(long, requires = "scope")]
+    check_claims: bool,
+    /// The handler's scope, for --check-claims.
+    #[arg(long)]
+    scope: Option<String>,
+    /// Where the handler takes the event id from: a field of the JSON
+    /// payload (`event_id`, `meta.event_id`).
+    #[arg(long, conflicts_with = "key_header")]
+    key_field: Option<String>,
+    /// Where the handler takes the event id from: a header.
+    #[arg(long)]
+    key_header: Option<String>,
+    /// PostgreSQL URL, for --check-claims.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: Option<String>,
+    /// The claims table, for --check-claims.
+    #[arg(long, default_value = "dedup_claims")]
+    table: String,
+    /// Print what would be replayed; send and commit nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Records produced between two commits of the replay's progress.
+    #[arg(long, default_value_t = 100, hide = true)]
+    commit_every: usize,
+}
+
+/// What a replay does with one dead letter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Decision {
+    /// Below the group's committed offset: replayed by an earlier run.
+    Done,
+    Replay,
+    /// Another record of the same original message was replayed or decided.
+    Copy,
+    /// Its event holds a live claim: applied already.
+    Applied,
+    /// Left out by --kind, --since or --partition.
+    Filtered,
+    /// Its payload was cut to fit the dead-letter topic: replaying it would
+    /// send a different event. The original is in its topic.
+    Truncated,
+}
+
+/// The event id as the handler takes it, if the record has one.
+fn event_id(letter: &DeadLetter, args: &ReplayArgs) -> Option<String> {
+    if let Some(header) = &args.key_header {
+        let value = letter
+            .msg
+            .headers()?
+            .iter()
+            .filter(|h| h.key == header)
+            .last()?
+            .value?;
+        return std::str::from_utf8(value).ok().map(str::to_owned);
+    }
+    let path = args.key_field.as_deref()?;
+    let mut value: serde_json::Value = serde_json::from_slice(letter.msg.payload()?).ok()?;
+    for part in path.split('.') {
+        value = value.get_mut(part)?.take();
+    }
+    match value {
+        serde_json::Value::String(s) => Some(s),
+        serde_json::Value::Null => None,
+        other => Some(other.to_string()),
+    }
+}
+
+/// The record a dead letter is replayed as: its key, payload and original
+/// headers; dedup's dead-letter headers dropped; the replay's added.
+fn replay_headers(letter: &DeadLetter) -> OwnedHeaders {
+    let mut out = OwnedHeaders::new();
+    if let Some(headers) = letter.msg.headers() {
+        for h in headers.iter().filter(|h| !h.key.starts_with("dedup.")) {
+            out = out.insert(Header {
+                key: h.key,
+                value: h.value,
+            });
+        }
+    }
+    let count = (letter.replays + 1).to_string();
+    let from = letter.at();
+    out.insert(Header {
+        key: REPLAY_COUNT,
+        value: Some(count.as_bytes()),
+    })
+    .insert(Header {
+        key: REPLAYED_FROM,
+        value: Some(from.as_bytes()),
+    })
+}
+
+/// `dlq replay`.
+pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
+    if args.check_claims && args.key_field.is_none() && args.key_header.is_none() {
+        return Err(Failure::new(
+            "--check-claims needs where the handler takes its event id from: --key-field \
+             (a JSON field) or --key-header",
+        ));
+    }
+    let claims = if args.check_claims {
+        let url = args.database_url.clone().ok_or_else(|| {
+            Failure::new("--check-claims needs the database: --database-url or DATABASE_URL")
+        })?;
+        let db = Database {
+            database_url: url,
+            table: args.table.clone(),
+        };
+        Some(Claims::connect(&db).await?)
+    } else {
+        None
+    };
+    let group = args.group.clone().unwrap_or_else(|| default_group(args));
+    let (kafka_args, topic) = (args.kafka.clone(), args.topic.clone());
+    let read_group = group.clone();
+    let (letters, consumer, committed) = tokio::task::spawn_blocking(move || {
+        let (letters, consumer) = read(&kafka_args, &topic, &read_group)?;
+        let committed = committed_offsets(&consumer, &topic)?;
+        Ok::<_, Failure>((letters, consumer, committed))
+    })
+    .await
+    .map_err(|e| Failure::new(format!("reading failed: {e}")))??;
+
+    // Everything is checked before anything is sent.
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    let mut seen = HashSet::new();
+    let mut plan = Vec::with_capacity(letters.len());
+    for letter in &letters {
+        let done = committed
+            .get(&letter.msg.partition())
+            .is_some_and(|&c| letter.msg.offset() < c);
+        let decision = if done {
+            Decision::Done
+        } else if letter.origin.is_none() && args.to.is_none() {
+            return Err(Failure::new(format!(
+                "record {} has no dedup.original.* headers, so its topic is unknown: is {:?} a \
+                 dead-letter topic of dedup? Name the target with --to, or leave it out with \
+                 --partition/--kind. Nothing was sent.",
+                letter.at(),
+                args.topic
+            )));
+        } else if letter.origin.as_ref().is_some_and(|o| seen.contains(o)) {
+            Decision::Copy
+        } else if args
+            .kind
+            .as_ref()
+            .is_some_and(|k| letter.kind.as_ref() != Some(k))
+            || args
+                .partition
+                .is_some_and(|p| letter.origin.as_ref().map(|o| o.partition) != Some(p))
+            || args.since.is_some_and(|since| {
+                letter
+                    .millis()
+                    .is_none_or(|ms| now_ms - ms > since.as_duration().as_millis() as i64)
+            })
+        {
+            Decision::Filtered
+        } else if letter.truncated {
+            Decision::Truncated
+        } else {
+            Decision::Replay
+        };
+        if let Some(origin) = &letter.origin
+            && decision != Decision::Filtered
+        {
+            seen.insert(origin.clone());
+        }
+        plan.push(decision);
+    }
+    if let Some(claims) = &claims {
+        let scope = args.scope.as_deref().expect("clap requires --scope");
+        for (letter, decision) in letters.iter().zip(plan.iter_mut()) {
+            if *decision == Decision::Replay
+                && let Some(id) = event_id(letter, args)
+                && claims.is_live(&Claims::key(scope, &id)?).await?
+            {
+                *decision = Decision::Applied;
+            }
+        }
+    }
+
+    let producer: FutureProducer = kafka::config(&args.kafka)?
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .set("message.max.bytes", "1048588")
+        .create()
+        .map_err(|e| Failure::new(format!("cannot create a Kafka producer: {e}")))?;
+    // Every target exists before anything is sent; its partition count
+    // says whether the original partition can be kept.
+    let mut targets: HashMap<String, usize> = HashMap::new();
+    for (letter, decision) in letters.iter().zip(&plan) {
+        if *decision != Decision::Replay {
+            continue;
+        }
+        let target = target_of(letter, args);
+        if !targets.contains_key(target) {
+            let count = kafka::partitions(&consumer, target)?.len();
+            targets.insert(target.to_owned(), count);
+        }
+    }
+
+    let mut report = ReplayReport {
+        topic: args.topic.clone(),
+        group,
+        dry_run: args.dry_run,
+        counts: BTreeMap::new(),
+        lines: Vec::new(),
+    };
+    for (letter, decision) in letters.iter().zip(&plan) {
+        *report.counts.entry(name(*decision)).or_default() += 1;
+        if *decision != Decision::Done {
+            report
+                .lines
+                .push(line(letter, *decision, target_of(letter, args)));
+        }
+    }
+    if args.dry_run {
+        return Ok(report);
+    }
+
+    let to_send = plan.iter().filter(|d| **d == Decision::Replay).count();
+    let bar = indicatif::ProgressBar::new(to_send as u64);
+    let mut pending = Vec::new();
+    let mut progress: HashMap<i32, i64> = HashMap::new();
+    for (letter, decision) in letters.iter().zip(&plan) {
+        if *decision == Decision::Done {
+            continue;
+        }
+        if *decision == Decision::Replay {
+            let target = target_of(letter, args);
+            let partition = match (&args.to, &letter.origin) {
+                (None, Some(o)) if (o.partition as usize) < targets[target] => Some(o.partition),
+                _ => None,
+            };
+            let mut record = FutureRecord::<[u8], [u8]>::to(target).headers(replay_headers(letter));
+            if let Some(key) = letter.msg.key() {
+                record = record.key(key);
+            }
+            if let Some(payload) = letter.msg.payload() {
+                record = record.payload(payload);
+            }
+            if let Some(p) = partition {
+                record = record.partition(p);
+            }
+            let delivery = producer
+                .send_result(record)
+                .map_err(|(e, _)| Failure::new(format!("producing to {target}: {e}")))?;
+            pending.push(delivery);
+        }
+        progress.insert(letter.msg.partition(), letter.msg.offset() + 1);
+        if pending.len() >= args.commit_every.max(1) {
+            acknowledged(&mut pending, &bar).await?;
+            failpoint("replay-before-commit");
+            commit(&consumer, &args.topic, &progress)?;
+        }
+    }
+    acknowledged(&mut pending, &bar).await?;
+    commit(&consumer, &args.topic, &progress)?;
+    bar.finish_and_clear();
+    Ok(report)
+}
+
+/// The replay's group: one per dead-letter topic and set of filters, since
+/// a filtered replay commits past the records it leaves out. (The same
+/// record replayed under two filter sets is sent twice; the consumer skips
+/// the second within the TTL.)
+fn default_group(args: &ReplayArgs) -> String {
+    let mut group = format!("dedup-replay.{}", args.topic);
+    if let Some(kind) = &args.kind {
+        group.push_str(&format!(".kind-{kind}"));
+    }
+    if let Some(p) = args.partition {
+        group.push_str(&format!(".partition-{p}"));
+    }
+    if let Some(since) = args.since {
+        group.push_str(&format!(".since-{since}"));
+    }
+    group
+}
+
+fn target_of<'a>(letter: &'a DeadLetter, args: &'a ReplayArgs) -> &'a str {
+    match (&args.to, &letter.origin) {
+        (Some(to), _) => to,
+        (None, Some(o)) => &o.topic,
+        (None, None) => unreachable!("checked while planning"),
+    }
+}
+
+/// The offsets the replay's group committed, by partition.
+fn committed_offsets(
+    consumer: &rdkafka::consumer::BaseConsumer,
+    topic: &str,
+) -> Result<HashMap<i32, i64>, Failure> {
+    let mut tpl = TopicPartitionList::new();
+    for p in kafka::partitions(consumer, topic)? {
+        tpl.add_partition(topic, p);
+    }
+    let committed = consumer
+        .committed_offsets(tpl, TIMEOUT)
+        .map_err(|e| Failure::new(format!("reading the replay group's offsets: {e}")))?;
+    Ok(committed
+        .elements_for_topic(topic)
+        .into_iter()
+        .filter_map(|e| match e.offset() {
+            Offset::Offset(o) => Some((e.partition(), o)),
+            _ => None,
+        })
+        .collect())
+}
+
+/// Waits for every record sent to be acknowledged.
+async fn acknowledged(
+    pending: &mut Vec<rdkafka::producer::DeliveryFuture>,
+    bar: &indicatif::ProgressBar,
+) -> Result<(), Failure> {
+    for delivery in pending.drain(..) {
+        delivery
+            .await
+            .map_err(|_| Failure::new("the producer was closed before acknowledging"))?
+            .map_err(|(e, _)| {
+                Failure::new(format!(
+                    "the broker refused a replayed record ({e}); run the replay again: it \
+                     resumes after the last commit"
+                ))
+            })?;
+        bar.inc(1);
+    }
+    Ok(())
+}
+
+/// Commits the replay's progress on the dead-letter topic.
+fn commit(
+    consumer: &rdkafka::consumer::BaseConsumer,
+    topic: &str,
+    progress: &HashMap<i32, i64>,
+) -> Result<(), Failure> {
+    if progress.is_empty() {
+        return Ok(());
+    }
+    let mut tpl = TopicPartitionList::new();
+    for (&p, &next) in progress {
+        tpl.add_partition_offset(topic, p, Offset::Offset(next))
+            .map_err(|e| Failure::new(e.to_string()))?;
+    }
+    consumer.commit(&tpl, CommitMode::Sync).map_err(|e| {
+        Failure::new(format!(
+            "committing the replay's progress failed ({e}); what was sent is applied once \
+             (the consumer skips duplicates within the TTL): run the replay again"
+        ))
+    })
+}
+
+fn name(decision: Decision) -> &'static str {
+    match decision {
+        Decision::Done => "already_replayed",
+        Decision::Replay => "replayed",
+        Decision::Copy => "skipped_copies",
+        Decision::Applied => "skipped_applied",
+        Decision::Filtered => "skipped_filtered",
+        Decision::Truncated => "skipped_truncated",
+    }
+}
+
+fn line(letter: &DeadLetter, decision: Decision, target: &str) -> String {
+    let original = letter
+        .origin
+        .as_ref()
+        .map(|o| format!("{}/{}/{}", o.topic, o.partition, o.offset))
+        .unwrap_or_else(|| "?".to_owned());
+    match decision {
+        Decision::Replay => format!("{} -> {target} (original {original})", letter.at()),
+        Decision::Truncated => format!(
+            "{}: payload cut in the dead letter; not replayed (the original is at {original})",
+            letter.at()
+        ),
+        other => format!("{}: {} (original {original})", letter.at(), name(other)),
+    }
+}
+
+/// `dlq replay`'s summary.
+pub(crate) struct ReplayReport {
+    topic: String,
+    group: String,
+    dry_run: bool,
+    counts: BTreeMap<&'static str, usize>,
+    lines: Vec<String>,
+}
+
+impl ReplayReport {
+    fn count(&self, decision: Decision) -> usize {
+        self.counts.get(name(decision)).copied().unwrap_or(0)
+    }
+}
+
+impl Report for ReplayReport {
+    fn text(&self) -> String {
+        let mut out = String::new();
+        if self.dry_run {
+            out.push_str("dry run: nothing sent, nothing committed\n");
+            for line in &self.lines {
+                out.push_str(&format!("  {line}\n"));
+            }
+        }
+        let verb = if self.dry_run {
+            "would_replay"
+        } else {
+            "replayed"
+        };
+        out.push_str(&format!(
+            "{verb}={} skipped_applied={} skipped_copies={} skipped_filtered={} \
+             skipped_truncated={} already_replayed={}\n",
+            self.count(Decision::Replay),
+            self.count(Decision::Applied),
+            self.count(Decision::Copy),
+            self.count(Decision::Filtered),
+            self.count(Decision::Truncated),
+            self.count(Decision::Done),
+        ));
+        out
+    }
+
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "topic": self.topic,
+            "group": self.group,
+            "dry_run": self.dry_run,
+            "replayed": if self.dry_run { 0 } else { self.count(Decision::Replay) },
+            "would_replay": self.count(Decision::Replay),
+            "skipped_applied": self.count(Decision::Applied),
+            "skipped_copies": self.count(Decision::Copy),
+            "skipped_filtered": self.count(Decision::Filtered),
+            "skipped_truncated": self.count(Decision::Truncated),
+            "already_replayed": self.count(Decision::Done),
+            "records": self.lines,
+        })
+    }
+}

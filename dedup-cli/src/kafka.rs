@@ -1,0 +1,160 @@
+//! Kafka clients for the CLI: settings, topic metadata, reading a topic to
+//! its end.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Message as _, OwnedMessage};
+use rdkafka::{Offset, TopicPartitionList};
+
+use crate::{Failure, KafkaArgs};
+
+/// How long a metadata or offsets request may take.
+pub(crate) const TIMEOUT: Duration = Duration::from_secs(15);
+
+/// How long reading may go without progress before it is given up.
+const STALL: Duration = Duration::from_secs(30);
+
+/// The settings every client gets: the brokers and the `--kafka-set` pairs.
+pub(crate) fn config(kafka: &KafkaArgs) -> Result<ClientConfig, Failure> {
+    let mut config = ClientConfig::new();
+    config.set("bootstrap.servers", &kafka.brokers);
+    for pair in &kafka.settings {
+        let (key, value) = pair.split_once('=').ok_or_else(|| {
+            Failure::new(format!(
+                "--kafka-set {pair:?} is not KEY=VALUE (e.g. security.protocol=sasl_ssl)"
+            ))
+        })?;
+        config.set(key.trim(), value.trim());
+    }
+    Ok(config)
+}
+
+/// The partitions of `topic`, or a failure saying it does not exist.
+pub(crate) fn partitions<C: rdkafka::consumer::ConsumerContext>(
+    consumer: &BaseConsumer<C>,
+    topic: &str,
+) -> Result<Vec<i32>, Failure> {
+    let metadata = consumer
+        .fetch_metadata(Some(topic), TIMEOUT)
+        .map_err(|e| unreachable_brokers(&e))?;
+    let Some(found) = metadata.topics().iter().find(|t| t.name() == topic) else {
+        return Err(no_such_topic(topic));
+    };
+    match found.error() {
+        None => {}
+        Some(rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART) => {
+            return Err(no_such_topic(topic));
+        }
+        Some(e) => {
+            return Err(Failure::new(format!(
+                "the brokers refuse the metadata of topic {topic:?}: {:?}",
+                RDKafkaErrorCode::from(e)
+            )));
+        }
+    }
+    let mut partitions: Vec<i32> = found.partitions().iter().map(|p| p.id()).collect();
+    if partitions.is_empty() {
+        return Err(no_such_topic(topic));
+    }
+    partitions.sort_unstable();
+    Ok(partitions)
+}
+
+fn no_such_topic(topic: &str) -> Failure {
+    Failure::new(format!(
+        "topic {topic:?} does not exist on these brokers (check the name and --brokers)"
+    ))
+}
+
+pub(crate) fn unreachable_brokers(e: &KafkaError) -> Failure {
+    Failure::new(format!(
+        "cannot reach the Kafka brokers ({e}): check --brokers / KAFKA_BROKERS and --kafka-set"
+    ))
+}
+
+/// A consumer for reading `topic` with `group` (committing nothing unless
+/// asked to).
+pub(crate) fn consumer(kafka: &KafkaArgs, group: &str) -> Result<BaseConsumer, Failure> {
+    config(kafka)?
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false")
+        .set("enable.partition.eof", "false")
+        .create()
+        .map_err(|e| Failure::new(format!("cannot create a Kafka consumer: {e}")))
+}
+
+/// Reads `topic` from its start to its end as of now (later records are
+/// left for the next run): every record, partition by partition, in offset
+/// order.
+pub(crate) fn read_to_end(
+    consumer: &BaseConsumer,
+    topic: &str,
+) -> Result<Vec<OwnedMessage>, Failure> {
+    let partitions = partitions(consumer, topic)?;
+    let mut ends = HashMap::new();
+    let mut assignment = TopicPartitionList::new();
+    for &p in &partitions {
+        let (low, high) = consumer
+            .fetch_watermarks(topic, p, TIMEOUT)
+            .map_err(|e| unreachable_brokers(&e))?;
+        if high > low {
+            ends.insert(p, high);
+            assignment
+                .add_partition_offset(topic, p, Offset::Offset(low))
+                .map_err(|e| Failure::new(format!("assigning {topic}/{p}: {e}")))?;
+        }
+    }
+    consumer
+        .assign(&assignment)
+        .map_err(|e| Failure::new(format!("assigning {topic}: {e}")))?;
+    // Partitions not yet read to their end, by that end.
+    let mut open = ends.clone();
+    let mut by_partition: HashMap<i32, Vec<OwnedMessage>> = HashMap::new();
+    let mut progress = Instant::now();
+    while !open.is_empty() {
+        match consumer.poll(Duration::from_millis(500)) {
+            Some(Ok(msg)) => {
+                progress = Instant::now();
+                let p = msg.partition();
+                let end = ends.get(&p).copied().unwrap_or(0);
+                // Records past the end as of the start are the next run's.
+                if msg.offset() < end {
+                    by_partition.entry(p).or_default().push(msg.detach());
+                }
+                if msg.offset() + 1 >= end {
+                    open.remove(&p);
+                }
+            }
+            Some(Err(e)) => return Err(Failure::new(format!("reading {topic}: {e}"))),
+            None => {
+                // Offsets that are not records (transaction markers, a
+                // compacted range) end a partition without a last record.
+                let positions = consumer
+                    .position()
+                    .map_err(|e| Failure::new(format!("reading {topic}: {e}")))?;
+                for elem in positions.elements_for_topic(topic) {
+                    if let Offset::Offset(at) = elem.offset()
+                        && open.get(&elem.partition()).is_some_and(|&end| at >= end)
+                    {
+                        open.remove(&elem.partition());
+                    }
+                }
+                if !open.is_empty() && progress.elapsed() > STALL {
+                    return Err(Failure::new(format!(
+                        "reading {topic} made no progress for {STALL:?}; partitions left: {:?}",
+                        open.keys().collect::<Vec<_>>()
+                    )));
+                }
+            }
+        }
+    }
+    Ok(partitions
+        .iter()
+        .flat_map(|p| by_partition.remove(p).unwrap_or_default())
+        .collect())
+}

@@ -1,0 +1,246 @@
+//! `dedup`: the operator's tool for a dedup deployment.
+//!
+//! Claims (`claims get|release|stats|purge`), dead letters (`dlq
+//! inspect|replay`), the outbox's backlog (`outbox pending`) and a TTL
+//! against a topic's retention (`check`). Connections come from
+//! `DATABASE_URL` and `KAFKA_BROKERS` (flags override). Text by default,
+//! `--json` for scripts; the exit code is 0 on success, 1 on any error (with
+//! a message that says what to do), 2 on a usage error.
+
+#![allow(clippy::print_stdout)] // a command-line tool prints its results
+
+mod check;
+mod claims;
+mod dlq;
+mod failpoint;
+mod kafka;
+mod outbox;
+mod time;
+
+use std::fmt;
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+use dedup_core::Ttl;
+
+#[derive(Parser)]
+#[command(
+    name = "dedup",
+    version,
+    about = "Operate dedup: claims, dead letters, the outbox, TTL checks"
+)]
+struct Cli {
+    /// Print JSON instead of text, for scripts.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Inspect, release and purge claims.
+    #[command(subcommand)]
+    Claims(ClaimsCommand),
+    /// Inspect and replay a dead-letter topic.
+    #[command(subcommand)]
+    Dlq(DlqCommand),
+    /// The transactional outbox.
+    #[command(subcommand)]
+    Outbox(OutboxCommand),
+    /// Compare a handler's TTL with its topic's retention: what a replay from
+    /// the earliest offset would do.
+    Check(CheckArgs),
+}
+
+/// Where the claims are.
+#[derive(Args)]
+pub(crate) struct Database {
+    /// PostgreSQL URL.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    database_url: String,
+    /// The claims table (`schema.name` or `name`).
+    #[arg(long, default_value = "dedup_claims")]
+    table: String,
+}
+
+/// How to reach the brokers.
+#[derive(Args, Clone)]
+pub(crate) struct KafkaArgs {
+    /// Kafka bootstrap servers.
+    #[arg(long, env = "KAFKA_BROKERS", default_value = "localhost:9092")]
+    brokers: String,
+    /// A librdkafka setting for every client, e.g.
+    /// `security.protocol=sasl_ssl` (repeatable).
+    #[arg(long = "kafka-set", value_name = "KEY=VALUE")]
+    settings: Vec<String>,
+}
+
+/// Which claim.
+#[derive(Args)]
+struct ClaimKey {
+    /// The handler's scope (`#[idempotent(scope = ..)]`, by default
+    /// `module::path::function`).
+    #[arg(long)]
+    scope: String,
+    /// The event id.
+    #[arg(long)]
+    key: String,
+}
+
+#[derive(Subcommand)]
+enum ClaimsCommand {
+    /// Show one claim: when it was taken and when it expires, on the
+    /// database clock.
+    Get {
+        #[command(flatten)]
+        db: Database,
+        #[command(flatten)]
+        claim: ClaimKey,
+    },
+    /// Delete one claim, so that the event is applied again when it is
+    /// delivered again.
+    Release {
+        #[command(flatten)]
+        db: Database,
+        #[command(flatten)]
+        claim: ClaimKey,
+        /// Confirm the deletion.
+        #[arg(long)]
+        yes: bool,
+    },
+    /// Rows, live and expired claims, expiries and sizes, per scope.
+    Stats {
+        #[command(flatten)]
+        db: Database,
+    },
+    /// Delete expired claims now, in bounded batches.
+    Purge {
+        #[command(flatten)]
+        db: Database,
+        /// Claims deleted per statement.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
+        batch_size: u32,
+    },
+}
+
+#[derive(Subcommand)]
+enum DlqCommand {
+    /// Count a dead-letter topic's records by kind, original partition and
+    /// handler; `--show N` prints N of them.
+    Inspect {
+        #[command(flatten)]
+        kafka: KafkaArgs,
+        /// The dead-letter topic.
+        topic: String,
+        /// Print this many records (headers, key, a payload preview).
+        #[arg(long, default_value_t = 0)]
+        show: usize,
+    },
+    /// Produce dead letters back to their original topic, once per original
+    /// message, resuming where an interrupted replay stopped.
+    Replay(Box<dlq::ReplayArgs>),
+}
+
+#[derive(Subcommand)]
+enum OutboxCommand {
+    /// The backlog per topic: pending events, the oldest one's age, events
+    /// backing off after a failure.
+    Pending {
+        /// PostgreSQL URL.
+        #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+        database_url: String,
+        /// The outbox table.
+        #[arg(long, default_value = "dedup_outbox")]
+        table: String,
+    },
+}
+
+#[derive(Args)]
+struct CheckArgs {
+    #[command(flatten)]
+    kafka: KafkaArgs,
+    /// The topic the handler consumes.
+    #[arg(long)]
+    topic: String,
+    /// The handler's TTL, e.g. `4h`.
+    #[arg(long)]
+    ttl: Ttl,
+}
+
+/// A failure, with what to do about it.
+#[derive(Debug)]
+pub(crate) struct Failure(pub(crate) String);
+
+impl fmt::Display for Failure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Failure {
+    pub(crate) fn new(message: impl Into<String>) -> Self {
+        Failure(message.into())
+    }
+}
+
+/// What a command prints: text for people, JSON for scripts.
+pub(crate) trait Report {
+    fn text(&self) -> String;
+    fn json(&self) -> serde_json::Value;
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli.command).await {
+        Ok(report) => {
+            if cli.json {
+                println!("{:#}", report.json());
+            } else {
+                print!("{}", report.text());
+            }
+            ExitCode::SUCCESS
+        }
+        Err(failure) => {
+            eprintln!("error: {failure}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(command: Command) -> Result<Box<dyn Report>, Failure> {
+    Ok(match command {
+        Command::Claims(ClaimsCommand::Get { db, claim }) => {
+            let claims = claims::Claims::connect(&db).await?;
+            Box::new(claims.get(&claim.scope, &claim.key).await?)
+        }
+        Command::Claims(ClaimsCommand::Release { db, claim, yes }) => {
+            if !yes {
+                return Err(Failure::new(
+                    "releasing a claim lets its event be applied again; add --yes to confirm",
+                ));
+            }
+            let claims = claims::Claims::connect(&db).await?;
+            Box::new(claims.release(&claim.scope, &claim.key).await?)
+        }
+        Command::Claims(ClaimsCommand::Stats { db }) => {
+            Box::new(claims::Claims::connect(&db).await?.stats().await?)
+        }
+        Command::Claims(ClaimsCommand::Purge { db, batch_size }) => Box::new(
+            claims::Claims::connect(&db)
+                .await?
+                .purge(batch_size)
+                .await?,
+        ),
+        Command::Dlq(DlqCommand::Inspect { kafka, topic, show }) => {
+            Box::new(dlq::inspect(&kafka, &topic, show).await?)
+        }
+        Command::Dlq(DlqCommand::Replay(args)) => Box::new(dlq::replay(&args).await?),
+        Command::Outbox(OutboxCommand::Pending {
+            database_url,
+            table,
+        }) => Box::new(outbox::pending(&database_url, &table).await?),
+        Command::Check(args) => Box::new(check::check(&args.kafka, &args.topic, args.ttl).await?),
+    })
+}

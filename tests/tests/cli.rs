@@ -1,0 +1,564 @@
+//! The operator tool, `dedup`, run as a process against the real PostgreSQL
+//! and Kafka, on claims and dead letters that a real consumer made.
+
+mod common;
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use dedup_core::{HandlerError, OutboxMessage, idempotent};
+use dedup_kafka::Consumer;
+use dedup_postgres::{OutboxWriter, PgStore, PgTx};
+use dedup_tests::{PaymentReceived, credit, payment, store, total_balance};
+use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
+use rdkafka::producer::FutureRecord;
+use sqlx::PgPool;
+
+use common::{brokers, create_topic, database_url, drain, header, producer, read_exactly, unique};
+
+const SCOPE: &str = "cli-test::record_payment";
+
+/// Credits the payment, unless its account is listed in `blocked`: that is
+/// the event's fault (a rule of the business), dead-lettered at once. The
+/// "fix" an operator deploys is deleting the row.
+#[idempotent(key = "event_id", ttl = "4h", scope = "cli-test::record_payment")]
+async fn record_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), HandlerError> {
+    let blocked: bool =
+        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM blocked WHERE account = $1)")
+            .bind(&ev.account_id)
+            .fetch_one(&mut **tx)
+            .await?;
+    if blocked {
+        return Err(HandlerError::permanent(format!(
+            "account {} is blocked",
+            ev.account_id
+        )));
+    }
+    credit(tx, &ev).await?;
+    Ok(())
+}
+
+/// Runs `dedup args...` with the test's database and the brokers.
+async fn dedup(pool: &PgPool, args: &[&str]) -> Output {
+    dedup_with(pool, args, &[]).await
+}
+
+async fn dedup_with(pool: &PgPool, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(common::cli());
+    cmd.args(args)
+        .env("DATABASE_URL", database_url(pool))
+        .env("KAFKA_BROKERS", brokers())
+        .env_remove("DEDUP_FAILPOINT");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    tokio::task::spawn_blocking(move || cmd.output().expect("run dedup"))
+        .await
+        .expect("join")
+}
+
+/// `dedup claims <verb> --scope SCOPE --key <key> <more...>`.
+async fn claim(pool: &PgPool, verb: &str, key: &str, more: &[&str]) -> Output {
+    let args = [&["claims", verb, "--scope", SCOPE, "--key", key][..], more].concat();
+    dedup(pool, &args).await
+}
+
+/// The JSON a successful `--json` command printed.
+fn json(output: &Output) -> serde_json::Value {
+    assert!(
+        output.status.success(),
+        "dedup failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).unwrap_or_else(|e| {
+        panic!(
+            "not JSON ({e}): {}",
+            String::from_utf8_lossy(&output.stdout)
+        )
+    })
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+async fn migrated(pool: &PgPool) -> PgStore {
+    let store = store(pool).await;
+    sqlx::query("CREATE TABLE blocked (account text PRIMARY KEY)")
+        .execute(pool)
+        .await
+        .expect("create blocked");
+    store
+}
+
+async fn block(pool: &PgPool, account: &str) {
+    sqlx::query("INSERT INTO blocked VALUES ($1)")
+        .bind(account)
+        .execute(pool)
+        .await
+        .expect("block");
+}
+
+/// The fix an operator deploys.
+async fn unblock_all(pool: &PgPool) {
+    sqlx::query("DELETE FROM blocked")
+        .execute(pool)
+        .await
+        .expect("unblock");
+}
+
+/// Runs a consumer of `topic` in `group` until it is idle.
+async fn consume(store: &PgStore, topic: &str, group: &str) -> dedup_kafka::StatsSnapshot {
+    drain(
+        Consumer::builder(store.clone())
+            .brokers(brokers())
+            .group_id(group)
+            .commit_interval(Duration::from_millis(200))
+            .handle(topic, record_payment),
+        Duration::from_secs(3),
+    )
+    .await
+}
+
+/// How many records `topic` holds (its partitions' high watermarks).
+fn records_in(topic: &str) -> i64 {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", unique("count"))
+        .create()
+        .expect("consumer");
+    let metadata = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .expect("metadata");
+    metadata.topics()[0]
+        .partitions()
+        .iter()
+        .map(|p| {
+            let (low, high) = consumer
+                .fetch_watermarks(topic, p.id(), Duration::from_secs(10))
+                .expect("watermarks");
+            high - low
+        })
+        .sum()
+}
+
+/// Produces payments: `(event id, account, cents)`.
+async fn pay(topic: &str, payments: &[(uuid::Uuid, &str, i64)]) {
+    let producer = producer();
+    for (id, account, cents) in payments {
+        producer
+            .send(
+                FutureRecord::to(topic)
+                    .key(*account)
+                    .payload(&payment(*id, account, *cents)),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produced");
+    }
+}
+
+#[sqlx::test(migrations = false)]
+async fn claims_get_release_stats_and_purge(pool: PgPool) {
+    let store = migrated(&pool).await;
+    let topic = create_topic(1).await;
+    let group = unique("g");
+    let ids: Vec<String> = (0..3).map(|_| uuid::Uuid::new_v4().to_string()).collect();
+    let payments: Vec<_> = ids
+        .iter()
+        .zip([("a", 100), ("b", 20), ("c", 3)])
+        .map(|(id, (account, cents))| (id.parse().expect("uuid"), account, cents))
+        .collect();
+    pay(&topic, &payments).await;
+    assert_eq!(consume(&store, &topic, &group).await.applied, 3);
+
+    let got = json(&claim(&pool, "get", &ids[0], &["--json"]).await);
+    assert_eq!(got["found"], true, "{got}");
+    assert_eq!(got["live"], true, "{got}");
+    let expires_in = got["expires_in_seconds"].as_f64().expect("seconds");
+    assert!(
+        (3.9 * 3600.0..=4.0 * 3600.0).contains(&expires_in),
+        "a 4h TTL: {got}"
+    );
+    let text = stdout(&claim(&pool, "get", &ids[0], &[]).await);
+    assert!(text.contains("live, expires in 3h59m"), "{text}");
+
+    // Expired claims of another handler, waiting for the purger.
+    sqlx::query(
+        "INSERT INTO dedup_claims (scope, key, claimed_at, expires_at) \
+         SELECT 'old', 'k' || n, now() - interval '2 hours', now() - interval '1 hour' \
+         FROM generate_series(1, 5) AS n",
+    )
+    .execute(&pool)
+    .await
+    .expect("expired claims");
+    let stats = json(&dedup(&pool, &["claims", "stats", "--json"]).await);
+    assert_eq!(stats["rows"], 8, "{stats}");
+    assert_eq!(stats["live"], 3, "{stats}");
+    assert_eq!(stats["expired"], 5, "{stats}");
+    let scopes = stats["scopes"].as_array().expect("scopes");
+    assert_eq!(scopes.len(), 2, "{stats}");
+    assert_eq!(scopes[0]["scope"], SCOPE, "{stats}");
+    assert_eq!(scopes[0]["live"], 3, "{stats}");
+    assert!(stats["total_bytes"].as_i64().expect("size") > 0, "{stats}");
+
+    let purged = json(&dedup(&pool, &["claims", "purge", "--batch-size", "2", "--json"]).await);
+    assert_eq!(purged["deleted"], 5, "{purged}");
+    assert_eq!(purged["batches"], 3, "2 + 2 + 1: {purged}");
+    let stats = json(&dedup(&pool, &["claims", "stats", "--json"]).await);
+    assert_eq!(
+        (&stats["rows"], &stats["live"]),
+        (&3.into(), &3.into()),
+        "{stats}"
+    );
+
+    // Releasing needs a confirmation, and then lets the event apply again.
+    let refused = claim(&pool, "release", &ids[1], &[]).await;
+    assert!(!refused.status.success());
+    assert!(stderr(&refused).contains("--yes"), "{}", stderr(&refused));
+    let released = json(&claim(&pool, "release", &ids[1], &["--yes", "--json"]).await);
+    assert_eq!(released["released"], true, "{released}");
+    let gone = json(&claim(&pool, "get", &ids[1], &["--json"]).await);
+    assert_eq!(gone["found"], false, "{gone}");
+    let again = claim(&pool, "release", &ids[1], &["--yes"]).await;
+    assert!(!again.status.success(), "releasing nothing is an error");
+    assert!(stderr(&again).contains("no claim"), "{}", stderr(&again));
+    pay(&topic, &payments[1..2]).await;
+    assert_eq!(consume(&store, &topic, &group).await.applied, 1);
+    assert_eq!(
+        total_balance(&pool).await,
+        143,
+        "the released event applied again"
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn bad_settings_are_clear_errors_that_reveal_no_secret(pool: PgPool) {
+    migrated(&pool).await;
+    let bad_name = dedup(
+        &pool,
+        &["claims", "stats", "--table", "x; DROP TABLE accounts"],
+    )
+    .await;
+    assert!(!bad_name.status.success());
+    assert!(
+        stderr(&bad_name).contains("not a valid table name"),
+        "{}",
+        stderr(&bad_name)
+    );
+    let missing = dedup(&pool, &["claims", "stats", "--table", "no_such_claims"]).await;
+    assert!(!missing.status.success());
+    assert!(
+        stderr(&missing).contains("no claims table"),
+        "{}",
+        stderr(&missing)
+    );
+    let url = database_url(&pool).replace("dedup:dedup@", "dedup:hunter2-secret@");
+    let denied = dedup_with(&pool, &["claims", "stats"], &[("DATABASE_URL", &url)]).await;
+    assert!(!denied.status.success());
+    assert!(
+        stderr(&denied).contains("cannot connect"),
+        "{}",
+        stderr(&denied)
+    );
+    assert!(!stderr(&denied).contains("hunter2"), "{}", stderr(&denied));
+    let no_topic = dedup(&pool, &["dlq", "inspect", &unique("missing")]).await;
+    assert!(!no_topic.status.success());
+    assert!(
+        stderr(&no_topic).contains("does not exist"),
+        "{}",
+        stderr(&no_topic)
+    );
+}
+
+/// Poisoned payments dead-lettered, the cause fixed, the dead letters
+/// replayed: each applied exactly once. A copy in the dead-letter topic is
+/// replayed once; an event applied meanwhile through another path is
+/// skipped with --check-claims; --dry-run sends nothing; a second replay
+/// sends nothing.
+#[sqlx::test(migrations = false)]
+async fn a_replay_after_the_fix_applies_every_dead_letter_once(pool: PgPool) {
+    let store = migrated(&pool).await;
+    let topic = create_topic(2).await;
+    let dlq = format!("{topic}.dlq");
+    let group = unique("g");
+    block(&pool, "blocked-1").await;
+    block(&pool, "blocked-2").await;
+    let ids: Vec<uuid::Uuid> = (0..6).map(|_| uuid::Uuid::new_v4()).collect();
+    let payments = [
+        (ids[0], "a", 1),
+        (ids[1], "blocked-1", 10),
+        (ids[2], "b", 100),
+        (ids[3], "blocked-2", 1000),
+        (ids[4], "blocked-1", 10_000),
+        (ids[5], "c", 100_000),
+    ];
+    pay(&topic, &payments).await;
+    let first = consume(&store, &topic, &group).await;
+    assert_eq!((first.applied, first.dead_lettered), (3, 3), "{first:?}");
+    let dead = read_exactly(&brokers(), &dlq, 3).await;
+
+    // A copy, as older versions wrote after a crash.
+    let copy = &dead[0];
+    let mut headers = OwnedHeaders::new();
+    for h in copy.headers().expect("headers").iter() {
+        headers = headers.insert(Header {
+            key: h.key,
+            value: h.value,
+        });
+    }
+    producer()
+        .send(
+            FutureRecord::to(&dlq)
+                .key(copy.key().expect("key"))
+                .payload(copy.payload().expect("payload"))
+                .headers(headers),
+            Duration::from_secs(10),
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .expect("copy produced");
+
+    let inspected = json(&dedup(&pool, &["dlq", "inspect", &dlq, "--show", "1", "--json"]).await);
+    assert_eq!(inspected["records"], 4, "{inspected}");
+    assert_eq!(inspected["distinct"], 3, "{inspected}");
+    assert_eq!(inspected["copies"], 1, "{inspected}");
+    assert_eq!(inspected["by_kind"]["handler"], 4, "{inspected}");
+    assert_eq!(inspected["by_handler"][SCOPE], 4, "{inspected}");
+    assert_eq!(
+        inspected["shown"].as_array().map(Vec::len),
+        Some(1),
+        "{inspected}"
+    );
+
+    // The fix; and one blocked payment applied through another path (sent
+    // again by its producer) before the replay.
+    unblock_all(&pool).await;
+    pay(&topic, &[(ids[3], "blocked-2", 1000)]).await;
+    assert_eq!(consume(&store, &topic, &group).await.applied, 1);
+
+    let before = records_in(&topic);
+    let replay = [
+        "dlq",
+        "replay",
+        &dlq,
+        "--check-claims",
+        "--scope",
+        SCOPE,
+        "--key-field",
+        "event_id",
+    ];
+    let dry = dedup(&pool, &[&replay[..], &["--dry-run"]].concat()).await;
+    assert!(dry.status.success(), "{}", stderr(&dry));
+    assert!(
+        stdout(&dry).contains("would_replay=2 skipped_applied=1 skipped_copies=1"),
+        "{}",
+        stdout(&dry)
+    );
+    assert_eq!(records_in(&topic), before, "a dry run sends nothing");
+
+    let done = dedup(&pool, &replay).await;
+    assert!(done.status.success(), "{}", stderr(&done));
+    assert!(
+        stdout(&done).contains("replayed=2 skipped_applied=1 skipped_copies=1"),
+        "{}",
+        stdout(&done)
+    );
+    assert_eq!(records_in(&topic), before + 2);
+    let after = consume(&store, &topic, &group).await;
+    assert_eq!((after.applied, after.dead_lettered), (2, 0), "{after:?}");
+    assert_eq!(
+        total_balance(&pool).await,
+        111_111,
+        "every payment applied exactly once"
+    );
+
+    // What a replayed record carries.
+    let replayed = common::read(&topic, payments.len() + 3).await;
+    let last = replayed
+        .iter()
+        .find(|m| header(m, "dedup.replay.count").is_some())
+        .expect("a replayed record");
+    assert_eq!(header(last, "dedup.replay.count"), Some("1"));
+    assert!(
+        header(last, "dedup.replayed.from").is_some_and(|f| f.starts_with(&dlq)),
+        "{:?}",
+        header(last, "dedup.replayed.from")
+    );
+    assert_eq!(
+        header(last, "dedup.error.kind"),
+        None,
+        "dead-letter headers dropped"
+    );
+    assert_eq!(header(last, "dedup.original.topic"), None);
+
+    let twice = dedup(&pool, &replay).await;
+    assert!(twice.status.success(), "{}", stderr(&twice));
+    assert!(
+        stdout(&twice).contains("replayed=0") && stdout(&twice).contains("already_replayed=4"),
+        "{}",
+        stdout(&twice)
+    );
+    assert_eq!(
+        records_in(&topic),
+        before + 2,
+        "a finished replay sends nothing again"
+    );
+}
+
+/// A replay killed after sending part of the dead letters and before
+/// committing its progress sends that part again when run again; the
+/// consumer skips what it applied already: the balances prove it.
+#[sqlx::test(migrations = false)]
+async fn an_interrupted_replay_resumes_and_nothing_applies_twice(pool: PgPool) {
+    let store = migrated(&pool).await;
+    let topic = create_topic(1).await;
+    let dlq = format!("{topic}.dlq");
+    let group = unique("g");
+    block(&pool, "blocked").await;
+    let payments: Vec<_> = (0..5)
+        .map(|i| (uuid::Uuid::new_v4(), "blocked", 10_i64.pow(i)))
+        .collect();
+    pay(&topic, &payments).await;
+    assert_eq!(consume(&store, &topic, &group).await.dead_lettered, 5);
+    unblock_all(&pool).await;
+
+    let replay = ["dlq", "replay", &dlq, "--commit-every", "2"];
+    let killed = dedup_with(
+        &pool,
+        &replay,
+        &[("DEDUP_FAILPOINT", "replay-before-commit")],
+    )
+    .await;
+    assert!(!killed.status.success(), "the failpoint must kill it");
+    // The two it sent arrive and are applied.
+    let partial = consume(&store, &topic, &group).await;
+    assert_eq!(partial.applied, 2, "{partial:?}");
+
+    let resumed = dedup(&pool, &replay).await;
+    assert!(resumed.status.success(), "{}", stderr(&resumed));
+    assert!(
+        stdout(&resumed).contains("replayed=5"),
+        "{}",
+        stdout(&resumed)
+    );
+    let rest = consume(&store, &topic, &group).await;
+    assert_eq!((rest.applied, rest.skipped), (3, 2), "{rest:?}");
+    assert_eq!(total_balance(&pool).await, 11_111, "each applied once");
+}
+
+/// Records a replay cannot place, or whose headers are malformed: a clear
+/// error, and nothing sent.
+#[sqlx::test(migrations = false)]
+async fn a_replay_refuses_records_it_cannot_place_and_sends_nothing(pool: PgPool) {
+    let target = create_topic(1).await;
+    let not_a_dlq = create_topic(1).await;
+    pay(&not_a_dlq, &[(uuid::Uuid::new_v4(), "a", 1)]).await;
+    let refused = dedup(&pool, &["dlq", "replay", &not_a_dlq]).await;
+    assert!(!refused.status.success());
+    assert!(
+        stderr(&refused).contains("no dedup.original"),
+        "{}",
+        stderr(&refused)
+    );
+
+    let malformed = create_topic(1).await;
+    let headers = OwnedHeaders::new()
+        .insert(Header {
+            key: "dedup.original.topic",
+            value: Some(target.as_str()),
+        })
+        .insert(Header {
+            key: "dedup.original.partition",
+            value: Some("zero"),
+        })
+        .insert(Header {
+            key: "dedup.original.offset",
+            value: Some("3"),
+        });
+    producer()
+        .send(
+            FutureRecord::to(&malformed)
+                .key("k")
+                .payload("{}")
+                .headers(headers),
+            Duration::from_secs(10),
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .expect("produced");
+    let refused = dedup(&pool, &["dlq", "replay", &malformed]).await;
+    assert!(!refused.status.success());
+    assert!(
+        stderr(&refused).contains("dedup.original.partition")
+            && stderr(&refused).contains("not a number"),
+        "{}",
+        stderr(&refused)
+    );
+    assert_eq!(records_in(&target), 0, "nothing sent");
+}
+
+#[sqlx::test(migrations = false)]
+async fn check_compares_the_ttl_with_the_topics_retention(pool: PgPool) {
+    let short = common::create_topic_with(&brokers(), 1, &[("retention.ms", "3600000")]).await;
+    let ok = json(
+        &dedup(
+            &pool,
+            &["check", "--topic", &short, "--ttl", "4h", "--json"],
+        )
+        .await,
+    );
+    assert_eq!(ok["replay_from_earliest_is_deduplicated"], true, "{ok}");
+    assert_eq!(ok["retention_ms"], 3_600_000, "{ok}");
+    let forever = common::create_topic_with(&brokers(), 1, &[("retention.ms", "-1")]).await;
+    let kept = json(
+        &dedup(
+            &pool,
+            &["check", "--topic", &forever, "--ttl", "7d", "--json"],
+        )
+        .await,
+    );
+    assert_eq!(
+        kept["replay_from_earliest_is_deduplicated"], false,
+        "{kept}"
+    );
+    assert!(
+        kept["verdict"]
+            .as_str()
+            .is_some_and(|v| v.contains("for ever")),
+        "{kept}"
+    );
+    let week = common::create_topic_with(&brokers(), 1, &[("retention.ms", "604800000")]).await;
+    let warned = dedup(&pool, &["check", "--topic", &week, "--ttl", "4h"]).await;
+    assert!(warned.status.success(), "{}", stderr(&warned));
+    assert!(
+        stdout(&warned).contains("warning") && stdout(&warned).contains("7d0h"),
+        "{}",
+        stdout(&warned)
+    );
+}
+
+#[sqlx::test(migrations = false)]
+async fn outbox_pending_shows_the_backlog_per_topic(pool: PgPool) {
+    let outbox = OutboxWriter::default();
+    outbox.migrate(&pool).await.expect("migrate outbox");
+    let mut tx = pool.begin().await.expect("begin");
+    for topic in ["orders", "orders", "invoices"] {
+        dedup_postgres::enqueue(&mut tx, OutboxMessage::bytes(topic, b"{}".to_vec()))
+            .await
+            .expect("enqueue");
+    }
+    tx.commit().await.expect("commit");
+    let pending = json(&dedup(&pool, &["outbox", "pending", "--json"]).await);
+    assert_eq!(pending["pending"], 3, "{pending}");
+    let topics = pending["topics"].as_array().expect("topics");
+    assert_eq!(topics.len(), 2, "{pending}");
+    assert_eq!(topics[1]["topic"], "orders");
+    assert_eq!(topics[1]["pending"], 2);
+}

@@ -76,6 +76,7 @@ impl<S: DedupStore> Consumer<S> {
                 drained: drained_tx,
                 fatal: std::sync::Mutex::new(None),
                 fatal_set: tokio::sync::Notify::new(),
+                dead_letter_gates: std::sync::Mutex::new(std::collections::HashMap::new()),
             }),
             routes: routes
                 .into_iter()

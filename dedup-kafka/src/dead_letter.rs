@@ -1,13 +1,21 @@
-//! Dead-lettering a message exactly once: the dead letter is produced, then
-//! recorded in the store (a claim per offset), so that a redelivery of the
+//! Dead-lettering a message once: the dead letter is produced, then recorded
+//! in the store (a claim per partition offset), so that a redelivery of the
 //! message (a crash or a rebalance before its offset was committed) is
 //! skipped instead of being dead-lettered again or, once the cause is gone,
 //! applied.
+//!
+//! No store transaction is held while a dead letter is produced (a slow
+//! broker must not hold SQLite's write lock or a pool connection). Within
+//! one process, a partition's dead-lettering and the reading of its records
+//! by its next worker take turns through a per-partition gate, so a
+//! partition revoked and assigned back never starts before its old worker
+//! has recorded what it dead-lettered.
 
-use std::collections::BTreeSet;
+use std::collections::HashSet;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
-use dedup_core::{Classification, DedupKey, DedupStore, StoreError, Ttl};
+use dedup_core::{Classification, DedupKey, DedupStore, StoreError};
 use rdkafka::message::{Message as _, OwnedMessage};
 
 use crate::dlq::{self, DeadLetter};
@@ -16,12 +24,10 @@ use crate::partition::{AttemptTimedOut, Outage, Partition, Shared, wait_unless_s
 use crate::retry::Jitter;
 use crate::route::Route;
 
-/// Dead-letters `msg` once. The record is claimed before the dead letter is
-/// produced and committed after the broker acknowledges it, so a second
-/// owner of the partition dead-lettering the same message meanwhile waits
-/// for it and then skips. `false` if the message was not finished (the
-/// consumer stops or the partition is revoked first): its offset is not
-/// stored.
+/// Dead-letters `msg` once: unless the store says it was dead-lettered
+/// already, produces it, then records it. `false` if the message was not
+/// finished (the consumer stops, or the partition was revoked before its
+/// dead letter was produced): its offset is not stored.
 pub(crate) async fn dead_letter<S: DedupStore>(
     shared: &Shared<S>,
     route: &Route<S>,
@@ -30,27 +36,26 @@ pub(crate) async fn dead_letter<S: DedupStore>(
     why: DeadLetter<'_>,
     jitter: &mut Jitter,
 ) -> bool {
-    let record = route.dead_letter_record(msg.topic(), msg.partition(), msg.offset());
-    let ttl = route.handler.ttl();
-    let held = match take_record(shared, partition, &record, ttl, jitter).await {
-        Taken::Held(tx) => Some(tx),
-        Taken::Already => {
+    let gate = shared.dead_letter_gate(&partition.topic, partition.partition);
+    let _turn = gate.lock().await;
+    // Revoked: the next owner dead-letters it (once it has read the records).
+    if partition.is_revoked() {
+        return false;
+    }
+    let record = route.dead_letter_record(msg);
+    match recorded_from(shared, partition, &record, jitter).await {
+        None => return false,
+        Some(ids) if ids.contains(record.id()) => {
             skip(shared, msg);
             return true;
         }
-        Taken::Unrecordable => None,
-        Taken::Stopped => return false,
-    };
+        Some(_) => {}
+    }
     if !produce(shared, partition, msg, &why, jitter).await {
-        if let Some(tx) = held {
-            let _ = shared.store.rollback(tx).await;
-        }
         return false;
     }
     shared.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-    if let Some(tx) = held {
-        commit_record(shared, partition, tx, &record, ttl, jitter).await;
-    }
+    record_it(shared, route, &record, jitter).await;
     failpoint("after-dead-letter");
     true
 }
@@ -68,23 +73,40 @@ pub(crate) fn skip<S>(shared: &Shared<S>, msg: &OwnedMessage) {
     );
 }
 
-/// The offsets of the partition, from `from` on, that were dead-lettered
-/// within their handler's TTL: read once, before a worker's first message.
-/// The store is waited out like any failure of the environment; `None` if
-/// the consumer stops or the partition is revoked meanwhile.
+/// The records of the partition's messages dead-lettered within their
+/// handler's TTL, from offset `from` on: read once, before a worker's first
+/// message (after any dead letter of the partition in flight in this
+/// process is recorded). `None` if the consumer stops or the partition is
+/// revoked while the store is unreachable.
 pub(crate) async fn recorded<S: DedupStore>(
     shared: &Shared<S>,
     route: &Route<S>,
     partition: &Partition,
     from: i64,
     jitter: &mut Jitter,
-) -> Option<BTreeSet<i64>> {
-    let first = route.dead_letter_record(&partition.topic, partition.partition, from);
+) -> Option<HashSet<String>> {
+    drop(
+        shared
+            .dead_letter_gate(&partition.topic, partition.partition)
+            .lock()
+            .await,
+    );
+    let first = route.dead_letter_records_from(&partition.topic, partition.partition, from);
+    recorded_from(shared, partition, &first, jitter).await
+}
+
+/// The live record ids from `first` on, waiting out the store.
+async fn recorded_from<S: DedupStore>(
+    shared: &Shared<S>,
+    partition: &Partition,
+    first: &DedupKey,
+    jitter: &mut Jitter,
+) -> Option<HashSet<String>> {
     let limit = shared.settings.attempt_timeout;
     let mut outage = Outage::new(shared);
     loop {
-        let error = match tokio::time::timeout(limit, shared.store.live_ids_from(&first)).await {
-            Ok(Ok(ids)) => return Some(ids.iter().filter_map(|id| id.parse().ok()).collect()),
+        let error = match tokio::time::timeout(limit, shared.store.live_ids_from(first)).await {
+            Ok(Ok(ids)) => return Some(ids.into_iter().collect()),
             Ok(Err(e)) => e,
             Err(_) => timed_out(limit),
         };
@@ -99,41 +121,30 @@ pub(crate) async fn recorded<S: DedupStore>(
     }
 }
 
-fn timed_out(limit: std::time::Duration) -> StoreError {
+fn timed_out(limit: Duration) -> StoreError {
     StoreError::environment(AttemptTimedOut(limit)).with_code("attempt_timeout")
 }
 
-/// The record's claim, taken or not.
-enum Taken<Tx> {
-    /// Taken in this open transaction: commit it once the dead letter is
-    /// acknowledged.
-    Held(Tx),
-    /// Recorded already: the message was dead-lettered before.
-    Already,
-    /// The store refuses it for a reason no retry helps: dead-letter
-    /// without a record (a redelivery may dead-letter it again).
-    Unrecordable,
-    /// The consumer stops or the partition was revoked.
-    Stopped,
-}
-
-/// Claims `record` in a new transaction, waiting out the store.
-async fn take_record<S: DedupStore>(
+/// Records a dead letter the broker acknowledged, in a short transaction of
+/// its own, waiting out the store (also after a revoke: the next owner
+/// needs the record). Given up only when the consumer stops, or for a
+/// refusal no retry helps: then a redelivery may dead-letter it again.
+async fn record_it<S: DedupStore>(
     shared: &Shared<S>,
-    partition: &Partition,
+    route: &Route<S>,
     record: &DedupKey,
-    ttl: Ttl,
     jitter: &mut Jitter,
-) -> Taken<S::Tx> {
+) {
     let policy = shared.settings.retry;
     let limit = shared.settings.attempt_timeout;
+    let ttl = route.handler.ttl();
     let mut outage = Outage::new(shared);
     let mut contended = 0;
     loop {
         let attempt = async {
             let mut tx = shared.store.begin().await?;
             match shared.store.claim(&mut tx, record, ttl).await {
-                Ok(claim) => Ok((tx, claim)),
+                Ok(_) => shared.store.commit(tx).await,
                 Err(e) => {
                     let _ = shared.store.rollback(tx).await;
                     Err(e)
@@ -141,11 +152,7 @@ async fn take_record<S: DedupStore>(
             }
         };
         let error = match tokio::time::timeout(limit, attempt).await {
-            Ok(Ok((tx, claim))) if claim.is_claimed() => return Taken::Held(tx),
-            Ok(Ok((tx, _))) => {
-                let _ = shared.store.rollback(tx).await;
-                return Taken::Already;
-            }
+            Ok(Ok(())) => return,
             Ok(Err(e)) => e,
             Err(_) => timed_out(limit),
         };
@@ -153,11 +160,9 @@ async fn take_record<S: DedupStore>(
             Classification::Environment => {
                 match outage.failed(&dedup_core::Error::Store(error), &policy, jitter) {
                     Some(wait) => wait,
-                    None => return Taken::Stopped,
+                    None => return,
                 }
             }
-            // Another owner of the partition holds the record uncommitted
-            // while it dead-letters the same message: wait for it.
             Classification::Transient if contended + 1 < policy.attempts() => {
                 contended += 1;
                 policy.backoff(contended, jitter.next())
@@ -168,48 +173,20 @@ async fn take_record<S: DedupStore>(
                     "the dead letter cannot be recorded in the store; a redelivery of this \
                      message may dead-letter it again"
                 );
-                return Taken::Unrecordable;
+                return;
             }
         };
-        if !wait_unless_stopped(shared, partition, wait).await {
-            return Taken::Stopped;
-        }
-    }
-}
-
-/// Commits the record of an acknowledged dead letter. If the commit fails
-/// (the store went away meanwhile), the record is taken again in a
-/// transaction of its own, waiting out the store; given up only when the
-/// consumer stops or the partition is revoked first.
-async fn commit_record<S: DedupStore>(
-    shared: &Shared<S>,
-    partition: &Partition,
-    tx: S::Tx,
-    record: &DedupKey,
-    ttl: Ttl,
-    jitter: &mut Jitter,
-) {
-    let limit = shared.settings.attempt_timeout;
-    let mut tx = tx;
-    loop {
-        let error = match tokio::time::timeout(limit, shared.store.commit(tx)).await {
-            Ok(Ok(())) => return,
-            Ok(Err(e)) => e,
-            Err(_) => timed_out(limit),
-        };
-        tracing::debug!(%error, "recording the dead letter failed; recording it again");
-        tx = match take_record(shared, partition, record, ttl, jitter).await {
-            Taken::Held(tx) => tx,
-            // The lost commit went through after all.
-            Taken::Already => return,
-            Taken::Unrecordable | Taken::Stopped => {
+        let mut stopping = shared.stopping.subscribe();
+        tokio::select! {
+            () = tokio::time::sleep(wait) => {}
+            _ = stopping.wait_for(|s| *s) => {
                 tracing::warn!(
-                    "the dead letter was produced but not recorded; a redelivery of this \
+                    "stopping before the dead letter was recorded; a redelivery of this \
                      message may dead-letter it again"
                 );
                 return;
             }
-        };
+        }
     }
 }
 

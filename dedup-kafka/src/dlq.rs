@@ -78,12 +78,32 @@ fn truncate(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
+/// The headers a dead letter gets on top of the original's. A record
+/// replayed from a dead-letter topic (`dedup dlq replay`) and dead-lettered
+/// again gets one fresh set of them, not a second one.
+pub const DEAD_LETTER_HEADERS: [&str; 9] = [
+    "dedup.original.topic",
+    "dedup.original.partition",
+    "dedup.original.offset",
+    "dedup.error.kind",
+    "dedup.error.message",
+    "dedup.attempts",
+    "dedup.handler",
+    "dedup.payload.truncated",
+    "dedup.original.size",
+];
+
+/// How often a record went round the dead-letter topic, set by a replay.
+pub const REPLAY_COUNT_HEADER: &str = "dedup.replay.count";
+
+/// Where a replayed record was in the dead-letter topic
+/// (`<topic>/<partition>/<offset>`), set by a replay.
+pub const REPLAYED_FROM_HEADER: &str = "dedup.replayed.from";
+
 /// Whether a header of the original message is kept in its dead letter:
-/// all but the `dedup.*` headers of an earlier dead letter (a replayed
-/// record dead-lettered again gets one fresh set, not a second one); the
-/// replay's own (`dedup.replay.count`, `dedup.replayed.from`) stay.
+/// all but the dead-letter headers of an earlier dead letter.
 fn kept(key: &str) -> bool {
-    !key.starts_with("dedup.") || key.starts_with("dedup.replay")
+    !DEAD_LETTER_HEADERS.contains(&key)
 }
 
 /// The dead-letter headers: the original ones, then `dedup.*`; with
@@ -105,17 +125,25 @@ pub(crate) fn headers(
     let partition = msg.partition().to_string();
     let offset = msg.offset().to_string();
     let attempts = why.attempts.to_string();
+    let [
+        topic,
+        partition_key,
+        offset_key,
+        kind,
+        message,
+        attempts_key,
+        handler,
+        truncated_key,
+        size_key,
+    ] = DEAD_LETTER_HEADERS;
     let fields: [(&str, &str); 7] = [
-        ("dedup.original.topic", msg.topic()),
-        ("dedup.original.partition", &partition),
-        ("dedup.original.offset", &offset),
-        ("dedup.error.kind", why.kind),
-        (
-            "dedup.error.message",
-            truncate(&why.message, MAX_ERROR_MESSAGE_BYTES),
-        ),
-        ("dedup.attempts", &attempts),
-        ("dedup.handler", why.handler),
+        (topic, msg.topic()),
+        (partition_key, &partition),
+        (offset_key, &offset),
+        (kind, why.kind),
+        (message, truncate(&why.message, MAX_ERROR_MESSAGE_BYTES)),
+        (attempts_key, &attempts),
+        (handler, why.handler),
     ];
     for (key, value) in fields {
         out = out.insert(Header {
@@ -125,10 +153,7 @@ pub(crate) fn headers(
     }
     if let Some(size) = truncated {
         let size = size.to_string();
-        for (key, value) in [
-            ("dedup.payload.truncated", "true"),
-            ("dedup.original.size", size.as_str()),
-        ] {
+        for (key, value) in [(truncated_key, "true"), (size_key, size.as_str())] {
             out = out.insert(Header {
                 key,
                 value: Some(value.as_bytes()),
@@ -174,6 +199,7 @@ mod tests {
         let mut original = OwnedHeaders::new();
         for (key, value) in [
             ("trace-id", "t-1"),
+            ("dedup.tenant", "acme"),
             ("dedup.original.topic", "payments"),
             ("dedup.original.offset", "7"),
             ("dedup.error.kind", "decode"),
@@ -235,6 +261,11 @@ mod tests {
         );
         assert_eq!(value("dedup.replayed.from"), Some("payments.dlq/0/3"));
         assert_eq!(value("trace-id"), Some("t-1"), "the user's headers stay");
+        assert_eq!(
+            value("dedup.tenant"),
+            Some("acme"),
+            "also in dedup's namespace"
+        );
     }
 
     #[test]

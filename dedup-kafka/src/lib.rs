@@ -16,7 +16,10 @@ mod stats;
 
 pub use builder::ConsumerBuilder;
 pub use consumer::Consumer;
-pub use dlq::{MAX_ERROR_MESSAGE_BYTES, TRUNCATED_PAYLOAD_BYTES};
+pub use dlq::{
+    DEAD_LETTER_HEADERS, MAX_ERROR_MESSAGE_BYTES, REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER,
+    TRUNCATED_PAYLOAD_BYTES,
+};
 pub use relay::{Relay, RelayBuilder, RelayStats, RelayStatsSnapshot};
 pub use retry::RetryPolicy;
 pub use shutdown::shutdown_signal;
@@ -30,12 +33,46 @@ pub enum Error {
     #[error("invalid consumer configuration: {0}")]
     Config(String),
     /// librdkafka refused a setting or an operation.
-    #[error("kafka: {0}")]
-    Kafka(#[from] rdkafka::error::KafkaError),
+    #[error("kafka: {}", redacted(.0))]
+    Kafka(rdkafka::error::KafkaError),
     /// The consumer cannot go on and stopped, after committing what it had
     /// finished: a fatal client error (another instance with the same
     /// `group.instance.id`, say), or a partition whose worker died, whose
     /// later messages must not be applied past the ones it dropped.
     #[error("the consumer stopped: {0}")]
     Fatal(String),
+}
+
+impl From<rdkafka::error::KafkaError> for Error {
+    fn from(e: rdkafka::error::KafkaError) -> Self {
+        Error::Kafka(e)
+    }
+}
+
+/// A librdkafka error as text, without the value of a setting it refused:
+/// a mistyped key (`sasl.pasword`) would otherwise print the password.
+pub fn redacted(e: &rdkafka::error::KafkaError) -> String {
+    match e {
+        rdkafka::error::KafkaError::ClientConfig(_, description, key, _) => {
+            format!("the setting {key:?} was refused: {description} (its value is not shown)")
+        }
+        other => other.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_setting_never_shows_its_value() {
+        let e = rdkafka::ClientConfig::new()
+            .set("sasl.pasword", "hunter2-secret")
+            .create::<rdkafka::producer::FutureProducer>()
+            .err()
+            .expect("an unknown property is refused");
+        let shown = Error::from(e).to_string();
+        assert!(shown.contains("sasl.pasword"), "{shown}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+    }
 }

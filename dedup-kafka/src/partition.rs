@@ -2,7 +2,7 @@
 //! batches or one by one, retries and dead-letters them, and stores the
 //! offsets of those finished.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -58,6 +58,9 @@ pub(crate) fn lock(map: &PartitionMap) -> MutexGuard<'_, HashMap<(String, i32), 
     map.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// A partition's dead-letter gate (see `dead_letter`).
+pub(crate) type Gate = Arc<tokio::sync::Mutex<()>>;
+
 /// Everything a partition worker needs, shared.
 pub(crate) struct Shared<S> {
     /// Shared with the tasks that run handlers, which hold nothing else of
@@ -78,9 +81,28 @@ pub(crate) struct Shared<S> {
     /// by `fatal_set`.
     pub(crate) fatal: Mutex<Option<String>>,
     pub(crate) fatal_set: tokio::sync::Notify,
+    /// Per partition: held while a dead letter is produced and recorded,
+    /// taken by a new worker of the partition before it reads the records.
+    pub(crate) dead_letter_gates: Mutex<HashMap<(String, i32), Gate>>,
 }
 
 impl<S> Shared<S> {
+    /// The dead-letter gate of a partition.
+    pub(crate) fn dead_letter_gate(
+        &self,
+        topic: &str,
+        partition: i32,
+    ) -> Arc<tokio::sync::Mutex<()>> {
+        let mut gates = self
+            .dead_letter_gates
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        gates
+            .entry((topic.to_owned(), partition))
+            .or_default()
+            .clone()
+    }
+
     /// Stops the consumer with an error (the first reason wins).
     pub(crate) fn fail(&self, why: String) {
         let mut fatal = self.fatal.lock().unwrap_or_else(|p| p.into_inner());
@@ -242,7 +264,7 @@ pub(crate) async fn worker<S: DedupStore>(
         let known = dead_lettered.as_ref().expect("read above");
         let finished = if batch.len() == 1 {
             let msg = &batch[0];
-            let done = if known.contains(&msg.offset()) {
+            let done = if was_dead_lettered(&route, known, msg) {
                 dead_letters::skip(&shared, msg);
                 true
             } else {
@@ -270,6 +292,15 @@ pub(crate) async fn worker<S: DedupStore>(
                 .send((partition.topic.clone(), partition.partition));
         }
     }
+}
+
+/// Whether `msg` is one of the partition's messages dead-lettered before.
+fn was_dead_lettered<S: 'static>(
+    route: &Route<S>,
+    known: &HashSet<String>,
+    msg: &OwnedMessage,
+) -> bool {
+    !known.is_empty() && known.contains(route.dead_letter_record(msg).id())
 }
 
 /// Takes `first` and whatever else of the partition arrives within the
@@ -329,7 +360,7 @@ async fn process_batch<S: DedupStore>(
     route: &Arc<Route<S>>,
     partition: &Partition,
     batch: &[OwnedMessage],
-    dead_lettered: &BTreeSet<i64>,
+    dead_lettered: &HashSet<String>,
     jitter: &mut Jitter,
 ) -> usize {
     let span = tracing::info_span!(
@@ -350,7 +381,7 @@ async fn process_batch<S: DedupStore>(
     let mut prepared = Vec::with_capacity(batch.len());
     let mut bad = Vec::new();
     for (i, msg) in batch.iter().enumerate() {
-        if dead_lettered.contains(&msg.offset()) {
+        if was_dead_lettered(route, dead_lettered, msg) {
             bad.push((i, Unprepared::DeadLettered));
             continue;
         }

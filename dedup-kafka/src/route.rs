@@ -32,19 +32,45 @@ impl<S: 'static> Route<S> {
         }
     }
 
-    /// The claim that records that the message at `offset` was
-    /// dead-lettered: scope
+    /// The claim that records that `msg` was dead-lettered: scope
     /// `dedup.dead-letter/<handler scope>/<topic>/<partition>`, id the
-    /// offset as 20 digits (so ids sort as offsets). Taken in the store
-    /// once the dead-letter topic has acknowledged the copy, it tells a
-    /// redelivery of that message (a crash or a rebalance before its offset was
-    /// committed) not to dead-letter it again, nor to apply it.
-    pub(crate) fn dead_letter_record(&self, topic: &str, partition: i32, offset: i64) -> DedupKey {
+    /// offset as 20 digits (so ids sort as offsets), then the message's
+    /// timestamp and payload size, so that a different message at the same
+    /// offset (a topic deleted and created again, another cluster) is never
+    /// taken for it. Taken in the store once the dead-letter topic has
+    /// acknowledged the copy, it tells a redelivery of the message (a crash
+    /// or a rebalance before its offset was committed) not to dead-letter
+    /// it again, nor to apply it.
+    pub(crate) fn dead_letter_record(&self, msg: &rdkafka::message::OwnedMessage) -> DedupKey {
+        use rdkafka::message::Message as _;
+        let timestamp = msg
+            .timestamp()
+            .to_millis()
+            .map_or_else(|| "-".to_owned(), |t| t.to_string());
+        let id = format!(
+            "{:020}.{timestamp}.{}",
+            msg.offset().max(0),
+            msg.payload().map_or(0, <[u8]>::len)
+        );
+        self.dead_letter_key(msg.topic(), msg.partition(), id)
+    }
+
+    /// The first possible record of a message at `offset` or later.
+    pub(crate) fn dead_letter_records_from(
+        &self,
+        topic: &str,
+        partition: i32,
+        offset: i64,
+    ) -> DedupKey {
+        self.dead_letter_key(topic, partition, format!("{:020}", offset.max(0)))
+    }
+
+    fn dead_letter_key(&self, topic: &str, partition: i32, id: String) -> DedupKey {
         let scope = format!(
             "dedup.dead-letter/{}/{topic}/{partition}",
             self.handler.scope()
         );
-        DedupKey::new(scope, format!("{:020}", offset.max(0))).expect("never empty")
+        DedupKey::new(scope, id).expect("never empty")
     }
 }
 

@@ -585,6 +585,87 @@ async fn a_crash_after_a_dead_letter_neither_copies_nor_applies_it(pool: PgPool)
     );
 }
 
+/// A dead letter's record belongs to that message, not to its offset: a
+/// topic deleted and created again (offsets from 0 again) within the TTL
+/// gets its new messages applied, never skipped as dead-lettered before.
+#[sqlx::test(migrations = false)]
+async fn a_topic_created_again_is_not_taken_for_its_dead_letters(pool: PgPool) {
+    use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let producer = producer();
+    produce(&producer, &topic, "k", b"not json", None).await;
+    let first = drain(
+        consumer(&store, &unique("g")).handle(&topic, record_payment),
+        Duration::from_secs(3),
+    )
+    .await;
+    assert_eq!(first.dead_lettered, 1, "{first:?}");
+
+    let admin: AdminClient<rdkafka::client::DefaultClientContext> = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .expect("admin");
+    let options = AdminOptions::new();
+    admin
+        .delete_topics(&[&topic], &options)
+        .await
+        .expect("delete")
+        .into_iter()
+        .for_each(|r| {
+            r.expect("deleted");
+        });
+    // Deletion finishes in the background: retry the creation until the
+    // name is free.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let created = admin
+            .create_topics(
+                &[NewTopic::new(&topic, 1, TopicReplication::Fixed(1))],
+                &options,
+            )
+            .await
+            .expect("create");
+        if created.iter().all(Result::is_ok) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the topic was not created again: {created:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    // Offset 0 again, a different message.
+    let event = payment(uuid::Uuid::new_v4(), "acct", 9);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let sent = producer
+            .send(
+                FutureRecord::to(&topic).key("acct").payload(&event),
+                Duration::from_secs(10),
+            )
+            .await;
+        match sent {
+            Ok(_) => break,
+            Err((e, _)) => {
+                assert!(Instant::now() < deadline, "producing to the new topic: {e}");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+    let second = drain(
+        consumer(&store, &unique("g")).handle(&topic, record_payment),
+        Duration::from_secs(3),
+    )
+    .await;
+    assert_eq!(
+        (second.applied, second.already_dead_lettered),
+        (1, 0),
+        "{second:?}"
+    );
+    assert_eq!(balance(&pool).await, 9);
+}
+
 /// Fails transiently, forever, for the account "stuck".
 #[idempotent(key = "event_id", ttl = "4h")]
 async fn record_payment_stuck_account(

@@ -15,18 +15,16 @@ use crate::failpoint::failpoint;
 use crate::kafka::{self, TIMEOUT};
 use crate::time::rfc3339_millis;
 use crate::{Database, Failure, KafkaArgs, Report};
+use dedup_kafka::{DEAD_LETTER_HEADERS, REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER};
 
-/// Headers the runtime writes on a dead letter.
-const ORIGINAL_TOPIC: &str = "dedup.original.topic";
-const ORIGINAL_PARTITION: &str = "dedup.original.partition";
-const ORIGINAL_OFFSET: &str = "dedup.original.offset";
-const ERROR_KIND: &str = "dedup.error.kind";
-const ERROR_MESSAGE: &str = "dedup.error.message";
-const HANDLER: &str = "dedup.handler";
-const TRUNCATED: &str = "dedup.payload.truncated";
-/// Headers a replay writes on the record it produces.
-const REPLAY_COUNT: &str = "dedup.replay.count";
-const REPLAYED_FROM: &str = "dedup.replayed.from";
+// The headers the runtime writes on a dead letter, and a replay on its record.
+const ORIGINAL_TOPIC: &str = DEAD_LETTER_HEADERS[0];
+const ORIGINAL_PARTITION: &str = DEAD_LETTER_HEADERS[1];
+const ORIGINAL_OFFSET: &str = DEAD_LETTER_HEADERS[2];
+const ERROR_KIND: &str = DEAD_LETTER_HEADERS[3];
+const ERROR_MESSAGE: &str = DEAD_LETTER_HEADERS[4];
+const HANDLER: &str = DEAD_LETTER_HEADERS[6];
+const TRUNCATED: &str = DEAD_LETTER_HEADERS[7];
 
 /// Where a dead letter's message was.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -45,72 +43,83 @@ struct DeadLetter {
     error: Option<String>,
     truncated: bool,
     replays: u32,
+    /// Why its dedup headers cannot be read (not UTF-8, not a number,
+    /// incomplete), if they cannot.
+    malformed: Option<String>,
 }
 
 impl DeadLetter {
-    /// Reads the dedup headers; a malformed one is an error naming the
-    /// record.
-    fn parse(msg: OwnedMessage) -> Result<Self, Failure> {
-        let at = format!("{}/{}/{}", msg.topic(), msg.partition(), msg.offset());
+    /// Reads the dedup headers; a malformed one is noted, not fatal: it
+    /// matters only if the record is to be replayed.
+    fn parse(msg: OwnedMessage) -> Self {
+        let mut letter = DeadLetter {
+            msg,
+            origin: None,
+            kind: None,
+            handler: None,
+            error: None,
+            truncated: false,
+            replays: 0,
+            malformed: None,
+        };
+        if let Err(why) = letter.read_headers() {
+            letter.malformed = Some(why);
+        }
+        letter
+    }
+
+    fn read_headers(&mut self) -> Result<(), String> {
         let mut text: HashMap<&str, String> = HashMap::new();
-        if let Some(headers) = msg.headers() {
-            for h in headers.iter().filter(|h| h.key.starts_with("dedup.")) {
-                let value = std::str::from_utf8(h.value.unwrap_or_default()).map_err(|_| {
-                    Failure::new(format!("record {at}: header {} is not UTF-8 text", h.key))
-                })?;
-                // The last one wins, as for a consumer reading headers.
-                let key: &'static str = match h.key {
-                    ORIGINAL_TOPIC => ORIGINAL_TOPIC,
-                    ORIGINAL_PARTITION => ORIGINAL_PARTITION,
-                    ORIGINAL_OFFSET => ORIGINAL_OFFSET,
-                    ERROR_KIND => ERROR_KIND,
-                    ERROR_MESSAGE => ERROR_MESSAGE,
-                    HANDLER => HANDLER,
-                    TRUNCATED => TRUNCATED,
-                    REPLAY_COUNT => REPLAY_COUNT,
-                    _ => continue,
+        if let Some(headers) = self.msg.headers() {
+            for h in headers.iter() {
+                let Some(key) = [
+                    ORIGINAL_TOPIC,
+                    ORIGINAL_PARTITION,
+                    ORIGINAL_OFFSET,
+                    ERROR_KIND,
+                    ERROR_MESSAGE,
+                    HANDLER,
+                    TRUNCATED,
+                    REPLAY_COUNT_HEADER,
+                ]
+                .into_iter()
+                .find(|k| *k == h.key) else {
+                    continue;
                 };
+                let value = std::str::from_utf8(h.value.unwrap_or_default())
+                    .map_err(|_| format!("header {key} is not UTF-8 text"))?;
+                // The last one wins, as for a consumer reading headers.
                 text.insert(key, value.to_owned());
             }
         }
-        let number = |key: &str| -> Result<Option<i64>, Failure> {
+        let number = |key: &str| -> Result<Option<i64>, String> {
             text.get(key)
                 .map(|v| {
-                    v.parse::<i64>().map_err(|_| {
-                        Failure::new(format!("record {at}: header {key} = {v:?} is not a number"))
-                    })
+                    v.parse::<i64>()
+                        .map_err(|_| format!("header {key} = {v:?} is not a number"))
                 })
                 .transpose()
         };
-        let origin = match (
+        self.origin = match (
             text.get(ORIGINAL_TOPIC),
             number(ORIGINAL_PARTITION)?,
             number(ORIGINAL_OFFSET)?,
         ) {
             (Some(topic), Some(partition), Some(offset)) if !topic.is_empty() => Some(Origin {
                 topic: topic.clone(),
-                partition: i32::try_from(partition).map_err(|_| {
-                    Failure::new(format!("record {at}: partition {partition} out of range"))
-                })?,
+                partition: i32::try_from(partition)
+                    .map_err(|_| format!("partition {partition} out of range"))?,
                 offset,
             }),
             (None, None, None) => None,
-            _ => {
-                return Err(Failure::new(format!(
-                    "record {at}: its dedup.original.* headers are incomplete"
-                )));
-            }
+            _ => return Err("its dedup.original.* headers are incomplete".to_owned()),
         };
-        let replays = number(REPLAY_COUNT)?.unwrap_or(0);
-        Ok(DeadLetter {
-            origin,
-            kind: text.remove(ERROR_KIND),
-            handler: text.remove(HANDLER),
-            error: text.remove(ERROR_MESSAGE),
-            truncated: text.get(TRUNCATED).is_some_and(|v| v == "true"),
-            replays: u32::try_from(replays).unwrap_or(0),
-            msg,
-        })
+        self.replays = u32::try_from(number(REPLAY_COUNT_HEADER)?.unwrap_or(0)).unwrap_or(0);
+        self.kind = text.remove(ERROR_KIND);
+        self.handler = text.remove(HANDLER);
+        self.error = text.remove(ERROR_MESSAGE);
+        self.truncated = text.get(TRUNCATED).is_some_and(|v| v == "true");
+        Ok(())
     }
 
     fn at(&self) -> String {
@@ -150,7 +159,7 @@ fn read(
     let letters = kafka::read_to_end(&consumer, topic)?
         .into_iter()
         .map(DeadLetter::parse)
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect();
     Ok((letters, consumer))
 }
 
@@ -180,6 +189,7 @@ pub(crate) struct InspectReport {
     distinct: usize,
     copies: usize,
     without_headers: usize,
+    malformed: usize,
     first: Option<i64>,
     last: Option<i64>,
     shown: Vec<serde_json::Value>,
@@ -196,6 +206,7 @@ impl InspectReport {
             distinct: 0,
             copies: 0,
             without_headers: 0,
+            malformed: 0,
             first: None,
             last: None,
             shown: Vec::new(),
@@ -223,6 +234,7 @@ impl InspectReport {
                         report.copies += 1;
                     }
                 }
+                None if letter.malformed.is_some() => report.malformed += 1,
                 None => report.without_headers += 1,
             }
             if let Some(ms) = letter.millis() {
@@ -252,6 +264,7 @@ fn shown(letter: &DeadLetter) -> serde_json::Value {
         "kind": letter.kind,
         "error": letter.error,
         "original": letter.origin.as_ref().map(|o| format!("{}/{}/{}", o.topic, o.partition, o.offset)),
+        "malformed": letter.malformed,
         "key": preview(letter.msg.key(), 100),
         "payload": preview(letter.msg.payload(), 200),
         "headers": headers,
@@ -273,6 +286,12 @@ impl Report for InspectReport {
         );
         if self.without_headers > 0 {
             out.push_str(&format!(", {} without dedup headers", self.without_headers));
+        }
+        if self.malformed > 0 {
+            out.push_str(&format!(
+                ", {} with malformed dedup headers",
+                self.malformed
+            ));
         }
         out.push('\n');
         if let (Some(first), Some(last)) = (self.first, self.last) {
@@ -298,6 +317,7 @@ impl Report for InspectReport {
             "distinct": self.distinct,
             "copies": self.copies,
             "without_headers": self.without_headers,
+            "malformed": self.malformed,
             "first": self.first.map(rfc3339_millis),
             "last": self.last.map(rfc3339_millis),
             "by_kind": self.by_kind,
@@ -354,6 +374,10 @@ pub(crate) struct ReplayArgs {
     /// The claims table, for --check-claims.
     #[arg(long, default_value = "dedup_claims")]
     table: String,
+    /// Leave out records whose dedup headers are missing or malformed
+    /// (reported, and committed past) instead of refusing to replay.
+    #[arg(long)]
+    skip_invalid: bool,
     /// Print what would be replayed; send and commit nothing.
     #[arg(long)]
     dry_run: bool,
@@ -377,6 +401,8 @@ enum Decision {
     /// Its payload was cut to fit the dead-letter topic: replaying it would
     /// send a different event. The original is in its topic.
     Truncated,
+    /// Its dedup headers are missing or malformed (with --skip-invalid).
+    Invalid,
 }
 
 /// The event id as the handler takes it, if the record has one.
@@ -404,11 +430,17 @@ fn event_id(letter: &DeadLetter, args: &ReplayArgs) -> Option<String> {
 }
 
 /// The record a dead letter is replayed as: its key, payload and original
-/// headers; dedup's dead-letter headers dropped; the replay's added.
+/// headers; dedup's dead-letter headers and any earlier replay's dropped;
+/// this replay's added.
 fn replay_headers(letter: &DeadLetter) -> OwnedHeaders {
     let mut out = OwnedHeaders::new();
     if let Some(headers) = letter.msg.headers() {
-        for h in headers.iter().filter(|h| !h.key.starts_with("dedup.")) {
+        let dropped = |key: &str| {
+            DEAD_LETTER_HEADERS.contains(&key)
+                || key == REPLAY_COUNT_HEADER
+                || key == REPLAYED_FROM_HEADER
+        };
+        for h in headers.iter().filter(|h| !dropped(h.key)) {
             out = out.insert(Header {
                 key: h.key,
                 value: h.value,
@@ -418,11 +450,11 @@ fn replay_headers(letter: &DeadLetter) -> OwnedHeaders {
     let count = (letter.replays + 1).to_string();
     let from = letter.at();
     out.insert(Header {
-        key: REPLAY_COUNT,
+        key: REPLAY_COUNT_HEADER,
         value: Some(count.as_bytes()),
     })
     .insert(Header {
-        key: REPLAYED_FROM,
+        key: REPLAYED_FROM_HEADER,
         value: Some(from.as_bytes()),
     })
 }
@@ -459,53 +491,16 @@ pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
     .map_err(|e| Failure::new(format!("reading failed: {e}")))??;
 
     // Everything is checked before anything is sent.
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64);
-    let mut seen = HashSet::new();
-    let mut plan = Vec::with_capacity(letters.len());
-    for letter in &letters {
-        let done = committed
-            .get(&letter.msg.partition())
-            .is_some_and(|&c| letter.msg.offset() < c);
-        let decision = if done {
-            Decision::Done
-        } else if letter.origin.is_none() && args.to.is_none() {
-            return Err(Failure::new(format!(
-                "record {} has no dedup.original.* headers, so its topic is unknown: is {:?} a \
-                 dead-letter topic of dedup? Name the target with --to, or leave it out with \
-                 --partition/--kind. Nothing was sent.",
-                letter.at(),
-                args.topic
-            )));
-        } else if letter.origin.as_ref().is_some_and(|o| seen.contains(o)) {
-            Decision::Copy
-        } else if args
-            .kind
-            .as_ref()
-            .is_some_and(|k| letter.kind.as_ref() != Some(k))
-            || args
-                .partition
-                .is_some_and(|p| letter.origin.as_ref().map(|o| o.partition) != Some(p))
-            || args.since.is_some_and(|since| {
-                letter
-                    .millis()
-                    .is_none_or(|ms| now_ms - ms > since.as_duration().as_millis() as i64)
-            })
-        {
-            Decision::Filtered
-        } else if letter.truncated {
-            Decision::Truncated
-        } else {
-            Decision::Replay
-        };
-        if let Some(origin) = &letter.origin
-            && decision != Decision::Filtered
-        {
-            seen.insert(origin.clone());
-        }
-        plan.push(decision);
+    let signature = signature(args);
+    if let Some((p, (_, used))) = committed.iter().find(|(_, (_, used))| *used != signature) {
+        return Err(Failure::new(format!(
+            "group {group:?} replayed {:?} with other options before (partition {p}: {used:?}; \
+             now {signature:?}): run with those, or name another --group. Nothing was sent.",
+            args.topic
+        )));
     }
+    let committed: HashMap<i32, i64> = committed.into_iter().map(|(p, (o, _))| (p, o)).collect();
+    let mut plan = plan(&letters, &committed, args)?;
     if let Some(claims) = &claims {
         let scope = args.scope.as_deref().expect("clap requires --scope");
         for (letter, decision) in letters.iter().zip(plan.iter_mut()) {
@@ -523,7 +518,7 @@ pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
         .set("acks", "all")
         .set("message.max.bytes", "1048588")
         .create()
-        .map_err(|e| Failure::new(format!("cannot create a Kafka producer: {e}")))?;
+        .map_err(|e| kafka::refused("producer", &e))?;
     // Every target exists before anything is sent; its partition count
     // says whether the original partition can be kept.
     let mut targets: HashMap<String, usize> = HashMap::new();
@@ -531,7 +526,7 @@ pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
         if *decision != Decision::Replay {
             continue;
         }
-        let target = target_of(letter, args);
+        let target = target_of(letter, args).expect("planned with a target");
         if !targets.contains_key(target) {
             let count = kafka::partitions(&consumer, target)?.len();
             targets.insert(target.to_owned(), count);
@@ -548,9 +543,11 @@ pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
     for (letter, decision) in letters.iter().zip(&plan) {
         *report.counts.entry(name(*decision)).or_default() += 1;
         if *decision != Decision::Done {
-            report
-                .lines
-                .push(line(letter, *decision, target_of(letter, args)));
+            report.lines.push(line(
+                letter,
+                *decision,
+                target_of(letter, args).unwrap_or("?"),
+            ));
         }
     }
     if args.dry_run {
@@ -566,7 +563,7 @@ pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
             continue;
         }
         if *decision == Decision::Replay {
-            let target = target_of(letter, args);
+            let target = target_of(letter, args).expect("planned with a target");
             let partition = match (&args.to, &letter.origin) {
                 (None, Some(o)) if (o.partition as usize) < targets[target] => Some(o.partition),
                 _ => None,
@@ -590,13 +587,114 @@ pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
         if pending.len() >= args.commit_every.max(1) {
             acknowledged(&mut pending, &bar).await?;
             failpoint("replay-before-commit");
-            commit(&consumer, &args.topic, &progress)?;
+            commit(&consumer, &args.topic, &progress, &signature)?;
         }
     }
     acknowledged(&mut pending, &bar).await?;
-    commit(&consumer, &args.topic, &progress)?;
+    commit(&consumer, &args.topic, &progress, &signature)?;
     bar.finish_and_clear();
     Ok(report)
+}
+
+/// What the dead letters above the group's committed offsets become, before
+/// claims are checked: every record that cannot be replayed is an error
+/// (nothing is sent) unless `--skip-invalid`; among the copies of one
+/// original message, the first whole one is replayed.
+fn plan(
+    letters: &[DeadLetter],
+    committed: &HashMap<i32, i64>,
+    args: &ReplayArgs,
+) -> Result<Vec<Decision>, Failure> {
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64);
+    let filtered = |letter: &DeadLetter| {
+        args.kind
+            .as_ref()
+            .is_some_and(|k| letter.kind.as_ref() != Some(k))
+            || args
+                .partition
+                .is_some_and(|p| letter.origin.as_ref().map(|o| o.partition) != Some(p))
+            || args.since.is_some_and(|since| {
+                letter
+                    .millis()
+                    .is_none_or(|ms| now_ms - ms > since.as_duration().as_millis() as i64)
+            })
+    };
+    let mut plan = Vec::with_capacity(letters.len());
+    for letter in letters {
+        let done = committed
+            .get(&letter.msg.partition())
+            .is_some_and(|&c| letter.msg.offset() < c);
+        let unplaceable = match (&letter.malformed, &letter.origin, &args.to) {
+            (Some(why), _, _) => Some(why.clone()),
+            (None, None, None) => Some(
+                "it has no dedup.original.* headers, so its topic is unknown (is this a \
+                 dead-letter topic of dedup? --to names a target)"
+                    .to_owned(),
+            ),
+            _ => None,
+        };
+        plan.push(match unplaceable {
+            _ if done => Decision::Done,
+            Some(_) if args.skip_invalid => Decision::Invalid,
+            Some(why) => {
+                return Err(Failure::new(format!(
+                    "record {}: {why}. Pass --skip-invalid to leave such records out (they are \
+                     reported and committed past). Nothing was sent.",
+                    letter.at()
+                )));
+            }
+            None if filtered(letter) => Decision::Filtered,
+            None if letter.truncated => Decision::Truncated,
+            None => Decision::Replay,
+        });
+    }
+    // One replay per original message: the first whole copy (an earlier
+    // run's counts, if it replayed one), every other one a copy.
+    let mut chosen: HashMap<&Origin, bool> = HashMap::new();
+    for (letter, decision) in letters.iter().zip(&plan) {
+        if let Some(origin) = &letter.origin
+            && !letter.truncated
+            && (*decision == Decision::Replay
+                || (*decision == Decision::Done && letter.malformed.is_none() && !filtered(letter)))
+        {
+            chosen.entry(origin).or_insert(*decision == Decision::Done);
+        }
+    }
+    let mut replayed = HashSet::new();
+    for (letter, decision) in letters.iter().zip(plan.iter_mut()) {
+        let Some(origin) = &letter.origin else {
+            continue;
+        };
+        if !matches!(*decision, Decision::Replay | Decision::Truncated) {
+            continue;
+        }
+        let earlier_run = chosen.get(origin) == Some(&true);
+        if earlier_run || replayed.contains(origin) {
+            *decision = Decision::Copy;
+        } else if *decision == Decision::Truncated && chosen.contains_key(origin) {
+            // A whole copy comes later: that one is replayed.
+            *decision = Decision::Copy;
+        } else {
+            replayed.insert(origin);
+        }
+    }
+    Ok(plan)
+}
+
+/// The options that decide what a replay sends, kept with its committed
+/// offsets: a group resumed with other ones would skip records they leave
+/// out or send ones they did not.
+fn signature(args: &ReplayArgs) -> String {
+    format!(
+        "dedup-replay/1 kind={} partition={} since={} to={}",
+        args.kind.as_deref().unwrap_or("*"),
+        args.partition
+            .map_or_else(|| "*".to_owned(), |p| p.to_string()),
+        args.since.map_or_else(|| "*".to_owned(), |s| s.to_string()),
+        args.to.as_deref().unwrap_or("*"),
+    )
 }
 
 /// The replay's group: one per dead-letter topic and set of filters, since
@@ -617,11 +715,12 @@ fn default_group(args: &ReplayArgs) -> String {
     group
 }
 
-fn target_of<'a>(letter: &'a DeadLetter, args: &'a ReplayArgs) -> &'a str {
+/// Where a dead letter is replayed to (`None` for an invalid one).
+fn target_of<'a>(letter: &'a DeadLetter, args: &'a ReplayArgs) -> Option<&'a str> {
     match (&args.to, &letter.origin) {
-        (Some(to), _) => to,
-        (None, Some(o)) => &o.topic,
-        (None, None) => unreachable!("checked while planning"),
+        (Some(to), _) => Some(to),
+        (None, Some(o)) => Some(&o.topic),
+        (None, None) => None,
     }
 }
 
@@ -629,7 +728,7 @@ fn target_of<'a>(letter: &'a DeadLetter, args: &'a ReplayArgs) -> &'a str {
 fn committed_offsets(
     consumer: &rdkafka::consumer::BaseConsumer,
     topic: &str,
-) -> Result<HashMap<i32, i64>, Failure> {
+) -> Result<HashMap<i32, (i64, String)>, Failure> {
     let mut tpl = TopicPartitionList::new();
     for p in kafka::partitions(consumer, topic)? {
         tpl.add_partition(topic, p);
@@ -641,7 +740,7 @@ fn committed_offsets(
         .elements_for_topic(topic)
         .into_iter()
         .filter_map(|e| match e.offset() {
-            Offset::Offset(o) => Some((e.partition(), o)),
+            Offset::Offset(o) => Some((e.partition(), (o, e.metadata().to_owned()))),
             _ => None,
         })
         .collect())
@@ -672,6 +771,7 @@ fn commit(
     consumer: &rdkafka::consumer::BaseConsumer,
     topic: &str,
     progress: &HashMap<i32, i64>,
+    signature: &str,
 ) -> Result<(), Failure> {
     if progress.is_empty() {
         return Ok(());
@@ -680,6 +780,9 @@ fn commit(
     for (&p, &next) in progress {
         tpl.add_partition_offset(topic, p, Offset::Offset(next))
             .map_err(|e| Failure::new(e.to_string()))?;
+        if let Some(mut elem) = tpl.find_partition(topic, p) {
+            elem.set_metadata(signature);
+        }
     }
     consumer.commit(&tpl, CommitMode::Sync).map_err(|e| {
         Failure::new(format!(
@@ -697,6 +800,7 @@ fn name(decision: Decision) -> &'static str {
         Decision::Applied => "skipped_applied",
         Decision::Filtered => "skipped_filtered",
         Decision::Truncated => "skipped_truncated",
+        Decision::Invalid => "skipped_invalid",
     }
 }
 
@@ -711,6 +815,14 @@ fn line(letter: &DeadLetter, decision: Decision, target: &str) -> String {
         Decision::Truncated => format!(
             "{}: payload cut in the dead letter; not replayed (the original is at {original})",
             letter.at()
+        ),
+        Decision::Invalid => format!(
+            "{}: {}; left out",
+            letter.at(),
+            letter
+                .malformed
+                .as_deref()
+                .unwrap_or("no dedup.original.* headers")
         ),
         other => format!("{}: {} (original {original})", letter.at(), name(other)),
     }
@@ -747,12 +859,13 @@ impl Report for ReplayReport {
         };
         out.push_str(&format!(
             "{verb}={} skipped_applied={} skipped_copies={} skipped_filtered={} \
-             skipped_truncated={} already_replayed={}\n",
+             skipped_truncated={} skipped_invalid={} already_replayed={}\n",
             self.count(Decision::Replay),
             self.count(Decision::Applied),
             self.count(Decision::Copy),
             self.count(Decision::Filtered),
             self.count(Decision::Truncated),
+            self.count(Decision::Invalid),
             self.count(Decision::Done),
         ));
         out
@@ -769,6 +882,7 @@ impl Report for ReplayReport {
             "skipped_copies": self.count(Decision::Copy),
             "skipped_filtered": self.count(Decision::Filtered),
             "skipped_truncated": self.count(Decision::Truncated),
+            "skipped_invalid": self.count(Decision::Invalid),
             "already_replayed": self.count(Decision::Done),
             "records": self.lines,
         })

@@ -18,19 +18,45 @@ pub(crate) const TIMEOUT: Duration = Duration::from_secs(15);
 /// How long reading may go without progress before it is given up.
 const STALL: Duration = Duration::from_secs(30);
 
-/// The settings every client gets: the brokers and the `--kafka-set` pairs.
+/// The settings every client gets: the brokers, the `--kafka-config` file's
+/// settings, then the `--kafka-set` pairs.
 pub(crate) fn config(kafka: &KafkaArgs) -> Result<ClientConfig, Failure> {
     let mut config = ClientConfig::new();
     config.set("bootstrap.servers", &kafka.brokers);
+    if let Some(path) = &kafka.config_file {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            Failure::new(format!(
+                "cannot read --kafka-config {}: {e}",
+                path.display()
+            ))
+        })?;
+        for (n, line) in text.lines().enumerate() {
+            let line = line.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let (key, value) = line.split_once('=').ok_or_else(|| {
+                // The line may hold a secret: only its number is shown.
+                Failure::new(format!("{} line {}: not KEY=VALUE", path.display(), n + 1))
+            })?;
+            config.set(key.trim(), value.trim());
+        }
+    }
     for pair in &kafka.settings {
         let (key, value) = pair.split_once('=').ok_or_else(|| {
-            Failure::new(format!(
-                "--kafka-set {pair:?} is not KEY=VALUE (e.g. security.protocol=sasl_ssl)"
-            ))
+            Failure::new("a --kafka-set is not KEY=VALUE (e.g. security.protocol=sasl_ssl)")
         })?;
         config.set(key.trim(), value.trim());
     }
     Ok(config)
+}
+
+/// librdkafka refused to create a client: why, without a setting's value.
+pub(crate) fn refused(client: &str, e: &KafkaError) -> Failure {
+    Failure::new(format!(
+        "cannot create a Kafka {client}: {}",
+        dedup_kafka::redacted(e)
+    ))
 }
 
 /// The partitions of `topic`, or a failure saying it does not exist.
@@ -85,7 +111,7 @@ pub(crate) fn consumer(kafka: &KafkaArgs, group: &str) -> Result<BaseConsumer, F
         .set("enable.auto.offset.store", "false")
         .set("enable.partition.eof", "false")
         .create()
-        .map_err(|e| Failure::new(format!("cannot create a Kafka consumer: {e}")))
+        .map_err(|e| refused("consumer", &e))
 }
 
 /// Reads `topic` from its start to its end as of now (later records are

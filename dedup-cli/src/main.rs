@@ -70,8 +70,13 @@ pub(crate) struct KafkaArgs {
     /// Kafka bootstrap servers.
     #[arg(long, env = "KAFKA_BROKERS", default_value = "localhost:9092")]
     brokers: String,
+    /// A file of librdkafka settings, one `key=value` per line (`#`
+    /// comments): the place for passwords, which a command line shows to
+    /// every user of the machine.
+    #[arg(long = "kafka-config", value_name = "FILE", env = "DEDUP_KAFKA_CONFIG")]
+    config_file: Option<std::path::PathBuf>,
     /// A librdkafka setting for every client, e.g.
-    /// `security.protocol=sasl_ssl` (repeatable).
+    /// `security.protocol=sasl_ssl` (repeatable; after --kafka-config).
     #[arg(long = "kafka-set", value_name = "KEY=VALUE")]
     settings: Vec<String>,
 }

@@ -268,6 +268,20 @@ async fn bad_settings_are_clear_errors_that_reveal_no_secret(pool: PgPool) {
         stderr(&denied)
     );
     assert!(!stderr(&denied).contains("hunter2"), "{}", stderr(&denied));
+    let typo = dedup(
+        &pool,
+        &[
+            "dlq",
+            "inspect",
+            &unique("t"),
+            "--kafka-set",
+            "sasl.pasword=hunter2-secret",
+        ],
+    )
+    .await;
+    assert!(!typo.status.success());
+    assert!(stderr(&typo).contains("sasl.pasword"), "{}", stderr(&typo));
+    assert!(!stderr(&typo).contains("hunter2"), "{}", stderr(&typo));
     let no_topic = dedup(&pool, &["dlq", "inspect", &unique("missing")]).await;
     assert!(!no_topic.status.success());
     assert!(
@@ -502,11 +516,108 @@ async fn a_replay_refuses_records_it_cannot_place_and_sends_nothing(pool: PgPool
         stderr(&refused)
     );
     assert_eq!(records_in(&target), 0, "nothing sent");
+
+    // Told to, it leaves such records out, reports them and moves past.
+    let group = unique("replay");
+    let skipped = dedup(
+        &pool,
+        &[
+            "dlq",
+            "replay",
+            &malformed,
+            "--skip-invalid",
+            "--group",
+            &group,
+        ],
+    )
+    .await;
+    assert!(skipped.status.success(), "{}", stderr(&skipped));
+    assert!(
+        stdout(&skipped).contains("replayed=0") && stdout(&skipped).contains("skipped_invalid=1"),
+        "{}",
+        stdout(&skipped)
+    );
+    // The same group with other filters would skip what they let through.
+    let other = dedup(
+        &pool,
+        &[
+            "dlq", "replay", &malformed, "--group", &group, "--kind", "decode",
+        ],
+    )
+    .await;
+    assert!(!other.status.success());
+    assert!(
+        stderr(&other).contains("other options"),
+        "{}",
+        stderr(&other)
+    );
+    assert_eq!(records_in(&target), 0, "nothing sent");
+}
+
+/// Among copies of one original message, a whole one is replayed, never a
+/// copy whose payload was cut to fit the dead-letter topic.
+#[sqlx::test(migrations = false)]
+async fn a_replay_prefers_a_whole_copy_to_a_cut_one(pool: PgPool) {
+    let target = create_topic(1).await;
+    let dlq = create_topic(1).await;
+    let whole = payment(uuid::Uuid::new_v4(), "a", 7);
+    let dead_letter = |payload: &[u8], cut: bool| {
+        let mut headers = OwnedHeaders::new();
+        for (key, value) in [
+            ("dedup.original.topic", target.as_str()),
+            ("dedup.original.partition", "0"),
+            ("dedup.original.offset", "41"),
+            ("dedup.error.kind", "handler"),
+            ("user-header", "kept"),
+        ] {
+            headers = headers.insert(Header {
+                key,
+                value: Some(value),
+            });
+        }
+        if cut {
+            headers = headers.insert(Header {
+                key: "dedup.payload.truncated",
+                value: Some("true"),
+            });
+        }
+        (payload.to_vec(), headers)
+    };
+    let producer = producer();
+    for (payload, headers) in [dead_letter(&whole[..5], true), dead_letter(&whole, false)] {
+        producer
+            .send(
+                FutureRecord::to(&dlq)
+                    .key("a")
+                    .payload(&payload)
+                    .headers(headers),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produced");
+    }
+    let done = dedup(&pool, &["dlq", "replay", &dlq]).await;
+    assert!(done.status.success(), "{}", stderr(&done));
+    assert!(
+        stdout(&done).contains("replayed=1 skipped_applied=0 skipped_copies=1"),
+        "{}",
+        stdout(&done)
+    );
+    let sent = read_exactly(&brokers(), &target, 1).await;
+    assert_eq!(sent[0].payload(), Some(&whole[..]), "the whole copy");
+    assert_eq!(header(&sent[0], "user-header"), Some("kept"));
+    assert_eq!(header(&sent[0], "dedup.payload.truncated"), None);
 }
 
 #[sqlx::test(migrations = false)]
 async fn check_compares_the_ttl_with_the_topics_retention(pool: PgPool) {
-    let short = common::create_topic_with(&brokers(), 1, &[("retention.ms", "3600000")]).await;
+    let short = common::create_topic_with(
+        &brokers(),
+        1,
+        &[("retention.ms", "3600000"), ("segment.ms", "600000")],
+    )
+    .await;
     let ok = json(
         &dedup(
             &pool,
@@ -534,11 +645,13 @@ async fn check_compares_the_ttl_with_the_topics_retention(pool: PgPool) {
             .is_some_and(|v| v.contains("for ever")),
         "{kept}"
     );
-    let week = common::create_topic_with(&brokers(), 1, &[("retention.ms", "604800000")]).await;
+    // An hour's retention, but segments of a week (the default): records
+    // stay readable for up to a week and an hour.
+    let week = common::create_topic_with(&brokers(), 1, &[("retention.ms", "3600000")]).await;
     let warned = dedup(&pool, &["check", "--topic", &week, "--ttl", "4h"]).await;
     assert!(warned.status.success(), "{}", stderr(&warned));
     assert!(
-        stdout(&warned).contains("warning") && stdout(&warned).contains("7d0h"),
+        stdout(&warned).contains("warning") && stdout(&warned).contains("7d1h"),
         "{}",
         stdout(&warned)
     );

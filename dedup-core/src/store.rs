@@ -99,9 +99,10 @@ pub trait DedupStore: Send + Sync + 'static {
 
     /// The ids of the committed, live claims (on the store's clock) of
     /// `from`'s scope whose ids sort at or after `from`'s id, in ascending
-    /// order. Ids of one length made only of ASCII digits sort as numbers in
-    /// every store. The runtime reads with it, once per assigned partition,
-    /// which of the partition's offsets it has already dead-lettered, so a
+    /// order. Ids that start with a number of a fixed width of ASCII digits
+    /// sort by that number in every store. The runtime reads with it, once
+    /// per assigned partition, the records of the messages it has already
+    /// dead-lettered (ids `<offset, 20 digits>.<fingerprint>`), so a
     /// redelivery neither dead-letters them again nor applies them.
     fn live_ids_from(
         &self,

@@ -81,7 +81,7 @@ fn truncate(s: &str, max: usize) -> &str {
 /// The headers a dead letter gets on top of the original's. A record
 /// replayed from a dead-letter topic (`dedup dlq replay`) and dead-lettered
 /// again gets one fresh set of them, not a second one.
-pub const DEAD_LETTER_HEADERS: [&str; 9] = [
+pub const DEAD_LETTER_HEADERS: [&str; 10] = [
     "dedup.original.topic",
     "dedup.original.partition",
     "dedup.original.offset",
@@ -91,6 +91,7 @@ pub const DEAD_LETTER_HEADERS: [&str; 9] = [
     "dedup.handler",
     "dedup.payload.truncated",
     "dedup.original.size",
+    "dedup.original.timestamp",
 ];
 
 /// How often a record went round the dead-letter topic, set by a replay.
@@ -135,6 +136,7 @@ pub(crate) fn headers(
         handler,
         truncated_key,
         size_key,
+        timestamp_key,
     ] = DEAD_LETTER_HEADERS;
     let fields: [(&str, &str); 7] = [
         (topic, msg.topic()),
@@ -149,6 +151,15 @@ pub(crate) fn headers(
         out = out.insert(Header {
             key,
             value: Some(value.as_bytes()),
+        });
+    }
+    // With the offset, which message it was: a topic created again reuses
+    // offsets (`dedup dlq replay` tells such messages apart by it).
+    if let Some(millis) = msg.timestamp().to_millis() {
+        let millis = millis.to_string();
+        out = out.insert(Header {
+            key: timestamp_key,
+            value: Some(millis.as_bytes()),
         });
     }
     if let Some(size) = truncated {

@@ -35,9 +35,9 @@ impl<S: 'static> Route<S> {
     /// The claim that records that `msg` was dead-lettered: scope
     /// `dedup.dead-letter/<handler scope>/<topic>/<partition>`, id the
     /// offset as 20 digits (so ids sort as offsets), then the message's
-    /// timestamp and payload size, so that a different message at the same
+    /// timestamp, payload size and a fingerprint, so that a different message at the same
     /// offset (a topic deleted and created again, another cluster) is never
-    /// taken for it. Taken in the store once the dead-letter topic has
+    /// taken for it, then a 64-bit fingerprint of its key and payload. Taken in the store once the dead-letter topic has
     /// acknowledged the copy, it tells a redelivery of the message (a crash
     /// or a rebalance before its offset was committed) not to dead-letter
     /// it again, nor to apply it.
@@ -47,10 +47,12 @@ impl<S: 'static> Route<S> {
             .timestamp()
             .to_millis()
             .map_or_else(|| "-".to_owned(), |t| t.to_string());
+        let payload = msg.payload().unwrap_or_default();
         let id = format!(
-            "{:020}.{timestamp}.{}",
+            "{:020}.{timestamp}.{}.{:016x}",
             msg.offset().max(0),
-            msg.payload().map_or(0, <[u8]>::len)
+            payload.len(),
+            fingerprint(msg.key().unwrap_or_default(), payload)
         );
         self.dead_letter_key(msg.topic(), msg.partition(), id)
     }
@@ -72,6 +74,18 @@ impl<S: 'static> Route<S> {
         );
         DedupKey::new(scope, id).expect("never empty")
     }
+}
+
+/// FNV-1a (64 bits) of a message's key and payload: stable across
+/// versions and platforms (it is stored), not cryptographic (telling two
+/// unrelated messages apart is all it is for).
+fn fingerprint(key: &[u8], payload: &[u8]) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for &byte in key.iter().chain(&[0xff]).chain(payload) {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
 }
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -156,5 +170,21 @@ where
             })
             .collect();
         Box::pin(HandlerExt::apply_batch(self, store, batch))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fingerprint;
+
+    #[test]
+    fn fingerprints_are_stable_and_tell_key_from_payload() {
+        // The FNV-1a test vector for the empty input, after the separator.
+        assert_eq!(fingerprint(b"", b""), 0xaf64_724c_8602_eb6e);
+        assert_ne!(fingerprint(b"ab", b"c"), fingerprint(b"a", b"bc"));
+        assert_ne!(
+            fingerprint(b"k", b"{\"amount\":1}"),
+            fingerprint(b"k", b"{\"amount\":2}")
+        );
     }
 }

@@ -25,13 +25,17 @@ const ERROR_KIND: &str = DEAD_LETTER_HEADERS[3];
 const ERROR_MESSAGE: &str = DEAD_LETTER_HEADERS[4];
 const HANDLER: &str = DEAD_LETTER_HEADERS[6];
 const TRUNCATED: &str = DEAD_LETTER_HEADERS[7];
+const ORIGINAL_TIMESTAMP: &str = DEAD_LETTER_HEADERS[9];
 
-/// Where a dead letter's message was.
+/// Which message a dead letter is a copy of: where it was and, for dead
+/// letters that carry it, its timestamp (a topic created again reuses
+/// offsets for other messages).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 struct Origin {
     topic: String,
     partition: i32,
     offset: i64,
+    timestamp: Option<i64>,
 }
 
 /// A dead letter and what its headers say.
@@ -80,6 +84,7 @@ impl DeadLetter {
                     ERROR_MESSAGE,
                     HANDLER,
                     TRUNCATED,
+                    ORIGINAL_TIMESTAMP,
                     REPLAY_COUNT_HEADER,
                 ]
                 .into_iter()
@@ -110,6 +115,7 @@ impl DeadLetter {
                 partition: i32::try_from(partition)
                     .map_err(|_| format!("partition {partition} out of range"))?,
                 offset,
+                timestamp: number(ORIGINAL_TIMESTAMP)?,
             }),
             (None, None, None) => None,
             _ => return Err("its dedup.original.* headers are incomplete".to_owned()),
@@ -659,7 +665,8 @@ fn plan(
             && (*decision == Decision::Replay
                 || (*decision == Decision::Done && letter.malformed.is_none() && !filtered(letter)))
         {
-            chosen.entry(origin).or_insert(*decision == Decision::Done);
+            // Any copy replayed by an earlier run counts, wherever it is read.
+            *chosen.entry(origin).or_default() |= *decision == Decision::Done;
         }
     }
     let mut replayed = HashSet::new();

@@ -555,18 +555,22 @@ async fn a_replay_refuses_records_it_cannot_place_and_sends_nothing(pool: PgPool
 }
 
 /// Among copies of one original message, a whole one is replayed, never a
-/// copy whose payload was cut to fit the dead-letter topic.
+/// copy whose payload was cut to fit the dead-letter topic. A dead letter of
+/// another message at the same offset (its topic was created again) is no
+/// copy: it is replayed too.
 #[sqlx::test(migrations = false)]
 async fn a_replay_prefers_a_whole_copy_to_a_cut_one(pool: PgPool) {
     let target = create_topic(1).await;
     let dlq = create_topic(1).await;
     let whole = payment(uuid::Uuid::new_v4(), "a", 7);
-    let dead_letter = |payload: &[u8], cut: bool| {
+    let other = payment(uuid::Uuid::new_v4(), "a", 8);
+    let dead_letter = |payload: &[u8], cut: bool, timestamp: &str| {
         let mut headers = OwnedHeaders::new();
         for (key, value) in [
             ("dedup.original.topic", target.as_str()),
             ("dedup.original.partition", "0"),
             ("dedup.original.offset", "41"),
+            ("dedup.original.timestamp", timestamp),
             ("dedup.error.kind", "handler"),
             ("user-header", "kept"),
         ] {
@@ -584,7 +588,11 @@ async fn a_replay_prefers_a_whole_copy_to_a_cut_one(pool: PgPool) {
         (payload.to_vec(), headers)
     };
     let producer = producer();
-    for (payload, headers) in [dead_letter(&whole[..5], true), dead_letter(&whole, false)] {
+    for (payload, headers) in [
+        dead_letter(&whole[..5], true, "1000"),
+        dead_letter(&whole, false, "1000"),
+        dead_letter(&other, false, "2000"),
+    ] {
         producer
             .send(
                 FutureRecord::to(&dlq)
@@ -600,12 +608,13 @@ async fn a_replay_prefers_a_whole_copy_to_a_cut_one(pool: PgPool) {
     let done = dedup(&pool, &["dlq", "replay", &dlq]).await;
     assert!(done.status.success(), "{}", stderr(&done));
     assert!(
-        stdout(&done).contains("replayed=1 skipped_applied=0 skipped_copies=1"),
+        stdout(&done).contains("replayed=2 skipped_applied=0 skipped_copies=1"),
         "{}",
         stdout(&done)
     );
-    let sent = read_exactly(&brokers(), &target, 1).await;
+    let sent = read_exactly(&brokers(), &target, 2).await;
     assert_eq!(sent[0].payload(), Some(&whole[..]), "the whole copy");
+    assert_eq!(sent[1].payload(), Some(&other[..]), "the other message");
     assert_eq!(header(&sent[0], "user-header"), Some("kept"));
     assert_eq!(header(&sent[0], "dedup.payload.truncated"), None);
 }

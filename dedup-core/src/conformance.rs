@@ -71,18 +71,27 @@ pub async fn exclusive_under_concurrency<S: DedupStore + Clone>(store: S) {
 }
 
 /// A committed claim makes the same key a duplicate within the TTL, and
-/// reports when the live claim expires (about now + TTL on the store's clock).
+/// reports when the live claim expires (about now + TTL on the store's clock)
+/// and how long ago it was taken (the duplicate's lateness).
 pub async fn duplicate_within_ttl<S: DedupStore>(store: S) {
     let k = key("conformance", "dup");
     let before = SystemTime::now();
     assert_eq!(claim_committed(&store, &k, ttl(HOUR)).await, Claim::Fresh);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let waited = before.elapsed().unwrap_or_default();
     match claim_committed(&store, &k, ttl(HOUR)).await {
-        Claim::Duplicate { expires_at } => {
+        Claim::Duplicate { expires_at, age } => {
             let lo = before + Duration::from_secs(HOUR - 60);
             let hi = SystemTime::now() + Duration::from_secs(HOUR + 60);
             assert!(
                 expires_at > lo && expires_at < hi,
                 "expires_at {expires_at:?} should be about an hour from now"
+            );
+            // At least the 300 ms slept; at most the whole wait and a
+            // second of clock granularity.
+            assert!(
+                age >= Duration::from_millis(250) && age <= waited + Duration::from_secs(2),
+                "the duplicate came {age:?} after the claim, expected about {waited:?}"
             );
         }
         other => panic!("second claim within the TTL must be a duplicate, got {other:?}"),

@@ -1,7 +1,7 @@
 //! What `#[idempotent]` generates and the runtime calls.
 
 use std::future::Future;
-use std::time::{Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime};
 
 use serde::de::DeserializeOwned;
 
@@ -49,6 +49,9 @@ pub enum Outcome {
     Skipped {
         /// When the existing claim expires.
         expires_at: SystemTime,
+        /// How long after the claim was taken this duplicate came (store
+        /// clock).
+        age: Duration,
     },
     /// Nothing was committed; [`Error::is_retryable`] says whether to retry
     /// or dead-letter.
@@ -217,8 +220,8 @@ pub trait HandlerExt: Handler {
             let mut claimed = Vec::with_capacity(claims.len());
             for ((claim, event), key) in claims.into_iter().zip(events).zip(&keys) {
                 match claim {
-                    Claim::Duplicate { expires_at } => {
-                        outcomes.push(Outcome::Skipped { expires_at })
+                    Claim::Duplicate { expires_at, age } => {
+                        outcomes.push(Outcome::Skipped { expires_at, age })
                     }
                     Claim::Fresh | Claim::Reclaimed => {
                         outcomes.push(Outcome::Applied {
@@ -265,10 +268,10 @@ where
         }
     };
     let reclaimed = match claim {
-        Claim::Duplicate { expires_at } => {
+        Claim::Duplicate { expires_at, age } => {
             rollback_quietly(store, tx, key).await;
-            tracing::debug!(%key, "duplicate within TTL, skipped");
-            return Ok(Outcome::Skipped { expires_at });
+            tracing::debug!(%key, ?age, "duplicate within TTL, skipped");
+            return Ok(Outcome::Skipped { expires_at, age });
         }
         Claim::Fresh => false,
         Claim::Reclaimed => true,

@@ -145,6 +145,7 @@ impl MemoryStore {
                         if row.expires_at > now {
                             return Ok(Claim::Duplicate {
                                 expires_at: row.expires_at,
+                                age: now.duration_since(row.claimed_at).unwrap_or_default(),
                             });
                         }
                         let before = if row.writer.is_none() {

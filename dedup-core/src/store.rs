@@ -2,7 +2,7 @@
 
 use std::error::Error as StdError;
 use std::future::Future;
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use crate::{Classification, DedupKey, StoreError, Ttl};
 
@@ -18,6 +18,10 @@ pub enum Claim {
     Duplicate {
         /// When the existing claim expires, on the store's clock.
         expires_at: SystemTime,
+        /// How long ago the existing claim was taken (or last refreshed), on
+        /// the store's clock: how late this duplicate came. Its distribution
+        /// is the redelivery window a TTL must cover.
+        age: Duration,
     },
 }
 

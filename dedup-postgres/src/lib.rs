@@ -9,8 +9,8 @@ use dedup_core::{
     Claim, Classification, DedupKey, DedupStore, PurgeConfig, PurgeExpired, Purger, StoreError, Ttl,
 };
 use dedup_sql::{
-    BatchClaims, Dialect, SqlConfig, TableName, run_migrations, sql, time_from_unix_micros,
-    ttl_seconds,
+    BatchClaims, Dialect, SqlConfig, TableName, age_from_micros, run_migrations, sql,
+    time_from_unix_micros, ttl_seconds,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Row};
@@ -92,6 +92,10 @@ struct Statements {
 /// needed to read it.
 const EXPIRES_MICROS: &str = "(extract(epoch FROM expires_at) * 1000000)::int8";
 
+/// A claim's age (since it was taken or refreshed) in microseconds, on the
+/// database clock.
+const AGE_MICROS: &str = "(extract(epoch FROM now() - claimed_at) * 1000000)::int8";
+
 impl Statements {
     fn new(config: &PgConfig) -> Result<Self, InvalidTableName> {
         let table = TableName::parse(&config.table)?;
@@ -118,9 +122,10 @@ impl Statements {
              ORDER BY u.scope, u.key {upsert} \
              RETURNING c.scope, c.key, (c.xmax = 0) AS fresh, {EXPIRES_MICROS} AS expires_us"
         );
-        let expiry = format!("SELECT {EXPIRES_MICROS} FROM {t} WHERE scope = $1 AND key = $2");
+        let expiry =
+            format!("SELECT {EXPIRES_MICROS}, {AGE_MICROS} FROM {t} WHERE scope = $1 AND key = $2");
         let expiry_many = format!(
-            "SELECT scope, key, {EXPIRES_MICROS} AS expires_us FROM {t} \
+            "SELECT scope, key, {EXPIRES_MICROS} AS expires_us, {AGE_MICROS} AS age_us FROM {t} \
              WHERE (scope, key) IN (SELECT * FROM unnest($1::text[], $2::text[]))"
         );
         // clock_timestamp(), not now(): now() is the transaction's start,
@@ -268,14 +273,17 @@ impl DedupStore for PgStore {
         }
         // A live claim exists. Read its expiry in a new statement: in READ
         // COMMITTED it sees a claim that committed while the INSERT waited.
-        let expires_us: Option<i64> = sqlx::query_scalar(sql(&self.statements.expiry))
+        let row: Option<(i64, i64)> = sqlx::query_as(sql(&self.statements.expiry))
             .bind(key.scope())
             .bind(key.id())
             .fetch_optional(&mut **tx)
             .await
             .map_err(store_error)?;
+        // No row: it vanished in between (purged at its expiry).
+        let (expires_us, age_us) = row.unwrap_or_default();
         Ok(Claim::Duplicate {
-            expires_at: expires_us.map_or_else(SystemTime::now, time_from_unix_micros),
+            expires_at: row.map_or_else(SystemTime::now, |_| time_from_unix_micros(expires_us)),
+            age: age_from_micros(age_us),
         })
     }
 
@@ -316,9 +324,14 @@ impl DedupStore for PgStore {
                 .await
                 .map_err(store_error)?;
             for row in rows {
-                let (scope, id, expires_us): (String, String, i64) =
+                let (scope, id, expires_us, age_us): (String, String, i64, i64) =
                     sqlx::FromRow::from_row(&row).map_err(store_error)?;
-                batch.live(&scope, &id, time_from_unix_micros(expires_us));
+                batch.live(
+                    &scope,
+                    &id,
+                    time_from_unix_micros(expires_us),
+                    age_from_micros(age_us),
+                );
             }
         }
         Ok(batch.finish())

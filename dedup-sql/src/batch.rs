@@ -16,7 +16,7 @@ use dedup_core::{Claim, DedupKey, Ttl};
 /// ```
 /// use dedup_sql::BatchClaims;
 /// use dedup_core::{Claim, DedupKey};
-/// use std::time::SystemTime;
+/// use std::time::{Duration, SystemTime};
 ///
 /// let keys = [DedupKey::new("s", "a")?, DedupKey::new("s", "b")?, DedupKey::new("s", "a")?];
 /// let mut batch = BatchClaims::new(&keys);
@@ -24,11 +24,13 @@ use dedup_core::{Claim, DedupKey, Ttl};
 /// let t = SystemTime::now();
 /// batch.claimed("s", "a", true, t); // the statement returned a (fresh), not b
 /// assert_eq!(batch.unclaimed().len(), 1);
-/// batch.live("s", "b", t); // b's live claim, read afterwards
+/// let age = Duration::from_secs(90);
+/// batch.live("s", "b", t, age); // b's live claim, read afterwards
 /// let claims = batch.finish();
 /// assert_eq!(claims[0], Claim::Fresh);
-/// assert_eq!(claims[1], Claim::Duplicate { expires_at: t });
-/// assert_eq!(claims[2], Claim::Duplicate { expires_at: t }, "a repeat of a");
+/// assert_eq!(claims[1], Claim::Duplicate { expires_at: t, age });
+/// let repeat = Claim::Duplicate { expires_at: t, age: Duration::ZERO };
+/// assert_eq!(claims[2], repeat, "a repeat of a, claimed just now");
 /// # Ok::<(), dedup_core::KeyError>(())
 /// ```
 #[derive(Debug)]
@@ -40,6 +42,8 @@ pub struct BatchClaims<'k> {
     /// Per distinct key: `Some(true)` fresh, `Some(false)` reclaimed.
     taken: Vec<Option<bool>>,
     expires_at: Vec<Option<SystemTime>>,
+    /// Per distinct key read as live: its claim's age.
+    ages: Vec<Option<Duration>>,
 }
 
 impl<'k> BatchClaims<'k> {
@@ -60,6 +64,7 @@ impl<'k> BatchClaims<'k> {
             distinct,
             taken: vec![None; n],
             expires_at: vec![None; n],
+            ages: vec![None; n],
         }
     }
 
@@ -87,10 +92,11 @@ impl<'k> BatchClaims<'k> {
             .collect()
     }
 
-    /// Records the expiry of a live claim.
-    pub fn live(&mut self, scope: &str, id: &str, expires_at: SystemTime) {
+    /// Records the expiry and age of a live claim.
+    pub fn live(&mut self, scope: &str, id: &str, expires_at: SystemTime, age: Duration) {
         if let Some(&i) = self.index.get(&(scope, id)) {
             self.expires_at[i] = Some(expires_at);
+            self.ages[i] = Some(age);
         }
     }
 
@@ -104,10 +110,12 @@ impl<'k> BatchClaims<'k> {
             .map(|key| {
                 let i = self.index[&(key.scope(), key.id())];
                 let expires_at = self.expires_at[i].unwrap_or_else(SystemTime::now);
+                // A repeat of a key this batch claimed: claimed just now.
+                let age = self.ages[i].unwrap_or_default();
                 match (self.taken[i], std::mem::replace(&mut answered[i], true)) {
                     (Some(true), false) => Claim::Fresh,
                     (Some(false), false) => Claim::Reclaimed,
-                    _ => Claim::Duplicate { expires_at },
+                    _ => Claim::Duplicate { expires_at, age },
                 }
             })
             .collect()
@@ -123,6 +131,12 @@ pub fn time_from_unix_micros(us: i64) -> SystemTime {
     } else {
         UNIX_EPOCH - magnitude
     }
+}
+
+/// A claim's age the database gave in microseconds (0 if negative: a
+/// refresh later in the same statement's transaction).
+pub fn age_from_micros(us: i64) -> Duration {
+    Duration::from_micros(u64::try_from(us).unwrap_or(0))
 }
 
 /// A TTL as the signed seconds SQL parameters take. A TTL is at most 100

@@ -10,8 +10,8 @@ use dedup_core::{
     Claim, Classification, DedupKey, DedupStore, PurgeConfig, PurgeExpired, Purger, StoreError, Ttl,
 };
 use dedup_sql::{
-    BatchClaims, Dialect, SqlConfig, TableName, run_migrations, sql, time_from_unix_micros,
-    ttl_seconds,
+    BatchClaims, Dialect, SqlConfig, TableName, age_from_micros, run_migrations, sql,
+    time_from_unix_micros, ttl_seconds,
 };
 use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
@@ -103,9 +103,11 @@ impl Statements {
              FROM json_each(?1) WHERE true {upsert} \
              RETURNING scope, key, claims, expires_at"
         );
-        let expiry = format!("SELECT expires_at FROM {t} WHERE scope = ?1 AND key = ?2");
+        let expiry = format!(
+            "SELECT expires_at, {NOW_US} - claimed_at FROM {t} WHERE scope = ?1 AND key = ?2"
+        );
         let expiry_many = format!(
-            "SELECT scope, key, expires_at FROM {t} \
+            "SELECT scope, key, expires_at, {NOW_US} - claimed_at FROM {t} \
              WHERE (scope, key) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(?1))"
         );
         let refresh = format!(
@@ -246,14 +248,18 @@ impl DedupStore for SqliteStore {
             Some(1) => Ok(Claim::Fresh),
             Some(_) => Ok(Claim::Reclaimed),
             None => {
-                let expires_us: Option<i64> = sqlx::query_scalar(sql(&self.statements.expiry))
+                let row: Option<(i64, i64)> = sqlx::query_as(sql(&self.statements.expiry))
                     .bind(key.scope())
                     .bind(key.id())
                     .fetch_optional(&mut **tx)
                     .await
                     .map_err(store_error)?;
+                // No row: it vanished in between (purged at its expiry).
+                let (expires_us, age_us) = row.unwrap_or_default();
                 Ok(Claim::Duplicate {
-                    expires_at: expires_us.map_or_else(SystemTime::now, time_from_unix_micros),
+                    expires_at: row
+                        .map_or_else(SystemTime::now, |_| time_from_unix_micros(expires_us)),
+                    age: age_from_micros(age_us),
                 })
             }
         }
@@ -288,9 +294,14 @@ impl DedupStore for SqliteStore {
                 .await
                 .map_err(store_error)?;
             for row in rows {
-                let (scope, id, expires_us): (String, String, i64) =
+                let (scope, id, expires_us, age_us): (String, String, i64, i64) =
                     sqlx::FromRow::from_row(&row).map_err(store_error)?;
-                batch.live(&scope, &id, time_from_unix_micros(expires_us));
+                batch.live(
+                    &scope,
+                    &id,
+                    time_from_unix_micros(expires_us),
+                    age_from_micros(age_us),
+                );
             }
         }
         Ok(batch.finish())

@@ -228,4 +228,11 @@ pub trait OutboxSource: Send + Sync + 'static {
     /// `limit` of them; returns how many went. Backends that delete on
     /// publish return 0.
     fn purge_sent(&self, limit: u32) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// How many events wait to be published and how long the oldest has
+    /// waited (zero when none), for the relay's gauges; `None` when the
+    /// source cannot tell (the default).
+    fn backlog(&self) -> impl Future<Output = Result<Option<(u64, Duration)>, StoreError>> + Send {
+        std::future::ready(Ok(None))
+    }
 }

@@ -100,6 +100,7 @@ pub(crate) async fn purge_round<P: PurgeExpired>(store: &P, batch_size: u32) -> 
         match store.purge_expired(batch_size).await {
             Ok(n) => {
                 total += n;
+                metrics::counter!("dedup_claims_purged_total").increment(n);
                 if n < u64::from(batch_size) {
                     break;
                 }

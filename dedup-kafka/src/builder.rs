@@ -165,6 +165,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             dead_letter_topic: format!("{topic}.dlq"),
             topic,
             handler: Arc::new(handler),
+            metrics: std::sync::OnceLock::new(),
         });
         self
     }
@@ -239,6 +240,16 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// that a commit abandoned in flight cannot land an expired claim.
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
         self.runtime.attempt_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
+    /// What to do at start-up when a handler's TTL is shorter than how long
+    /// its topic keeps records (`retention.ms` plus `segment.ms`, or for
+    /// ever): warn (the default), refuse to start, or not check. A replay
+    /// from the earliest offset would apply again every event older than the
+    /// TTL.
+    pub fn ttl_check(mut self, check: crate::TtlCheck) -> Self {
+        self.runtime.ttl_check = check;
         self
     }
 

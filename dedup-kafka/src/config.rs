@@ -23,6 +23,7 @@ pub(crate) struct Settings {
     pub(crate) shutdown_timeout: Duration,
     pub(crate) dead_letter_timeout: Duration,
     pub(crate) attempt_timeout: Duration,
+    pub(crate) ttl_check: crate::TtlCheck,
 }
 
 impl Default for Settings {
@@ -37,6 +38,7 @@ impl Default for Settings {
             shutdown_timeout: Duration::from_secs(30),
             dead_letter_timeout: Duration::from_secs(30),
             attempt_timeout: Duration::from_secs(60),
+            ttl_check: crate::TtlCheck::Warn,
         }
     }
 }
@@ -94,6 +96,9 @@ pub(crate) fn is_shared_setting(key: &str) -> bool {
     .any(|p| key.starts_with(p))
 }
 
+/// How often librdkafka reports statistics, unless the user says otherwise.
+pub(crate) const STATISTICS_INTERVAL_MS: &str = "5000";
+
 /// The consumer's configuration: `client_settings` passed through, except
 /// the group and the settings that make offsets safe.
 pub(crate) fn consumer_config(
@@ -108,7 +113,11 @@ pub(crate) fn consumer_config(
     let mut config = ClientConfig::new();
     config
         .set("bootstrap.servers", brokers)
-        .set("auto.offset.reset", "earliest");
+        .set("auto.offset.reset", "earliest")
+        // Consumer lag (dedup_consumer_lag) comes from librdkafka's
+        // statistics; `.set("statistics.interval.ms", ..)` changes how
+        // often, "0" turns them off.
+        .set("statistics.interval.ms", STATISTICS_INTERVAL_MS);
     for (k, v) in client_settings {
         config.set(k, v);
     }

@@ -20,6 +20,7 @@ use tokio::task::JoinSet;
 use crate::Error;
 use crate::builder::ConsumerBuilder;
 use crate::config::Settings;
+use crate::metrics::ConsumerGauges;
 use crate::partition::{Partition, PartitionMap, Shared, lock, worker};
 use crate::rebalance::{RebalanceContext, commit};
 use crate::route::Route;
@@ -35,6 +36,7 @@ pub struct Consumer<S: DedupStore> {
     routes: HashMap<String, Arc<Route<S>>>,
     partitions: PartitionMap,
     drained: mpsc::UnboundedReceiver<(String, i32)>,
+    admin_config: ClientConfig,
 }
 
 impl<S: DedupStore> Consumer<S> {
@@ -61,6 +63,8 @@ impl<S: DedupStore> Consumer<S> {
                 closing: closing.clone(),
             })?;
         let producer: FutureProducer = producer_config.create()?;
+        // How to reach the brokers, for the start-up TTL check.
+        let admin_config = producer_config;
         let (drained_tx, drained) = mpsc::unbounded_channel();
         let permits = Semaphore::new(settings.max_concurrent_partitions);
         Ok(Consumer {
@@ -84,6 +88,7 @@ impl<S: DedupStore> Consumer<S> {
                 .collect(),
             partitions,
             drained,
+            admin_config,
         })
     }
 
@@ -106,6 +111,13 @@ impl<S: DedupStore> Consumer<S> {
         mut self,
         shutdown: impl Future<Output = ()>,
     ) -> Result<StatsSnapshot, Error> {
+        let health = &self.shared.stats.health;
+        health.running.store(true, Ordering::Release);
+        self.shared.stats.polled();
+        if let Err(e) = self.check_ttls().await {
+            health.running.store(false, Ordering::Release);
+            return Err(e);
+        }
         let topics: Vec<&str> = self.routes.keys().map(String::as_str).collect();
         self.shared.kafka.subscribe(&topics)?;
         tracing::info!(?topics, "consumer started");
@@ -113,11 +125,20 @@ impl<S: DedupStore> Consumer<S> {
         let mut workers = JoinSet::new();
         let mut commit_tick = tokio::time::interval(self.shared.settings.commit_interval);
         commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut refresh_tick = tokio::time::interval(REFRESH_INTERVAL);
+        refresh_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let gauges = ConsumerGauges::new();
+        let probe = tokio::spawn(probe_store(
+            self.shared.store.clone(),
+            self.shared.stats.clone(),
+            self.shared.settings.attempt_timeout,
+        ));
         tokio::pin!(shutdown);
         let fatal = loop {
             tokio::select! {
                 biased;
                 () = &mut shutdown => break None,
+                _ = refresh_tick.tick() => self.refresh(&gauges),
                 () = self.shared.fatal_set.notified() => {
                     let why = self.shared.fatal.lock().unwrap_or_else(|p| p.into_inner()).take();
                     break Some(Error::Fatal(why.unwrap_or_default()));
@@ -157,11 +178,16 @@ impl<S: DedupStore> Consumer<S> {
                 },
             }
         };
+        probe.abort();
         let stats = self.shared.stats.clone();
         // A worker's reason wins: it may have failed while the loop was
         // already stopping, or just before another symptom of it was seen.
         let reason = self.shutdown(workers).await;
         let fatal = reason.map(Error::Fatal).or(fatal);
+        stats.health.running.store(false, Ordering::Release);
+        if let Some(e) = &fatal {
+            *stats.health.fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+        }
         match fatal {
             Some(e) => {
                 tracing::error!(error = %e, "consumer stopped");
@@ -187,6 +213,96 @@ impl<S: DedupStore> Consumer<S> {
         Some(Error::Fatal(format!(
             "fatal error of the {client}: {reason} ({code:?})"
         )))
+    }
+
+    /// Compares each handler's TTL with how long its topic keeps records
+    /// (see [`TtlCheck`](crate::TtlCheck)).
+    async fn check_ttls(&self) -> Result<(), Error> {
+        let strict = match self.shared.settings.ttl_check {
+            crate::TtlCheck::Off => return Ok(()),
+            crate::TtlCheck::Warn => false,
+            crate::TtlCheck::Strict => true,
+        };
+        let topics: Vec<&str> = self.routes.keys().map(String::as_str).collect();
+        let retention = match crate::ttl_check::topic_retention(
+            &self.admin_config,
+            &topics,
+            TTL_CHECK_TIMEOUT,
+        )
+        .await
+        {
+            Ok(retention) => retention,
+            Err(why) if strict => {
+                return Err(Error::Config(format!(
+                    "cannot check the TTLs against the topics' retention ({why}); \
+                     .ttl_check(TtlCheck::Off) starts without checking"
+                )));
+            }
+            Err(why) => {
+                tracing::warn!(error = %why, "cannot check the TTLs against the topics' retention");
+                return Ok(());
+            }
+        };
+        for (topic, route) in &self.routes {
+            let ttl = route.handler.ttl();
+            let Some(kept) = retention.get(topic) else {
+                continue;
+            };
+            if kept.covered_by(ttl.as_duration()) {
+                continue;
+            }
+            let why = format!(
+                "the TTL of handler {} ({ttl}) is shorter than topic {topic:?} keeps records \
+                 ({}): a replay from the earliest offset (a group reset, a new group id, a \
+                 restore) would apply again every event older than the TTL. Raise the TTL, or \
+                 never replay this topic from its start",
+                route.handler.scope(),
+                kept.describe()
+            );
+            if strict {
+                return Err(Error::Config(why));
+            }
+            tracing::warn!(topic, handler = route.handler.scope(), "{why}");
+        }
+        Ok(())
+    }
+
+    /// Refreshes what health and the gauges report: the loop's turn, the
+    /// assignment, paused partitions, the longest-running partition, the
+    /// messages in flight per topic.
+    fn refresh(&self, gauges: &ConsumerGauges) {
+        let stats = &self.shared.stats;
+        stats.polled();
+        let assigned = self
+            .shared
+            .kafka
+            .assignment()
+            .map_or(0, |tpl| tpl.count() as u64);
+        let (mut paused, mut oldest) = (0u64, std::time::Duration::ZERO);
+        let mut in_flight: HashMap<&str, usize> =
+            self.routes.keys().map(|t| (t.as_str(), 0)).collect();
+        for p in lock(&self.partitions).values() {
+            if p.paused.load(Ordering::Acquire) {
+                paused += 1;
+            }
+            match p.busy_since_ms.load(Ordering::Acquire) {
+                u64::MAX => {}
+                since => oldest = oldest.max(stats.age_of(since)),
+            }
+            if let Some(n) = in_flight.get_mut(p.topic.as_str()) {
+                *n += p.queued.load(Ordering::Acquire);
+            }
+        }
+        let health = &stats.health;
+        health.assigned.store(assigned, Ordering::Release);
+        health.paused.store(paused, Ordering::Release);
+        health
+            .oldest_in_flight_ms
+            .store(oldest.as_millis() as u64, Ordering::Release);
+        gauges.set(paused as usize, stats.waiting_out() > 0, oldest);
+        for (topic, n) in in_flight {
+            crate::metrics::in_flight(topic, n);
+        }
     }
 
     /// Hands a message to its partition's worker, starting one if needed.
@@ -219,6 +335,7 @@ impl<S: DedupStore> Consumer<S> {
                     partition: key.1,
                     queued: AtomicUsize::new(0),
                     paused: AtomicBool::new(false),
+                    busy_since_ms: std::sync::atomic::AtomicU64::new(u64::MAX),
                     revoked: watch::channel(false).0,
                     sender,
                 });
@@ -313,6 +430,25 @@ impl<S: DedupStore> Consumer<S> {
         // still runs, not in some task dropped during runtime teardown.
         drop(self);
         reason
+    }
+}
+
+/// How long the start-up TTL check waits for the brokers.
+const TTL_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// How often health and the gauges are refreshed.
+const REFRESH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Asks the store for an empty transaction until it answers, so a consumer
+/// with nothing to do yet can still say it is ready.
+async fn probe_store<S: DedupStore>(store: Arc<S>, stats: Arc<Stats>, limit: std::time::Duration) {
+    loop {
+        if let Ok(Ok(tx)) = tokio::time::timeout(limit, store.begin()).await {
+            let _ = store.rollback(tx).await;
+            stats.store_answered();
+            return;
+        }
+        tokio::time::sleep(REFRESH_INTERVAL).await;
     }
 }
 

@@ -46,7 +46,7 @@ pub(crate) async fn dead_letter<S: DedupStore>(
     match recorded_from(shared, partition, &record, jitter).await {
         None => return false,
         Some(ids) if ids.contains(record.id()) => {
-            skip(shared, msg);
+            skip(shared, route, msg);
             return true;
         }
         Some(_) => {}
@@ -55,17 +55,19 @@ pub(crate) async fn dead_letter<S: DedupStore>(
         return false;
     }
     shared.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
+    route.metrics().dead_lettered();
     record_it(shared, route, &record, jitter).await;
     failpoint("after-dead-letter");
     true
 }
 
 /// Counts and logs a redelivered message that was dead-lettered before.
-pub(crate) fn skip<S>(shared: &Shared<S>, msg: &OwnedMessage) {
+pub(crate) fn skip<S: 'static>(shared: &Shared<S>, route: &Route<S>, msg: &OwnedMessage) {
     shared
         .stats
         .already_dead_lettered
         .fetch_add(1, Ordering::Relaxed);
+    route.metrics().already_dead_lettered();
     tracing::info!(
         offset = msg.offset(),
         outcome = "already_dead_lettered",
@@ -106,7 +108,10 @@ async fn recorded_from<S: DedupStore>(
     let mut outage = Outage::new(shared);
     loop {
         let error = match tokio::time::timeout(limit, shared.store.live_ids_from(first)).await {
-            Ok(Ok(ids)) => return Some(ids.into_iter().collect()),
+            Ok(Ok(ids)) => {
+                shared.stats.store_answered();
+                return Some(ids.into_iter().collect());
+            }
             Ok(Err(e)) => e,
             Err(_) => timed_out(limit),
         };

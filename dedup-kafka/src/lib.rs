@@ -6,6 +6,7 @@ mod consumer;
 mod dead_letter;
 mod dlq;
 mod failpoint;
+mod metrics;
 mod partition;
 mod rebalance;
 mod relay;
@@ -13,6 +14,7 @@ mod retry;
 mod route;
 mod shutdown;
 mod stats;
+mod ttl_check;
 
 pub use builder::ConsumerBuilder;
 pub use consumer::Consumer;
@@ -23,7 +25,8 @@ pub use dlq::{
 pub use relay::{Relay, RelayBuilder, RelayStats, RelayStatsSnapshot};
 pub use retry::RetryPolicy;
 pub use shutdown::shutdown_signal;
-pub use stats::{Stats, StatsSnapshot};
+pub use stats::{Health, LIVE_POLL_LIMIT, Stats, StatsSnapshot};
+pub use ttl_check::{TopicRetention, TtlCheck, topic_retention};
 
 /// Errors that stop a consumer from starting or running.
 #[derive(Debug, thiserror::Error)]

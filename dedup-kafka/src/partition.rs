@@ -20,6 +20,7 @@ use tracing::Instrument;
 use crate::config::Settings;
 use crate::dead_letter::{self as dead_letters, dead_letter};
 use crate::failpoint::failpoint;
+use crate::metrics::RetryReason;
 use crate::rebalance::RebalanceContext;
 use crate::retry::{Jitter, RetryPolicy};
 use crate::route::Route;
@@ -32,6 +33,9 @@ pub(crate) struct Partition {
     /// Messages handed to the worker and not yet finished.
     pub(crate) queued: AtomicUsize,
     pub(crate) paused: AtomicBool,
+    /// Since when (`Stats::clock_ms`) the worker has been on its current
+    /// message or batch; `u64::MAX` while it waits for one.
+    pub(crate) busy_since_ms: std::sync::atomic::AtomicU64,
     /// Set when the partition is revoked: its worker stops, its offsets are
     /// no longer stored.
     pub(crate) revoked: watch::Sender<bool>,
@@ -251,6 +255,9 @@ pub(crate) async fn worker<S: DedupStore>(
             },
         };
         let batch = gather(&mut inbox, msg, &shared.settings).await;
+        partition
+            .busy_since_ms
+            .store(shared.stats.clock_ms(), Ordering::Release);
         if dead_lettered.is_none() {
             let from = batch[0].offset();
             dead_lettered =
@@ -265,7 +272,7 @@ pub(crate) async fn worker<S: DedupStore>(
         let finished = if batch.len() == 1 {
             let msg = &batch[0];
             let done = if was_dead_lettered(&route, known, msg) {
-                dead_letters::skip(&shared, msg);
+                dead_letters::skip(&shared, &route, msg);
                 true
             } else {
                 process(&shared, &route, &partition, msg, &mut jitter)
@@ -280,6 +287,7 @@ pub(crate) async fn worker<S: DedupStore>(
             store_offset(&shared, &partition, last);
             shared.stats.touch();
         }
+        partition.busy_since_ms.store(u64::MAX, Ordering::Release);
         // Finished, or (stopped mid-batch) left for redelivery.
         inbox.done(batch.len());
         if finished < batch.len() {
@@ -405,12 +413,17 @@ async fn process_batch<S: DedupStore>(
     let committed = if prepared.is_empty() {
         Ok(Vec::new())
     } else {
-        let route = route.clone();
-        let joined = shared
-            .run_handler(span.clone(), move |store| async move {
-                route.handler.apply_batch(&*store, prepared).await
-            })
-            .await;
+        route.metrics().batch(prepared.len());
+        let started = std::time::Instant::now();
+        let joined = {
+            let route = route.clone();
+            shared
+                .run_handler(span.clone(), move |store| async move {
+                    route.handler.apply_batch(&*store, prepared).await
+                })
+                .await
+        };
+        route.metrics().attempt(started.elapsed());
         match joined {
             Ok(result) => result.map_err(|e| e.to_string()),
             Err(RunFailure::Panicked(e)) => Err(format!("the handler panicked: {e}")),
@@ -425,13 +438,20 @@ async fn process_batch<S: DedupStore>(
                 for (&i, outcome) in members.iter().zip(&outcomes) {
                     let name = outcome.name();
                     tracing::debug!(offset = batch[i].offset(), outcome = name);
-                    if matches!(outcome, Outcome::Applied { .. }) {
-                        applied += 1;
-                        failpoint("after-commit");
-                    } else {
-                        skipped += 1;
+                    match outcome {
+                        Outcome::Applied { reclaimed } => {
+                            applied += 1;
+                            route.metrics().applied(*reclaimed);
+                            failpoint("after-commit");
+                        }
+                        Outcome::Skipped { age, .. } => {
+                            skipped += 1;
+                            route.metrics().skipped(*age);
+                        }
+                        Outcome::Failed(_) => unreachable!("a committed batch has no failure"),
                     }
                 }
+                shared.stats.store_answered();
                 shared.stats.applied.fetch_add(applied, Ordering::Relaxed);
                 shared.stats.skipped.fetch_add(skipped, Ordering::Relaxed);
                 shared.stats.batches.fetch_add(1, Ordering::Relaxed);
@@ -505,7 +525,7 @@ async fn dead_letter_unprepared<S: DedupStore>(
         Unprepared::Error(e) => (e.kind(), error_chain(e)),
         Unprepared::Panic(message) => ("panic", message.clone()),
         Unprepared::DeadLettered => {
-            dead_letters::skip(shared, msg);
+            dead_letters::skip(shared, route, msg);
             return true;
         }
     };
@@ -564,6 +584,7 @@ async fn process<S: DedupStore>(
         // The permit is held while the handler runs, not while backing off,
         // so retrying partitions do not keep the others waiting. A panicking
         // handler fails this message instead of killing the partition.
+        let started = std::time::Instant::now();
         let joined = {
             let (route, payload, headers) = (route.clone(), payload.clone(), headers.clone());
             shared
@@ -572,12 +593,15 @@ async fn process<S: DedupStore>(
                 })
                 .await
         };
+        route.metrics().attempt(started.elapsed());
+        let mut timed_out = false;
         let outcome = match joined {
             Ok(outcome) => outcome,
             Err(RunFailure::TimedOut(limit)) => {
                 // A frozen database makes attempts hang rather than fail: the
                 // environment's fault, waited out, never dead-lettered.
                 abandoned = true;
+                timed_out = true;
                 Outcome::Failed(dedup_core::Error::Store(
                     StoreError::environment(AttemptTimedOut(limit)).with_code("attempt_timeout"),
                 ))
@@ -589,13 +613,17 @@ async fn process<S: DedupStore>(
         };
         match outcome {
             Outcome::Applied { reclaimed } => {
+                shared.stats.store_answered();
                 shared.stats.applied.fetch_add(1, Ordering::Relaxed);
+                route.metrics().applied(reclaimed);
                 tracing::info!(outcome = "applied", reclaimed, attempt);
                 failpoint("after-commit");
                 return true;
             }
-            Outcome::Skipped { .. } => {
+            Outcome::Skipped { age, .. } => {
+                shared.stats.store_answered();
                 shared.stats.skipped.fetch_add(1, Ordering::Relaxed);
+                route.metrics().skipped(age);
                 tracing::info!(outcome = "skipped", "duplicate within the TTL");
                 return true;
             }
@@ -607,6 +635,11 @@ async fn process<S: DedupStore>(
                 // partition's buffer fills and its fetching pauses); logged
                 // once at the start and the end.
                 shared.stats.retries.fetch_add(1, Ordering::Relaxed);
+                route.metrics().retried(if timed_out {
+                    RetryReason::Timeout
+                } else {
+                    RetryReason::Environment
+                });
                 let Some(wait) = outage.failed(&e, &policy, jitter) else {
                     // Waited longer than `max_outage`: the consumer stops;
                     // this message stays uncommitted for the next run.
@@ -623,6 +656,11 @@ async fn process<S: DedupStore>(
             {
                 failures += 1;
                 shared.stats.retries.fetch_add(1, Ordering::Relaxed);
+                route.metrics().retried(if e.kind() == "handler" {
+                    RetryReason::Handler
+                } else {
+                    RetryReason::Contention
+                });
                 let wait = policy.backoff(failures, jitter.next());
                 tracing::warn!(outcome = "retry", attempt, ?wait, kind = e.kind(), error = %e);
                 if !wait_unless_stopped(shared, partition, wait).await {

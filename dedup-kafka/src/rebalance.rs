@@ -22,7 +22,30 @@ pub(crate) struct RebalanceContext {
     pub(crate) closing: Arc<AtomicBool>,
 }
 
-impl ClientContext for RebalanceContext {}
+impl ClientContext for RebalanceContext {
+    /// librdkafka's statistics (every `statistics.interval.ms`): the lag of
+    /// each assigned partition, as the `dedup_consumer_lag` gauge.
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        contained("stats", || {
+            for (name, topic) in &statistics.topics {
+                for (&id, partition) in &topic.partitions {
+                    // `desired`: assigned to this member (-1 is librdkafka's
+                    // internal partition). The lag behind the stored offset
+                    // (what finished) is current; behind the committed one
+                    // it trails by the commit interval. -1: not known yet.
+                    let lag = if partition.consumer_lag_stored >= 0 {
+                        partition.consumer_lag_stored
+                    } else {
+                        partition.consumer_lag
+                    };
+                    if id >= 0 && partition.desired && lag >= 0 {
+                        crate::metrics::consumer_lag(name, id, lag);
+                    }
+                }
+            }
+        });
+    }
+}
 
 impl RebalanceContext {
     fn on_pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -39,6 +62,8 @@ impl RebalanceContext {
                     {
                         p.revoked.send_replace(true);
                     }
+                    // Not this member's any more: its lag is the next owner's.
+                    crate::metrics::consumer_lag(elem.topic(), elem.partition(), 0);
                 }
                 drop(partitions);
                 if !self.closing.load(Ordering::Acquire) {

@@ -16,6 +16,7 @@ use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord};
 use crate::Error;
 use crate::config::{DEFAULT_BROKERS, idempotent_producer_config, redacted};
 use crate::failpoint::failpoint;
+use crate::metrics::RelayMetrics;
 use crate::retry::{Jitter, RetryPolicy};
 
 /// Builds a [`Relay`] over an outbox.
@@ -133,6 +134,9 @@ impl<S: OutboxSource> RelayBuilder<S> {
         Ok(self.build()?.run_until(shutdown).await)
     }
 }
+
+/// How often the relay reads its backlog for the gauges.
+const BACKLOG_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Counters of a running relay.
 #[derive(Debug, Default)]
@@ -264,14 +268,26 @@ impl<S: OutboxSource> Relay<S> {
             let mut jitter = Jitter::new(self.batch_size as u64);
             let mut failures: u32 = 0;
             let mut last_purge = tokio::time::Instant::now();
+            let metrics = RelayMetrics::new();
+            let mut last_backlog: Option<tokio::time::Instant> = None;
             while !*stop_rx.borrow() {
+                if last_backlog.is_none_or(|at| at.elapsed() >= BACKLOG_INTERVAL) {
+                    last_backlog = Some(tokio::time::Instant::now());
+                    match self.source.backlog().await {
+                        Ok(Some((pending, oldest))) => metrics.backlog(pending, oldest),
+                        Ok(None) => {}
+                        Err(e) => {
+                            tracing::debug!(error = %e, "outbox relay: reading the backlog failed")
+                        }
+                    }
+                }
                 if last_purge.elapsed() >= self.purge_interval {
                     last_purge = tokio::time::Instant::now();
                     if let Err(e) = self.source.purge_sent(10_000).await {
                         tracing::warn!(error = %e, "outbox relay: purging sent events failed");
                     }
                 }
-                let wait = match self.round(&mut jitter).await {
+                let wait = match self.round(&mut jitter, &metrics).await {
                     // Nothing got through: the broker is likely down.
                     Ok(round) if round.failed > 0 && round.published == 0 => {
                         failures += 1;
@@ -317,7 +333,11 @@ impl<S: OutboxSource> Relay<S> {
     }
 
     /// One batch: lock, publish, mark.
-    async fn round(&self, jitter: &mut Jitter) -> Result<Round, dedup_core::StoreError> {
+    async fn round(
+        &self,
+        jitter: &mut Jitter,
+        metrics: &RelayMetrics,
+    ) -> Result<Round, dedup_core::StoreError> {
         let (lease, records) = self.source.lock_pending(self.batch_size).await?;
         if records.is_empty() {
             self.source.finish(lease, &[], &[]).await?;
@@ -360,6 +380,7 @@ impl<S: OutboxSource> Relay<S> {
             .failed
             .fetch_add(round.failed as u64, Ordering::Relaxed);
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
+        metrics.round(round.published, round.failed);
         tracing::debug!(
             published = round.published,
             failed = round.failed,

@@ -13,9 +13,18 @@ pub(crate) struct Route<S> {
     pub(crate) topic: String,
     pub(crate) handler: Arc<dyn ErasedHandler<S>>,
     pub(crate) dead_letter_topic: String,
+    /// Registered on first use, after the application installed its
+    /// recorder.
+    pub(crate) metrics: std::sync::OnceLock<crate::metrics::RouteMetrics>,
 }
 
 impl<S: 'static> Route<S> {
+    /// The route's metric handles.
+    pub(crate) fn metrics(&self) -> &crate::metrics::RouteMetrics {
+        self.metrics
+            .get_or_init(|| crate::metrics::RouteMetrics::new(&self.topic, self.handler.scope()))
+    }
+
     /// Why a message of this route is dead-lettered.
     pub(crate) fn dead_letter(
         &self,

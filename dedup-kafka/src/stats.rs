@@ -1,7 +1,8 @@
 //! The consumer's counters.
 
 use std::fmt;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Counters of a running consumer.
@@ -27,6 +28,68 @@ pub struct Stats {
     /// Messages handed to partition workers and not yet finished or given
     /// up; while any are, the consumer is not idle however long they take.
     in_flight: AtomicI64,
+    /// What health reports, kept by the consumer loop's refresh.
+    pub(crate) health: HealthState,
+}
+
+/// The state behind [`Stats::health`].
+#[derive(Debug, Default)]
+pub(crate) struct HealthState {
+    /// Milliseconds since `started` of the consumer loop's last turn.
+    pub(crate) last_poll_ms: AtomicU64,
+    pub(crate) running: AtomicBool,
+    pub(crate) assigned: AtomicU64,
+    pub(crate) paused: AtomicU64,
+    pub(crate) oldest_in_flight_ms: AtomicU64,
+    pub(crate) store_answered: AtomicBool,
+    pub(crate) fatal: Mutex<Option<String>>,
+}
+
+/// How long the consumer loop may go without a turn before the consumer
+/// counts as not live (it is stuck, and its group will soon drop it).
+pub const LIVE_POLL_LIMIT: Duration = Duration::from_secs(30);
+
+/// What a health probe needs to know of a consumer; see
+/// [`is_live`](Health::is_live) and [`is_ready`](Health::is_ready).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Health {
+    /// The consumer is running (`run`/`run_until` started and has not
+    /// returned).
+    pub running: bool,
+    /// Partitions assigned to this member now.
+    pub assigned_partitions: u64,
+    /// Whether it has received an assignment from its group (possibly
+    /// empty: a group with more members than partitions).
+    pub joined: bool,
+    /// How long since the consumer loop last turned (it turns at least
+    /// once a second while running).
+    pub since_last_poll: Duration,
+    /// How long the longest-running partition has been on its current
+    /// message or batch: a stuck message shows here long before lag does.
+    pub oldest_in_flight: Duration,
+    /// Partitions whose fetching is paused for back-pressure.
+    pub paused_partitions: u64,
+    /// Whether the store or broker is being waited out.
+    pub outage: bool,
+    /// Whether the store has answered since start.
+    pub store_answered: bool,
+    /// Why the consumer stopped, if it stopped with an error.
+    pub fatal: Option<String>,
+}
+
+impl Health {
+    /// For a liveness probe: running, no fatal error, and the consumer
+    /// loop turned within [`LIVE_POLL_LIMIT`]. Not live: restart it.
+    pub fn is_live(&self) -> bool {
+        self.running && self.fatal.is_none() && self.since_last_poll < LIVE_POLL_LIMIT
+    }
+
+    /// For a readiness probe: live, joined its group, the store answered,
+    /// and no outage is being waited out.
+    pub fn is_ready(&self) -> bool {
+        self.is_live() && self.joined && self.store_answered && !self.outage
+    }
 }
 
 /// A point-in-time copy of [`Stats`]; `Display` prints
@@ -87,7 +150,48 @@ impl Stats {
             started: Instant::now(),
             last_activity_ms: AtomicU64::new(u64::MAX),
             in_flight: AtomicI64::new(0),
+            health: HealthState::default(),
         }
+    }
+
+    /// The consumer's health now, for liveness and readiness probes.
+    pub fn health(&self) -> Health {
+        let h = &self.health;
+        let stamp = |ms: &AtomicU64| Duration::from_millis(ms.load(Ordering::Acquire));
+        Health {
+            running: h.running.load(Ordering::Acquire),
+            assigned_partitions: h.assigned.load(Ordering::Acquire),
+            joined: self.assignments.load(Ordering::Acquire) > 0,
+            since_last_poll: self.since(h.last_poll_ms.load(Ordering::Acquire)),
+            oldest_in_flight: stamp(&h.oldest_in_flight_ms),
+            paused_partitions: h.paused.load(Ordering::Acquire),
+            outage: self.waiting_out() > 0,
+            store_answered: h.store_answered.load(Ordering::Acquire),
+            fatal: h.fatal.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        }
+    }
+
+    /// The consumer loop turned.
+    pub(crate) fn polled(&self) {
+        self.health
+            .last_poll_ms
+            .store(self.now_ms(), Ordering::Release);
+    }
+
+    /// The store answered a request.
+    pub(crate) fn store_answered(&self) {
+        self.health.store_answered.store(true, Ordering::Release);
+    }
+
+    /// Milliseconds since this consumer was created: the clock of the
+    /// partitions' busy stamps.
+    pub(crate) fn clock_ms(&self) -> u64 {
+        self.now_ms()
+    }
+
+    /// How long ago a stamp of [`clock_ms`](Self::clock_ms) was.
+    pub(crate) fn age_of(&self, stamp_ms: u64) -> Duration {
+        self.since(stamp_ms)
     }
 
     /// The counters now.

@@ -427,4 +427,10 @@ impl OutboxSource for OutboxReader {
             .map_err(store_error)?;
         Ok(done.rows_affected())
     }
+
+    async fn backlog(&self) -> Result<Option<(u64, Duration)>, StoreError> {
+        let pending = u64::try_from(self.pending().await?).unwrap_or(0);
+        let oldest = self.oldest_pending_age().await?.unwrap_or_default();
+        Ok(Some((pending, oldest)))
+    }
 }

@@ -1,0 +1,167 @@
+//! What the runtime records through the `metrics` facade. Recording is free
+//! until the application installs a recorder (Prometheus, StatsD,
+//! OpenTelemetry...). The names and labels are part of the API (README,
+//! "Metrics"); no label ever holds an event key.
+
+use std::time::Duration;
+
+use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
+
+/// The handles of one route (a topic and its handler), registered on first
+/// use: after the application has installed its recorder.
+pub(crate) struct RouteMetrics {
+    applied: Counter,
+    reclaimed: Counter,
+    skipped: Counter,
+    dead_lettered: Counter,
+    already_dead_lettered: Counter,
+    retry_environment: Counter,
+    retry_contention: Counter,
+    retry_handler: Counter,
+    retry_timeout: Counter,
+    handler_duration: Histogram,
+    batch_size: Histogram,
+    duplicate_age: Histogram,
+}
+
+/// Why an attempt is retried, for `dedup_retries_total{reason}`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RetryReason {
+    /// The database or broker failed: waited out.
+    Environment,
+    /// Contention in the store (lock timeout, serialization failure,
+    /// deadlock) or an error not known to be the environment's.
+    Contention,
+    /// The handler said `transient(..)`.
+    Handler,
+    /// The attempt outlived `attempt_timeout`.
+    Timeout,
+}
+
+impl RouteMetrics {
+    pub(crate) fn new(topic: &str, handler: &str) -> Self {
+        let (topic, handler) = (topic.to_owned(), handler.to_owned());
+        let messages = |outcome: &'static str| counter!("dedup_messages_total", "topic" => topic.clone(), "handler" => handler.clone(), "outcome" => outcome);
+        let retries = |reason: &'static str| counter!("dedup_retries_total", "topic" => topic.clone(), "handler" => handler.clone(), "reason" => reason);
+        RouteMetrics {
+            applied: messages("applied"),
+            reclaimed: messages("reclaimed"),
+            skipped: messages("skipped"),
+            dead_lettered: messages("dead_lettered"),
+            already_dead_lettered: messages("already_dead_lettered"),
+            retry_environment: retries("environment"),
+            retry_contention: retries("contention"),
+            retry_handler: retries("handler"),
+            retry_timeout: retries("timeout"),
+            handler_duration: histogram!("dedup_handler_duration_seconds", "topic" => topic.clone(), "handler" => handler.clone()),
+            batch_size: histogram!("dedup_batch_size", "topic" => topic.clone()),
+            duplicate_age: histogram!("dedup_duplicate_age_seconds", "topic" => topic, "handler" => handler),
+        }
+    }
+
+    /// One event applied; `reclaimed` if it took over an expired claim (it
+    /// counts as applied too).
+    pub(crate) fn applied(&self, reclaimed: bool) {
+        self.applied.increment(1);
+        if reclaimed {
+            self.reclaimed.increment(1);
+        }
+    }
+
+    /// One duplicate skipped, `age` after its claim was taken.
+    pub(crate) fn skipped(&self, age: Duration) {
+        self.skipped.increment(1);
+        self.duplicate_age.record(age.as_secs_f64());
+    }
+
+    pub(crate) fn dead_lettered(&self) {
+        self.dead_lettered.increment(1);
+    }
+
+    pub(crate) fn already_dead_lettered(&self) {
+        self.already_dead_lettered.increment(1);
+    }
+
+    pub(crate) fn retried(&self, reason: RetryReason) {
+        match reason {
+            RetryReason::Environment => &self.retry_environment,
+            RetryReason::Contention => &self.retry_contention,
+            RetryReason::Handler => &self.retry_handler,
+            RetryReason::Timeout => &self.retry_timeout,
+        }
+        .increment(1);
+    }
+
+    /// One transaction (a message's or a batch's attempt) took `took`.
+    pub(crate) fn attempt(&self, took: Duration) {
+        self.handler_duration.record(took.as_secs_f64());
+    }
+
+    pub(crate) fn batch(&self, size: usize) {
+        self.batch_size.record(size as f64);
+    }
+}
+
+/// The consumer-wide gauges, set by the consumer's periodic refresh.
+pub(crate) struct ConsumerGauges {
+    paused_partitions: Gauge,
+    outage: Gauge,
+    oldest_in_flight: Gauge,
+}
+
+impl ConsumerGauges {
+    pub(crate) fn new() -> Self {
+        ConsumerGauges {
+            paused_partitions: gauge!("dedup_paused_partitions"),
+            outage: gauge!("dedup_outage"),
+            oldest_in_flight: gauge!("dedup_oldest_in_flight_seconds"),
+        }
+    }
+
+    pub(crate) fn set(&self, paused: usize, outage: bool, oldest_in_flight: Duration) {
+        self.paused_partitions.set(paused as f64);
+        self.outage.set(if outage { 1.0 } else { 0.0 });
+        self.oldest_in_flight.set(oldest_in_flight.as_secs_f64());
+    }
+}
+
+/// Messages received and not yet finished, per topic.
+pub(crate) fn in_flight(topic: &str, messages: usize) {
+    gauge!("dedup_in_flight", "topic" => topic.to_owned()).set(messages as f64);
+}
+
+/// Messages behind the partition's high watermark, from librdkafka's
+/// statistics.
+pub(crate) fn consumer_lag(topic: &str, partition: i32, lag: i64) {
+    gauge!("dedup_consumer_lag", "topic" => topic.to_owned(), "partition" => partition.to_string())
+        .set(lag as f64);
+}
+
+/// The outbox relay's handles.
+pub(crate) struct RelayMetrics {
+    published: Counter,
+    failures: Counter,
+    pending: Gauge,
+    oldest_pending: Gauge,
+}
+
+impl RelayMetrics {
+    pub(crate) fn new() -> Self {
+        RelayMetrics {
+            published: counter!("dedup_outbox_published_total"),
+            failures: counter!("dedup_outbox_publish_failures_total"),
+            pending: gauge!("dedup_outbox_pending"),
+            oldest_pending: gauge!("dedup_outbox_oldest_pending_seconds"),
+        }
+    }
+
+    pub(crate) fn round(&self, published: usize, failed: usize) {
+        self.published.increment(published as u64);
+        self.failures.increment(failed as u64);
+    }
+
+    pub(crate) fn backlog(&self, pending: u64, oldest: Duration) {
+        self.pending.set(pending as f64);
+        self.oldest_pending.set(oldest.as_secs_f64());
+    }
+}

@@ -1,0 +1,144 @@
+//! A handler's TTL against how long its topic keeps records: a replay from
+//! the earliest offset (a group reset, a new group id, a restore) delivers
+//! every record still in the topic, and those older than the TTL have lost
+//! their claims, so they are applied again.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
+use rdkafka::client::DefaultClientContext;
+
+/// What the consumer does at start-up when a handler's TTL is shorter than
+/// how long its topic keeps records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum TtlCheck {
+    /// Log a warning with both numbers and the consequence (the default).
+    #[default]
+    Warn,
+    /// Refuse to start: `run` returns `Error::Config`.
+    Strict,
+    /// Do not check (for those who never replay from the earliest offset,
+    /// or whose brokers do not allow describing topic configs).
+    Off,
+}
+
+/// How long a topic keeps its records, from its configuration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TopicRetention {
+    /// `retention.ms`; `None` for -1 (for ever).
+    pub retention: Option<Duration>,
+    /// `segment.ms`: Kafka deletes whole segments, so a record stays
+    /// readable up to this much past its retention.
+    pub segment: Duration,
+    /// `cleanup.policy` includes `compact`: a key's latest record is kept for
+    /// ever.
+    pub compacted: bool,
+}
+
+impl TopicRetention {
+    /// How long a record may stay readable (`None`: for ever).
+    pub fn readable_for(&self) -> Option<Duration> {
+        if self.compacted {
+            return None;
+        }
+        self.retention.map(|r| r + self.segment)
+    }
+
+    /// Whether a TTL covers every record a replay from the earliest offset
+    /// could deliver.
+    pub fn covered_by(&self, ttl: Duration) -> bool {
+        self.readable_for().is_some_and(|kept| kept <= ttl)
+    }
+
+    /// How long records are kept, in words, for messages.
+    pub fn describe(&self) -> String {
+        match (self.compacted, self.readable_for()) {
+            (true, _) => "for ever (a compacted topic keeps each key's latest record)".to_owned(),
+            (false, None) => "for ever (retention.ms = -1)".to_owned(),
+            (false, Some(kept)) => format!(
+                "up to {} (retention.ms {} plus segment.ms {}: Kafka deletes whole segments)",
+                words(kept),
+                words(self.retention.unwrap_or_default()),
+                words(self.segment)
+            ),
+        }
+    }
+}
+
+/// A duration as a TTL is written (`8d`, `1h30m`), to the second.
+fn words(d: Duration) -> String {
+    dedup_core::Ttl::from_secs(d.as_secs()).map_or_else(|| format!("{d:?}"), |t| t.to_string())
+}
+
+/// Reads the retention of each of `topics` with an admin client made from
+/// `config`.
+pub async fn topic_retention(
+    config: &rdkafka::ClientConfig,
+    topics: &[&str],
+    timeout: Duration,
+) -> Result<HashMap<String, TopicRetention>, String> {
+    let admin: AdminClient<DefaultClientContext> =
+        config.create().map_err(|e| crate::redacted(&e))?;
+    let specifiers: Vec<ResourceSpecifier<'_>> =
+        topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
+    let options = AdminOptions::new().request_timeout(Some(timeout));
+    let results = admin
+        .describe_configs(&specifiers, &options)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut out = HashMap::new();
+    for (topic, result) in topics.iter().zip(results) {
+        let resource = result.map_err(|e| format!("topic {topic:?}: {e:?}"))?;
+        let value = |name: &str| resource.get(name).and_then(|entry| entry.value.clone());
+        let retention_ms: i64 = value("retention.ms")
+            .and_then(|v| v.parse().ok())
+            .ok_or_else(|| format!("topic {topic:?} has no readable retention.ms"))?;
+        let segment_ms: u64 = value("segment.ms")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(604_800_000);
+        out.insert(
+            (*topic).to_owned(),
+            TopicRetention {
+                retention: u64::try_from(retention_ms).ok().map(Duration::from_millis),
+                segment: Duration::from_millis(segment_ms),
+                compacted: value("cleanup.policy").is_some_and(|p| p.contains("compact")),
+            },
+        );
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOUR: Duration = Duration::from_secs(3600);
+
+    #[test]
+    fn a_ttl_covers_retention_plus_a_segment() {
+        let topic = TopicRetention {
+            retention: Some(HOUR),
+            segment: HOUR / 6,
+            compacted: false,
+        };
+        assert_eq!(topic.readable_for(), Some(HOUR + HOUR / 6));
+        assert!(topic.covered_by(2 * HOUR));
+        assert!(
+            !topic.covered_by(HOUR),
+            "the segment outlives the retention"
+        );
+        let forever = TopicRetention {
+            retention: None,
+            ..topic
+        };
+        assert!(!forever.covered_by(Duration::from_secs(3_153_600_000)));
+        let compacted = TopicRetention {
+            compacted: true,
+            ..topic
+        };
+        assert!(!compacted.covered_by(100 * HOUR));
+    }
+}

@@ -45,15 +45,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .execute(store.pool())
         .await?;
     let purger = store.spawn_purger(Default::default());
-    let summary = Consumer::builder(store)
+    let consumer = Consumer::builder(store)
         .brokers(std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "localhost:9092".into()))
         .group_id(std::env::var("GROUP_ID").unwrap_or_else(|_| "orders-v1".into()))
         .handle(
             std::env::var("TOPIC").unwrap_or_else(|_| "orders".into()),
             update_order,
         )
-        .run()
-        .await?;
+        .build()?;
+    // With METRICS_ADDR set: /metrics and /healthz.
+    dedup_examples::serve_metrics(Some(consumer.stats()))?;
+    let summary = consumer.run().await?;
     purger.stop().await;
     println!("{summary}");
     Ok(())

@@ -153,12 +153,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .poll_interval(Duration::from_millis(500))
         .build()?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // With METRICS_ADDR set: /metrics and /healthz (the payments consumer's
+    // health; the relay's backlog is in /metrics).
+    let mut health = None;
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let relay_task = tokio::spawn(relay.run_until(stopped(stop_rx.clone())));
 
-    let mut consumers = Vec::new();
+    let mut built = Vec::new();
     if !args.relay_only {
         let payments = Consumer::builder(store.clone())
             .brokers(&brokers)
@@ -170,13 +172,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .group_id(format!("{group}-notices"))
             .handle(RECORDED_TOPIC.as_str(), record_notice)
             .build()?;
-        for consumer in [payments, notices] {
-            let stats = consumer.stats();
-            let task = tokio::spawn(consumer.run_until(stopped(stop_rx.clone())));
-            consumers.push((stats, task));
-        }
+        health = Some(payments.stats());
+        built = vec![payments, notices];
     }
-
+    // The recorder is installed before the relay and the consumers run:
+    // they register their metrics as they start.
+    dedup_examples::serve_metrics(health)?;
+    let relay_task = tokio::spawn(relay.run_until(stopped(stop_rx.clone())));
+    let mut consumers = Vec::new();
+    for consumer in built {
+        let stats = consumer.stats();
+        let task = tokio::spawn(consumer.run_until(stopped(stop_rx.clone())));
+        consumers.push((stats, task));
+    }
     let all_stats: Vec<_> = consumers.iter().map(|(s, _)| s.clone()).collect();
     match args.idle {
         Some(limit) => tokio::select! {

@@ -5,7 +5,9 @@
 //! (required), `TOPIC` (default `payments`), `GROUP_ID` (default
 //! `payments-v1`), `DEDUP_TTL` (default `4h`), `KAFKA_SESSION_TIMEOUT_MS`
 //! (default librdkafka's 45000: how long the group waits for a member that
-//! died before giving its partitions to another).
+//! died before giving its partitions to another), `KAFKA_STATISTICS_INTERVAL_MS`
+//! (how often consumer lag is measured; default 5000), `METRICS_ADDR` (serve
+//! `/metrics` and `/healthz` there).
 //! Flag: `--exit-when-idle <ttl>` exits 0 after that long without a message.
 //! Creates its tables on start; its last line is
 //! `applied=N skipped=N dead_lettered=N`.
@@ -92,8 +94,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Ok(ms) = std::env::var("KAFKA_SESSION_TIMEOUT_MS") {
         builder = builder.set("session.timeout.ms", ms);
     }
+    if let Ok(ms) = std::env::var("KAFKA_STATISTICS_INTERVAL_MS") {
+        builder = builder.set("statistics.interval.ms", ms);
+    }
     let consumer = builder.build()?;
     let stats = consumer.stats();
+    // With METRICS_ADDR set: /metrics and /healthz.
+    dedup_examples::serve_metrics(Some(stats.clone()))?;
     let shutdown = async {
         match idle_limit {
             Some(limit) => tokio::select! {

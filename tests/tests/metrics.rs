@@ -1,0 +1,393 @@
+//! Metrics, consumer lag, health and the start-up TTL check: scraped over
+//! HTTP from the examples (`METRICS_ADDR`), against the real Kafka and
+//! PostgreSQL.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::io::{Read as _, Write as _};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use dedup_core::{HandlerExt, Ttl, idempotent};
+use dedup_kafka::{Consumer, TtlCheck};
+use dedup_postgres::PgTx;
+use dedup_tests::{PaymentReceived, credit, payment, store};
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::producer::FutureRecord;
+use sqlx::PgPool;
+
+use common::{
+    KillOnDrop, brokers, create_topic, create_topic_with, database_url, example, producer, unique,
+};
+
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn record_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), sqlx::Error> {
+    credit(tx, &ev).await
+}
+
+/// A free local port for an example's `METRICS_ADDR`.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}
+
+/// `GET path` on 127.0.0.1:`port`: the status and the body, or `None` while
+/// nothing listens.
+async fn get(port: u16, path: &str) -> Option<(u16, String)> {
+    let request = format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+    tokio::task::spawn_blocking(move || {
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+        stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        stream.write_all(request.as_bytes()).ok()?;
+        let mut response = String::new();
+        stream.read_to_string(&mut response).ok()?;
+        let status = response.split_whitespace().nth(1)?.parse().ok()?;
+        let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_owned())?;
+        Some((status, body))
+    })
+    .await
+    .expect("join")
+}
+
+/// The sum of the samples of `name` whose labels include all of `labels`
+/// (`None` if there is none).
+fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let (metric, rest) = series.split_once('{').unwrap_or((series, ""));
+        if metric != name {
+            continue;
+        }
+        if labels
+            .iter()
+            .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")))
+        {
+            let value: f64 = value.parse().expect("a number");
+            found = Some(found.unwrap_or(0.0) + value);
+        }
+    }
+    found
+}
+
+/// The counters a payments example's `/metrics` shows for `topic`.
+fn outcome(text: &str, topic: &str, outcome: &str) -> u64 {
+    sample(
+        text,
+        "dedup_messages_total",
+        &[("topic", topic), ("outcome", outcome)],
+    )
+    .unwrap_or(0.0) as u64
+}
+
+/// A stream with duplicates and poison through the payments example: the
+/// counters it serves equal its last line, lag is above 0 while the backlog
+/// drains and 0 after, and every duplicate left one duplicate-age sample.
+#[sqlx::test(migrations = false)]
+async fn the_payments_example_serves_metrics_that_match_its_counts(pool: PgPool) {
+    let topic = create_topic(2).await;
+    let produced = Command::new(example("produce"))
+        .args([
+            "--count",
+            "8000",
+            "--duplicates",
+            "0.1",
+            "--malformed",
+            "0.002",
+        ])
+        .env("KAFKA_BROKERS", brokers())
+        .env("TOPIC", &topic)
+        .output()
+        .expect("run the producer");
+    assert!(produced.status.success());
+    // produced=N distinct=N duplicates=N malformed=N total_cents=N
+    let line = common::last_line(&produced);
+    let field = |name: &str| -> u64 {
+        line.split_whitespace()
+            .find_map(|kv| kv.strip_prefix(&format!("{name}=")))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("{name} in {line:?}"))
+    };
+    let (distinct, duplicates, malformed) =
+        (field("distinct"), field("duplicates"), field("malformed"));
+
+    let port = free_port();
+    let child = Command::new(example("payments"))
+        .args(["--exit-when-idle", "6s"])
+        .env("DATABASE_URL", database_url(&pool))
+        .env("KAFKA_BROKERS", brokers())
+        .env("TOPIC", &topic)
+        .env("GROUP_ID", unique("g"))
+        .env("KAFKA_STATISTICS_INTERVAL_MS", "200")
+        .env("METRICS_ADDR", format!("127.0.0.1:{port}"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the payments example");
+    let mut child = KillOnDrop(Some(child));
+
+    let deadline = Instant::now() + Duration::from_secs(90);
+    let lag = |text: &str| sample(text, "dedup_consumer_lag", &[("topic", &topic)]);
+    let mut most_behind = 0.0_f64;
+    let scraped = loop {
+        assert!(Instant::now() < deadline, "the stream did not drain");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let Some((200, text)) = get(port, "/metrics").await else {
+            continue;
+        };
+        most_behind = most_behind.max(lag(&text).unwrap_or(0.0));
+        let finished = outcome(&text, &topic, "applied")
+            + outcome(&text, &topic, "skipped")
+            + outcome(&text, &topic, "dead_lettered");
+        if finished == distinct + duplicates + malformed && lag(&text) == Some(0.0) {
+            break text;
+        }
+    };
+    assert!(most_behind > 0.0, "a backlog shows as lag");
+    let applied = outcome(&scraped, &topic, "applied");
+    let skipped = outcome(&scraped, &topic, "skipped");
+    let dead = outcome(&scraped, &topic, "dead_lettered");
+    assert_eq!((applied, skipped, dead), (distinct, duplicates, malformed));
+    let ages = sample(
+        &scraped,
+        "dedup_duplicate_age_seconds_count",
+        &[("topic", &topic)],
+    );
+    assert_eq!(ages, Some(skipped as f64), "one age per duplicate");
+    assert!(sample(&scraped, "dedup_batch_size_count", &[("topic", &topic)]) > Some(0.0));
+    assert!(
+        sample(
+            &scraped,
+            "dedup_handler_duration_seconds_count",
+            &[("topic", &topic)]
+        ) > Some(0.0)
+    );
+    assert_eq!(sample(&scraped, "dedup_outage", &[]), Some(0.0));
+
+    let output = child
+        .0
+        .take()
+        .expect("child")
+        .wait_with_output()
+        .expect("exit");
+    assert!(output.status.success());
+    assert_eq!(
+        common::last_line(&output),
+        format!("applied={applied} skipped={skipped} dead_lettered={dead}"),
+        "the metrics and the example's own count agree"
+    );
+}
+
+/// `/healthz` is 503 while the consumer waits for its group to assign it
+/// partitions (here: a member that stopped polling holds the rebalance up),
+/// and 200 once it has them.
+#[sqlx::test(migrations = false)]
+async fn healthz_is_503_until_the_group_assigns_then_200(pool: PgPool) {
+    let topic = create_topic(1).await;
+    let group = unique("g");
+    // A member that joins, then stops polling: the next rebalance waits for
+    // it until its max.poll.interval.ms runs out.
+    let stuck: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", &group)
+        .set("session.timeout.ms", "6000")
+        .set("max.poll.interval.ms", "12000")
+        .create()
+        .expect("member");
+    stuck.subscribe(&[&topic]).expect("subscribe");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while stuck.assignment().map_or(0, |a| a.count()) == 0 {
+        assert!(Instant::now() < deadline, "the first member never joined");
+        let _ = stuck.poll(Duration::from_millis(100));
+    }
+
+    let port = free_port();
+    let child = Command::new(example("payments"))
+        .env("DATABASE_URL", database_url(&pool))
+        .env("KAFKA_BROKERS", brokers())
+        .env("TOPIC", &topic)
+        .env("GROUP_ID", &group)
+        .env("METRICS_ADDR", format!("127.0.0.1:{port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the payments example");
+    let _child = KillOnDrop(Some(child));
+    // The server starts just before the consumer runs.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let first = loop {
+        assert!(Instant::now() < deadline, "/healthz never answered");
+        if let Some(answer) = get(port, "/healthz").await
+            && answer.1.contains("\"running\":true")
+        {
+            break answer;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(first.0, 503, "not ready before the assignment: {}", first.1);
+    let waiting: serde_json::Value = serde_json::from_str(&first.1).expect("JSON");
+    assert_eq!(waiting["live"], true, "{waiting}");
+    assert_eq!(waiting["joined"], false, "{waiting}");
+    // Still waiting a few seconds later: the rebalance is held up.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let (status, body) = get(port, "/healthz").await.expect("answer");
+    assert_eq!(status, 503, "{body}");
+
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(Instant::now() < deadline, "never ready");
+        // (The partition count is refreshed every second.)
+        if let Some((200, body)) = get(port, "/healthz").await
+            && body.contains("\"assigned_partitions\":1")
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    drop(stuck);
+}
+
+/// A 1 s TTL on a topic that keeps records for a week: the payments example
+/// warns at start-up; under `TtlCheck::Strict` the consumer refuses to
+/// start. A TTL longer than the topic keeps records (retention plus a
+/// segment) passes silently and under `Strict` too.
+#[sqlx::test(migrations = false)]
+async fn the_ttl_is_checked_against_the_topics_retention(pool: PgPool) {
+    let store = store(&pool).await;
+    let week = create_topic_with(&brokers(), 1, &[("retention.ms", "604800000")]).await;
+    let hour = create_topic_with(
+        &brokers(),
+        1,
+        &[("retention.ms", "3600000"), ("segment.ms", "600000")],
+    )
+    .await;
+    let warned = |topic: &str, ttl: &str| {
+        let output = Command::new(example("payments"))
+            .args(["--exit-when-idle", "1s"])
+            .env("DATABASE_URL", database_url(&pool))
+            .env("KAFKA_BROKERS", brokers())
+            .env("TOPIC", topic)
+            .env("GROUP_ID", unique("g"))
+            .env("DEDUP_TTL", ttl)
+            .output()
+            .expect("run the payments example");
+        assert!(output.status.success());
+        String::from_utf8_lossy(&output.stderr).contains("is shorter than topic")
+    };
+    assert!(warned(&week, "1s"), "a 1 s TTL on a week's retention warns");
+    assert!(
+        !warned(&hour, "4h"),
+        "4h covers an hour and a 10-minute segment"
+    );
+
+    let strict = |topic: &str, ttl: u64| {
+        Consumer::builder(store.clone())
+            .brokers(brokers())
+            .group_id(unique("g"))
+            .ttl_check(TtlCheck::Strict)
+            .handle(
+                topic,
+                record_payment.with_ttl(Ttl::from_secs(ttl).expect("ttl")),
+            )
+            .build()
+            .expect("consumer")
+    };
+    let refused = tokio::time::timeout(
+        Duration::from_secs(30),
+        strict(&week, 1).run_until(std::future::pending()),
+    )
+    .await
+    .expect("refuses at once")
+    .expect_err("Strict refuses a TTL shorter than the retention");
+    assert!(
+        refused.to_string().contains("is shorter than topic"),
+        "{refused}"
+    );
+    let started = strict(&hour, 4 * 3600)
+        .run_until(tokio::time::sleep(Duration::from_secs(2)))
+        .await;
+    assert!(started.is_ok(), "{started:?}");
+}
+
+/// Every metric the Grafana dashboard queries is exported by a running
+/// consumer and relay (the outbox example runs both).
+#[sqlx::test(migrations = false)]
+async fn the_dashboard_queries_only_exported_metrics(pool: PgPool) {
+    let dashboard: serde_json::Value =
+        serde_json::from_str(include_str!("../../dashboards/dedup.json"))
+            .expect("the dashboard is JSON");
+    let mut queried = BTreeSet::new();
+    for panel in dashboard["panels"].as_array().expect("panels") {
+        for target in panel["targets"].as_array().expect("targets") {
+            let expr = target["expr"].as_str().expect("expr");
+            for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+                if word.starts_with("dedup_") {
+                    let base = ["_bucket", "_sum", "_count"]
+                        .iter()
+                        .find_map(|s| word.strip_suffix(s))
+                        .unwrap_or(word);
+                    queried.insert(base.to_owned());
+                }
+            }
+        }
+    }
+    assert!(queried.len() >= 10, "{queried:?}");
+
+    let payments = create_topic(1).await;
+    let recorded = create_topic(1).await;
+    let producer = producer();
+    for i in 0..10 {
+        let body = payment(uuid::Uuid::new_v4(), "acct", i);
+        producer
+            .send(
+                FutureRecord::to(&payments).key("acct").payload(&body),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produced");
+    }
+    let port = free_port();
+    let child = Command::new(example("outbox"))
+        .env("DATABASE_URL", database_url(&pool))
+        .env("KAFKA_BROKERS", brokers())
+        .env("TOPIC", &payments)
+        .env("RECORDED_TOPIC", &recorded)
+        .env("GROUP_ID", unique("g"))
+        .env("METRICS_ADDR", format!("127.0.0.1:{port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the outbox example");
+    let _child = KillOnDrop(Some(child));
+    // Lag comes with librdkafka's statistics, every 5 s by default.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let missing = loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let Some((200, text)) = get(port, "/metrics").await else {
+            continue;
+        };
+        let exported: BTreeSet<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split_whitespace().next())
+            .collect();
+        let missing: Vec<_> = queried
+            .iter()
+            .filter(|q| !exported.contains(q.as_str()))
+            .cloned()
+            .collect();
+        if missing.is_empty() || Instant::now() > deadline {
+            break missing;
+        }
+    };
+    assert!(
+        missing.is_empty(),
+        "queried by the dashboard, never exported: {missing:?}"
+    );
+}

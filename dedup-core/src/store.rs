@@ -18,8 +18,8 @@ pub enum Claim {
     Duplicate {
         /// When the existing claim expires, on the store's clock.
         expires_at: SystemTime,
-        /// How long ago the existing claim was taken (or last refreshed), on
-        /// the store's clock: how late this duplicate came. Its distribution
+        /// How long ago the existing claim was taken, on the store's clock
+        /// (PostgreSQL: between the two transactions' starts): how late this duplicate came. Its distribution
         /// is the redelivery window a TTL must cover.
         age: Duration,
     },

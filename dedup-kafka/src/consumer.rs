@@ -37,6 +37,7 @@ pub struct Consumer<S: DedupStore> {
     partitions: PartitionMap,
     drained: mpsc::UnboundedReceiver<(String, i32)>,
     admin_config: ClientConfig,
+    group: String,
 }
 
 impl<S: DedupStore> Consumer<S> {
@@ -61,10 +62,15 @@ impl<S: DedupStore> Consumer<S> {
                 partitions: partitions.clone(),
                 stats: stats.clone(),
                 closing: closing.clone(),
+                owned: std::sync::Mutex::default(),
             })?;
         let producer: FutureProducer = producer_config.create()?;
         // How to reach the brokers, for the start-up TTL check.
         let admin_config = producer_config;
+        let group = consumer_config
+            .get("group.id")
+            .unwrap_or_default()
+            .to_owned();
         let (drained_tx, drained) = mpsc::unbounded_channel();
         let permits = Semaphore::new(settings.max_concurrent_partitions);
         Ok(Consumer {
@@ -89,6 +95,7 @@ impl<S: DedupStore> Consumer<S> {
             partitions,
             drained,
             admin_config,
+            group,
         })
     }
 
@@ -111,13 +118,9 @@ impl<S: DedupStore> Consumer<S> {
         mut self,
         shutdown: impl Future<Output = ()>,
     ) -> Result<StatsSnapshot, Error> {
-        let health = &self.shared.stats.health;
-        health.running.store(true, Ordering::Release);
-        self.shared.stats.polled();
-        if let Err(e) = self.check_ttls().await {
-            health.running.store(false, Ordering::Release);
-            return Err(e);
-        }
+        // Running until this returns or is dropped, however it ends.
+        let mut running = Running::start(self.shared.stats.clone());
+        self.check_ttls().await?;
         let topics: Vec<&str> = self.routes.keys().map(String::as_str).collect();
         self.shared.kafka.subscribe(&topics)?;
         tracing::info!(?topics, "consumer started");
@@ -127,12 +130,12 @@ impl<S: DedupStore> Consumer<S> {
         commit_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut refresh_tick = tokio::time::interval(REFRESH_INTERVAL);
         refresh_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let gauges = ConsumerGauges::new();
-        let probe = tokio::spawn(probe_store(
+        let gauges = ConsumerGauges::new(&self.group);
+        running.probe = Some(tokio::spawn(probe_store(
             self.shared.store.clone(),
             self.shared.stats.clone(),
             self.shared.settings.attempt_timeout,
-        ));
+        )));
         tokio::pin!(shutdown);
         let fatal = loop {
             tokio::select! {
@@ -178,13 +181,11 @@ impl<S: DedupStore> Consumer<S> {
                 },
             }
         };
-        probe.abort();
         let stats = self.shared.stats.clone();
         // A worker's reason wins: it may have failed while the loop was
         // already stopping, or just before another symptom of it was seen.
         let reason = self.shutdown(workers).await;
         let fatal = reason.map(Error::Fatal).or(fatal);
-        stats.health.running.store(false, Ordering::Release);
         if let Some(e) = &fatal {
             *stats.health.fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
         }
@@ -273,11 +274,6 @@ impl<S: DedupStore> Consumer<S> {
     fn refresh(&self, gauges: &ConsumerGauges) {
         let stats = &self.shared.stats;
         stats.polled();
-        let assigned = self
-            .shared
-            .kafka
-            .assignment()
-            .map_or(0, |tpl| tpl.count() as u64);
         let (mut paused, mut oldest) = (0u64, std::time::Duration::ZERO);
         let mut in_flight: HashMap<&str, usize> =
             self.routes.keys().map(|t| (t.as_str(), 0)).collect();
@@ -294,7 +290,6 @@ impl<S: DedupStore> Consumer<S> {
             }
         }
         let health = &stats.health;
-        health.assigned.store(assigned, Ordering::Release);
         health.paused.store(paused, Ordering::Release);
         health
             .oldest_in_flight_ms
@@ -438,6 +433,31 @@ const TTL_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10
 
 /// How often health and the gauges are refreshed.
 const REFRESH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The consumer counts as running while this lives; dropping it (however
+/// `run_until` ends, or when its future is dropped) also stops the store
+/// probe.
+struct Running {
+    stats: Arc<Stats>,
+    probe: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Running {
+    fn start(stats: Arc<Stats>) -> Self {
+        stats.health.running.store(true, Ordering::Release);
+        stats.polled();
+        Running { stats, probe: None }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        self.stats.health.running.store(false, Ordering::Release);
+        if let Some(probe) = &self.probe {
+            probe.abort();
+        }
+    }
+}
 
 /// Asks the store for an empty transaction until it answers, so a consumer
 /// with nothing to do yet can still say it is ready.

@@ -102,7 +102,8 @@ impl RouteMetrics {
     }
 }
 
-/// The consumer-wide gauges, set by the consumer's periodic refresh.
+/// The consumer-wide gauges, set by the consumer's periodic refresh, by
+/// group (two consumers in one process do not overwrite each other's).
 pub(crate) struct ConsumerGauges {
     paused_partitions: Gauge,
     outage: Gauge,
@@ -110,11 +111,11 @@ pub(crate) struct ConsumerGauges {
 }
 
 impl ConsumerGauges {
-    pub(crate) fn new() -> Self {
+    pub(crate) fn new(group: &str) -> Self {
         ConsumerGauges {
-            paused_partitions: gauge!("dedup_paused_partitions"),
-            outage: gauge!("dedup_outage"),
-            oldest_in_flight: gauge!("dedup_oldest_in_flight_seconds"),
+            paused_partitions: gauge!("dedup_paused_partitions", "group" => group.to_owned()),
+            outage: gauge!("dedup_outage", "group" => group.to_owned()),
+            oldest_in_flight: gauge!("dedup_oldest_in_flight_seconds", "group" => group.to_owned()),
         }
     }
 

@@ -20,6 +20,24 @@ pub(crate) struct RebalanceContext {
     /// the consumer triggers must not commit again (a synchronous commit from
     /// inside close can wait forever on a group that is leaving).
     pub(crate) closing: Arc<AtomicBool>,
+    /// The partitions this member owns, as the rebalance callbacks say:
+    /// only their lag is reported (a statistics report can still list a
+    /// partition being revoked).
+    pub(crate) owned: std::sync::Mutex<std::collections::HashSet<(String, i32)>>,
+}
+
+impl RebalanceContext {
+    fn owned(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<(String, i32)>> {
+        self.owned.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records the partitions owned now, for health.
+    fn count_owned(&self, owned: usize) {
+        self.stats
+            .health
+            .assigned
+            .store(owned as u64, Ordering::Release);
+    }
 }
 
 impl ClientContext for RebalanceContext {
@@ -27,6 +45,7 @@ impl ClientContext for RebalanceContext {
     /// each assigned partition, as the `dedup_consumer_lag` gauge.
     fn stats(&self, statistics: rdkafka::Statistics) {
         contained("stats", || {
+            let owned = self.owned();
             for (name, topic) in &statistics.topics {
                 for (&id, partition) in &topic.partitions {
                     // `desired`: assigned to this member (-1 is librdkafka's
@@ -38,7 +57,7 @@ impl ClientContext for RebalanceContext {
                     } else {
                         partition.consumer_lag
                     };
-                    if id >= 0 && partition.desired && lag >= 0 {
+                    if partition.desired && lag >= 0 && owned.contains(&(name.clone(), id)) {
                         crate::metrics::consumer_lag(name, id, lag);
                     }
                 }
@@ -63,6 +82,10 @@ impl RebalanceContext {
                         p.revoked.send_replace(true);
                     }
                     // Not this member's any more: its lag is the next owner's.
+                    let mut owned = self.owned();
+                    owned.remove(&(elem.topic().to_owned(), elem.partition()));
+                    self.count_owned(owned.len());
+                    drop(owned);
                     crate::metrics::consumer_lag(elem.topic(), elem.partition(), 0);
                 }
                 drop(partitions);
@@ -72,6 +95,14 @@ impl RebalanceContext {
                 tracing::info!(partitions = tpl.count(), "partitions revoked");
             }
             Rebalance::Assign(tpl) => {
+                let mut owned = self.owned();
+                owned.extend(
+                    tpl.elements()
+                        .iter()
+                        .map(|e| (e.topic().to_owned(), e.partition())),
+                );
+                self.count_owned(owned.len());
+                drop(owned);
                 // Idleness counts from having partitions, not from start-up.
                 self.stats.touch();
                 self.stats.assignments.fetch_add(1, Ordering::Relaxed);

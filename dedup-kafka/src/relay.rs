@@ -273,12 +273,14 @@ impl<S: OutboxSource> Relay<S> {
             while !*stop_rx.borrow() {
                 if last_backlog.is_none_or(|at| at.elapsed() >= BACKLOG_INTERVAL) {
                     last_backlog = Some(tokio::time::Instant::now());
-                    match self.source.backlog().await {
-                        Ok(Some((pending, oldest))) => metrics.backlog(pending, oldest),
-                        Ok(None) => {}
-                        Err(e) => {
+                    // Bounded: a slow count must not hold publishing up.
+                    match tokio::time::timeout(BACKLOG_INTERVAL, self.source.backlog()).await {
+                        Ok(Ok(Some((pending, oldest)))) => metrics.backlog(pending, oldest),
+                        Ok(Ok(None)) => {}
+                        Ok(Err(e)) => {
                             tracing::debug!(error = %e, "outbox relay: reading the backlog failed")
                         }
+                        Err(_) => tracing::debug!("outbox relay: reading the backlog timed out"),
                     }
                 }
                 if last_purge.elapsed() >= self.purge_interval {

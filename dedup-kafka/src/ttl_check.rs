@@ -33,8 +33,8 @@ pub struct TopicRetention {
     /// `segment.ms`: Kafka deletes whole segments, so a record stays
     /// readable up to this much past its retention.
     pub segment: Duration,
-    /// `cleanup.policy` includes `compact`: a key's latest record is kept for
-    /// ever.
+    /// `cleanup.policy` is `compact` (without `delete`): a key's latest
+    /// record is kept for ever.
     pub compacted: bool,
 }
 
@@ -104,7 +104,9 @@ pub async fn topic_retention(
             TopicRetention {
                 retention: u64::try_from(retention_ms).ok().map(Duration::from_millis),
                 segment: Duration::from_millis(segment_ms),
-                compacted: value("cleanup.policy").is_some_and(|p| p.contains("compact")),
+                // `compact,delete` still deletes by retention.
+                compacted: value("cleanup.policy")
+                    .is_some_and(|p| p.contains("compact") && !p.contains("delete")),
             },
         );
     }

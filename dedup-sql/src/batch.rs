@@ -133,8 +133,9 @@ pub fn time_from_unix_micros(us: i64) -> SystemTime {
     }
 }
 
-/// A claim's age the database gave in microseconds (0 if negative: a
-/// refresh later in the same statement's transaction).
+/// A claim's age the database gave in microseconds (0 if negative: the
+/// duplicate's transaction began before the claim's, whose `now()` is its
+/// start).
 pub fn age_from_micros(us: i64) -> Duration {
     Duration::from_micros(u64::try_from(us).unwrap_or(0))
 }

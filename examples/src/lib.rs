@@ -18,11 +18,12 @@ pub fn env_or(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_owned())
 }
 
-/// Prometheus metrics at `/metrics` and a health check at `/healthz`, served
-/// on `METRICS_ADDR` (e.g. `127.0.0.1:9464`) when it is set; nothing
-/// otherwise. Installs the process's metrics recorder, so call it before the
-/// consumer runs. `/healthz` answers 200 while the consumer is live and
-/// ready (see `dedup_kafka::Health`), 503 otherwise, with the health as JSON;
+/// Prometheus metrics at `/metrics` and health checks, served on
+/// `METRICS_ADDR` (e.g. `127.0.0.1:9464`) when it is set; nothing otherwise.
+/// Installs the process's metrics recorder, so call it before the consumer
+/// runs. `/livez` (a liveness probe: restart when 503) answers 200 while the
+/// consumer is live, `/readyz` and `/healthz` (a readiness probe) while it
+/// is live and ready (see `dedup_kafka::Health`), with the health as JSON;
 /// without a consumer, 200 while the process runs.
 pub fn serve_metrics(
     health: Option<std::sync::Arc<dedup_kafka::Stats>>,
@@ -41,9 +42,29 @@ pub fn serve_metrics_on(
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 
     // Buckets, so that dashboards can aggregate quantiles across instances.
+    // Up to 30 days: duplicate ages are read over weeks to choose a TTL.
     let seconds = [
-        0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0,
-        900.0, 3600.0, 14_400.0, 86_400.0,
+        0.001,
+        0.005,
+        0.01,
+        0.025,
+        0.05,
+        0.1,
+        0.25,
+        0.5,
+        1.0,
+        2.5,
+        5.0,
+        10.0,
+        30.0,
+        60.0,
+        300.0,
+        900.0,
+        3600.0,
+        14_400.0,
+        86_400.0,
+        604_800.0,
+        2_592_000.0,
     ];
     let sizes = [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0];
     let handle = PrometheusBuilder::new()
@@ -62,11 +83,15 @@ pub fn serve_metrics_on(
         for request in server.incoming_requests() {
             let (status, body, kind) = match request.url() {
                 "/metrics" => (200, handle.render(), "text/plain; version=0.0.4"),
-                "/healthz" => {
+                path @ ("/healthz" | "/readyz" | "/livez") => {
                     let (ok, body) = match &health {
                         Some(stats) => {
                             let h = stats.health();
-                            let ok = h.is_live() && h.is_ready();
+                            let ok = if path == "/livez" {
+                                h.is_live()
+                            } else {
+                                h.is_ready()
+                            };
                             let body = serde_json::json!({
                                 "live": h.is_live(),
                                 "ready": h.is_ready(),

@@ -196,7 +196,7 @@ async fn healthz_is_503_until_the_group_assigns_then_200(pool: PgPool) {
         .set("bootstrap.servers", brokers())
         .set("group.id", &group)
         .set("session.timeout.ms", "6000")
-        .set("max.poll.interval.ms", "12000")
+        .set("max.poll.interval.ms", "30000")
         .create()
         .expect("member");
     stuck.subscribe(&[&topic]).expect("subscribe");
@@ -238,7 +238,10 @@ async fn healthz_is_503_until_the_group_assigns_then_200(pool: PgPool) {
     let (status, body) = get(port, "/healthz").await.expect("answer");
     assert_eq!(status, 503, "{body}");
 
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let (status, _) = get(port, "/livez").await.expect("answer");
+    assert_eq!(status, 200, "live while it waits for its group");
+
+    let deadline = Instant::now() + Duration::from_secs(90);
     loop {
         assert!(Instant::now() < deadline, "never ready");
         // (The partition count is refreshed every second.)

@@ -105,6 +105,13 @@ impl<S: DedupStore> Consumer<S> {
         self.shared.stats.clone()
     }
 
+    /// The consumer's health now. `run` consumes the consumer: for probes
+    /// while it runs, keep [`stats`](Self::stats) and call
+    /// [`Stats::health`] on it.
+    pub fn health(&self) -> crate::Health {
+        self.shared.stats.health()
+    }
+
     /// Runs until SIGINT or SIGTERM, then shuts down gracefully (see
     /// [`run_until`](Self::run_until)).
     pub async fn run(self) -> Result<StatsSnapshot, Error> {

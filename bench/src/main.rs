@@ -125,6 +125,10 @@ impl DedupStore for NoDedup {
         self.0.live_ids_from(from).await
     }
 
+    fn connections(&self) -> Option<usize> {
+        self.0.connections()
+    }
+
     async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {
         self.0.commit(tx).await
     }

@@ -113,6 +113,13 @@ pub trait DedupStore: Send + Sync + 'static {
         from: &DedupKey,
     ) -> impl Future<Output = Result<Vec<String>, StoreError>> + Send;
 
+    /// How many transactions the store can hold open at once (a pool's
+    /// size), if it has such a bound: the runtime runs no more partitions at
+    /// once than this by default. `None` (the default): no bound known.
+    fn connections(&self) -> Option<usize> {
+        None
+    }
+
     /// Commits `tx`: its claims and the handler's effects become visible.
     fn commit(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
 

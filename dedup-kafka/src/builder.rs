@@ -17,6 +17,17 @@ use crate::retry::RetryPolicy;
 use crate::route::Route;
 use crate::stats::StatsSnapshot;
 
+/// A librdkafka setting's name from an environment variable's suffix:
+/// `GROUP_PROTOCOL` -> `group.protocol`, `LOG__LEVEL` -> `log_level`.
+fn setting_name(suffix: &str) -> String {
+    suffix
+        .to_lowercase()
+        .split("__")
+        .map(|part| part.replace('_', "."))
+        .collect::<Vec<_>>()
+        .join("_")
+}
+
 /// Builds a [`Consumer`]: brokers, group, topic -> handler routes, and any
 /// librdkafka setting passed through.
 ///
@@ -49,6 +60,11 @@ pub struct ConsumerBuilder<S> {
     routes: Vec<Route<S>>,
     dead_letter_overrides: HashMap<String, String>,
     runtime: Settings,
+    /// Settings taken from the environment: (setting, variable).
+    from_env: Vec<(String, String)>,
+    /// Whether `max_concurrent_partitions` was set (else it is fitted to
+    /// the store's connections).
+    concurrency_set: bool,
 }
 
 impl<S> fmt::Debug for ConsumerBuilder<S> {
@@ -115,6 +131,8 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             routes: Vec::new(),
             dead_letter_overrides: HashMap::new(),
             runtime: Settings::default(),
+            from_env: Vec::new(),
+            concurrency_set: false,
         }
     }
 
@@ -137,6 +155,27 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// overridden.
     pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.client_settings.push((key.into(), value.into()));
+        self
+    }
+
+    /// Passes every environment variable `<prefix><NAME>` to librdkafka as
+    /// `<name>`: lower case, `_` becoming `.` and `__` a literal `_`
+    /// (`KAFKA_CFG_GROUP_PROTOCOL=consumer` sets `group.protocol`,
+    /// `KAFKA_CFG_PARTITION_ASSIGNMENT_STRATEGY=cooperative-sticky`,
+    /// `KAFKA_CFG_LOG__LEVEL=7` sets `log_level`), in name order, after the
+    /// settings given so far. `build()` checks each one with librdkafka and
+    /// names the variable of one it refuses (never its value, which may be a
+    /// password).
+    pub fn set_from_env(mut self, prefix: &str) -> Self {
+        let mut vars: Vec<(String, String)> = std::env::vars()
+            .filter(|(name, _)| name.len() > prefix.len() && name.starts_with(prefix))
+            .collect();
+        vars.sort();
+        for (name, value) in vars {
+            let key = setting_name(&name[prefix.len()..]);
+            self.from_env.push((key.clone(), name));
+            self.client_settings.push((key, value));
+        }
         self
     }
 
@@ -203,10 +242,14 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self
     }
 
-    /// How many partitions may run a handler at once (default 16).
-    /// Messages of one partition always run one at a time, in order.
+    /// How many partitions may run a handler at once (default 16, or the
+    /// store's connections if it has fewer: each running partition holds
+    /// one). Messages of one partition always run one at a time, in order.
+    /// Set above the store's connections, the consumer warns at start-up:
+    /// partitions would wait for connections.
     pub fn max_concurrent_partitions(mut self, n: usize) -> Self {
         self.runtime.max_concurrent_partitions = n.max(1);
+        self.concurrency_set = true;
         self
     }
 
@@ -273,6 +316,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 dup.topic
             )));
         }
+        self.check_env_settings()?;
         let consumer_config = config::consumer_config(
             &self.brokers,
             self.group_id.as_deref(),
@@ -283,15 +327,52 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             store,
             mut routes,
             dead_letter_overrides,
-            runtime,
+            mut runtime,
+            concurrency_set,
             ..
         } = self;
+        // Each partition running a transaction holds a connection.
+        if let Some(connections) = store.connections()
+            && connections < runtime.max_concurrent_partitions
+        {
+            if concurrency_set {
+                tracing::warn!(
+                    connections,
+                    max_concurrent_partitions = runtime.max_concurrent_partitions,
+                    "the store has fewer connections than partitions may run at once: they will \
+                     wait for connections (a pool timeout counts as an outage); raise the pool \
+                     size or lower max_concurrent_partitions"
+                );
+            } else {
+                runtime.max_concurrent_partitions = connections.max(1);
+            }
+        }
         for route in &mut routes {
             if let Some(dlq) = dead_letter_overrides.get(&route.topic) {
                 route.dead_letter_topic = dlq.clone();
             }
         }
         Consumer::new(store, routes, consumer_config, producer_config, runtime)
+    }
+
+    /// Checks each setting taken from the environment with librdkafka, so
+    /// that a refusal names its variable.
+    fn check_env_settings(&self) -> Result<(), Error> {
+        for (key, variable) in &self.from_env {
+            let value = self
+                .client_settings
+                .iter()
+                .rev()
+                .find(|(k, _)| k == key)
+                .map_or("", |(_, v)| v.as_str());
+            if let Err(e) = ClientConfig::new().set(key, value).create_native_config() {
+                return Err(Error::Config(format!(
+                    "environment variable {variable}: {}",
+                    crate::redacted(&e)
+                )));
+            }
+        }
+        Ok(())
     }
 
     /// Builds and runs until SIGINT or SIGTERM; see [`Consumer::run`].

@@ -99,6 +99,13 @@ impl<S: DedupStore> Consumer<S> {
         })
     }
 
+    /// How many partitions may run a handler at once: the builder's
+    /// setting, or the store's connections if it has fewer and the setting
+    /// was left at its default.
+    pub fn max_concurrent_partitions(&self) -> usize {
+        self.shared.settings.max_concurrent_partitions
+    }
+
     /// Live counters: applied, skipped, dead-lettered, retries, and how long
     /// the consumer has been idle.
     pub fn stats(&self) -> Arc<Stats> {

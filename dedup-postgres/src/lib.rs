@@ -364,6 +364,10 @@ impl DedupStore for PgStore {
             .map_err(store_error)
     }
 
+    fn connections(&self) -> Option<usize> {
+        Some(self.pool.options().get_max_connections() as usize)
+    }
+
     async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {
         tx.commit().await.map_err(store_error)
     }

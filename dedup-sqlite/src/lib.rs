@@ -331,6 +331,10 @@ impl DedupStore for SqliteStore {
             .map_err(store_error)
     }
 
+    fn connections(&self) -> Option<usize> {
+        Some(self.pool.options().get_max_connections() as usize)
+    }
+
     async fn commit(&self, tx: SqliteTx) -> Result<(), StoreError> {
         tx.commit().await.map_err(store_error)
     }

@@ -46,6 +46,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await?;
     let purger = store.spawn_purger(Default::default());
     let consumer = Consumer::builder(store)
+        .set_from_env("KAFKA_CFG_")
         .brokers(std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "localhost:9092".into()))
         .group_id(std::env::var("GROUP_ID").unwrap_or_else(|_| "orders-v1".into()))
         .handle(

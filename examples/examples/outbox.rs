@@ -163,11 +163,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut built = Vec::new();
     if !args.relay_only {
         let payments = Consumer::builder(store.clone())
+            .set_from_env("KAFKA_CFG_")
             .brokers(&brokers)
             .group_id(&group)
             .handle(env_or("TOPIC", "payments"), record_payment)
             .build()?;
         let notices = Consumer::builder(store.clone())
+            .set_from_env("KAFKA_CFG_")
             .brokers(&brokers)
             .group_id(format!("{group}-notices"))
             .handle(RECORDED_TOPIC.as_str(), record_notice)

@@ -87,7 +87,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .execute(store.pool())
     .await?;
 
+    // Any librdkafka setting from KAFKA_CFG_<NAME> (e.g.
+    // KAFKA_CFG_GROUP_PROTOCOL=consumer).
     let mut builder = Consumer::builder(store)
+        .set_from_env("KAFKA_CFG_")
         .brokers(env_or("KAFKA_BROKERS", "localhost:9092"))
         .group_id(env_or("GROUP_ID", "payments-v1"))
         .handle(env_or("TOPIC", "payments"), record_payment.with_ttl(ttl));

@@ -10,18 +10,16 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use dedup_core::{Handler, HandlerExt, Ttl, idempotent};
-use dedup_kafka::{Consumer, ConsumerBuilder, RetryPolicy, StatsSnapshot};
+use dedup_kafka::{Consumer, ConsumerBuilder, RetryPolicy};
 use dedup_postgres::{PgStore, PgTx};
 use dedup_tests::{PaymentReceived, credit, payment, store, total_balance as balance};
 use rdkafka::message::{Header, Message as _, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 use sqlx::PgPool;
-use tokio::sync::oneshot;
-use tokio::task::JoinHandle;
 
 use common::{
     KillOnDrop, brokers, create_topic, database_url, drain, example, header, last_line, producer,
-    read_exactly, unique,
+    read_exactly, start, unique,
 };
 
 async fn produce(
@@ -106,48 +104,6 @@ fn consumer(store: &PgStore, group: &str) -> ConsumerBuilder<PgStore> {
         )
         .set("session.timeout.ms", "6000")
         .set("heartbeat.interval.ms", "500")
-}
-
-/// A consumer running in the background.
-struct Running {
-    stats: std::sync::Arc<dedup_kafka::Stats>,
-    stop: oneshot::Sender<()>,
-    task: JoinHandle<StatsSnapshot>,
-}
-
-fn start(builder: ConsumerBuilder<PgStore>) -> Running {
-    let consumer = builder.build().expect("consumer");
-    let stats = consumer.stats();
-    let (stop, stopped) = oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        consumer
-            .run_until(async {
-                let _ = stopped.await;
-            })
-            .await
-            .expect("consumer ran")
-    });
-    Running { stats, stop, task }
-}
-
-impl Running {
-    /// Waits until `done` holds for the counters (or 60 s pass).
-    async fn wait_for(&self, what: &str, done: impl Fn(StatsSnapshot) -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !done(self.stats.snapshot()) {
-            assert!(
-                Instant::now() < deadline,
-                "timed out waiting for {what}; stats {}",
-                self.stats.snapshot()
-            );
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-    }
-
-    async fn stop(self) -> StatsSnapshot {
-        let _ = self.stop.send(());
-        self.task.await.expect("consumer task")
-    }
 }
 
 #[sqlx::test(migrations = false)]

@@ -343,3 +343,45 @@ impl Drop for OwnPostgres {
         let _ = self.script.command("drop").status();
     }
 }
+
+/// A consumer running in the background.
+pub struct Running {
+    pub stats: std::sync::Arc<dedup_kafka::Stats>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<StatsSnapshot>,
+}
+
+pub fn start(builder: ConsumerBuilder<PgStore>) -> Running {
+    let consumer = builder.build().expect("consumer");
+    let stats = consumer.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(async move {
+        consumer
+            .run_until(async {
+                let _ = stopped.await;
+            })
+            .await
+            .expect("consumer ran")
+    });
+    Running { stats, stop, task }
+}
+
+impl Running {
+    /// Waits until `done` holds for the counters (or 60 s pass).
+    pub async fn wait_for(&self, what: &str, done: impl Fn(StatsSnapshot) -> bool) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        while !done(self.stats.snapshot()) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "timed out waiting for {what}; stats {}",
+                self.stats.snapshot()
+            );
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
+    pub async fn stop(self) -> StatsSnapshot {
+        let _ = self.stop.send(());
+        self.task.await.expect("consumer task")
+    }
+}

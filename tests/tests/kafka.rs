@@ -403,23 +403,7 @@ async fn a_crash_between_database_commit_and_offset_commit_is_skipped_on_restart
         None,
     )
     .await;
-    let binary = example("payments");
-    let run = |failpoint: Option<&str>| {
-        let mut cmd = Command::new(&binary);
-        cmd.args(["--exit-when-idle", "3s"])
-            .env("DATABASE_URL", database_url(&pool))
-            .env("KAFKA_BROKERS", brokers())
-            .env("TOPIC", &topic)
-            .env("GROUP_ID", &group)
-            // The crashed member holds its partition until its session
-            // times out; keep that short so the restart gets it soon.
-            .env("KAFKA_SESSION_TIMEOUT_MS", "6000");
-        match failpoint {
-            Some(f) => cmd.env("DEDUP_FAILPOINT", f),
-            None => cmd.env_remove("DEDUP_FAILPOINT"),
-        };
-        cmd.output().expect("run the payments example")
-    };
+    let run = |failpoint| run_payments(&pool, &topic, &group, failpoint);
 
     // The process dies right after the database commit, before any offset commit.
     let crashed = run(Some("after-commit"));
@@ -481,21 +465,7 @@ async fn a_crash_after_a_dead_letter_neither_copies_nor_applies_it(pool: PgPool)
     produce(&producer, &topic, "blocked", &blocked, None).await;
     let good = payment(uuid::Uuid::new_v4(), "acct", 5);
     produce(&producer, &topic, "acct", &good, None).await;
-    let binary = example("payments");
-    let run = |failpoint: Option<&str>| {
-        let mut cmd = Command::new(&binary);
-        cmd.args(["--exit-when-idle", "3s"])
-            .env("DATABASE_URL", database_url(&pool))
-            .env("KAFKA_BROKERS", brokers())
-            .env("TOPIC", &topic)
-            .env("GROUP_ID", &group)
-            .env("KAFKA_SESSION_TIMEOUT_MS", "6000");
-        match failpoint {
-            Some(f) => cmd.env("DEDUP_FAILPOINT", f),
-            None => cmd.env_remove("DEDUP_FAILPOINT"),
-        };
-        cmd.output().expect("run the payments example")
-    };
+    let run = |failpoint| run_payments(&pool, &topic, &group, failpoint);
 
     // Both dead letters acknowledged, then the process dies before any
     // offset commit (every 5 s).
@@ -622,6 +592,24 @@ async fn a_topic_created_again_is_not_taken_for_its_dead_letters(pool: PgPool) {
     assert_eq!(balance(&pool).await, 9);
 }
 
+/// Runs the payments example until idle, killed at `failpoint` if given.
+/// The crashed member holds its partition until its session times out;
+/// kept short so that a restart gets it soon.
+fn run_payments(
+    pool: &PgPool,
+    topic: &str,
+    group: &str,
+    failpoint: Option<&str>,
+) -> std::process::Output {
+    let mut cmd = common::payments(pool, topic, group);
+    cmd.args(["--exit-when-idle", "3s"])
+        .env("KAFKA_SESSION_TIMEOUT_MS", "6000");
+    if let Some(f) = failpoint {
+        cmd.env("DEDUP_FAILPOINT", f);
+    }
+    cmd.output().expect("run the payments example")
+}
+
 /// Fails transiently, forever, for the account "stuck".
 #[idempotent(key = "event_id", ttl = "4h")]
 async fn record_payment_stuck_account(
@@ -733,12 +721,8 @@ async fn the_produce_and_payments_examples_agree_on_every_count(pool: PgPool) {
         "{counts:?}"
     );
 
-    let consumed = Command::new(example("payments"))
+    let consumed = common::payments(&pool, &topic, &unique("g"))
         .args(["--exit-when-idle", "2s"])
-        .env("DATABASE_URL", database_url(&pool))
-        .env("KAFKA_BROKERS", brokers())
-        .env("TOPIC", &topic)
-        .env("GROUP_ID", unique("g"))
         .output()
         .expect("run payments");
     assert!(

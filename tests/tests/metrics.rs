@@ -117,12 +117,8 @@ async fn the_payments_example_serves_metrics_that_match_its_counts(pool: PgPool)
         (field("distinct"), field("duplicates"), field("malformed"));
 
     let port = free_port();
-    let child = Command::new(example("payments"))
+    let child = common::payments(&pool, &topic, &unique("g"))
         .args(["--exit-when-idle", "6s"])
-        .env("DATABASE_URL", database_url(&pool))
-        .env("KAFKA_BROKERS", brokers())
-        .env("TOPIC", &topic)
-        .env("GROUP_ID", unique("g"))
         .env("KAFKA_STATISTICS_INTERVAL_MS", "200")
         .env("METRICS_ADDR", format!("127.0.0.1:{port}"))
         .stdout(Stdio::piped())
@@ -207,11 +203,7 @@ async fn healthz_is_503_until_the_group_assigns_then_200(pool: PgPool) {
     }
 
     let port = free_port();
-    let child = Command::new(example("payments"))
-        .env("DATABASE_URL", database_url(&pool))
-        .env("KAFKA_BROKERS", brokers())
-        .env("TOPIC", &topic)
-        .env("GROUP_ID", &group)
+    let child = common::payments(&pool, &topic, &group)
         .env("METRICS_ADDR", format!("127.0.0.1:{port}"))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -270,12 +262,8 @@ async fn the_ttl_is_checked_against_the_topics_retention(pool: PgPool) {
     )
     .await;
     let warned = |topic: &str, ttl: &str| {
-        let output = Command::new(example("payments"))
+        let output = common::payments(&pool, topic, &unique("g"))
             .args(["--exit-when-idle", "1s"])
-            .env("DATABASE_URL", database_url(&pool))
-            .env("KAFKA_BROKERS", brokers())
-            .env("TOPIC", topic)
-            .env("GROUP_ID", unique("g"))
             .env("DEDUP_TTL", ttl)
             .output()
             .expect("run the payments example");

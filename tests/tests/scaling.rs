@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use dedup_core::idempotent;
@@ -15,7 +14,7 @@ use dedup_tests::{PaymentReceived, credit, payment, store, store_with, total_bal
 use rdkafka::producer::FutureRecord;
 use sqlx::PgPool;
 
-use common::{brokers, create_topic, database_url, example, last_line, producer, unique};
+use common::{brokers, create_topic, database_url, last_line, producer, unique};
 
 /// Slow enough that members join and leave while the stream flows.
 #[idempotent(key = "event_id", ttl = "4h")]
@@ -152,12 +151,8 @@ async fn settings_from_the_environment_reach_librdkafka(pool: PgPool) {
             .expect("produced");
     }
     let run = |env: &[(&str, &str)]| {
-        let mut cmd = Command::new(example("payments"));
-        cmd.args(["--exit-when-idle", "2s"])
-            .env("DATABASE_URL", database_url(&pool))
-            .env("KAFKA_BROKERS", brokers())
-            .env("TOPIC", &topic)
-            .env("GROUP_ID", unique("g"));
+        let mut cmd = common::payments(&pool, &topic, &unique("g"));
+        cmd.args(["--exit-when-idle", "2s"]);
         for (k, v) in env {
             cmd.env(k, v);
         }

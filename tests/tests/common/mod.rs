@@ -194,6 +194,18 @@ pub fn cli() -> std::path::PathBuf {
     build_once(&BUILT, &["-p", "dedup-cli", "--features", "failpoints"]).join("dedup")
 }
 
+/// The payments example, reading `topic` in `group` from the brokers into
+/// the test's own database; `DEDUP_FAILPOINT` cleared.
+pub fn payments(pool: &PgPool, topic: &str, group: &str) -> Command {
+    let mut cmd = Command::new(example("payments"));
+    cmd.env("DATABASE_URL", database_url(pool))
+        .env("KAFKA_BROKERS", brokers())
+        .env("TOPIC", topic)
+        .env("GROUP_ID", group)
+        .env_remove("DEDUP_FAILPOINT");
+    cmd
+}
+
 pub fn last_line(output: &std::process::Output) -> String {
     let stdout = String::from_utf8_lossy(&output.stdout);
     stdout.lines().last().unwrap_or_default().to_owned()

@@ -296,6 +296,21 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self
     }
 
+    /// How long a revoke waits for the revoked partitions' batches in flight
+    /// to finish (default 5 s; zero: not at all), so their offsets are
+    /// committed before the partitions go and the next owner receives
+    /// nothing again. What has not finished by then is abandoned: if it
+    /// commits afterwards, the next owner skips it as a duplicate
+    /// (`StatsSnapshot::redelivered`). Keep it well under
+    /// `max.poll.interval.ms` (librdkafka's default 300 s). The other
+    /// partitions' workers keep running meanwhile, but no new message is
+    /// fetched; on a current-thread Tokio runtime the revoke cannot wait (the
+    /// workers would wait for the thread it holds) and abandons at once.
+    pub fn revoke_timeout(mut self, timeout: Duration) -> Self {
+        self.runtime.revoke_timeout = timeout;
+        self
+    }
+
     /// How long shutdown waits for in-flight messages (default 30 s).
     pub fn shutdown_timeout(mut self, timeout: Duration) -> Self {
         self.runtime.shutdown_timeout = timeout;

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use dedup_core::DedupStore;
 use rdkafka::ClientConfig;
@@ -63,6 +63,7 @@ impl<S: DedupStore> Consumer<S> {
                 stats: stats.clone(),
                 closing: closing.clone(),
                 owned: std::sync::Mutex::default(),
+                revoke_timeout: settings.revoke_timeout,
             })?;
         let producer: FutureProducer = producer_config.create()?;
         // How to reach the brokers, for the start-up TTL check.
@@ -339,15 +340,7 @@ impl<S: DedupStore> Consumer<S> {
             }
             _ => {
                 let (sender, receiver) = mpsc::unbounded_channel();
-                let p = Arc::new(Partition {
-                    topic: key.0.clone(),
-                    partition: key.1,
-                    queued: AtomicUsize::new(0),
-                    paused: AtomicBool::new(false),
-                    busy_since_ms: std::sync::atomic::AtomicU64::new(u64::MAX),
-                    revoked: watch::channel(false).0,
-                    sender,
-                });
+                let p = Arc::new(Partition::new(key.0.clone(), key.1, sender));
                 partitions.insert(key, p.clone());
                 workers.spawn(worker(
                     self.shared.clone(),

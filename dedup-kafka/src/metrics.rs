@@ -15,6 +15,7 @@ pub(crate) struct RouteMetrics {
     skipped: Counter,
     dead_lettered: Counter,
     already_dead_lettered: Counter,
+    redelivered: Counter,
     retry_environment: Counter,
     retry_contention: Counter,
     retry_handler: Counter,
@@ -49,6 +50,7 @@ impl RouteMetrics {
             skipped: messages("skipped"),
             dead_lettered: messages("dead_lettered"),
             already_dead_lettered: messages("already_dead_lettered"),
+            redelivered: messages("redelivered"),
             retry_environment: retries("environment"),
             retry_contention: retries("contention"),
             retry_handler: retries("handler"),
@@ -76,6 +78,11 @@ impl RouteMetrics {
 
     pub(crate) fn dead_lettered(&self) {
         self.dead_lettered.increment(1);
+    }
+
+    /// One of the duplicates skipped was a redelivery after a handover.
+    pub(crate) fn redelivered(&self) {
+        self.redelivered.increment(1);
     }
 
     pub(crate) fn already_dead_lettered(&self) {

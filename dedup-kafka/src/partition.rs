@@ -39,10 +39,53 @@ pub(crate) struct Partition {
     /// Set when the partition is revoked: its worker stops, its offsets are
     /// no longer stored.
     pub(crate) revoked: watch::Sender<bool>,
+    /// Set when a revoke begins: the worker finishes the batch it is on
+    /// (and stores its offsets), takes no other, and ends.
+    pub(crate) release: watch::Sender<bool>,
+    /// The worker has ended (however it ended): it stores no more offsets.
+    pub(crate) exited: AtomicBool,
+    /// Nothing has been applied since the assignment began: a duplicate
+    /// skipped now is a redelivery after a handover.
+    pub(crate) fresh: AtomicBool,
     pub(crate) sender: mpsc::UnboundedSender<OwnedMessage>,
 }
 
 impl Partition {
+    /// The state of a newly assigned partition, whose messages go to
+    /// `sender`.
+    pub(crate) fn new(
+        topic: String,
+        partition: i32,
+        sender: mpsc::UnboundedSender<OwnedMessage>,
+    ) -> Self {
+        Partition {
+            topic,
+            partition,
+            queued: AtomicUsize::new(0),
+            paused: AtomicBool::new(false),
+            busy_since_ms: std::sync::atomic::AtomicU64::new(u64::MAX),
+            revoked: watch::channel(false).0,
+            release: watch::channel(false).0,
+            exited: AtomicBool::new(false),
+            fresh: AtomicBool::new(true),
+            sender,
+        }
+    }
+
+    /// A duplicate was skipped: counts it as a redelivery if nothing has been
+    /// applied since the assignment began.
+    fn skipped<S: 'static>(&self, shared: &Shared<S>, route: &Route<S>) {
+        if self.fresh.load(Ordering::Relaxed) {
+            shared.stats.redelivered.fetch_add(1, Ordering::Relaxed);
+            route.metrics().redelivered();
+        }
+    }
+
+    /// An event was applied: later duplicates are not redeliveries.
+    fn applied(&self) {
+        self.fresh.store(false, Ordering::Relaxed);
+    }
+
     pub(crate) fn is_revoked(&self) -> bool {
         *self.revoked.borrow()
     }
@@ -241,8 +284,11 @@ pub(crate) async fn worker<S: DedupStore>(
     };
     let mut jitter = Jitter::new(partition.partition as u64);
     let low_water = shared.settings.max_buffered_per_partition / 2;
+    // Declared first, so dropped last: after every offset this worker stores.
+    let _exited = Exited(&partition);
     let mut stopping = shared.stopping.subscribe();
     let mut revoked = partition.revoked.subscribe();
+    let mut release = partition.release.subscribe();
     // The partition's offsets dead-lettered before (by this consumer before
     // a crash, or by its previous owner) whose offsets may not have been
     // committed: read once, before the first message, and skipped.
@@ -254,6 +300,7 @@ pub(crate) async fn worker<S: DedupStore>(
             biased;
             _ = stopping.wait_for(|s| *s) => break,
             _ = revoked.wait_for(|r| *r) => break,
+            _ = release.wait_for(|r| *r) => break,
             msg = inbox.recv() => match msg {
                 Some(msg) => msg,
                 None => break,
@@ -304,6 +351,15 @@ pub(crate) async fn worker<S: DedupStore>(
                 .drained
                 .send((partition.topic.clone(), partition.partition));
         }
+    }
+}
+
+/// Marks the partition's worker ended when dropped.
+struct Exited<'a>(&'a Partition);
+
+impl Drop for Exited<'_> {
+    fn drop(&mut self) {
+        self.0.exited.store(true, Ordering::Release);
     }
 }
 
@@ -444,11 +500,13 @@ async fn process_batch<S: DedupStore>(
                     match outcome {
                         Outcome::Applied { reclaimed } => {
                             applied += 1;
+                            partition.applied();
                             route.metrics().applied(*reclaimed);
                             failpoint("after-commit");
                         }
                         Outcome::Skipped { age, .. } => {
                             skipped += 1;
+                            partition.skipped(shared, route);
                             route.metrics().skipped(*age);
                         }
                         Outcome::Failed(_) => {
@@ -625,6 +683,7 @@ async fn process<S: DedupStore>(
             Outcome::Applied { reclaimed } => {
                 shared.stats.store_answered();
                 shared.stats.applied.fetch_add(1, Ordering::Relaxed);
+                partition.applied();
                 route.metrics().applied(reclaimed);
                 tracing::info!(outcome = "applied", reclaimed, attempt);
                 failpoint("after-commit");
@@ -633,6 +692,7 @@ async fn process<S: DedupStore>(
             Outcome::Skipped { age, .. } => {
                 shared.stats.store_answered();
                 shared.stats.skipped.fetch_add(1, Ordering::Relaxed);
+                partition.skipped(shared, route);
                 route.metrics().skipped(age);
                 tracing::info!(outcome = "skipped", "duplicate within the TTL");
                 return true;

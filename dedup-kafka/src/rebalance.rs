@@ -3,12 +3,13 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext, Rebalance};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::{ClientContext, TopicPartitionList};
 
-use crate::partition::{PartitionMap, lock};
+use crate::partition::{Partition, PartitionMap, lock};
 use crate::stats::Stats;
 
 /// Rebalance callbacks: they run inside the consumer's poll, on the task
@@ -24,6 +25,8 @@ pub(crate) struct RebalanceContext {
     /// only their lag is reported (a statistics report can still list a
     /// partition being revoked).
     pub(crate) owned: std::sync::Mutex<std::collections::HashSet<(String, i32)>>,
+    /// How long a revoke waits for the revoked partitions' batches in flight.
+    pub(crate) revoke_timeout: Duration,
 }
 
 impl RebalanceContext {
@@ -39,6 +42,55 @@ impl RebalanceContext {
             .store(owned as u64, Ordering::Release);
     }
 }
+
+impl RebalanceContext {
+    /// Waits, up to the revoke timeout, for the workers of `leaving` to
+    /// finish their batches in flight and end. This runs inside the
+    /// consumer's poll, on the task of the consumer loop: on a multi-thread
+    /// Tokio runtime the wait hands this thread's other tasks to another
+    /// thread (`block_in_place`), so the workers, wherever they run, go on.
+    /// On a current-thread runtime they could not: no wait.
+    fn hand_over(&self, leaving: &[Arc<Partition>]) {
+        if leaving.is_empty() || self.revoke_timeout.is_zero() {
+            return;
+        }
+        let limit = self.revoke_timeout;
+        let wait = || {
+            let started = Instant::now();
+            loop {
+                let left = leaving
+                    .iter()
+                    .filter(|p| !p.exited.load(Ordering::Acquire))
+                    .count();
+                if left == 0 {
+                    tracing::debug!(waited = ?started.elapsed(), "revoked partitions handed over");
+                    return;
+                }
+                if started.elapsed() >= limit {
+                    tracing::warn!(
+                        partitions = left,
+                        revoke_timeout = ?limit,
+                        "revoked partitions still had batches in flight; abandoned (if they \
+                         commit, the next owner skips them as duplicates)"
+                    );
+                    return;
+                }
+                std::thread::sleep(HAND_OVER_POLL);
+            }
+        };
+        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(wait),
+            Ok(_) => tracing::debug!(
+                "a current-thread runtime: the revoke cannot wait for batches in flight"
+            ),
+            // Not on a runtime thread: the workers run elsewhere.
+            Err(_) => wait(),
+        }
+    }
+}
+
+/// How often a revoke looks whether the revoked partitions' workers ended.
+const HAND_OVER_POLL: Duration = Duration::from_millis(2);
 
 impl ClientContext for RebalanceContext {
     /// librdkafka's statistics (every `statistics.interval.ms`): the lag of
@@ -70,16 +122,20 @@ impl RebalanceContext {
     fn on_pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         match rebalance {
             Rebalance::Revoke(tpl) => {
-                // Stop the workers of the revoked partitions first, so no
-                // offset past what is committed here is stored for them.
-                // A message in flight still finishes or rolls back; if it
-                // commits after this point its offset is not committed, the
-                // next owner receives it again and skips it as a duplicate.
+                // The revoked partitions' workers finish the batch they are
+                // on and take no other; their offsets are stored as they
+                // finish, and committed below, before the partitions go, so
+                // the next owner receives none of it again. Past the revoke
+                // timeout the rest is abandoned: a batch that commits after
+                // that has its offsets uncommitted, and the next owner
+                // receives it again and skips it as a duplicate.
                 let mut partitions = lock(&self.partitions);
+                let mut leaving = Vec::new();
                 for elem in tpl.elements() {
                     if let Some(p) = partitions.remove(&(elem.topic().to_owned(), elem.partition()))
                     {
-                        p.revoked.send_replace(true);
+                        p.release.send_replace(true);
+                        leaving.push(p);
                     }
                     // Not this member's any more: its lag is the next owner's.
                     let mut owned = self.owned();
@@ -89,7 +145,17 @@ impl RebalanceContext {
                     crate::metrics::consumer_lag(elem.topic(), elem.partition(), 0);
                 }
                 drop(partitions);
-                if !self.closing.load(Ordering::Acquire) {
+                // Closing: shutdown has already finished the workers and
+                // made the final commit.
+                let closing = self.closing.load(Ordering::Acquire);
+                if !closing {
+                    self.hand_over(&leaving);
+                }
+                // From here no offset is stored for them.
+                for p in &leaving {
+                    p.revoked.send_replace(true);
+                }
+                if !closing {
                     commit(consumer, CommitMode::Sync, "revoke");
                 }
                 tracing::info!(partitions = tpl.count(), "partitions revoked");

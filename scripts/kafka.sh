@@ -74,6 +74,11 @@ transaction.state.log.min.isr=1
 share.coordinator.state.topic.replication.factor=1
 share.coordinator.state.topic.min.isr=1
 group.initial.rebalance.delay.ms=0
+# A consumer-protocol (KIP-848) member that dies is dropped after 15 s, not
+# 45 s: the scaling tests SIGKILL one (classic members set their own
+# session.timeout.ms).
+group.consumer.min.session.timeout.ms=6000
+group.consumer.session.timeout.ms=15000
 log.retention.hours=24
 PROPS
     if [ ! -f "$DATA/meta.properties" ]; then

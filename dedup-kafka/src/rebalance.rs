@@ -129,6 +129,7 @@ impl RebalanceContext {
                 // timeout the rest is abandoned: a batch that commits after
                 // that has its offsets uncommitted, and the next owner
                 // receives it again and skips it as a duplicate.
+                let started = Instant::now();
                 let mut partitions = lock(&self.partitions);
                 let mut leaving = Vec::new();
                 for elem in tpl.elements() {
@@ -149,16 +150,25 @@ impl RebalanceContext {
                 // made the final commit.
                 let closing = self.closing.load(Ordering::Acquire);
                 if !closing {
+                    self.stats
+                        .revoked_partitions
+                        .fetch_add(tpl.count() as u64, Ordering::Relaxed);
                     self.hand_over(&leaving);
                 }
                 // From here no offset is stored for them.
                 for p in &leaving {
                     p.revoked.send_replace(true);
                 }
+                let waited = started.elapsed();
                 if !closing {
                     commit(consumer, CommitMode::Sync, "revoke");
                 }
-                tracing::info!(partitions = tpl.count(), "partitions revoked");
+                tracing::info!(
+                    partitions = tpl.count(),
+                    ?waited,
+                    took = ?started.elapsed(),
+                    "partitions revoked"
+                );
             }
             Rebalance::Assign(tpl) => {
                 let mut owned = self.owned();

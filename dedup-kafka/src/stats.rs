@@ -18,6 +18,7 @@ pub struct Stats {
     pub(crate) assignments: AtomicU64,
     pub(crate) already_dead_lettered: AtomicU64,
     pub(crate) redelivered: AtomicU64,
+    pub(crate) revoked_partitions: AtomicU64,
     /// Partitions waiting out a failure of the environment right now.
     waiting_out: AtomicU64,
     /// When the current outage began, in milliseconds since `started`.
@@ -129,6 +130,11 @@ pub struct StatsSnapshot {
     /// (A producer's duplicate that happens to come first after an
     /// assignment counts here as well.)
     pub redelivered: u64,
+    /// Partitions taken from this member by rebalances (not counting its
+    /// own shutdown). An eager rebalance revokes every partition and
+    /// assigns most back; an incremental one (`cooperative-sticky`, the
+    /// consumer protocol) revokes only those that move.
+    pub revoked_partitions: u64,
 }
 
 impl fmt::Display for StatsSnapshot {
@@ -154,6 +160,7 @@ impl Stats {
             assignments: AtomicU64::new(0),
             already_dead_lettered: AtomicU64::new(0),
             redelivered: AtomicU64::new(0),
+            revoked_partitions: AtomicU64::new(0),
             waiting_out: AtomicU64::new(0),
             outage_since_ms: AtomicU64::new(0),
             started: Instant::now(),
@@ -216,6 +223,7 @@ impl Stats {
             assignments: self.assignments.load(Ordering::Relaxed),
             already_dead_lettered: self.already_dead_lettered.load(Ordering::Relaxed),
             redelivered: self.redelivered.load(Ordering::Relaxed),
+            revoked_partitions: self.revoked_partitions.load(Ordering::Relaxed),
         }
     }
 

@@ -1,7 +1,8 @@
-//! Scaling out: members joining and leaving a group mid-stream under each
-//! group protocol Kafka 4 users run (eager `range`, `cooperative-sticky`,
-//! the KIP-848 `consumer` protocol), settings from the environment, and the
-//! pool bounding how many partitions run at once.
+//! Scaling out: members (processes) joining and leaving a group mid-stream
+//! under each group protocol Kafka 4 users run (eager `range`,
+//! `cooperative-sticky`, the KIP-848 `consumer` protocol), handovers on
+//! revoke, settings from the environment, and the pool bounding how many
+//! partitions run at once.
 
 mod common;
 
@@ -10,126 +11,15 @@ use std::time::{Duration, Instant};
 use dedup_core::idempotent;
 use dedup_kafka::Consumer;
 use dedup_postgres::{PgConfig, PgStore, PgTx};
-use dedup_tests::{PaymentReceived, credit, payment, store, store_with, total_balance};
+use dedup_tests::{PaymentReceived, credit, payment, store, store_with};
 use rdkafka::producer::FutureRecord;
 use sqlx::PgPool;
 
 use common::{brokers, create_topic, database_url, last_line, producer, unique};
 
-/// Slow enough that members join and leave while the stream flows.
 #[idempotent(key = "event_id", ttl = "4h")]
 async fn record_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), sqlx::Error> {
-    tokio::time::sleep(Duration::from_millis(2)).await;
     credit(tx, &ev).await
-}
-
-/// Three members join one by one while 3,000 payments (10% sent twice)
-/// stream through 6 partitions, then two leave one by one: every payment is
-/// applied exactly once, none dead-lettered.
-async fn members_come_and_go(pool: PgPool, protocol: &[(&str, &str)]) {
-    let store = store(&pool).await;
-    let topic = create_topic(6).await;
-    let group = unique("g");
-    let builder = || {
-        let mut b = Consumer::builder(store.clone())
-            .brokers(brokers())
-            .group_id(&group)
-            .batch_size(20)
-            .commit_interval(Duration::from_millis(200))
-            .handle(&topic, record_payment);
-        for (k, v) in protocol {
-            b = b.set(*k, *v);
-        }
-        b
-    };
-    let producer = producer();
-    let mut expected = 0;
-    let mut records = Vec::new();
-    for i in 0..3000_i64 {
-        let account = format!("acct-{}", i % 60);
-        let body = payment(uuid::Uuid::new_v4(), &account, 1 + i % 7);
-        expected += 1 + i % 7;
-        if i % 10 == 0 {
-            records.push((account.clone(), body.clone()));
-        }
-        records.push((account, body));
-    }
-    let feed = {
-        let (producer, topic) = (producer.clone(), topic.clone());
-        tokio::spawn(async move {
-            for chunk in records.chunks(300) {
-                for (key, body) in chunk {
-                    producer
-                        .send(
-                            FutureRecord::to(&topic).key(key).payload(body),
-                            Duration::from_secs(10),
-                        )
-                        .await
-                        .map_err(|(e, _)| e)
-                        .expect("produced");
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-        })
-    };
-    let applied = || async {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM dedup_claims")
-            .fetch_one(&pool)
-            .await
-            .expect("claims")
-    };
-    let wait_for = |n: i64| async move {
-        let deadline = Instant::now() + Duration::from_secs(120);
-        while applied().await < n {
-            assert!(Instant::now() < deadline, "stuck below {n} applied");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    };
-    let first = common::start(builder());
-    wait_for(300).await;
-    let second = common::start(builder());
-    wait_for(900).await;
-    let third = common::start(builder());
-    wait_for(1500).await;
-    let second_stats = second.stop().await;
-    wait_for(2100).await;
-    let third_stats = third.stop().await;
-    feed.await.expect("feed");
-    wait_for(3000).await;
-    // Settle: nothing more may be applied.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let first_stats = first.stop().await;
-    let dead = first_stats.dead_lettered + second_stats.dead_lettered + third_stats.dead_lettered;
-    assert_eq!(dead, 0, "{first_stats:?} {second_stats:?} {third_stats:?}");
-    assert!(
-        second_stats.applied > 0 && third_stats.applied > 0,
-        "the members that joined took partitions: {second_stats:?} {third_stats:?}"
-    );
-    assert_eq!(applied().await, 3000);
-    assert_eq!(
-        total_balance(&pool).await,
-        expected,
-        "every payment applied exactly once"
-    );
-}
-
-#[sqlx::test(migrations = false)]
-async fn members_come_and_go_under_eager_range(pool: PgPool) {
-    members_come_and_go(pool, &[("partition.assignment.strategy", "range")]).await;
-}
-
-#[sqlx::test(migrations = false)]
-async fn members_come_and_go_under_cooperative_sticky(pool: PgPool) {
-    members_come_and_go(
-        pool,
-        &[("partition.assignment.strategy", "cooperative-sticky")],
-    )
-    .await;
-}
-
-#[sqlx::test(migrations = false)]
-async fn members_come_and_go_under_the_consumer_protocol(pool: PgPool) {
-    members_come_and_go(pool, &[("group.protocol", "consumer")]).await;
 }
 
 /// `KAFKA_CFG_<NAME>` reaches librdkafka (here the KIP-848 protocol, through
@@ -215,6 +105,7 @@ struct MemberStats {
     skipped: u64,
     redelivered: u64,
     assignments: u64,
+    revoked: u64,
 }
 
 impl Member {
@@ -266,6 +157,7 @@ impl Member {
                     "skipped" => stats.skipped = v,
                     "redelivered" => stats.redelivered = v,
                     "assignments" => stats.assignments = v,
+                    "revoked" => stats.revoked = v,
                     _ => {}
                 }
             }
@@ -275,6 +167,12 @@ impl Member {
         .expect("join")
     }
 
+    /// SIGKILL: no commit, no goodbye to the group.
+    fn kill(mut self) {
+        let mut child = self.child.take().expect("running");
+        child.kill().expect("SIGKILL");
+        child.wait().expect("reaped");
+    }
 }
 
 impl Drop for Member {
@@ -284,6 +182,14 @@ impl Drop for Member {
             let _ = child.wait();
         }
     }
+}
+
+/// Tests that run groups of member processes run one at a time: each
+/// measures pauses that two of them side by side on two cores would
+/// stretch.
+async fn one_at_a_time() -> tokio::sync::MutexGuard<'static, ()> {
+    static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    ALONE.lock().await
 }
 
 /// The claims table and `applied`, which members write.
@@ -304,6 +210,27 @@ fn numbered(id: uuid::Uuid, partition: i32, seq: i64) -> Vec<u8> {
     serde_json::json!({ "event_id": id, "partition": partition, "seq": seq })
         .to_string()
         .into_bytes()
+}
+
+/// A producer that knows all `partitions` of the newly created `topic`:
+/// sending to a partition its metadata does not list yet fails.
+async fn producer_for(topic: &str, partitions: usize) -> rdkafka::producer::FutureProducer {
+    use rdkafka::producer::Producer as _;
+    let producer = producer();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let known = producer
+            .client()
+            .fetch_metadata(Some(topic), Duration::from_secs(5))
+            .ok()
+            .and_then(|m| m.topics().first().map(|t| t.partitions().len()))
+            .unwrap_or(0);
+        if known == partitions {
+            return producer;
+        }
+        assert!(Instant::now() < deadline, "{topic} has {known} partitions");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 /// Sends `body` to `partition` of `topic`.
@@ -361,10 +288,11 @@ async fn hand_over(
     per_partition: i64,
     revoke_timeout_ms: &str,
 ) -> u64 {
+    let _alone = one_at_a_time().await;
     member_tables(pool).await;
     let topic = create_topic(2).await;
     let group = unique("g");
-    let producer = producer();
+    let producer = producer_for(&topic, 2).await;
     for seq in 0..per_partition {
         for p in 0..2 {
             send_to(
@@ -465,4 +393,333 @@ async fn past_the_revoke_timeout_batches_are_abandoned_and_skipped_as_redelivere
     )
     .await;
     assert!(redelivered > 0);
+}
+
+/// Four members join one by one and leave one by one (the second by
+/// SIGKILL) while 20,000 events, 10% of them sent twice, stream through 6
+/// partitions at about 400 a second: each event is applied exactly once.
+/// Returns the redeliveries the members counted and the longest gaps
+/// between consecutive applies of a partition: one that stayed with its
+/// member, and one that moved.
+async fn members_join_and_leave(pool: &PgPool, protocol: &[(&str, &str)]) -> Scaled {
+    const EVENTS: i64 = 20_000;
+    let _alone = one_at_a_time().await;
+    member_tables(pool).await;
+    let topic = create_topic(6).await;
+    let group = unique("g");
+    let id = |i: i64| uuid::Uuid::from_u128(i as u128);
+    let feed = {
+        let (producer, topic) = (producer_for(&topic, 6).await, topic.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(25));
+            let mut i = 0;
+            while i < EVENTS {
+                tick.tick().await;
+                let mut sent = Vec::new();
+                for _ in 0..10 {
+                    if i == EVENTS {
+                        break;
+                    }
+                    // Event i goes to partition i % 6; every tenth sends an
+                    // earlier one of its partition again.
+                    let mut events = vec![i];
+                    if i % 10 == 9 && i >= 30 {
+                        events.push(i - 30);
+                    }
+                    for e in events {
+                        let p = (e % 6) as i32;
+                        let body = numbered(id(e), p, e / 6);
+                        let record = FutureRecord::<(), _>::to(&topic)
+                            .partition(p)
+                            .payload(&body);
+                        sent.push(
+                            producer
+                                .send_result(record)
+                                .map_err(|(e, _)| e)
+                                .expect("queued"),
+                        );
+                    }
+                    i += 1;
+                }
+                for delivery in sent {
+                    delivery
+                        .await
+                        .expect("delivered")
+                        .map_err(|(e, _)| e)
+                        .expect("produced");
+                }
+            }
+        })
+    };
+    let mut env: Vec<(&str, &str)> = protocol.to_vec();
+    env.push(("COMMIT_INTERVAL_MS", "1000"));
+    let started = Instant::now();
+    let limit = Duration::from_secs(180);
+    let m1 = Member::start(pool, &topic, &group, "m1", &env);
+    wait_applied(pool, 2_000, limit).await;
+    let m2 = Member::start(pool, &topic, &group, "m2", &env);
+    wait_applied(pool, 4_000, limit).await;
+    let m3 = Member::start(pool, &topic, &group, "m3", &env);
+    wait_applied(pool, 6_000, limit).await;
+    let m4 = Member::start(pool, &topic, &group, "m4", &env);
+    wait_applied(pool, 9_000, limit).await;
+    m2.kill();
+    wait_applied(pool, 12_000, limit).await;
+    let s3 = m3.stop().await;
+    wait_applied(pool, 15_000, limit).await;
+    let s4 = m4.stop().await;
+    feed.await.expect("feed");
+    wait_applied(pool, EVENTS, limit).await;
+    // Settle: nothing more may be applied.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let s1 = m1.stop().await;
+    let took = started.elapsed();
+    let (rows, distinct) = applied_rows(pool).await;
+    assert_eq!(
+        (rows, distinct),
+        (EVENTS, EVENTS),
+        "each event applied exactly once"
+    );
+    let by_member: Vec<(String, i64)> =
+        sqlx::query_as("SELECT member, count(*) FROM applied GROUP BY member ORDER BY member")
+            .fetch_all(pool)
+            .await
+            .expect("by member");
+    assert_eq!(
+        by_member.len(),
+        4,
+        "every member applied some: {by_member:?}"
+    );
+    // Gaps between consecutive applies of each partition, split by whether
+    // the partition stayed with its member across the gap.
+    let (stayed, moved): (f64, f64) = sqlx::query_as(
+        "SELECT coalesce(max(gap) FILTER (WHERE member = before), 0)::float8, \
+                coalesce(max(gap) FILTER (WHERE member <> before), 0)::float8 \
+         FROM (SELECT member, lag(member) OVER w AS before, \
+                      extract(epoch FROM at - lag(at) OVER w) * 1000 AS gap \
+               FROM applied WINDOW w AS (PARTITION BY partition ORDER BY at)) g",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("gaps");
+    // How often a partition moved away from m1 (which stays throughout).
+    let moved_from_first: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT member, lag(member) OVER w AS before \
+               FROM applied WINDOW w AS (PARTITION BY partition ORDER BY at)) g \
+         WHERE before = 'm1' AND member <> 'm1'",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("moves");
+    let scaled = Scaled {
+        first_revoked: s1.revoked,
+        moved_from_first: moved_from_first as u64,
+        redelivered: s1.redelivered + s3.redelivered + s4.redelivered,
+        stayed_gap_ms: stayed as u64,
+        moved_gap_ms: moved as u64,
+    };
+    eprintln!(
+        "{protocol:?}: redelivered={} longest gap: stayed {} ms, moved {} ms; m1: {} \
+         partitions revoked, {} moved away; took {took:?}; applied by member {by_member:?}; \
+         m1 {s1:?}, m3 {s3:?}, m4 {s4:?}",
+        scaled.redelivered,
+        scaled.stayed_gap_ms,
+        scaled.moved_gap_ms,
+        scaled.first_revoked,
+        scaled.moved_from_first
+    );
+    scaled
+}
+
+/// What a scale-out run measured.
+#[derive(Debug)]
+struct Scaled {
+    /// Partitions revoked from the member that stays throughout.
+    first_revoked: u64,
+    /// How many of its partitions moved to another member.
+    moved_from_first: u64,
+    /// Duplicates skipped at the start of assignments, by the members that
+    /// stopped gracefully (the killed one cannot say).
+    redelivered: u64,
+    /// The longest time a partition that stayed with its member went
+    /// without an apply while events kept coming.
+    stayed_gap_ms: u64,
+    /// The longest handover of a partition from one member to another.
+    moved_gap_ms: u64,
+}
+
+/// The classic protocols' session timeout: a killed member's partitions move
+/// after 10 s (librdkafka's default: 45 s).
+const CLASSIC_SESSION: (&str, &str) = ("KAFKA_CFG_SESSION_TIMEOUT_MS", "10000");
+
+/// Eager: every rebalance revokes all of a member's partitions, also those
+/// it gets back.
+#[sqlx::test(migrations = false)]
+async fn four_members_join_and_leave_under_eager_range(pool: PgPool) {
+    let scaled = members_join_and_leave(
+        &pool,
+        &[
+            ("KAFKA_CFG_PARTITION_ASSIGNMENT_STRATEGY", "range"),
+            CLASSIC_SESSION,
+        ],
+    )
+    .await;
+    assert!(scaled.first_revoked > scaled.moved_from_first, "{scaled:?}");
+}
+
+/// Incremental protocols: a rebalance revokes only the partitions that
+/// move; the others keep being applied throughout.
+fn kept_the_partitions_that_stayed(scaled: &Scaled) {
+    assert_eq!(scaled.first_revoked, scaled.moved_from_first, "{scaled:?}");
+    assert!(scaled.stayed_gap_ms < STAYED_GAP_LIMIT_MS, "{scaled:?}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn four_members_join_and_leave_under_cooperative_sticky(pool: PgPool) {
+    let scaled = members_join_and_leave(
+        &pool,
+        &[
+            (
+                "KAFKA_CFG_PARTITION_ASSIGNMENT_STRATEGY",
+                "cooperative-sticky",
+            ),
+            CLASSIC_SESSION,
+        ],
+    )
+    .await;
+    kept_the_partitions_that_stayed(&scaled);
+}
+
+#[sqlx::test(migrations = false)]
+async fn four_members_join_and_leave_under_the_consumer_protocol(pool: PgPool) {
+    let scaled = members_join_and_leave(&pool, &[("KAFKA_CFG_GROUP_PROTOCOL", "consumer")]).await;
+    kept_the_partitions_that_stayed(&scaled);
+}
+
+/// The longest a partition that did not move may go without an apply while
+/// events keep coming (one every 15 ms). The consumer protocol: about 100 ms.
+/// `cooperative-sticky`: librdkafka (2.12) pauses the fetchers of every
+/// assigned partition while an incremental revoke is handled, and when
+/// all of a member's partitions were paused its broker thread sees the
+/// resume only at its next one-second wake-up: up to about a second (the
+/// member's buffered messages are applied meanwhile). Plus a margin for a
+/// shared 2-core machine running four members, a broker and PostgreSQL.
+const STAYED_GAP_LIMIT_MS: u64 = 2_500;
+
+/// Static membership (`group.instance.id`): a member restarted within the
+/// session timeout gets its own partitions back, and the other member's
+/// assignment never changes. Events keep coming throughout; each is applied
+/// once.
+async fn a_static_member_restarts_and_keeps_its_partitions(pool: &PgPool, protocol: (&str, &str)) {
+    let _alone = one_at_a_time().await;
+    member_tables(pool).await;
+    let topic = create_topic(4).await;
+    let group = unique("g");
+    let producer = producer_for(&topic, 4).await;
+    let stop_feed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let feed = {
+        let (topic, stop) = (topic.clone(), stop_feed.clone());
+        tokio::spawn(async move {
+            let mut sent = 0_i64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for p in 0..4 {
+                    let body = numbered(uuid::Uuid::new_v4(), p, sent);
+                    send_to(&producer, &topic, p, &body).await;
+                }
+                sent += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            sent * 4
+        })
+    };
+    let mut env = vec![protocol];
+    if protocol.0 != "KAFKA_CFG_GROUP_PROTOCOL" {
+        env.push(("KAFKA_CFG_SESSION_TIMEOUT_MS", "30000"));
+    }
+    let with_id = |id: &'static str| {
+        let mut env = env.clone();
+        env.push(("KAFKA_CFG_GROUP_INSTANCE_ID", id));
+        env
+    };
+    let partitions_of = |member: &'static str| async move {
+        sqlx::query_scalar::<_, i32>(
+            "SELECT DISTINCT partition FROM applied WHERE member = $1 ORDER BY 1",
+        )
+        .bind(member)
+        .fetch_all(pool)
+        .await
+        .expect("partitions")
+    };
+    let a = Member::start(pool, &topic, &group, "a1", &with_id("a"));
+    wait_applied(pool, 100, Duration::from_secs(60)).await;
+    let b = Member::start(pool, &topic, &group, "b", &with_id("b"));
+    // Both hold two partitions once b's two have been applied by b.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while partitions_of("b").await.len() < 2 {
+        assert!(Instant::now() < deadline, "b never got two partitions");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let first = a.stop().await;
+    let a_had: Vec<i32> = sqlx::query_scalar(
+        "SELECT DISTINCT partition FROM applied WHERE member = 'a1' \
+         AND at > (SELECT max(at) FROM applied WHERE member = 'a1') - interval '1 second' \
+         ORDER BY 1",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("a1's last partitions");
+    assert_eq!(a_had.len(), 2, "a1 held two partitions at the end");
+    // Down longer than a heartbeat (the consumer protocol's: 5 s), so a
+    // member that left would have had its partitions given to b; restarted
+    // well within the session timeout (15 s and 30 s).
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let a = Member::start(pool, &topic, &group, "a2", &with_id("a"));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while partitions_of("a2").await.len() < 2 {
+        assert!(Instant::now() < deadline, "a2 never applied two partitions");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop_feed.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent = feed.await.expect("feed");
+    wait_applied(pool, sent, Duration::from_secs(60)).await;
+    let (again, other) = (a.stop().await, b.stop().await);
+    assert_eq!(
+        partitions_of("a2").await,
+        a_had,
+        "a got its partitions back"
+    );
+    // (A static leader that rejoins may start a rebalance under the classic
+    // protocol: b then gets an empty incremental assignment, nothing more.)
+    assert_eq!(other.revoked, 0, "b lost no partition: {other:?}");
+    let b_had = partitions_of("b").await;
+    assert_eq!(b_had.len(), 2, "b gained no partition");
+    assert!(b_had.iter().all(|p| !a_had.contains(p)));
+    let (rows, distinct) = applied_rows(pool).await;
+    assert_eq!((rows, distinct), (sent, sent), "each event applied once");
+    eprintln!("{protocol:?}: a1 {first:?}, a2 {again:?}, b {other:?}");
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_static_member_restarts_and_keeps_its_partitions_under_cooperative_sticky(pool: PgPool) {
+    a_static_member_restarts_and_keeps_its_partitions(
+        &pool,
+        (
+            "KAFKA_CFG_PARTITION_ASSIGNMENT_STRATEGY",
+            "cooperative-sticky",
+        ),
+    )
+    .await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_static_member_restarts_and_keeps_its_partitions_under_the_consumer_protocol(
+    pool: PgPool,
+) {
+    a_static_member_restarts_and_keeps_its_partitions(
+        &pool,
+        ("KAFKA_CFG_GROUP_PROTOCOL", "consumer"),
+    )
+    .await;
 }

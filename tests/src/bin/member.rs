@@ -9,7 +9,7 @@
 //! 0), `COMMIT_INTERVAL_MS`, `REVOKE_TIMEOUT_MS`, `BATCH_SIZE`, and any
 //! librdkafka setting as `KAFKA_CFG_<NAME>`. The tables (`applied`, the
 //! claims) must exist. Runs until SIGTERM; its last line is
-//! `applied=N skipped=N dead_lettered=N redelivered=N assignments=N`.
+//! `applied=N skipped=N dead_lettered=N redelivered=N assignments=N revoked=N`.
 
 #![allow(clippy::print_stdout)]
 
@@ -88,8 +88,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let s = builder.build()?.run().await?;
     println!(
-        "{s} redelivered={} assignments={}",
-        s.redelivered, s.assignments
+        "{s} redelivered={} assignments={} revoked={}",
+        s.redelivered, s.assignments, s.revoked_partitions
     );
     Ok(())
 }

@@ -492,9 +492,10 @@ async fn members_join_and_leave(pool: &PgPool, protocol: &[(&str, &str)]) -> Sca
     );
     // Gaps between consecutive applies of each partition, split by whether
     // the partition stayed with its member across the gap.
-    let (stayed, moved): (f64, f64) = sqlx::query_as(
+    let (stayed, moved, handed_over): (f64, f64, f64) = sqlx::query_as(
         "SELECT coalesce(max(gap) FILTER (WHERE member = before), 0)::float8, \
-                coalesce(max(gap) FILTER (WHERE member <> before), 0)::float8 \
+                coalesce(max(gap) FILTER (WHERE member <> before), 0)::float8, \
+                coalesce(max(gap) FILTER (WHERE member <> before AND before <> 'm2'), 0)::float8 \
          FROM (SELECT member, lag(member) OVER w AS before, \
                       extract(epoch FROM at - lag(at) OVER w) * 1000 AS gap \
                FROM applied WINDOW w AS (PARTITION BY partition ORDER BY at)) g",
@@ -517,14 +518,17 @@ async fn members_join_and_leave(pool: &PgPool, protocol: &[(&str, &str)]) -> Sca
         redelivered: s1.redelivered + s3.redelivered + s4.redelivered,
         stayed_gap_ms: stayed as u64,
         moved_gap_ms: moved as u64,
+        handed_over_gap_ms: handed_over as u64,
     };
     eprintln!(
-        "{protocol:?}: redelivered={} longest gap: stayed {} ms, moved {} ms; m1: {} \
+        "{protocol:?}: redelivered={} longest gap: stayed {} ms, moved {} ms (not from the \
+         killed member: {} ms); m1: {} \
          partitions revoked, {} moved away; took {took:?}; applied by member {by_member:?}; \
          m1 {s1:?}, m3 {s3:?}, m4 {s4:?}",
         scaled.redelivered,
         scaled.stayed_gap_ms,
         scaled.moved_gap_ms,
+        scaled.handed_over_gap_ms,
         scaled.first_revoked,
         scaled.moved_from_first
     );
@@ -546,6 +550,8 @@ struct Scaled {
     stayed_gap_ms: u64,
     /// The longest handover of a partition from one member to another.
     moved_gap_ms: u64,
+    /// The longest handover from a member that was not killed.
+    handed_over_gap_ms: u64,
 }
 
 /// The classic protocols' session timeout: a killed member's partitions move

@@ -302,10 +302,12 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// nothing again. What has not finished by then is abandoned: if it
     /// commits afterwards, the next owner skips it as a duplicate
     /// (`StatsSnapshot::redelivered`). Keep it well under
-    /// `max.poll.interval.ms` (librdkafka's default 300 s). The other
-    /// partitions' workers keep running meanwhile, but no new message is
-    /// fetched; on a current-thread Tokio runtime the revoke cannot wait (the
-    /// workers would wait for the thread it holds) and abandons at once.
+    /// `max.poll.interval.ms` (librdkafka's default 300 s); `build()` refuses
+    /// 15 s or more (half the liveness limit: the consumer loop does not turn
+    /// while a revoke waits). The other partitions' workers keep running
+    /// meanwhile, but no new message is handed to them; on a current-thread
+    /// Tokio runtime the revoke cannot wait (the workers would wait for the
+    /// thread it holds) and abandons at once (a warning at start says so).
     pub fn revoke_timeout(mut self, timeout: Duration) -> Self {
         self.runtime.revoke_timeout = timeout;
         self
@@ -332,6 +334,16 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             )));
         }
         self.check_env_settings()?;
+        // The consumer loop does not turn while a revoke waits: longer than
+        // the liveness limit, a probe would restart a consumer that is fine.
+        if self.runtime.revoke_timeout >= crate::LIVE_POLL_LIMIT / 2 {
+            return Err(Error::Config(format!(
+                "revoke_timeout {:?} is too long: the consumer does not poll while a revoke \
+                 waits; keep it under {:?}",
+                self.runtime.revoke_timeout,
+                crate::LIVE_POLL_LIMIT / 2
+            )));
+        }
         let consumer_config = config::consumer_config(
             &self.brokers,
             self.group_id.as_deref(),

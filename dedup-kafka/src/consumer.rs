@@ -135,6 +135,18 @@ impl<S: DedupStore> Consumer<S> {
     ) -> Result<StatsSnapshot, Error> {
         // Running until this returns or is dropped, however it ends.
         let mut running = Running::start(self.shared.stats.clone());
+        if !self.shared.settings.revoke_timeout.is_zero()
+            && matches!(
+                tokio::runtime::Handle::current().runtime_flavor(),
+                tokio::runtime::RuntimeFlavor::CurrentThread
+            )
+        {
+            tracing::warn!(
+                "a current-thread runtime: a revoke cannot wait for the revoked partitions' \
+                 batches in flight (the next owner skips what they commit); run on a \
+                 multi-thread runtime, or set revoke_timeout(Duration::ZERO) to silence this"
+            );
+        }
         self.check_ttls().await?;
         let topics: Vec<&str> = self.routes.keys().map(String::as_str).collect();
         self.shared.kafka.subscribe(&topics)?;

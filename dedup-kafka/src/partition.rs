@@ -284,7 +284,7 @@ pub(crate) async fn worker<S: DedupStore>(
     };
     let mut jitter = Jitter::new(partition.partition as u64);
     let low_water = shared.settings.max_buffered_per_partition / 2;
-    // Declared first, so dropped last: after every offset this worker stores.
+    // Dropped after the loop, so after every offset this worker stores.
     let _exited = Exited(&partition);
     let mut stopping = shared.stopping.subscribe();
     let mut revoked = partition.revoked.subscribe();
@@ -821,8 +821,10 @@ fn error_chain(e: &dedup_core::Error) -> String {
     out
 }
 
-/// Sleeps `wait`; `false` if the consumer stops or the partition is revoked
-/// meanwhile.
+/// Sleeps `wait`; `false` if the consumer stops or the partition is being
+/// revoked meanwhile (a message waiting out a failure cannot finish in time
+/// for the handover: it is left to the next owner, and the revoke need not
+/// wait for it).
 pub(crate) async fn wait_unless_stopped<S>(
     shared: &Shared<S>,
     partition: &Partition,
@@ -830,12 +832,14 @@ pub(crate) async fn wait_unless_stopped<S>(
 ) -> bool {
     let mut stopping = shared.stopping.subscribe();
     let mut revoked = partition.revoked.subscribe();
+    let mut release = partition.release.subscribe();
     tokio::select! {
         () = tokio::time::sleep(wait) => {}
         _ = stopping.wait_for(|s| *s) => return false,
         _ = revoked.wait_for(|r| *r) => return false,
+        _ = release.wait_for(|r| *r) => return false,
     }
-    !*shared.stopping.borrow() && !partition.is_revoked()
+    !*shared.stopping.borrow() && !partition.is_revoked() && !*partition.release.borrow()
 }
 
 #[cfg(test)]

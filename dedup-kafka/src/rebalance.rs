@@ -149,22 +149,31 @@ impl RebalanceContext {
                 // Closing: shutdown has already finished the workers and
                 // made the final commit.
                 let closing = self.closing.load(Ordering::Acquire);
+                // Lost (the session expired, or the member was fenced): the
+                // partitions may be another member's already, and a commit
+                // would be refused. Abandoned at once, as after the timeout.
+                let lost = consumer.assignment_lost();
                 if !closing {
                     self.stats
                         .revoked_partitions
                         .fetch_add(tpl.count() as u64, Ordering::Relaxed);
-                    self.hand_over(&leaving);
+                }
+                if !closing && !lost {
+                    // Contained on its own: whatever happens while waiting,
+                    // the partitions are marked revoked and committed below.
+                    contained("revoke wait", || self.hand_over(&leaving));
                 }
                 // From here no offset is stored for them.
                 for p in &leaving {
                     p.revoked.send_replace(true);
                 }
                 let waited = started.elapsed();
-                if !closing {
+                if !closing && !lost {
                     commit(consumer, CommitMode::Sync, "revoke");
                 }
                 tracing::info!(
                     partitions = tpl.count(),
+                    lost,
                     ?waited,
                     took = ?started.elapsed(),
                     "partitions revoked"

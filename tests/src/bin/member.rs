@@ -26,6 +26,8 @@ struct Numbered {
     event_id: uuid::Uuid,
     partition: i32,
     seq: i64,
+    /// When the test sent it, in milliseconds since the Unix epoch.
+    sent_at_ms: i64,
 }
 
 static MEMBER: OnceLock<String> = OnceLock::new();
@@ -37,13 +39,17 @@ async fn record(tx: &mut PgTx, ev: Numbered) -> Result<(), sqlx::Error> {
     if !sleep.is_zero() {
         tokio::time::sleep(sleep).await;
     }
-    sqlx::query("INSERT INTO applied (event_id, partition, seq, member) VALUES ($1, $2, $3, $4)")
-        .bind(ev.event_id.to_string())
-        .bind(ev.partition)
-        .bind(ev.seq)
-        .bind(MEMBER.get().map(String::as_str).unwrap_or("?"))
-        .execute(&mut **tx)
-        .await?;
+    sqlx::query(
+        "INSERT INTO applied (event_id, partition, seq, member, sent_at) \
+         VALUES ($1, $2, $3, $4, to_timestamp($5::float8 / 1000))",
+    )
+    .bind(ev.event_id.to_string())
+    .bind(ev.partition)
+    .bind(ev.seq)
+    .bind(MEMBER.get().map(String::as_str).unwrap_or("?"))
+    .bind(ev.sent_at_ms as f64)
+    .execute(&mut **tx)
+    .await?;
     Ok(())
 }
 

@@ -966,42 +966,6 @@ async fn a_batch_handler_gets_each_batch_in_one_call(pool: PgPool) {
     assert_eq!(balance(&pool).await, (0..100).sum::<i64>());
 }
 
-/// Turns the test's own database read-only (or back) the way a failover to
-/// a standby looks to a consumer: new sessions are read-only, and the
-/// existing ones are cut off.
-async fn set_read_only(pool: &PgPool, on: bool) {
-    let mut conn = pool.acquire().await.expect("connection");
-    // This session may have started read-only itself.
-    sqlx::query("SET default_transaction_read_only = off")
-        .execute(&mut *conn)
-        .await
-        .expect("session read-write");
-    let db: String = sqlx::query_scalar("SELECT current_database()")
-        .fetch_one(&mut *conn)
-        .await
-        .expect("database name");
-    let change = if on {
-        "SET default_transaction_read_only = on"
-    } else {
-        "RESET default_transaction_read_only"
-    };
-    // The name comes from the server, quoted as an identifier.
-    let alter = format!("ALTER DATABASE \"{}\" {change}", db.replace('"', "\"\""));
-    sqlx::query(sqlx::AssertSqlSafe(alter))
-        .execute(&mut *conn)
-        .await
-        .expect("alter database");
-    sqlx::query(
-        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
-         WHERE datname = current_database() AND pid <> pg_backend_pid()",
-    )
-    .execute(&mut *conn)
-    .await
-    .expect("cut the sessions off");
-    // Not back into the pool: its session setting is not the database's.
-    conn.close().await.expect("close");
-}
-
 /// A database that turns read-only (SQLSTATE 25006) is the environment's
 /// fault, not the events': they wait, none is dead-lettered, and once the
 /// database is writable again every one is applied once.
@@ -1030,7 +994,7 @@ async fn a_read_only_database_is_waited_out_not_dead_lettered(pool: PgPool) {
         .wait_for("the first event", |s| s.applied == 1)
         .await;
 
-    set_read_only(&pool, true).await;
+    common::set_read_only(&pool, true).await;
     for _ in 0..20 {
         send(10).await;
     }
@@ -1046,7 +1010,7 @@ async fn a_read_only_database_is_waited_out_not_dead_lettered(pool: PgPool) {
     assert_eq!(during.applied, 1, "{during}");
     assert_eq!(running.stats.waiting_out(), 1, "its one partition waits");
 
-    set_read_only(&pool, false).await;
+    common::set_read_only(&pool, false).await;
     running
         .wait_for("every event applied after the outage", |s| s.applied == 21)
         .await;
@@ -1065,7 +1029,7 @@ async fn an_outage_longer_than_max_outage_stops_the_consumer_and_loses_nothing(p
     let store = store(&pool).await;
     let topic = create_topic(1).await;
     let group = unique("g");
-    set_read_only(&pool, true).await;
+    common::set_read_only(&pool, true).await;
     let event = payment(uuid::Uuid::new_v4(), "acct", 5);
     produce(&producer(), &topic, "acct", &event, None).await;
     let impatient = consumer(&store, &group)
@@ -1096,7 +1060,7 @@ async fn an_outage_longer_than_max_outage_stops_the_consumer_and_loses_nothing(p
     assert_eq!(during.dead_lettered, 0, "{during:?}");
     assert_eq!(during.applied, 0, "{during:?}");
 
-    set_read_only(&pool, false).await;
+    common::set_read_only(&pool, false).await;
     let after = drain(
         consumer(&store, &group).handle(&topic, record_payment),
         Duration::from_secs(3),

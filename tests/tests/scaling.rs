@@ -109,7 +109,13 @@ struct MemberStats {
     redelivered: u64,
     assignments: u64,
     revoked: u64,
+    /// Its log, if started with [`CAPTURE_LOG`].
+    log: String,
 }
+
+/// In a member's environment: its log is kept (for a short run: nothing
+/// reads it before the member stops) instead of shown.
+const CAPTURE_LOG: (&str, &str) = ("MEMBER_CAPTURE_LOG", "1");
 
 impl Member {
     /// Starts member `name` of `group` on `topic`, with `env` (e.g.
@@ -125,6 +131,9 @@ impl Member {
             .stdout(std::process::Stdio::piped());
         for (k, v) in env {
             cmd.env(k, v);
+        }
+        if env.contains(&CAPTURE_LOG) {
+            cmd.stderr(std::process::Stdio::piped());
         }
         let child = cmd.spawn().expect("start a member");
         Member {
@@ -151,7 +160,10 @@ impl Member {
                 out.status
             );
             let line = last_line(&out);
-            let mut stats = MemberStats::default();
+            let mut stats = MemberStats {
+                log: String::from_utf8_lossy(&out.stderr).into_owned(),
+                ..MemberStats::default()
+            };
             for field in line.split_whitespace() {
                 let (k, v) = field.split_once('=').expect("k=v");
                 let v = v.parse().expect("a count");
@@ -760,4 +772,81 @@ async fn a_revoke_timeout_longer_than_liveness_allows_is_refused(pool: PgPool) {
     let err = builder(Duration::from_secs(15)).build().unwrap_err();
     assert!(err.to_string().contains("revoke_timeout"), "{err}");
     assert!(builder(Duration::from_secs(14)).build().is_ok());
+}
+
+/// A partition waiting out a failure of the environment cannot finish in
+/// time for a handover: its revoke gives it up at once instead of waiting
+/// out the revoke timeout (the consumer loop does not turn meanwhile), and
+/// once the database is back every event is applied once.
+#[sqlx::test(migrations = false)]
+async fn a_revoke_does_not_wait_for_a_partition_waiting_out_an_outage(pool: PgPool) {
+    let _alone = one_at_a_time().await;
+    member_tables(&pool).await;
+    let topic = create_topic(2).await;
+    let group = unique("g");
+    let producer = producer_for(&topic, 2).await;
+    for seq in 0..20 {
+        for p in 0..2 {
+            send_to(
+                &producer,
+                &topic,
+                p,
+                &numbered(uuid::Uuid::new_v4(), p, seq),
+            )
+            .await;
+        }
+    }
+    common::set_read_only(&pool, true).await;
+    let env = [
+        (
+            "KAFKA_CFG_PARTITION_ASSIGNMENT_STRATEGY",
+            "cooperative-sticky",
+        ),
+        ("REVOKE_TIMEOUT_MS", "10000"),
+        CAPTURE_LOG,
+    ];
+    let a = Member::start(&pool, &topic, &group, "a", &env);
+    // a has both partitions and waits out the read-only database.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let b = Member::start(&pool, &topic, &group, "b", &env);
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    common::set_read_only(&pool, false).await;
+    wait_applied(&pool, 40, Duration::from_secs(90)).await;
+    let (a, b) = (a.stop().await, b.stop().await);
+    assert_eq!(applied_rows(&pool).await, (40, 40), "each event once");
+    assert_eq!(a.dead_lettered + b.dead_lettered, 0);
+    let waits: Vec<Duration> = a
+        .log
+        .lines()
+        .filter(|l| l.contains("partitions revoked") && !l.contains("partitions=2"))
+        .filter_map(|l| {
+            l.split("waited=")
+                .nth(1)?
+                .split_whitespace()
+                .next()
+                .map(str::to_owned)
+        })
+        .map(|w| parse_duration(&w))
+        .collect();
+    assert!(!waits.is_empty(), "a gave b a partition: {}", a.log);
+    assert!(
+        waits.iter().all(|w| *w < Duration::from_secs(1)),
+        "the revoke waited {waits:?}"
+    );
+}
+
+/// A `Debug`-printed duration as the log shows it (`2.1ms`, `35.9µs`, `1.2s`).
+fn parse_duration(s: &str) -> Duration {
+    let split = s
+        .find(|c: char| c.is_alphabetic() || c == 'µ')
+        .expect("a unit");
+    let (n, unit) = s.split_at(split);
+    let n: f64 = n.parse().expect("a number");
+    Duration::from_secs_f64(match unit {
+        "s" => n,
+        "ms" => n / 1e3,
+        "µs" => n / 1e6,
+        "ns" => n / 1e9,
+        other => panic!("unit {other}"),
+    })
 }

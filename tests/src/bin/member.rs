@@ -69,6 +69,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_target(false)
+        .with_ansi(false)
         .init();
     MEMBER.get_or_init(|| std::env::var("MEMBER").unwrap_or_else(|_| "member".into()));
     SLEEP.get_or_init(|| {

@@ -397,3 +397,39 @@ impl Running {
         self.task.await.expect("consumer task")
     }
 }
+
+/// Turns the test's own database read-only (or back) the way a failover to
+/// a standby looks to a consumer: new sessions are read-only, and the
+/// existing ones are cut off.
+pub async fn set_read_only(pool: &PgPool, on: bool) {
+    let mut conn = pool.acquire().await.expect("connection");
+    // This session may have started read-only itself.
+    sqlx::query("SET default_transaction_read_only = off")
+        .execute(&mut *conn)
+        .await
+        .expect("session read-write");
+    let db: String = sqlx::query_scalar("SELECT current_database()")
+        .fetch_one(&mut *conn)
+        .await
+        .expect("database name");
+    let change = if on {
+        "SET default_transaction_read_only = on"
+    } else {
+        "RESET default_transaction_read_only"
+    };
+    // The name comes from the server, quoted as an identifier.
+    let alter = format!("ALTER DATABASE \"{}\" {change}", db.replace('"', "\"\""));
+    sqlx::query(sqlx::AssertSqlSafe(alter))
+        .execute(&mut *conn)
+        .await
+        .expect("alter database");
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .execute(&mut *conn)
+    .await
+    .expect("cut the sessions off");
+    // Not back into the pool: its session setting is not the database's.
+    conn.close().await.expect("close");
+}

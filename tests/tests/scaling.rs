@@ -299,6 +299,21 @@ async fn wait_applied(pool: &PgPool, n: i64, limit: Duration) {
     }
 }
 
+/// The members' tables, and a topic of two partitions holding
+/// `per_partition` numbered events each.
+async fn two_partitions(pool: &PgPool, per_partition: i64) -> String {
+    member_tables(pool).await;
+    let topic = create_topic(2).await;
+    let producer = producer_for(&topic, 2).await;
+    for seq in 0..per_partition {
+        for p in 0..2 {
+            let body = numbered(uuid::Uuid::new_v4(), p, seq);
+            send_to(&producer, &topic, p, &body).await;
+        }
+    }
+    topic
+}
+
 /// Member A applies two partitions in slow batches (20 events of
 /// `sleep_ms` each), committing offsets only on revoke; once it has applied
 /// a batch's worth, member B joins and takes a partition. Once all
@@ -312,21 +327,8 @@ async fn hand_over(
     revoke_timeout_ms: &str,
 ) -> u64 {
     let _alone = one_at_a_time().await;
-    member_tables(pool).await;
-    let topic = create_topic(2).await;
+    let topic = two_partitions(pool, per_partition).await;
     let group = unique("g");
-    let producer = producer_for(&topic, 2).await;
-    for seq in 0..per_partition {
-        for p in 0..2 {
-            send_to(
-                &producer,
-                &topic,
-                p,
-                &numbered(uuid::Uuid::new_v4(), p, seq),
-            )
-            .await;
-        }
-    }
     let env = [
         protocol,
         ("HANDLER_SLEEP_MS", sleep_ms),
@@ -781,21 +783,8 @@ async fn a_revoke_timeout_longer_than_liveness_allows_is_refused(pool: PgPool) {
 #[sqlx::test(migrations = false)]
 async fn a_revoke_does_not_wait_for_a_partition_waiting_out_an_outage(pool: PgPool) {
     let _alone = one_at_a_time().await;
-    member_tables(&pool).await;
-    let topic = create_topic(2).await;
+    let topic = two_partitions(&pool, 20).await;
     let group = unique("g");
-    let producer = producer_for(&topic, 2).await;
-    for seq in 0..20 {
-        for p in 0..2 {
-            send_to(
-                &producer,
-                &topic,
-                p,
-                &numbered(uuid::Uuid::new_v4(), p, seq),
-            )
-            .await;
-        }
-    }
     common::set_read_only(&pool, true).await;
     let env = [
         (

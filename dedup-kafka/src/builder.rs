@@ -344,6 +344,22 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 crate::LIVE_POLL_LIMIT / 2
             )));
         }
+        // Nor may it outlast the poll interval: the group would drop the
+        // member for not polling while it waits.
+        if let Some(max_poll) = self
+            .client_settings
+            .iter()
+            .rev()
+            .find(|(k, _)| k == "max.poll.interval.ms")
+            .and_then(|(_, v)| v.parse::<u64>().ok())
+            && self.runtime.revoke_timeout >= Duration::from_millis(max_poll)
+        {
+            return Err(Error::Config(format!(
+                "revoke_timeout {:?} is not under max.poll.interval.ms ({max_poll} ms): the \
+                 consumer does not poll while a revoke waits",
+                self.runtime.revoke_timeout
+            )));
+        }
         let consumer_config = config::consumer_config(
             &self.brokers,
             self.group_id.as_deref(),

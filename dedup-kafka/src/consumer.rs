@@ -137,8 +137,8 @@ impl<S: DedupStore> Consumer<S> {
         let mut running = Running::start(self.shared.stats.clone());
         if !self.shared.settings.revoke_timeout.is_zero()
             && matches!(
-                tokio::runtime::Handle::current().runtime_flavor(),
-                tokio::runtime::RuntimeFlavor::CurrentThread
+                tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()),
+                Ok(tokio::runtime::RuntimeFlavor::CurrentThread)
             )
         {
             tracing::warn!(

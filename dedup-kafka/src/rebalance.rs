@@ -174,6 +174,7 @@ impl RebalanceContext {
                 tracing::info!(
                     partitions = tpl.count(),
                     lost,
+                    closing,
                     ?waited,
                     took = ?started.elapsed(),
                     "partitions revoked"

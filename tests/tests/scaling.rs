@@ -544,7 +544,7 @@ async fn members_join_and_leave(pool: &PgPool, protocol: &[(&str, &str)]) -> Sca
                 coalesce(max(gap) FILTER (WHERE member <> before), 0)::float8, \
                 coalesce(max(gap) FILTER (WHERE member <> before \
                     AND NOT (before = 'm2' AND at > to_timestamp($1))), 0)::float8 \
-         FROM (SELECT member, lag(member) OVER w AS before, \
+         FROM (SELECT member, at, lag(member) OVER w AS before, \
                       extract(epoch FROM at - greatest(lag(at) OVER w, sent_at)) * 1000 AS gap \
                FROM applied WINDOW w AS (PARTITION BY partition ORDER BY at)) g",
     )

@@ -19,6 +19,10 @@ use crate::failpoint::failpoint;
 use crate::metrics::RelayMetrics;
 use crate::retry::{Jitter, RetryPolicy};
 
+/// Sent rows deleted per purge statement: bounded, so a large backlog of
+/// them never holds one long transaction; a purge takes as many as it needs.
+const PURGE_BATCH: u32 = 10_000;
+
 /// Builds a [`Relay`] over an outbox.
 ///
 /// ```no_run
@@ -268,6 +272,10 @@ impl<S: OutboxSource> Relay<S> {
             let mut jitter = Jitter::new(self.batch_size as u64);
             let mut failures: u32 = 0;
             let mut last_purge = tokio::time::Instant::now();
+            // A purge is under way: its last batch came back full, so more
+            // rows are past their retention. One batch per turn, between
+            // publishing rounds, until a batch comes back short.
+            let mut purging = false;
             let metrics = RelayMetrics::new();
             let mut last_backlog: Option<tokio::time::Instant> = None;
             while !*stop_rx.borrow() {
@@ -283,11 +291,17 @@ impl<S: OutboxSource> Relay<S> {
                         Err(_) => tracing::debug!("outbox relay: reading the backlog timed out"),
                     }
                 }
-                if last_purge.elapsed() >= self.purge_interval {
-                    last_purge = tokio::time::Instant::now();
-                    if let Err(e) = self.source.purge_sent(10_000).await {
-                        tracing::warn!(error = %e, "outbox relay: purging sent events failed");
+                if purging || last_purge.elapsed() >= self.purge_interval {
+                    if !purging {
+                        last_purge = tokio::time::Instant::now();
                     }
+                    purging = match self.source.purge_sent(PURGE_BATCH).await {
+                        Ok(purged) => purged >= u64::from(PURGE_BATCH),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "outbox relay: purging sent events failed");
+                            false
+                        }
+                    };
                 }
                 let wait = match self.round(&mut jitter, &metrics).await {
                     // Nothing got through: the broker is likely down.
@@ -297,8 +311,8 @@ impl<S: OutboxSource> Relay<S> {
                     }
                     Ok(round) => {
                         failures = 0;
-                        if round.taken == self.batch_size {
-                            continue; // more may be waiting
+                        if round.taken == self.batch_size || purging {
+                            continue; // more may be waiting, or more to purge
                         }
                         None
                     }

@@ -463,3 +463,45 @@ async fn the_outbox_example_is_exactly_once_along_the_chain(pool: PgPool) {
         "one notice per payment"
     );
 }
+
+/// Sent rows past their retention (default: kept an hour) are purged in
+/// bounded batches until none is left, not one batch per purge interval:
+/// 25,000 rows sent two hours ago are all gone one purge in, and an event
+/// enqueued meanwhile is still published.
+#[sqlx::test(migrations = false)]
+async fn a_purge_deletes_every_sent_row_past_its_retention(pool: PgPool) {
+    let source = migrated_outbox(&pool).await;
+    sqlx::query(
+        "INSERT INTO dedup_outbox \
+         (event_id, topic, payload, header_names, header_values, enqueued_at, sent_at) \
+         SELECT g::text, 'sent', '\\x00', '{}', '{}', now() - interval '2 hours', \
+                now() - interval '2 hours' \
+         FROM generate_series(1, 25000) g",
+    )
+    .execute(&pool)
+    .await
+    .expect("old sent rows");
+    let topic = create_topic(1).await;
+    enqueue(&pool, &topic, &[("k".to_owned(), b"fresh".to_vec())]).await;
+    let relay = Relay::builder(source.clone())
+        .brokers(brokers())
+        .purge_interval(Duration::from_secs(10))
+        .build()
+        .expect("relay");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(relay.run_until(async {
+        let _ = stopped.await;
+    }));
+    // One purge happens at 10 s; the next would come at 20 s.
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let _ = stop.send(());
+    let stats = task.await.expect("relay");
+    let old: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM dedup_outbox WHERE sent_at < now() - interval '1 hour'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("count");
+    assert_eq!(old, 0, "every row past its retention purged");
+    assert_eq!(stats.published, 1, "{stats:?}");
+}

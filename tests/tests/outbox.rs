@@ -83,6 +83,11 @@ impl RunningRelay {
             )
             .build()
             .expect("relay");
+        Self::run(relay)
+    }
+
+    /// Runs `relay` in the background.
+    fn run(relay: Relay<OutboxReader>) -> Self {
         let stats = relay.stats();
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let task = tokio::spawn(relay.run_until(async {
@@ -488,14 +493,10 @@ async fn a_purge_deletes_every_sent_row_past_its_retention(pool: PgPool) {
         .purge_interval(Duration::from_secs(10))
         .build()
         .expect("relay");
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(relay.run_until(async {
-        let _ = stopped.await;
-    }));
+    let running = RunningRelay::run(relay);
     // One purge happens at 10 s; the next would come at 20 s.
     tokio::time::sleep(Duration::from_secs(15)).await;
-    let _ = stop.send(());
-    let stats = task.await.expect("relay");
+    let stats = running.stop().await;
     let old: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM dedup_outbox WHERE sent_at < now() - interval '1 hour'",
     )

@@ -50,7 +50,7 @@ async fn settings_from_the_environment_reach_librdkafka(pool: PgPool) {
         }
         cmd.output().expect("run the payments example")
     };
-    let ran = run(&[("KAFKA_CFG_GROUP_PROTOCOL", "consumer")]);
+    let ran = run(&[CONSUMER_PROTOCOL]);
     assert!(
         ran.status.success(),
         "{}",
@@ -92,6 +92,15 @@ async fn the_pool_bounds_how_many_partitions_run_at_once(pool: PgPool) {
         .expect("consumer");
     assert_eq!(chosen.max_concurrent_partitions(), 8);
 }
+
+/// The group protocols, as a member's environment sets them: eager
+/// (librdkafka's default), and the two incremental ones.
+const EAGER: (&str, &str) = ("KAFKA_CFG_PARTITION_ASSIGNMENT_STRATEGY", "range");
+const COOPERATIVE: (&str, &str) = (
+    "KAFKA_CFG_PARTITION_ASSIGNMENT_STRATEGY",
+    "cooperative-sticky",
+);
+const CONSUMER_PROTOCOL: (&str, &str) = ("KAFKA_CFG_GROUP_PROTOCOL", "consumer");
 
 /// A member of a group as its own process (`src/bin/member.rs`): what a
 /// deployment runs, on a multi-thread runtime, and what SIGKILL can kill.
@@ -367,53 +376,30 @@ async fn hand_over(
     a.redelivered + b.redelivered
 }
 
-/// On revoke, the revoked partitions' batches in flight finish and their
-/// offsets are committed before the partitions go: the next owner receives
-/// none of them again, under each group protocol.
+/// On revoke, the revoked partitions' batches in flight (1 s each) finish
+/// and their offsets are committed before the partitions go: the next owner
+/// receives none of them again, under each group protocol.
+async fn a_revoke_lets_batches_in_flight_finish(pool: &PgPool, protocol: (&str, &str)) {
+    assert_eq!(hand_over(pool, protocol, "50", 250, "5000").await, 0);
+}
+
 #[sqlx::test(migrations = false)]
 async fn a_revoke_lets_batches_in_flight_finish_and_commits_them_under_range(pool: PgPool) {
-    let redelivered = hand_over(
-        &pool,
-        ("KAFKA_CFG_PARTITION_ASSIGNMENT_STRATEGY", "range"),
-        "50",
-        250,
-        "5000",
-    )
-    .await;
-    assert_eq!(redelivered, 0);
+    a_revoke_lets_batches_in_flight_finish(&pool, EAGER).await;
 }
 
 #[sqlx::test(migrations = false)]
 async fn a_revoke_lets_batches_in_flight_finish_and_commits_them_under_cooperative_sticky(
     pool: PgPool,
 ) {
-    let redelivered = hand_over(
-        &pool,
-        (
-            "KAFKA_CFG_PARTITION_ASSIGNMENT_STRATEGY",
-            "cooperative-sticky",
-        ),
-        "50",
-        250,
-        "5000",
-    )
-    .await;
-    assert_eq!(redelivered, 0);
+    a_revoke_lets_batches_in_flight_finish(&pool, COOPERATIVE).await;
 }
 
 #[sqlx::test(migrations = false)]
 async fn a_revoke_lets_batches_in_flight_finish_and_commits_them_under_the_consumer_protocol(
     pool: PgPool,
 ) {
-    let redelivered = hand_over(
-        &pool,
-        ("KAFKA_CFG_GROUP_PROTOCOL", "consumer"),
-        "50",
-        250,
-        "5000",
-    )
-    .await;
-    assert_eq!(redelivered, 0);
+    a_revoke_lets_batches_in_flight_finish(&pool, CONSUMER_PROTOCOL).await;
 }
 
 /// Past the revoke timeout (100 ms, batches of 5 s) the batches in flight
@@ -422,14 +408,7 @@ async fn a_revoke_lets_batches_in_flight_finish_and_commits_them_under_the_consu
 /// applying each event once. (Eager: both partitions are revoked.)
 #[sqlx::test(migrations = false)]
 async fn past_the_revoke_timeout_batches_are_abandoned_and_skipped_as_redelivered(pool: PgPool) {
-    let redelivered = hand_over(
-        &pool,
-        ("KAFKA_CFG_PARTITION_ASSIGNMENT_STRATEGY", "range"),
-        "250",
-        60,
-        "100",
-    )
-    .await;
+    let redelivered = hand_over(&pool, EAGER, "250", 60, "100").await;
     assert!(redelivered > 0);
 }
 
@@ -611,14 +590,7 @@ const CLASSIC_SESSION: (&str, &str) = ("KAFKA_CFG_SESSION_TIMEOUT_MS", "10000");
 /// it gets back.
 #[sqlx::test(migrations = false)]
 async fn four_members_join_and_leave_under_eager_range(pool: PgPool) {
-    let scaled = members_join_and_leave(
-        &pool,
-        &[
-            ("KAFKA_CFG_PARTITION_ASSIGNMENT_STRATEGY", "range"),
-            CLASSIC_SESSION,
-        ],
-    )
-    .await;
+    let scaled = members_join_and_leave(&pool, &[EAGER, CLASSIC_SESSION]).await;
     assert!(scaled.first_revoked > scaled.moved_from_first, "{scaled:?}");
 }
 
@@ -631,23 +603,13 @@ fn kept_the_partitions_that_stayed(scaled: &Scaled) {
 
 #[sqlx::test(migrations = false)]
 async fn four_members_join_and_leave_under_cooperative_sticky(pool: PgPool) {
-    let scaled = members_join_and_leave(
-        &pool,
-        &[
-            (
-                "KAFKA_CFG_PARTITION_ASSIGNMENT_STRATEGY",
-                "cooperative-sticky",
-            ),
-            CLASSIC_SESSION,
-        ],
-    )
-    .await;
+    let scaled = members_join_and_leave(&pool, &[COOPERATIVE, CLASSIC_SESSION]).await;
     kept_the_partitions_that_stayed(&scaled);
 }
 
 #[sqlx::test(migrations = false)]
 async fn four_members_join_and_leave_under_the_consumer_protocol(pool: PgPool) {
-    let scaled = members_join_and_leave(&pool, &[("KAFKA_CFG_GROUP_PROTOCOL", "consumer")]).await;
+    let scaled = members_join_and_leave(&pool, &[CONSUMER_PROTOCOL]).await;
     kept_the_partitions_that_stayed(&scaled);
 }
 
@@ -688,7 +650,7 @@ async fn a_static_member_restarts_and_keeps_its_partitions(pool: &PgPool, protoc
         })
     };
     let mut env = vec![protocol];
-    if protocol.0 != "KAFKA_CFG_GROUP_PROTOCOL" {
+    if protocol != CONSUMER_PROTOCOL {
         env.push(("KAFKA_CFG_SESSION_TIMEOUT_MS", "30000"));
     }
     let with_id = |id: &'static str| {
@@ -758,25 +720,14 @@ async fn a_static_member_restarts_and_keeps_its_partitions(pool: &PgPool, protoc
 
 #[sqlx::test(migrations = false)]
 async fn a_static_member_restarts_and_keeps_its_partitions_under_cooperative_sticky(pool: PgPool) {
-    a_static_member_restarts_and_keeps_its_partitions(
-        &pool,
-        (
-            "KAFKA_CFG_PARTITION_ASSIGNMENT_STRATEGY",
-            "cooperative-sticky",
-        ),
-    )
-    .await;
+    a_static_member_restarts_and_keeps_its_partitions(&pool, COOPERATIVE).await;
 }
 
 #[sqlx::test(migrations = false)]
 async fn a_static_member_restarts_and_keeps_its_partitions_under_the_consumer_protocol(
     pool: PgPool,
 ) {
-    a_static_member_restarts_and_keeps_its_partitions(
-        &pool,
-        ("KAFKA_CFG_GROUP_PROTOCOL", "consumer"),
-    )
-    .await;
+    a_static_member_restarts_and_keeps_its_partitions(&pool, CONSUMER_PROTOCOL).await;
 }
 
 /// The consumer loop does not turn while a revoke waits: a revoke timeout
@@ -812,14 +763,7 @@ async fn a_revoke_does_not_wait_for_a_partition_waiting_out_an_outage(pool: PgPo
     let topic = two_partitions(&pool, 20).await;
     let group = unique("g");
     common::set_read_only(&pool, true).await;
-    let env = [
-        (
-            "KAFKA_CFG_PARTITION_ASSIGNMENT_STRATEGY",
-            "cooperative-sticky",
-        ),
-        ("REVOKE_TIMEOUT_MS", "10000"),
-        CAPTURE_LOG,
-    ];
+    let env = [COOPERATIVE, ("REVOKE_TIMEOUT_MS", "10000"), CAPTURE_LOG];
     let a = Member::start(&pool, &topic, &group, "a", &env);
     // a has both partitions and waits out the read-only database.
     tokio::time::sleep(Duration::from_secs(5)).await;

@@ -188,40 +188,51 @@ impl PublishFailure {
 ///
 /// # The contract
 ///
-/// - [`lock_pending`](OutboxSource::lock_pending) returns pending events in
-///   outbox order and holds them until [`finish`](OutboxSource::finish):
-///   another relay's `lock_pending` skips them (it does not wait for them).
+/// - [`lease_pending`](OutboxSource::lease_pending) returns pending events
+///   in outbox order and leases them to the caller for `lease_for`: until
+///   [`finish`](OutboxSource::finish) or the lease expires, another
+///   relay's `lease_pending` skips them (it does not wait for them). Taking
+///   the lease is one short write; nothing stays open while the relay
+///   publishes, so a relay that dies leaves leases that simply expire and
+///   another relay (or its own restart) takes those events over.
 /// - It never returns an event while an earlier pending event of the same
-///   topic and key is held by another relay, so several relays keep each
+///   topic and key is leased to another relay, so several relays keep each
 ///   key's order. (Events without a key have no order to keep.)
 /// - `finish` atomically marks the published events as sent (or deletes
-///   them) and records the failures; events neither published nor failed
-///   stay pending. A failed event is not offered again before its
+///   them), records the failures and releases the rest of the lease;
+///   events neither published nor failed stay pending and are offered
+///   again at once. A failed event is not offered again before its
 ///   back-off has passed, and neither is any later event of its key; other
-///   keys' events are, so one poison event cannot stall the outbox. If the relay dies before `finish`, every event of the
-///   batch stays pending and is published again: the relay is
+///   keys' events are, so one poison event cannot stall the outbox. If the
+///   relay dies before `finish`, every event of the batch stays pending and
+///   is published again once the lease expires: the relay is
 ///   at-least-once, and consumers deduplicate on the event id.
 pub trait OutboxSource: Send + Sync + 'static {
-    /// Holds a batch of events until [`finish`](OutboxSource::finish).
-    type Lease: Send;
+    /// Identifies a batch until [`finish`](OutboxSource::finish).
+    type Lease: Send + Sync;
 
-    /// Takes up to `limit` pending events, in outbox order.
-    fn lock_pending(
+    /// Leases up to `limit` pending events, in outbox order, for `lease_for`.
+    fn lease_pending(
         &self,
         limit: usize,
+        lease_for: Duration,
     ) -> impl Future<Output = Result<(Self::Lease, Vec<OutboxRecord>), StoreError>> + Send;
 
     /// Marks `published` (sequence numbers) sent, records `failed` attempts
-    /// with their reasons and back-offs, and releases the batch.
+    /// with their reasons and back-offs, and releases the rest of the
+    /// batch, in one transaction. Marking is right even after the lease
+    /// expired: the broker acknowledged those events.
     fn finish(
         &self,
-        lease: Self::Lease,
+        lease: &Self::Lease,
         published: &[i64],
         failed: &[PublishFailure],
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Waits until new events may have been enqueued (a notification), or
     /// at most `timeout`: the polling fallback when notifications are lost.
+    /// Notifications that arrived since the last wait, however many, wake
+    /// it once: a backlog of them never costs a look each.
     fn wait_for_events(&self, timeout: Duration) -> impl Future<Output = ()> + Send;
 
     /// Deletes events marked sent longer ago than the retention, at most

@@ -19,6 +19,10 @@ use crate::failpoint::failpoint;
 use crate::metrics::RelayMetrics;
 use crate::retry::{Jitter, RetryPolicy};
 
+/// What a batch's lease adds to the delivery timeout by default: time to
+/// take it, queue the sends and mark it.
+const LEASE_MARGIN: Duration = Duration::from_secs(15);
+
 /// Sent rows deleted per purge statement: bounded, so a large backlog of
 /// them never holds one long transaction; a purge takes as many as it needs.
 const PURGE_BATCH: u32 = 10_000;
@@ -45,6 +49,7 @@ pub struct RelayBuilder<S> {
     delivery_timeout: Duration,
     retry: RetryPolicy,
     purge_interval: Duration,
+    lease_timeout: Option<Duration>,
 }
 
 impl<S> fmt::Debug for RelayBuilder<S> {
@@ -56,6 +61,7 @@ impl<S> fmt::Debug for RelayBuilder<S> {
             .field("batch_size", &self.batch_size)
             .field("poll_interval", &self.poll_interval)
             .field("delivery_timeout", &self.delivery_timeout)
+            .field("lease_timeout", &self.lease_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -108,9 +114,30 @@ impl<S: OutboxSource> RelayBuilder<S> {
         self
     }
 
+    /// How long a batch stays leased to this relay. A relay that dies
+    /// leaves its batch to another relay (or to its own restart) after this
+    /// long, and that relay publishes it again. Default: the delivery
+    /// timeout plus 15 s; it must be longer than the delivery timeout, or a
+    /// batch still being delivered would be taken over and sent twice.
+    pub fn lease_timeout(mut self, timeout: Duration) -> Self {
+        self.lease_timeout = Some(timeout);
+        self
+    }
+
     /// Builds the relay (creates its producer) without starting it.
     pub fn build(self) -> Result<Relay<S>, Error> {
         crate::config::check_features(&self.settings)?;
+        let lease = self
+            .lease_timeout
+            .unwrap_or(self.delivery_timeout + LEASE_MARGIN);
+        if lease <= self.delivery_timeout {
+            return Err(Error::Config(format!(
+                "the relay's lease_timeout ({lease:?}) must be longer than its delivery \
+                 timeout ({:?}): a batch still being delivered would be taken over by another \
+                 relay and published twice",
+                self.delivery_timeout
+            )));
+        }
         let config =
             idempotent_producer_config(&self.brokers, &self.settings, self.delivery_timeout);
         let producer: FutureProducer = config.create()?;
@@ -121,6 +148,7 @@ impl<S: OutboxSource> RelayBuilder<S> {
             poll_interval: self.poll_interval,
             retry: self.retry,
             purge_interval: self.purge_interval,
+            lease,
             stats: Arc::default(),
         })
     }
@@ -186,13 +214,14 @@ impl fmt::Display for RelayStatsSnapshot {
 /// Publishes an outbox's events to Kafka: the other half of exactly-once
 /// along a chain of services.
 ///
-/// Each round locks a batch of pending events (other relays skip them),
-/// sends them all with the idempotent producer, waits for the broker's
-/// acknowledgements, then marks the acknowledged ones sent in the same
-/// transaction that held them. A relay that dies in between leaves them
-/// pending and they are sent again: at least once, each copy carrying the
-/// same `event-id` header for consumers to deduplicate on
-/// (`#[idempotent(key = "header:event-id")]`).
+/// Each round leases a batch of pending events (other relays skip them;
+/// one short statement, no transaction stays open), sends them all with the
+/// idempotent producer, waits for the broker's acknowledgements, then marks
+/// the acknowledged ones sent in a new short transaction. A relay that dies
+/// in between leaves them pending, leased until the lease expires
+/// ([`RelayBuilder::lease_timeout`]), and they are sent again: at least
+/// once, each copy carrying the same `event-id` header for consumers to
+/// deduplicate on (`#[idempotent(key = "header:event-id")]`).
 ///
 /// Order: events of one topic and key are published in outbox order, also
 /// with several relays (a relay never takes an event while an earlier one
@@ -208,6 +237,7 @@ pub struct Relay<S> {
     poll_interval: Duration,
     retry: RetryPolicy,
     purge_interval: Duration,
+    lease: Duration,
     stats: Arc<RelayStats>,
 }
 
@@ -250,6 +280,7 @@ impl<S: OutboxSource> Relay<S> {
             delivery_timeout: Duration::from_secs(30),
             retry: RetryPolicy::default(),
             purge_interval: Duration::from_secs(60),
+            lease_timeout: None,
         }
     }
 
@@ -303,7 +334,7 @@ impl<S: OutboxSource> Relay<S> {
                         }
                     };
                 }
-                let wait = match self.round(&mut jitter, &metrics).await {
+                let wait = match self.round(&mut jitter, &metrics, &stop_rx).await {
                     // Nothing got through: the broker is likely down.
                     Ok(round) if round.failed > 0 && round.published == 0 => {
                         failures += 1;
@@ -348,15 +379,19 @@ impl<S: OutboxSource> Relay<S> {
         self.stats.snapshot()
     }
 
-    /// One batch: lock, publish, mark.
+    /// One batch: lease, publish, mark.
     async fn round(
         &self,
         jitter: &mut Jitter,
         metrics: &RelayMetrics,
+        stop: &tokio::sync::watch::Receiver<bool>,
     ) -> Result<Round, dedup_core::StoreError> {
-        let (lease, records) = self.source.lock_pending(self.batch_size).await?;
+        let leased_at = tokio::time::Instant::now();
+        let (lease, records) = self
+            .source
+            .lease_pending(self.batch_size, self.lease)
+            .await?;
         if records.is_empty() {
-            self.source.finish(lease, &[], &[]).await?;
             return Ok(Round::default());
         }
         let outcomes = self.publish(&records).await;
@@ -383,7 +418,8 @@ impl<S: OutboxSource> Relay<S> {
                 Sent::Held => {}
             }
         }
-        self.source.finish(lease, &published, &failed).await?;
+        self.finish(&lease, &published, &failed, leased_at, jitter, stop)
+            .await?;
         let round = Round {
             taken: records.len(),
             published: published.len(),
@@ -403,6 +439,44 @@ impl<S: OutboxSource> Relay<S> {
             "outbox relay: batch done"
         );
         Ok(round)
+    }
+
+    /// Marks the batch, retrying while its lease lasts: events the broker
+    /// acknowledged and the outbox forgot would be published again. Past
+    /// the lease (or at shutdown) it gives up; the batch is then published
+    /// again once the lease expires.
+    async fn finish(
+        &self,
+        lease: &S::Lease,
+        published: &[i64],
+        failed: &[PublishFailure],
+        leased_at: tokio::time::Instant,
+        jitter: &mut Jitter,
+        stop: &tokio::sync::watch::Receiver<bool>,
+    ) -> Result<(), dedup_core::StoreError> {
+        let mut attempts: u32 = 0;
+        loop {
+            let error = match self.source.finish(lease, published, failed).await {
+                Ok(()) => return Ok(()),
+                Err(e) => e,
+            };
+            attempts += 1;
+            let backoff = self.retry.backoff(attempts, jitter.next());
+            if *stop.borrow() || leased_at.elapsed() + backoff >= self.lease {
+                return Err(error);
+            }
+            tracing::warn!(
+                error = %error,
+                published = published.len(),
+                ?backoff,
+                "outbox relay: marking a published batch failed; retrying while its lease lasts"
+            );
+            let mut stopping = stop.clone();
+            tokio::select! {
+                () = tokio::time::sleep(backoff) => {}
+                _ = stopping.wait_for(|s| *s) => {}
+            }
+        }
     }
 
     /// Sends every record (they queue in the producer together) and waits

@@ -18,7 +18,7 @@ use sqlx::{PgPool, Row};
 pub use dedup_sql::{Error, InvalidTableName};
 
 mod outbox;
-pub use outbox::{OutboxConfig, OutboxReader, OutboxWriter, Retention, enqueue};
+pub use outbox::{OutboxConfig, OutboxReader, OutboxWriter, PgLease, Retention, enqueue};
 
 /// The sqlx this backend is built on, so handlers can use the same version.
 pub use sqlx;

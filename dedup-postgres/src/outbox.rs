@@ -11,7 +11,7 @@ use dedup_sql::{TableName, run_migrations, sql};
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool};
 
-use crate::{Error, InvalidTableName, Pg, PgTx, store_error};
+use crate::{Error, InvalidTableName, Pg, store_error};
 
 /// The outbox migrations, rendered with the configured table name.
 static OUTBOX_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./outbox-migrations");
@@ -66,9 +66,10 @@ struct Statements {
     table: TableName,
     retention: Retention,
     enqueue: Arc<str>,
-    lock_pending: Arc<str>,
+    lease_pending: Arc<str>,
     mark_sent: Arc<str>,
     record_failures: Arc<str>,
+    release: Arc<str>,
     purge_sent: Arc<str>,
     pending: Arc<str>,
     oldest_pending: Arc<str>,
@@ -83,46 +84,64 @@ impl Statements {
              VALUES (COALESCE($1, gen_random_uuid()::text), $2, $3, $4, $5, $6) \
              RETURNING event_id"
         );
-        // Lock the oldest pending rows no other relay holds, leaving out
-        // events backing off after a failure and every later event of their
-        // key (so one poison event holds back its key, not the outbox). Then
-        // keep only rows with no earlier pending row of the same topic and
-        // key outside this batch: that row is another relay's, and
-        // publishing past it would overtake it.
-        let lock_pending = format!(
-            "WITH locked AS ( \
-                 SELECT o.seq, o.event_id, o.topic, o.key, o.payload, o.header_names, \
-                        o.header_values, o.attempts \
+        // Lease the oldest pending rows no other relay holds (unleased, or
+        // their lease expired), leaving out events backing off after a
+        // failure and every later event of their key (so one poison event
+        // holds back its key, not the outbox). Of those, lease only rows
+        // with no earlier pending row of the same topic and key outside
+        // this batch: that row is another relay's (or is being taken by
+        // one right now), and publishing past it would overtake it. One
+        // statement: the row locks last only as long as it does.
+        let lease_pending = format!(
+            "WITH lease AS MATERIALIZED (SELECT gen_random_uuid() AS id), \
+             candidates AS ( \
+                 SELECT o.seq, o.topic, o.key \
                  FROM {t} o \
                  WHERE o.sent_at IS NULL \
                    AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= now()) \
+                   AND (o.leased_until IS NULL OR o.leased_until <= now()) \
                    AND (o.key IS NULL OR NOT EXISTS ( \
                        SELECT 1 FROM {t} f \
                        WHERE f.sent_at IS NULL AND f.next_attempt_at > now() \
                          AND f.topic = o.topic AND f.key = o.key AND f.seq < o.seq)) \
                  ORDER BY o.seq LIMIT $1 FOR UPDATE OF o SKIP LOCKED \
+             ), \
+             taken AS ( \
+                 SELECT c.seq FROM candidates c \
+                 WHERE c.key IS NULL OR NOT EXISTS ( \
+                     SELECT 1 FROM {t} o \
+                     WHERE o.sent_at IS NULL AND o.topic = c.topic AND o.key = c.key \
+                       AND o.seq < c.seq AND o.seq NOT IN (SELECT seq FROM candidates)) \
              ) \
-             SELECT l.seq, l.event_id, l.topic, l.key, l.payload, l.header_names, \
-                    l.header_values, l.attempts \
-             FROM locked l \
-             WHERE l.key IS NULL OR NOT EXISTS ( \
-                 SELECT 1 FROM {t} o \
-                 WHERE o.sent_at IS NULL AND o.topic = l.topic AND o.key = l.key \
-                   AND o.seq < l.seq AND o.seq NOT IN (SELECT seq FROM locked) \
-             ) \
-             ORDER BY l.seq"
+             UPDATE {t} o SET lease_id = (SELECT id FROM lease), \
+                 leased_until = now() + $2 * interval '1 millisecond' \
+             FROM taken WHERE o.seq = taken.seq \
+             RETURNING o.seq, o.event_id, o.topic, o.key, o.payload, o.header_names, \
+                 o.header_values, o.attempts, o.lease_id::text AS lease_id"
         );
+        // Marking is right whoever holds the lease now (the broker
+        // acknowledged the event); a row another relay marked first keeps
+        // its time.
         let mark_sent = match config.retention {
             Retention::Delete => format!("DELETE FROM {t} WHERE seq = ANY($1)"),
-            Retention::Keep(_) => {
-                format!("UPDATE {t} SET sent_at = now() WHERE seq = ANY($1)")
-            }
+            Retention::Keep(_) => format!(
+                "UPDATE {t} SET sent_at = now(), lease_id = NULL, leased_until = NULL \
+                 WHERE seq = ANY($1) AND sent_at IS NULL"
+            ),
         };
         let record_failures = format!(
             "UPDATE {t} AS o SET attempts = o.attempts + 1, last_error = f.error, \
-                 next_attempt_at = now() + f.delay_ms * interval '1 millisecond' \
+                 next_attempt_at = now() + f.delay_ms * interval '1 millisecond', \
+                 lease_id = NULL, leased_until = NULL \
              FROM unnest($1::int8[], $2::text[], $3::int8[]) AS f(seq, error, delay_ms) \
-             WHERE o.seq = f.seq"
+             WHERE o.seq = f.seq AND o.lease_id = $4::uuid"
+        );
+        // What the batch neither published nor failed is offered again at
+        // once; rows whose lease expired and went to another relay are not
+        // touched.
+        let release = format!(
+            "UPDATE {t} SET lease_id = NULL, leased_until = NULL \
+             WHERE seq = ANY($1) AND lease_id = $2::uuid"
         );
         let purge_sent = format!(
             "DELETE FROM {t} WHERE seq IN ( \
@@ -142,9 +161,10 @@ impl Statements {
             table,
             retention: config.retention,
             enqueue: enqueue.into(),
-            lock_pending: lock_pending.into(),
+            lease_pending: lease_pending.into(),
             mark_sent: mark_sent.into(),
             record_failures: record_failures.into(),
+            release: release.into(),
             purge_sent: purge_sent.into(),
         })
     }
@@ -258,20 +278,89 @@ impl OutboxWriter {
         OutboxReader {
             pool,
             statements: self.statements.clone(),
-            listener: Arc::new(tokio::sync::Mutex::new(None)),
+            wakeups: Arc::default(),
         }
     }
 }
 
-/// An outbox as a relay reads it: an [`OutboxSource`] over a pool. Each
-/// batch is a transaction holding its rows (`FOR UPDATE SKIP LOCKED`)
-/// while they are published; relays wake on `LISTEN`/`NOTIFY` and poll as a
-/// fallback.
+/// An outbox as a relay reads it: an [`OutboxSource`] over a pool. A
+/// batch is leased with one short statement (a lease id and an expiry on
+/// the database clock, taken with `FOR UPDATE SKIP LOCKED`), published with
+/// no transaction open, and marked in another short transaction. Relays
+/// wake on `LISTEN`/`NOTIFY` and poll as a fallback.
 #[derive(Clone)]
 pub struct OutboxReader {
     pool: PgPool,
     statements: Arc<Statements>,
-    listener: Arc<tokio::sync::Mutex<Option<PgListener>>>,
+    wakeups: Arc<Wakeups>,
+}
+
+/// The outbox's notifications, read as they come by a task of their own
+/// (while the relay publishes or backs off too): PostgreSQL's shared
+/// notification queue is never held back by this listener, and however
+/// many arrive between two waits, they wake the relay once.
+struct Wakeups {
+    notified: Arc<tokio::sync::Notify>,
+    /// The task reading the listening connection, while it runs.
+    reader: tokio::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The payload of this reader's own notifications (a finished batch
+    /// wakes the other relays, whose batches may have waited on its keys),
+    /// which do not wake it.
+    own: Arc<str>,
+}
+
+impl Default for Wakeups {
+    fn default() -> Self {
+        static READERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos();
+        let n = READERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Wakeups {
+            notified: Arc::default(),
+            reader: tokio::sync::Mutex::default(),
+            own: format!("relay-{}-{now}-{n}", std::process::id()).into(),
+        }
+    }
+}
+
+impl Drop for Wakeups {
+    // The last reader is gone: stop listening (the connection goes back to
+    // the pool).
+    fn drop(&mut self) {
+        if let Some(task) = self.reader.get_mut().take() {
+            task.abort();
+        }
+    }
+}
+
+/// Reads notifications until the listener fails; each one but the reader's
+/// own, and each reconnection (notifications may have been missed), wakes
+/// the relay.
+async fn read_notifications(
+    mut listener: PgListener,
+    notified: Arc<tokio::sync::Notify>,
+    own: Arc<str>,
+) {
+    loop {
+        match listener.try_recv().await {
+            Ok(Some(notification)) if notification.payload() == &*own => {}
+            Ok(_) => notified.notify_one(),
+            Err(e) => {
+                tracing::warn!(error = %e, "outbox: listening failed; polling until it is back");
+                notified.notify_one();
+                return;
+            }
+        }
+    }
+}
+
+/// A batch leased by [`OutboxReader`]: its id and rows.
+#[derive(Debug)]
+pub struct PgLease {
+    id: Option<String>,
+    seqs: Vec<i64>,
 }
 
 impl fmt::Debug for OutboxReader {
@@ -304,28 +393,32 @@ impl OutboxReader {
         Ok(seconds.map(|s| Duration::from_secs_f64(s.max(0.0))))
     }
 
-    /// Listens on the outbox's channel if not already listening. A failure
+    /// Starts reading the outbox's channel if no task does. A failure
     /// only means the relay polls until the next try.
     async fn ensure_listening(&self) {
-        // Busy means a relay is waiting on it: it is listening.
-        let Ok(mut listener) = self.listener.try_lock() else {
-            return;
-        };
-        if listener.is_some() {
+        let mut reader = self.wakeups.reader.lock().await;
+        if reader.as_ref().is_some_and(|task| !task.is_finished()) {
             return;
         }
         let channel = self.statements.table.to_string();
-        match PgListener::connect_with(&self.pool).await {
-            Ok(mut l) => match l.listen(&channel).await {
-                Ok(()) => *listener = Some(l),
-                Err(e) => tracing::warn!(error = %e, "outbox: LISTEN failed; polling"),
-            },
-            Err(e) => tracing::warn!(error = %e, "outbox: no listener connection; polling"),
+        let mut listener = match PgListener::connect_with(&self.pool).await {
+            Ok(listener) => listener,
+            Err(e) => {
+                tracing::warn!(error = %e, "outbox: no listener connection; polling");
+                return;
+            }
+        };
+        if let Err(e) = listener.listen(&channel).await {
+            tracing::warn!(error = %e, "outbox: LISTEN failed; polling");
+            return;
         }
+        let notified = self.wakeups.notified.clone();
+        let own = self.wakeups.own.clone();
+        *reader = Some(tokio::spawn(read_notifications(listener, notified, own)));
     }
 }
 
-/// A pending row as `lock_pending` selects it, read by column name.
+/// A pending row as `lease_pending` returns it, read by column name.
 #[derive(sqlx::FromRow)]
 struct PendingRow {
     seq: i64,
@@ -336,6 +429,7 @@ struct PendingRow {
     header_names: Vec<String>,
     header_values: Vec<Vec<u8>>,
     attempts: i32,
+    lease_id: String,
 }
 
 impl From<PendingRow> for OutboxRecord {
@@ -353,27 +447,41 @@ impl From<PendingRow> for OutboxRecord {
 }
 
 impl OutboxSource for OutboxReader {
-    type Lease = PgTx;
+    type Lease = PgLease;
 
-    async fn lock_pending(&self, limit: usize) -> Result<(PgTx, Vec<OutboxRecord>), StoreError> {
+    async fn lease_pending(
+        &self,
+        limit: usize,
+        lease_for: Duration,
+    ) -> Result<(PgLease, Vec<OutboxRecord>), StoreError> {
         // Listen before looking, so an event enqueued right after an empty
         // look still wakes the relay.
         self.ensure_listening().await;
-        let mut tx = self.pool.begin().await.map_err(store_error)?;
-        let rows: Vec<PendingRow> = sqlx::query_as(sql(&self.statements.lock_pending))
+        let mut rows: Vec<PendingRow> = sqlx::query_as(sql(&self.statements.lease_pending))
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-            .fetch_all(&mut *tx)
+            .bind(i64::try_from(lease_for.as_millis()).unwrap_or(i64::MAX))
+            .fetch_all(&self.pool)
             .await
             .map_err(store_error)?;
-        Ok((tx, rows.into_iter().map(OutboxRecord::from).collect()))
+        // RETURNING keeps no order.
+        rows.sort_unstable_by_key(|row| row.seq);
+        let lease = PgLease {
+            id: rows.first().map(|row| row.lease_id.clone()),
+            seqs: rows.iter().map(|row| row.seq).collect(),
+        };
+        Ok((lease, rows.into_iter().map(OutboxRecord::from).collect()))
     }
 
     async fn finish(
         &self,
-        mut tx: PgTx,
+        lease: &PgLease,
         published: &[i64],
         failed: &[PublishFailure],
     ) -> Result<(), StoreError> {
+        let Some(lease_id) = &lease.id else {
+            return Ok(()); // an empty batch holds nothing
+        };
+        let mut tx = self.pool.begin().await.map_err(store_error)?;
         if !published.is_empty() {
             sqlx::query(sql(&self.statements.mark_sent))
                 .bind(published)
@@ -392,6 +500,36 @@ impl OutboxSource for OutboxReader {
                 .bind(seqs)
                 .bind(reasons)
                 .bind(delays)
+                .bind(lease_id)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?;
+        }
+        let settled: std::collections::HashSet<i64> = published
+            .iter()
+            .copied()
+            .chain(failed.iter().map(|f| f.seq))
+            .collect();
+        let held: Vec<i64> = lease
+            .seqs
+            .iter()
+            .copied()
+            .filter(|seq| !settled.contains(seq))
+            .collect();
+        if !held.is_empty() {
+            sqlx::query(sql(&self.statements.release))
+                .bind(&held)
+                .bind(lease_id)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?;
+        }
+        if !published.is_empty() || !held.is_empty() {
+            // Delivered at commit: another relay whose batch came back short
+            // because this one held some of its keys looks again now.
+            sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(self.statements.table.to_string())
+                .bind(&*self.wakeups.own)
                 .execute(&mut *tx)
                 .await
                 .map_err(store_error)?;
@@ -401,18 +539,7 @@ impl OutboxSource for OutboxReader {
 
     async fn wait_for_events(&self, timeout: Duration) {
         self.ensure_listening().await;
-        let mut guard = self.listener.lock().await;
-        let Some(listener) = guard.as_mut() else {
-            drop(guard);
-            tokio::time::sleep(timeout).await;
-            return;
-        };
-        match tokio::time::timeout(timeout, listener.try_recv()).await {
-            Err(_) | Ok(Ok(Some(_))) => {}
-            // The connection dropped (notifications may have been missed:
-            // the caller looks anyway) or failed: listen afresh next time.
-            Ok(Ok(None)) | Ok(Err(_)) => *guard = None,
-        }
+        let _ = tokio::time::timeout(timeout, self.wakeups.notified.notified()).await;
     }
 
     async fn purge_sent(&self, limit: u32) -> Result<u64, StoreError> {

@@ -8,6 +8,9 @@ use dedup_core::{OutboxMessage, OutboxSource, PublishFailure};
 use dedup_postgres::{OutboxConfig, OutboxReader, OutboxWriter, Retention};
 use sqlx::PgPool;
 
+/// Long enough never to expire within a test, unless a test says so.
+const LEASE: Duration = Duration::from_secs(600);
+
 async fn outbox(pool: &PgPool, retention: Retention) -> OutboxReader {
     let outbox =
         OutboxWriter::new(OutboxConfig::default().with_retention(retention)).expect("config");
@@ -73,12 +76,12 @@ async fn enqueue_gives_ids_and_only_committed_events_are_pending(pool: PgPool) {
         age.is_some_and(|a| a < Duration::from_secs(600)),
         "the lag of events enqueued just now: {age:?}"
     );
-    let (lease, records) = source.lock_pending(10).await.expect("lock");
+    let (lease, records) = source.lease_pending(10, LEASE).await.expect("lock");
     assert_eq!(payloads(&records), ["x", "y"]);
     assert_eq!(records[0].event_id, "order-7:shipped");
     assert_eq!(records[0].headers, [("trace".to_owned(), b"abc".to_vec())]);
     assert_eq!(records[1].event_id, random);
-    source.finish(lease, &[], &[]).await.expect("finish");
+    source.finish(&lease, &[], &[]).await.expect("finish");
 }
 
 #[sqlx::test(migrations = false)]
@@ -99,11 +102,11 @@ async fn a_second_relay_skips_held_events_and_never_overtakes_their_keys(pool: P
     .await;
 
     // Relay A holds the two oldest events.
-    let (lease_a, held) = source.lock_pending(2).await.expect("lock A");
+    let (lease_a, held) = source.lease_pending(2, LEASE).await.expect("lock A");
     assert_eq!(payloads(&held), ["k1-1", "k2-1"]);
 
     // Relay B gets the rest except k1 and k2, whose earlier events A holds.
-    let (lease_b, taken) = source.lock_pending(100).await.expect("lock B");
+    let (lease_b, taken) = source.lease_pending(100, LEASE).await.expect("lock B");
     assert_eq!(payloads(&taken), ["k3-1", "no key", "k3-2"]);
 
     // B publishes; A fails k2-1 (it stays pending, attempts recorded).
@@ -111,12 +114,12 @@ async fn a_second_relay_skips_held_events_and_never_overtakes_their_keys(pool: P
         records.iter().map(|r| r.seq).collect()
     };
     source
-        .finish(lease_b, &seqs(&taken), &[])
+        .finish(&lease_b, &seqs(&taken), &[])
         .await
         .expect("finish B");
     source
         .finish(
-            lease_a,
+            &lease_a,
             &[held[0].seq],
             &[PublishFailure::new(
                 held[1].seq,
@@ -128,7 +131,7 @@ async fn a_second_relay_skips_held_events_and_never_overtakes_their_keys(pool: P
         .expect("finish A");
 
     // What is left comes out in order, the failed event first for its key.
-    let (lease, rest) = source.lock_pending(100).await.expect("lock again");
+    let (lease, rest) = source.lease_pending(100, LEASE).await.expect("lock again");
     assert_eq!(payloads(&rest), ["k2-1", "k1-2", "k2-2"]);
     assert_eq!(rest[0].attempts, 1, "the failure was recorded");
     let last_error: Option<String> =
@@ -139,7 +142,7 @@ async fn a_second_relay_skips_held_events_and_never_overtakes_their_keys(pool: P
             .expect("last_error");
     assert_eq!(last_error.as_deref(), Some("broker down"));
     source
-        .finish(lease, &seqs(&rest), &[])
+        .finish(&lease, &seqs(&rest), &[])
         .await
         .expect("finish");
     assert_eq!(source.pending().await.expect("pending"), 0);
@@ -165,11 +168,11 @@ async fn an_event_backing_off_holds_back_its_key_and_nothing_else(pool: PgPool) 
     )
     .await;
     // A batch of 3 holds only k1; its first event fails and backs off.
-    let (lease, records) = source.lock_pending(3).await.expect("lock");
+    let (lease, records) = source.lease_pending(3, LEASE).await.expect("lock");
     assert_eq!(payloads(&records), ["poison", "k1-2", "k1-3"]);
     source
         .finish(
-            lease,
+            &lease,
             &[],
             &[PublishFailure::new(
                 records[0].seq,
@@ -181,10 +184,10 @@ async fn an_event_backing_off_holds_back_its_key_and_nothing_else(pool: PgPool) 
         .expect("finish");
 
     // The next batch of 3 gets past the whole key to k2.
-    let (lease, records) = source.lock_pending(3).await.expect("lock");
+    let (lease, records) = source.lease_pending(3, LEASE).await.expect("lock");
     assert_eq!(payloads(&records), ["k2-1"]);
     source
-        .finish(lease, &[records[0].seq], &[])
+        .finish(&lease, &[records[0].seq], &[])
         .await
         .expect("finish");
     assert_eq!(source.pending().await.expect("pending"), 3, "k1 waits");
@@ -194,19 +197,19 @@ async fn an_event_backing_off_holds_back_its_key_and_nothing_else(pool: PgPool) 
         .execute(&pool)
         .await
         .expect("end the back-off");
-    let (lease, records) = source.lock_pending(10).await.expect("lock");
+    let (lease, records) = source.lease_pending(10, LEASE).await.expect("lock");
     assert_eq!(payloads(&records), ["poison", "k1-2", "k1-3"]);
     assert_eq!(records[0].attempts, 1);
-    source.finish(lease, &[], &[]).await.expect("finish");
+    source.finish(&lease, &[], &[]).await.expect("finish");
 }
 
 #[sqlx::test(migrations = false)]
 async fn kept_events_are_marked_sent_and_purged_after_their_retention(pool: PgPool) {
     let source = outbox(&pool, Retention::Keep(Duration::from_secs(3600))).await;
     enqueue_all(&pool, &[(Some("k"), "a"), (Some("k"), "b")]).await;
-    let (lease, records) = source.lock_pending(10).await.expect("lock");
+    let (lease, records) = source.lease_pending(10, LEASE).await.expect("lock");
     source
-        .finish(lease, &[records[0].seq, records[1].seq], &[])
+        .finish(&lease, &[records[0].seq, records[1].seq], &[])
         .await
         .expect("finish");
     assert_eq!(source.pending().await.expect("pending"), 0);
@@ -235,9 +238,9 @@ async fn kept_events_are_marked_sent_and_purged_after_their_retention(pool: PgPo
 async fn a_commit_that_enqueued_wakes_a_waiting_relay(pool: PgPool) {
     let source = outbox(&pool, Retention::Delete).await;
     // The first look starts listening.
-    let (lease, none) = source.lock_pending(10).await.expect("lock");
+    let (lease, none) = source.lease_pending(10, LEASE).await.expect("lock");
     assert!(none.is_empty());
-    source.finish(lease, &[], &[]).await.expect("finish");
+    source.finish(&lease, &[], &[]).await.expect("finish");
 
     let writer = {
         let pool = pool.clone();
@@ -254,9 +257,9 @@ async fn a_commit_that_enqueued_wakes_a_waiting_relay(pool: PgPool) {
         waited < Duration::from_secs(30),
         "woken by the notification, not the 60 s poll: {waited:?}"
     );
-    let (lease, records) = source.lock_pending(10).await.expect("lock");
+    let (lease, records) = source.lease_pending(10, LEASE).await.expect("lock");
     assert_eq!(payloads(&records), ["wake up"]);
-    source.finish(lease, &[], &[]).await.expect("finish");
+    source.finish(&lease, &[], &[]).await.expect("finish");
 }
 
 #[sqlx::test(migrations = false)]
@@ -273,11 +276,124 @@ async fn outbox_tables_are_validated_and_can_live_in_a_schema(pool: PgPool) {
     tx.commit().await.expect("commit");
     let source = outbox.reader(pool.clone());
     assert_eq!(source.pending().await.expect("pending"), 1);
-    let (lease, records) = source.lock_pending(10).await.expect("lock");
+    let (lease, records) = source.lease_pending(10, LEASE).await.expect("lock");
     assert_eq!(records.len(), 1);
     source
-        .finish(lease, &[records[0].seq], &[])
+        .finish(&lease, &[records[0].seq], &[])
         .await
         .expect("finish");
     assert_eq!(source.pending().await.expect("pending"), 0);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_lease_holds_its_events_and_its_keys_until_it_expires(pool: PgPool) {
+    let source = outbox(&pool, Retention::Keep(Duration::from_secs(3600))).await;
+    enqueue_all(
+        &pool,
+        &[(Some("k"), "k-1"), (Some("k"), "k-2"), (Some("k"), "k-3")],
+    )
+    .await;
+    // Relay A leases two for 2 s and dies (never finishes).
+    let (_dead, taken) = source
+        .lease_pending(2, Duration::from_secs(2))
+        .await
+        .expect("lease A");
+    assert_eq!(payloads(&taken), ["k-1", "k-2"]);
+    let open: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("activity");
+    assert_eq!(open, 0, "a lease keeps no transaction open");
+
+    // While A's lease lasts, B gets nothing: not A's events, and not k-3,
+    // which would overtake them.
+    let (lease, none) = source.lease_pending(10, LEASE).await.expect("lease B");
+    assert!(none.is_empty(), "{:?}", payloads(&none));
+    source.finish(&lease, &[], &[]).await.expect("finish");
+
+    // Once it expired, B takes the key over from its first event.
+    tokio::time::sleep(Duration::from_millis(2_100)).await;
+    let (lease, records) = source.lease_pending(10, LEASE).await.expect("lease B");
+    assert_eq!(payloads(&records), ["k-1", "k-2", "k-3"]);
+    source
+        .finish(&lease, &[records[0].seq], &[])
+        .await
+        .expect("finish");
+    // What B neither published nor failed is offered again at once.
+    let (lease, records) = source.lease_pending(10, LEASE).await.expect("lease C");
+    assert_eq!(payloads(&records), ["k-2", "k-3"]);
+    source
+        .finish(&lease, &[records[0].seq, records[1].seq], &[])
+        .await
+        .expect("finish");
+    assert_eq!(source.pending().await.expect("pending"), 0);
+}
+
+#[sqlx::test(migrations = false)]
+async fn a_relay_whose_lease_expired_still_marks_what_was_acknowledged(pool: PgPool) {
+    let source = outbox(&pool, Retention::Keep(Duration::from_secs(3600))).await;
+    enqueue_all(&pool, &[(Some("k"), "k-1"), (Some("k"), "k-2")]).await;
+    let (slow, taken) = source
+        .lease_pending(10, Duration::from_millis(500))
+        .await
+        .expect("lease A");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    // B took the batch over and is publishing it.
+    let (lease_b, again) = source.lease_pending(10, LEASE).await.expect("lease B");
+    assert_eq!(payloads(&again), ["k-1", "k-2"]);
+    // A's acknowledgement of k-1 arrives late: it is marked (the broker has
+    // it); A's failure of k-2 and its release leave B's lease alone.
+    source
+        .finish(
+            &slow,
+            &[taken[0].seq],
+            &[PublishFailure::new(taken[1].seq, "late", LEASE)],
+        )
+        .await
+        .expect("finish A");
+    let (attempts, leased): (i32, bool) =
+        sqlx::query_as("SELECT attempts, leased_until > now() FROM dedup_outbox WHERE seq = $1")
+            .bind(taken[1].seq)
+            .fetch_one(&pool)
+            .await
+            .expect("k-2");
+    assert_eq!((attempts, leased), (0, true), "still B's");
+    assert_eq!(source.pending().await.expect("pending"), 1);
+    source
+        .finish(&lease_b, &[again[0].seq, again[1].seq], &[])
+        .await
+        .expect("finish B");
+    assert_eq!(source.pending().await.expect("pending"), 0);
+}
+
+#[sqlx::test(migrations = false)]
+async fn notifications_that_piled_up_wake_a_relay_once(pool: PgPool) {
+    let source = outbox(&pool, Retention::Delete).await;
+    // The first look starts listening.
+    let (lease, _) = source.lease_pending(10, LEASE).await.expect("lease");
+    source.finish(&lease, &[], &[]).await.expect("finish");
+    // 500 transactions, each notifying, while the relay is busy elsewhere.
+    for n in 0..500 {
+        enqueue_all(&pool, &[(Some("k"), &format!("e-{n}"))]).await;
+    }
+    // Ample time for the listener to have read every one of them.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let started = Instant::now();
+    source.wait_for_events(Duration::from_secs(5)).await;
+    assert!(started.elapsed() < Duration::from_secs(1), "woken");
+    // One look takes them all; the notifications are spent with it.
+    let (lease, records) = source.lease_pending(1000, LEASE).await.expect("lease");
+    assert_eq!(records.len(), 500);
+    let seqs: Vec<i64> = records.iter().map(|r| r.seq).collect();
+    source.finish(&lease, &seqs, &[]).await.expect("finish");
+    let started = Instant::now();
+    source.wait_for_events(Duration::from_secs(2)).await;
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(1_900),
+        "nothing new was enqueued, yet a buffered notification woke it after {waited:?}"
+    );
 }

@@ -8,7 +8,8 @@
 //! Environment: `KAFKA_BROKERS` (default `localhost:9092`), `DATABASE_URL`
 //! (required), `TOPIC` (default `payments`), `RECORDED_TOPIC` (default
 //! `payment-recorded`), `GROUP_ID` (default `payments-v1`; the downstream
-//! group is `<GROUP_ID>-notices`).
+//! group is `<GROUP_ID>-notices`), `RELAY_DELIVERY_TIMEOUT_MS` (default
+//! 30000; a batch stays leased 15 s longer than this).
 //! Flags: `--role all|relay` (default `all`: both consumers and the relay;
 //! `relay`: only the relay), `--exit-when-idle <ttl>` exits 0 once nothing
 //! has happened for that long and the outbox is empty. Its last line is
@@ -148,9 +149,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let outbox = store.outbox_reader();
 
+    let delivery_timeout =
+        Duration::from_millis(env_or("RELAY_DELIVERY_TIMEOUT_MS", "30000").parse()?);
     let relay = Relay::builder(outbox.clone())
         .brokers(&brokers)
         .poll_interval(Duration::from_millis(500))
+        .delivery_timeout(delivery_timeout)
         .build()?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     // With METRICS_ADDR set: /metrics and /healthz (the payments consumer's

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use dedup_core::{OutboxMessage, idempotent};
 use dedup_kafka::{Consumer, Relay, RelayStats, RetryPolicy, StatsSnapshot};
-use dedup_postgres::{OutboxReader, OutboxWriter, PgTx};
+use dedup_postgres::{OutboxConfig, OutboxReader, OutboxWriter, PgTx, Retention};
 use dedup_tests::{PaymentReceived, credit, payment, store, total_balance as balance};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
@@ -51,6 +51,11 @@ async fn enqueue(pool: &PgPool, topic: &str, events: &[(String, Vec<u8>)]) -> Ve
     ids
 }
 
+/// Back-offs short enough for a test to see the relay recover.
+fn quick_retry() -> RetryPolicy {
+    RetryPolicy::default().with_backoff(Duration::from_millis(100), Duration::from_secs(1))
+}
+
 /// A relay running in the background until dropped or stopped.
 struct RunningRelay {
     stats: std::sync::Arc<RelayStats>,
@@ -77,10 +82,7 @@ impl RunningRelay {
             .batch_size(batch_size)
             .poll_interval(Duration::from_millis(200))
             .delivery_timeout(delivery_timeout)
-            .retry(
-                RetryPolicy::default()
-                    .with_backoff(Duration::from_millis(100), Duration::from_secs(1)),
-            )
+            .retry(quick_retry())
             .build()
             .expect("relay");
         Self::run(relay)
@@ -233,11 +235,13 @@ async fn a_relay_killed_after_publishing_publishes_again_and_downstream_applies_
     .await;
 
     let binary = example("outbox");
+    // A 3 s delivery timeout: the crashed relay's lease lasts 18 s.
     let run = |failpoint: Option<&str>| {
         let mut cmd = Command::new(&binary);
         cmd.args(["--role", "relay", "--exit-when-idle", "1s"])
             .env("DATABASE_URL", database_url(&pool))
-            .env("KAFKA_BROKERS", brokers());
+            .env("KAFKA_BROKERS", brokers())
+            .env("RELAY_DELIVERY_TIMEOUT_MS", "3000");
         match failpoint {
             Some(f) => cmd.env("DEDUP_FAILPOINT", f),
             None => cmd.env_remove("DEDUP_FAILPOINT"),
@@ -246,6 +250,7 @@ async fn a_relay_killed_after_publishing_publishes_again_and_downstream_applies_
     };
 
     // Dies after the broker acknowledged the event, before marking it.
+    let crashed_at = Instant::now();
     let crashed = run(Some("relay-after-publish"));
     assert!(
         !crashed.status.success(),
@@ -253,6 +258,7 @@ async fn a_relay_killed_after_publishing_publishes_again_and_downstream_applies_
     );
     assert_eq!(source.pending().await.expect("pending"), 1, "not marked");
 
+    // The restart takes the event over once the dead relay's lease expired.
     let restarted = run(None);
     assert!(
         restarted.status.success(),
@@ -262,6 +268,11 @@ async fn a_relay_killed_after_publishing_publishes_again_and_downstream_applies_
     assert_eq!(
         last_line(&restarted),
         "relay: published=1 failed=0 batches=1"
+    );
+    assert!(
+        crashed_at.elapsed() >= Duration::from_secs(18),
+        "published again only after the lease expired: {:?}",
+        crashed_at.elapsed()
     );
     assert_eq!(source.pending().await.expect("pending"), 0);
 
@@ -505,4 +516,165 @@ async fn a_purge_deletes_every_sent_row_past_its_retention(pool: PgPool) {
     .expect("count");
     assert_eq!(old, 0, "every row past its retention purged");
     assert_eq!(stats.published, 1, "{stats:?}");
+}
+
+/// The number of records in partition 0 of `topic`.
+fn records_in(topic: &str) -> i64 {
+    let watcher: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .expect("watcher");
+    let (low, high) = watcher
+        .fetch_watermarks(topic, 0, Duration::from_secs(10))
+        .expect("watermarks");
+    high - low
+}
+
+/// No transaction stays open while the broker acknowledges: with
+/// `idle_in_transaction_session_timeout` (1 s) shorter than the producer's
+/// linger (1.5 s), a relay that held its rows in a transaction lost it on
+/// every batch, never marked anything and published copies for ever.
+#[sqlx::test(migrations = false)]
+async fn a_relay_publishes_once_under_a_short_idle_in_transaction_timeout(pool: PgPool) {
+    migrated_outbox(&pool).await;
+    sqlx::query(
+        "DO $$ BEGIN EXECUTE format( \
+             'ALTER DATABASE %I SET idle_in_transaction_session_timeout = ''1s''', \
+             current_database()); END $$",
+    )
+    .execute(&pool)
+    .await
+    .expect("set the timeout");
+    // New sessions get the setting.
+    let strict = PgPool::connect(&database_url(&pool)).await.expect("pool");
+    let timeout: String = sqlx::query_scalar("SHOW idle_in_transaction_session_timeout")
+        .fetch_one(&strict)
+        .await
+        .expect("show");
+    assert_eq!(timeout, "1s");
+    let source = OutboxWriter::default().reader(strict.clone());
+    let topic = create_topic(1).await;
+    let events: Vec<_> = (0..10).map(|n| numbered("k", n)).collect();
+    enqueue(&strict, &topic, &events).await;
+
+    let relay = Relay::builder(source.clone())
+        .brokers(brokers())
+        .set("linger.ms", "1500")
+        .poll_interval(Duration::from_millis(200))
+        .retry(quick_retry())
+        .build()
+        .expect("relay");
+    let running = RunningRelay::run(relay);
+    wait_until_published(&source, Duration::from_secs(30)).await;
+    let stats = running.stop().await;
+    assert_eq!((stats.published, stats.failed), (10, 0), "{stats}");
+    let messages = read_events(&brokers(), &topic, 10).await;
+    assert_eq!(sequences(&messages)["k"], (0..10).collect::<Vec<u64>>());
+    assert_eq!(records_in(&topic), 10, "each event published once");
+}
+
+/// Transactions committed in the current database so far.
+async fn transactions(pool: &PgPool) -> i64 {
+    sqlx::query_scalar(
+        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()",
+    )
+    .fetch_one(pool)
+    .await
+    .expect("xact_commit")
+}
+
+/// Notifications that piled up while the broker was down do not cost a
+/// database round each afterwards: 20,000 single-event transactions
+/// enqueued during a 20-s outage, then once the backlog is published the
+/// idle relay commits only its polls (about one a second) and its gauges.
+#[sqlx::test(migrations = false)]
+async fn notifications_piled_up_in_an_outage_do_not_cost_a_round_each(pool: PgPool) {
+    const EVENTS: usize = 20_000;
+    let broker = OwnBroker::start("relay-backlog", 9196).await;
+    let source = migrated_outbox(&pool).await;
+    let topic = create_topic_on(&broker.address, 4).await;
+    let relay = Relay::builder(source.clone())
+        .brokers(&broker.address)
+        .delivery_timeout(Duration::from_secs(3))
+        .retry(quick_retry())
+        .build()
+        .expect("relay");
+    let running = RunningRelay::run(relay);
+    enqueue(&pool, &topic, &[numbered("first", 0)]).await;
+    wait_until_published(&source, Duration::from_secs(60)).await;
+
+    broker.run("stop").await;
+    let stopped_at = Instant::now();
+    // Its own connections, closed afterwards: a backend reports its
+    // counts when it exits, not later inside the measured window.
+    let writers = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect(&database_url(&pool))
+        .await
+        .expect("writers");
+    let tasks: Vec<_> = (0..8)
+        .map(|w| {
+            let (writers, topic) = (writers.clone(), topic.clone());
+            tokio::spawn(async move {
+                for n in (w..EVENTS).step_by(8) {
+                    let key = format!("key-{}", n % 50);
+                    enqueue(&writers, &topic, &[numbered(&key, n as u64)]).await;
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("writer");
+    }
+    writers.close().await;
+    let enqueued_in = stopped_at.elapsed();
+    tokio::time::sleep(Duration::from_secs(20).saturating_sub(enqueued_in)).await;
+    broker.run("start").await;
+    wait_until_published(&source, Duration::from_secs(180)).await;
+
+    // Let the last publishing rounds' counts reach the statistics.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = transactions(&pool).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let idle = transactions(&pool).await - before;
+    let stats = running.stop().await;
+    assert_eq!(stats.published, EVENTS as u64 + 1, "{stats}");
+    assert!(
+        idle < 50,
+        "{idle} transactions in 10 idle seconds after the backlog (enqueued in {enqueued_in:?})"
+    );
+    eprintln!("idle transactions in 10 s: {idle}; 20,000 enqueued in {enqueued_in:?}");
+}
+
+/// Delete-on-publish through Kafka: every event reaches the topic once, in
+/// order per key, and no row is left behind.
+#[sqlx::test(migrations = false)]
+async fn delete_on_publish_leaves_no_row_once_the_broker_has_the_event(pool: PgPool) {
+    let writer = OutboxWriter::new(OutboxConfig::default().with_retention(Retention::Delete))
+        .expect("config");
+    writer.migrate(&pool).await.expect("migrate");
+    let source = writer.reader(pool.clone());
+    let topic = create_topic(1).await;
+    let events: Vec<_> = (0..20)
+        .map(|n| numbered(&format!("k{}", n % 4), n))
+        .collect();
+    enqueue(&pool, &topic, &events).await;
+
+    let relay = RunningRelay::start(source.clone(), &brokers(), 100);
+    wait_until_published(&source, Duration::from_secs(60)).await;
+    let stats = relay.stop().await;
+    assert_eq!(stats.published, 20, "{stats}");
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_outbox")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(rows, 0, "published rows are deleted");
+
+    let messages = read_events(&brokers(), &topic, 20).await;
+    let sequences = sequences(&messages);
+    for k in 0..4u64 {
+        let expected: Vec<u64> = (0..20).filter(|n| n % 4 == k).collect();
+        assert_eq!(sequences[&format!("k{k}")], expected, "order of k{k}");
+    }
+    assert_eq!(records_in(&topic), 20, "each event once");
 }

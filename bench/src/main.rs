@@ -30,6 +30,16 @@
 //! purger deletes a backlog of 500,000 expired claims beside it (in batches
 //! of 1,000 every 200 ms), to show purging does not stall the consumer.
 //!
+//! With `--outbox`, the transactional outbox instead (`--per-tx K`, default
+//! 10): the events are enqueued by 4 writers in transactions of K and
+//! published by the relay; the clock runs from the first enqueue until the
+//! last event is marked sent (latency: enqueue to mark, on the database
+//! clock). Modes `outbox-1-relay` and `outbox-2-relays`, beside
+//! `outbox-direct`: the same records sent straight with an idempotent
+//! producer (the limit). Each ends with a check that the topic holds every
+//! event exactly once, and reports the outbox table's size (sent rows are
+//! kept an hour, the default retention).
+//!
 //! Environment: `KAFKA_BROKERS` (default `127.0.0.1:9092`), `DATABASE_URL`.
 
 #![allow(clippy::print_stdout)]
@@ -51,6 +61,14 @@ use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
 
 type BoxError = Box<dyn StdError + Send + Sync>;
+
+const OUTBOX_MODES: [&str; 5] = [
+    "outbox-direct",
+    "outbox-1-relay",
+    "outbox-2-relays",
+    "outbox-1-relay-drain",
+    "outbox-2-relays-drain",
+];
 
 const MODES: [&str; 6] = [
     "batched",
@@ -152,6 +170,9 @@ struct Args {
     partitions: i32,
     json: bool,
     purge: bool,
+    outbox: bool,
+    per_tx: usize,
+    relay_batch: usize,
     mode: Option<String>,
 }
 
@@ -162,6 +183,9 @@ fn args() -> Result<Args, String> {
         partitions: 6,
         json: false,
         purge: false,
+        outbox: false,
+        per_tx: 10,
+        relay_batch: 500,
         mode: None,
     };
     let mut it = std::env::args().skip(1);
@@ -178,9 +202,22 @@ fn args() -> Result<Args, String> {
             "--mode" => a.mode = Some(value()?),
             "--json" => a.json = true,
             "--purge" => a.purge = true,
+            "--outbox" => a.outbox = true,
+            "--relay-batch" => {
+                a.relay_batch = value()?
+                    .parse()
+                    .map_err(|e| format!("--relay-batch: {e}"))?
+            }
+            "--per-tx" => {
+                a.per_tx = value()?
+                    .parse::<usize>()
+                    .map_err(|e| format!("--per-tx: {e}"))?
+                    .max(1)
+            }
             other => {
                 return Err(format!(
-                    "unknown flag {other}; flags: --events --duplicates --partitions --json --purge"
+                    "unknown flag {other}; flags: --events --duplicates --partitions --json --purge \
+                     --outbox --per-tx --relay-batch"
                 ));
             }
         }
@@ -298,6 +335,9 @@ struct Report {
     expected_rows: i64,
     /// Transactions that committed a batch (0 for per-message and limit).
     batches: u64,
+    /// The outbox table's size at the end, in MiB (outbox modes).
+    #[serde(default)]
+    table_mib: Option<f64>,
 }
 
 impl Report {
@@ -322,6 +362,7 @@ impl Report {
             applied_rows: rows.0,
             expected_rows: rows.1,
             batches,
+            table_mib: None,
         }
     }
 }
@@ -367,6 +408,9 @@ fn install_prometheus() -> Result<(), BoxError> {
 
 /// Runs one mode in this process.
 async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
+    if mode.starts_with("outbox") {
+        return run_outbox(mode, args).await;
+    }
     if mode == "batched-metrics" {
         install_prometheus()?;
     }
@@ -445,24 +489,8 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
         ));
     }
 
-    let topic = format!("bench-{mode}-{}", uuid::Uuid::new_v4().simple());
+    let topic = new_topic(&brokers, mode, args.partitions).await?;
     let group = format!("{topic}-g");
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", &brokers)
-        .create()?;
-    for r in admin
-        .create_topics(
-            [&NewTopic::new(
-                &topic,
-                args.partitions,
-                TopicReplication::Fixed(1),
-            )],
-            &AdminOptions::new(),
-        )
-        .await?
-    {
-        r.map_err(|(t, e)| format!("create {t}: {e}"))?;
-    }
 
     let total = events as u64;
 
@@ -584,6 +612,213 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
     ))
 }
 
+/// A fresh topic for `mode`.
+async fn new_topic(brokers: &str, mode: &str, partitions: i32) -> Result<String, BoxError> {
+    let topic = format!("bench-{mode}-{}", uuid::Uuid::new_v4().simple());
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()?;
+    for r in admin
+        .create_topics(
+            [&NewTopic::new(
+                &topic,
+                partitions,
+                TopicReplication::Fixed(1),
+            )],
+            &AdminOptions::new(),
+        )
+        .await?
+    {
+        r.map_err(|(t, e)| format!("create {t}: {e}"))?;
+    }
+    Ok(topic)
+}
+
+/// Records in `topic`, all partitions.
+fn records_in(brokers: &str, topic: &str, partitions: i32) -> Result<i64, BoxError> {
+    let watcher: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()?;
+    let mut total = 0;
+    for p in 0..partitions {
+        let (low, high) = watcher.fetch_watermarks(topic, p, Duration::from_secs(10))?;
+        total += high - low;
+    }
+    Ok(total)
+}
+
+/// One outbox mode: `outbox-direct` sends the records straight to Kafka;
+/// `outbox-N-relay(s)` enqueues them in transactions and has N relays
+/// publish them.
+async fn run_outbox(mode: &str, args: &Args) -> Result<Report, BoxError> {
+    let brokers = env_or("KAFKA_BROKERS", "127.0.0.1:9092");
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(20)
+        .connect(&std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL must be set")?)
+        .await?;
+    let outbox = dedup_postgres::OutboxWriter::default();
+    outbox.migrate(&pool).await?;
+    sqlx::query("TRUNCATE dedup_outbox").execute(&pool).await?;
+    let topic = new_topic(&brokers, mode, args.partitions).await?;
+    let work = Arc::new(Workload::new(args.events, 0.0));
+    let events = work.len();
+    let event_id = |i: usize| format!("bench-{i}");
+
+    if mode == "outbox-direct" {
+        let producer: FutureProducer = ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .create()?;
+        let started = Instant::now();
+        let mut latencies = Vec::with_capacity(events);
+        let mut inflight = std::collections::VecDeque::new();
+        for i in 0..events {
+            let (key, payload) = work.message(i);
+            let id = event_id(i);
+            let headers = rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header {
+                key: dedup_core::outbox::EVENT_ID_HEADER,
+                value: Some(&id),
+            });
+            let record = FutureRecord::to(&topic)
+                .key(&key)
+                .payload(&payload)
+                .headers(headers);
+            let delivery = producer.send_result(record).map_err(|(e, _)| e)?;
+            inflight.push_back((Instant::now(), delivery));
+            if inflight.len() >= 10_000
+                && let Some((sent, delivery)) = inflight.pop_front()
+            {
+                delivery.await?.map_err(|(e, _)| e)?;
+                latencies.push(sent.elapsed().as_secs_f64() * 1000.0);
+            }
+        }
+        for (sent, delivery) in inflight {
+            delivery.await?.map_err(|(e, _)| e)?;
+            latencies.push(sent.elapsed().as_secs_f64() * 1000.0);
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        let records = records_in(&brokers, &topic, args.partitions)?;
+        return Ok(Report::new(
+            mode,
+            events,
+            seconds,
+            latencies,
+            (records, events as i64),
+            0,
+        ));
+    }
+
+    let relays: usize = if mode.starts_with("outbox-2-relays") {
+        2
+    } else {
+        1
+    };
+    // `-drain`: the whole backlog is enqueued first, then the relays start
+    // (what they can publish); otherwise the writers and the relays run
+    // together (end to end).
+    let drain = mode.ends_with("-drain");
+    let start_relays = || {
+        (0..relays)
+            .map(|_| {
+                let relay = dedup_kafka::Relay::builder(outbox.reader(pool.clone()))
+                    .brokers(&brokers)
+                    .batch_size(args.relay_batch)
+                    .build()?;
+                let stats = relay.stats();
+                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+                let task = tokio::spawn(relay.run_until(async {
+                    let _ = stopped.await;
+                }));
+                Ok::<_, BoxError>((stats, stop, task))
+            })
+            .collect::<Result<Vec<_>, _>>()
+    };
+    let mut running = Vec::new();
+    if !drain {
+        running = start_relays()?;
+        // Let the relays start listening before the clock starts.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let mut started = Instant::now();
+    let writers: Vec<_> = (0..4)
+        .map(|w| {
+            let (pool, outbox, work, topic) =
+                (pool.clone(), outbox.clone(), work.clone(), topic.clone());
+            let per_tx = args.per_tx;
+            tokio::spawn(async move {
+                let chunks: Vec<usize> = (0..work.len()).step_by(per_tx).collect();
+                for start in chunks.into_iter().skip(w).step_by(4) {
+                    let mut tx = pool.begin().await?;
+                    for i in start..(start + per_tx).min(work.len()) {
+                        let (key, payload) = work.message(i);
+                        let message = dedup_core::OutboxMessage::bytes(&topic, payload)
+                            .with_key(key)
+                            .with_event_id(event_id(i));
+                        outbox.enqueue(&mut tx, message).await?;
+                    }
+                    tx.commit().await?;
+                }
+                Ok::<_, BoxError>(())
+            })
+        })
+        .collect();
+    for writer in writers {
+        writer.await??;
+    }
+    let enqueued_in = started.elapsed().as_secs_f64();
+    if drain {
+        started = Instant::now();
+        running = start_relays()?;
+    }
+    loop {
+        let pending: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM dedup_outbox WHERE sent_at IS NULL")
+                .fetch_one(&pool)
+                .await?;
+        if pending == 0 {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs(3600) {
+            return Err("gave up after an hour".into());
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let mut published = 0;
+    let mut batches = 0;
+    for (stats, stop, task) in running {
+        let _ = stop.send(());
+        task.await?;
+        let s = stats.snapshot();
+        published += s.published;
+        batches += s.batches;
+    }
+    eprintln!(
+        "  {mode}: enqueued in {enqueued_in:.2} s ({:.0} events/s), published {published}",
+        events as f64 / enqueued_in
+    );
+    let latencies: Vec<f64> = sqlx::query_scalar(
+        "SELECT extract(epoch FROM sent_at - enqueued_at)::float8 * 1000 FROM dedup_outbox",
+    )
+    .fetch_all(&pool)
+    .await?;
+    let table_bytes: i64 = sqlx::query_scalar("SELECT pg_total_relation_size('dedup_outbox')")
+        .fetch_one(&pool)
+        .await?;
+    let records = records_in(&brokers, &topic, args.partitions)?;
+    let mut report = Report::new(
+        mode,
+        events,
+        seconds,
+        latencies,
+        (records, events as i64),
+        batches,
+    );
+    report.table_mib = Some(table_bytes as f64 / (1024.0 * 1024.0));
+    Ok(report)
+}
+
 /// The consumer settings every Kafka mode shares.
 fn configure<S: DedupStore>(
     store: S,
@@ -638,24 +873,37 @@ async fn main() -> Result<(), BoxError> {
         return Ok(());
     }
 
-    eprintln!(
-        "dedup-bench: {} events ({}% duplicates) into {} partitions, modes run one after another",
-        args.events,
-        args.duplicates * 100.0,
-        args.partitions
-    );
+    if args.outbox {
+        eprintln!(
+            "dedup-bench: {} outbox events into {} partitions, modes run one after another",
+            args.events, args.partitions
+        );
+    } else {
+        eprintln!(
+            "dedup-bench: {} events ({}% duplicates) into {} partitions, modes run one after another",
+            args.events,
+            args.duplicates * 100.0,
+            args.partitions
+        );
+    }
     let mut reports = Vec::new();
-    let modes: Vec<&str> = MODES
-        .iter()
-        .copied()
-        .chain(args.purge.then_some("batched-purge"))
-        .collect();
+    let modes: Vec<&str> = if args.outbox {
+        OUTBOX_MODES.to_vec()
+    } else {
+        MODES
+            .iter()
+            .copied()
+            .chain(args.purge.then_some("batched-purge"))
+            .collect()
+    };
     for mode in modes {
         eprintln!("  running {mode} ...");
         let out = Command::new(std::env::current_exe()?)
             .args(["--mode", mode, "--events", &args.events.to_string()])
             .args(["--duplicates", &args.duplicates.to_string()])
             .args(["--partitions", &args.partitions.to_string()])
+            .args(["--per-tx", &args.per_tx.to_string()])
+            .args(["--relay-batch", &args.relay_batch.to_string()])
             .stderr(std::process::Stdio::inherit())
             .output()?;
         if !out.status.success() {
@@ -694,27 +942,46 @@ async fn main() -> Result<(), BoxError> {
             .find(|r| r.mode == m)
             .map_or(0.0, |r| r.events_per_s)
     };
-    println!(
-        "ratios: batched/per-message {:.1}x (target >= 10), batched/no-dedup {:.2}x (target >= 0.85), batched/limit {:.2}x (target >= 0.5)",
-        rate("batched") / rate("per-message"),
-        rate("batched") / rate("no-dedup"),
-        rate("batched") / rate("limit"),
-    );
-    println!(
-        "        batched/limit-effects {:.2}x (the effect rows alone, without the claims dedup must write)",
-        rate("batched") / rate("limit-effects"),
-    );
-    println!(
-        "        batched-metrics/batched {:.3}x (a Prometheus recorder installed and scraped every second; target >= 0.97)",
-        rate("batched-metrics") / rate("batched"),
-    );
+    if args.outbox {
+        for r in &reports {
+            if let Some(mib) = r.table_mib {
+                println!("{}: outbox table {mib:.1} MiB at the end", r.mode);
+            }
+        }
+        println!(
+            "ratios (end to end, {} events per transaction, 4 writers): outbox-1-relay/outbox-direct {:.2}x (target >= 0.5), outbox-2-relays/outbox-direct {:.2}x",
+            args.per_tx,
+            rate("outbox-1-relay") / rate("outbox-direct"),
+            rate("outbox-2-relays") / rate("outbox-direct"),
+        );
+        println!(
+            "       (a backlog drained): outbox-1-relay-drain/outbox-direct {:.2}x, outbox-2-relays-drain/outbox-direct {:.2}x",
+            rate("outbox-1-relay-drain") / rate("outbox-direct"),
+            rate("outbox-2-relays-drain") / rate("outbox-direct"),
+        );
+    } else {
+        println!(
+            "ratios: batched/per-message {:.1}x (target >= 10), batched/no-dedup {:.2}x (target >= 0.85), batched/limit {:.2}x (target >= 0.5)",
+            rate("batched") / rate("per-message"),
+            rate("batched") / rate("no-dedup"),
+            rate("batched") / rate("limit"),
+        );
+        println!(
+            "        batched/limit-effects {:.2}x (the effect rows alone, without the claims dedup must write)",
+            rate("batched") / rate("limit-effects"),
+        );
+        println!(
+            "        batched-metrics/batched {:.3}x (a Prometheus recorder installed and scraped every second; target >= 0.97)",
+            rate("batched-metrics") / rate("batched"),
+        );
+    }
     let wrong: Vec<_> = reports
         .iter()
         .filter(|r| r.applied_rows != r.expected_rows)
         .collect();
     for r in &wrong {
         println!(
-            "WRONG END STATE in {}: {} effect rows, expected {}",
+            "WRONG END STATE in {}: {} effect rows (records in the topic for outbox modes), expected {}",
             r.mode, r.applied_rows, r.expected_rows
         );
     }

@@ -182,8 +182,9 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// Passes a librdkafka setting to the dead-letter producer only, after
     /// the shared ones (`linger.ms`, `compression.type`, a
     /// `message.max.bytes` for topics that allow larger records...).
-    /// `enable.idempotence`, `acks` and `message.timeout.ms` stay the
-    /// runtime's.
+    /// `enable.idempotence`, `acks` and `message.timeout.ms` (and their
+    /// aliases `request.required.acks`, `delivery.timeout.ms`) stay the
+    /// runtime's: they are left out.
     pub fn dead_letter_producer_set(
         mut self,
         key: impl Into<String>,

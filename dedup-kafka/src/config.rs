@@ -169,6 +169,16 @@ pub(crate) fn check_features(settings: &[(String, String)]) -> Result<(), Error>
     Ok(())
 }
 
+/// The producer settings [`idempotent_producer_config`] sets itself, with
+/// their librdkafka aliases.
+pub(crate) const PRODUCER_OWN_SETTINGS: [&str; 5] = [
+    "enable.idempotence",
+    "acks",
+    "request.required.acks",
+    "message.timeout.ms",
+    "delivery.timeout.ms",
+];
+
 /// The configuration of an idempotent producer (the consumer's dead letters,
 /// the relay): `settings` passed through, then the idempotence settings,
 /// which they cannot override. A message not acknowledged within
@@ -181,7 +191,12 @@ pub(crate) fn idempotent_producer_config<'a>(
     let mut config = ClientConfig::new();
     config.set("bootstrap.servers", brokers);
     for (k, v) in settings {
-        config.set(k, v);
+        // The settings below and their aliases are this producer's own: an
+        // alias left beside them would win or lose at random (librdkafka
+        // applies them in the map's order).
+        if !PRODUCER_OWN_SETTINGS.contains(&k.as_str()) {
+            config.set(k, v);
+        }
     }
     // The broker writes each message once per producer session and in
     // order per partition, and a message counts only once all replicas
@@ -276,12 +291,17 @@ mod tests {
         let passed = settings(&[
             ("enable.idempotence", "false"),
             ("acks", "1"),
+            ("request.required.acks", "0"),
+            ("delivery.timeout.ms", "0"),
             ("sasl.username", "svc"),
         ]);
         let config = idempotent_producer_config(DEFAULT_BROKERS, &passed, Duration::ZERO);
         assert_eq!(config.get("enable.idempotence"), Some("true"));
         assert_eq!(config.get("acks"), Some("all"));
         assert_eq!(config.get("message.timeout.ms"), Some("1"));
+        // An alias would race the setting it stands for.
+        assert_eq!(config.get("request.required.acks"), None);
+        assert_eq!(config.get("delivery.timeout.ms"), None);
         assert_eq!(config.get("sasl.username"), Some("svc"));
     }
 

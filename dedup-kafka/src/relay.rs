@@ -23,6 +23,13 @@ use crate::retry::{Jitter, RetryPolicy};
 /// take it, queue the sends and mark it.
 const LEASE_MARGIN: Duration = Duration::from_secs(15);
 
+/// The least a lease must outlast the delivery timeout by: its sends are
+/// queued within the first half of that margin.
+const MIN_LEASE_MARGIN: Duration = Duration::from_secs(1);
+
+/// The longest lease accepted: a week.
+const MAX_LEASE: Duration = Duration::from_secs(7 * 24 * 3600);
+
 /// Sent rows deleted per purge statement: bounded, so a large backlog of
 /// them never holds one long transaction; a purge takes as many as it needs.
 const PURGE_BATCH: u32 = 10_000;
@@ -75,13 +82,15 @@ impl<S: OutboxSource> RelayBuilder<S> {
 
     /// Passes a librdkafka producer setting through (security, client id,
     /// compression...). `enable.idempotence`, `acks` and
-    /// `message.timeout.ms` are the relay's own.
+    /// `message.timeout.ms` (and their aliases `request.required.acks`,
+    /// `delivery.timeout.ms`) are the relay's own: `build()` refuses them.
     pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.settings.push((key.into(), value.into()));
         self
     }
 
-    /// Most events published per batch (one database transaction), default 500.
+    /// Most events published per batch (one lease, one marking
+    /// transaction), default 500.
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n.max(1);
         self
@@ -117,8 +126,10 @@ impl<S: OutboxSource> RelayBuilder<S> {
     /// How long a batch stays leased to this relay. A relay that dies
     /// leaves its batch to another relay (or to its own restart) after this
     /// long, and that relay publishes it again. Default: the delivery
-    /// timeout plus 15 s; it must be longer than the delivery timeout, or a
-    /// batch still being delivered would be taken over and sent twice.
+    /// timeout plus 15 s; it must be at least 1 s longer than the delivery
+    /// timeout, or a batch still being delivered would be taken over and
+    /// sent twice. A batch's sends are queued within the first half of the
+    /// difference; what is not sent by then waits for the next round.
     pub fn lease_timeout(mut self, timeout: Duration) -> Self {
         self.lease_timeout = Some(timeout);
         self
@@ -127,14 +138,25 @@ impl<S: OutboxSource> RelayBuilder<S> {
     /// Builds the relay (creates its producer) without starting it.
     pub fn build(self) -> Result<Relay<S>, Error> {
         crate::config::check_features(&self.settings)?;
+        if let Some((key, _)) = self
+            .settings
+            .iter()
+            .find(|(k, _)| crate::config::PRODUCER_OWN_SETTINGS.contains(&k.as_str()))
+        {
+            return Err(Error::Config(format!(
+                "the relay sets {key:?} itself (idempotence, acks=all; delivery_timeout() for \
+                 the timeouts, which its leases are sized by)"
+            )));
+        }
         let lease = self
             .lease_timeout
-            .unwrap_or(self.delivery_timeout + LEASE_MARGIN);
-        if lease <= self.delivery_timeout {
+            .unwrap_or(self.delivery_timeout.saturating_add(LEASE_MARGIN));
+        if lease < self.delivery_timeout.saturating_add(MIN_LEASE_MARGIN) || lease > MAX_LEASE {
             return Err(Error::Config(format!(
-                "the relay's lease_timeout ({lease:?}) must be longer than its delivery \
-                 timeout ({:?}): a batch still being delivered would be taken over by another \
-                 relay and published twice",
+                "the relay's lease_timeout ({lease:?}) must be at least {MIN_LEASE_MARGIN:?} \
+                 longer than its delivery timeout ({:?}), or a batch still being delivered \
+                 would be taken over by another relay and published twice; and at most \
+                 {MAX_LEASE:?}",
                 self.delivery_timeout
             )));
         }
@@ -149,6 +171,7 @@ impl<S: OutboxSource> RelayBuilder<S> {
             retry: self.retry,
             purge_interval: self.purge_interval,
             lease,
+            delivery_timeout: self.delivery_timeout,
             stats: Arc::default(),
         })
     }
@@ -186,7 +209,7 @@ pub struct RelayStatsSnapshot {
     pub published: u64,
     /// Publish attempts that failed (the events stay pending).
     pub failed: u64,
-    /// Batches finished (each one database transaction).
+    /// Batches finished (each one lease and one marking transaction).
     pub batches: u64,
 }
 
@@ -238,6 +261,7 @@ pub struct Relay<S> {
     retry: RetryPolicy,
     purge_interval: Duration,
     lease: Duration,
+    delivery_timeout: Duration,
     stats: Arc<RelayStats>,
 }
 
@@ -394,7 +418,12 @@ impl<S: OutboxSource> Relay<S> {
         if records.is_empty() {
             return Ok(Round::default());
         }
-        let outcomes = self.publish(&records).await;
+        // Each send may take the delivery timeout: one queued later than
+        // this could still be in flight when the lease expires, and another
+        // relay would publish it too. What is not sent by then waits for
+        // the next round.
+        let send_by = leased_at + (self.lease - self.delivery_timeout) / 2;
+        let outcomes = self.publish(&records, send_by).await;
         failpoint("relay-after-publish");
         let mut published = Vec::with_capacity(records.len());
         let mut failed = Vec::new();
@@ -483,12 +512,12 @@ impl<S: OutboxSource> Relay<S> {
     /// for each acknowledgement. After a failure of a key, that key's later
     /// records in the batch are not marked, so none is marked past an
     /// unsent earlier one.
-    async fn publish(&self, records: &[OutboxRecord]) -> Vec<Sent> {
+    async fn publish(&self, records: &[OutboxRecord], send_by: tokio::time::Instant) -> Vec<Sent> {
         let mut outcomes: Vec<Option<Sent>> = records.iter().map(|_| None).collect();
         // Keys with a failure known so far: their later records are not sent.
         let mut failed_keys: HashSet<(&str, &[u8])> = HashSet::new();
         let mut inflight: VecDeque<(usize, DeliveryFuture)> = VecDeque::new();
-        for (i, record) in records.iter().enumerate() {
+        'records: for (i, record) in records.iter().enumerate() {
             if key_of(record).is_some_and(|k| failed_keys.contains(&k)) {
                 outcomes[i] = Some(Sent::Held);
                 continue;
@@ -500,6 +529,16 @@ impl<S: OutboxSource> Relay<S> {
                 future_record = future_record.key(key);
             }
             loop {
+                if tokio::time::Instant::now() >= send_by {
+                    // Neither this record nor any later one is sent (they
+                    // stay unset: held, so none is marked past it).
+                    tracing::warn!(
+                        sent = i,
+                        held = records.len() - i,
+                        "outbox relay: the batch's sends ran past half its lease; the rest waits"
+                    );
+                    break 'records;
+                }
                 match self.producer.send_result(future_record) {
                     Ok(delivery) => {
                         inflight.push_back((i, delivery));

@@ -301,8 +301,7 @@ pub struct OutboxReader {
 /// many arrive between two waits, they wake the relay once.
 struct Wakeups {
     notified: Arc<tokio::sync::Notify>,
-    /// The task reading the listening connection, while it runs.
-    reader: tokio::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    listening: tokio::sync::Mutex<Listening>,
     /// The payload of this reader's own notifications (a finished batch
     /// wakes the other relays, whose batches may have waited on its keys),
     /// which do not wake it.
@@ -319,17 +318,30 @@ impl Default for Wakeups {
         let n = READERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Wakeups {
             notified: Arc::default(),
-            reader: tokio::sync::Mutex::default(),
+            listening: tokio::sync::Mutex::default(),
             own: format!("relay-{}-{now}-{n}", std::process::id()).into(),
         }
     }
 }
 
+/// The listener's state.
+#[derive(Default)]
+struct Listening {
+    /// The task reading the listening connection, while it runs.
+    task: Option<tokio::task::JoinHandle<()>>,
+    /// After a failed try: not before this.
+    next_try: Option<tokio::time::Instant>,
+}
+
+/// The longest a try to start listening may take, and the pause after one
+/// that failed.
+const LISTEN_TIMEOUT: Duration = Duration::from_secs(5);
+
 impl Drop for Wakeups {
     // The last reader is gone: stop listening (the connection goes back to
     // the pool).
     fn drop(&mut self) {
-        if let Some(task) = self.reader.get_mut().take() {
+        if let Some(task) = self.listening.get_mut().task.take() {
             task.abort();
         }
     }
@@ -396,25 +408,44 @@ impl OutboxReader {
     /// Starts reading the outbox's channel if no task does. A failure
     /// only means the relay polls until the next try.
     async fn ensure_listening(&self) {
-        let mut reader = self.wakeups.reader.lock().await;
-        if reader.as_ref().is_some_and(|task| !task.is_finished()) {
+        let mut listening = self.wakeups.listening.lock().await;
+        if listening
+            .task
+            .as_ref()
+            .is_some_and(|task| !task.is_finished())
+        {
+            return;
+        }
+        // After a failure, not on every look: each try may wait for a
+        // connection of a busy pool.
+        if listening
+            .next_try
+            .is_some_and(|at| tokio::time::Instant::now() < at)
+        {
             return;
         }
         let channel = self.statements.table.to_string();
-        let mut listener = match PgListener::connect_with(&self.pool).await {
-            Ok(listener) => listener,
-            Err(e) => {
-                tracing::warn!(error = %e, "outbox: no listener connection; polling");
-                return;
-            }
+        let connect = async {
+            let mut listener = PgListener::connect_with(&self.pool).await?;
+            listener.listen(&channel).await?;
+            Ok::<_, sqlx::Error>(listener)
         };
-        if let Err(e) = listener.listen(&channel).await {
-            tracing::warn!(error = %e, "outbox: LISTEN failed; polling");
-            return;
+        match tokio::time::timeout(LISTEN_TIMEOUT, connect).await {
+            Ok(Ok(listener)) => {
+                let notified = self.wakeups.notified.clone();
+                let own = self.wakeups.own.clone();
+                listening.task = Some(tokio::spawn(read_notifications(listener, notified, own)));
+                listening.next_try = None;
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "outbox: cannot LISTEN; polling");
+                listening.next_try = Some(tokio::time::Instant::now() + LISTEN_TIMEOUT);
+            }
+            Err(_) => {
+                tracing::warn!("outbox: LISTEN timed out; polling");
+                listening.next_try = Some(tokio::time::Instant::now() + LISTEN_TIMEOUT);
+            }
         }
-        let notified = self.wakeups.notified.clone();
-        let own = self.wakeups.own.clone();
-        *reader = Some(tokio::spawn(read_notifications(listener, notified, own)));
     }
 }
 

@@ -678,3 +678,42 @@ async fn delete_on_publish_leaves_no_row_once_the_broker_has_the_event(pool: PgP
     }
     assert_eq!(records_in(&topic), 20, "each event once");
 }
+
+/// Settings under which a live relay's batch could outlast its lease (and
+/// be published beside it by another relay) are refused at build time.
+#[sqlx::test(migrations = false)]
+async fn a_relay_refuses_timeouts_its_lease_cannot_cover(pool: PgPool) {
+    let source = migrated_outbox(&pool).await;
+    let build = |relay: dedup_kafka::RelayBuilder<OutboxReader>| match relay.build() {
+        Ok(_) => "built".to_owned(),
+        Err(e) => e.to_string(),
+    };
+    for key in [
+        "delivery.timeout.ms",
+        "message.timeout.ms",
+        "acks",
+        "request.required.acks",
+    ] {
+        let error = build(Relay::builder(source.clone()).set(key, "0"));
+        assert!(error.contains(&format!("{key:?}")), "{key}: {error}");
+    }
+    let error = build(
+        Relay::builder(source.clone())
+            .delivery_timeout(Duration::from_secs(30))
+            .lease_timeout(Duration::from_secs(30)),
+    );
+    assert!(error.contains("lease_timeout"), "{error}");
+    assert!(error.contains("delivery timeout"), "{error}");
+    let error = build(Relay::builder(source.clone()).lease_timeout(Duration::MAX));
+    assert!(error.contains("at most"), "{error}");
+    let error = build(Relay::builder(source.clone()).delivery_timeout(Duration::MAX));
+    assert!(error.contains("at most"), "{error}");
+    assert_eq!(
+        build(
+            Relay::builder(source)
+                .delivery_timeout(Duration::from_secs(10))
+                .lease_timeout(Duration::from_secs(11))
+        ),
+        "built"
+    );
+}

@@ -717,3 +717,45 @@ async fn a_relay_refuses_timeouts_its_lease_cannot_cover(pool: PgPool) {
         "built"
     );
 }
+
+/// A batch whose sends are slow to queue (a full producer queue, no broker)
+/// stops sending at half its lease margin, so nothing it sent can still be
+/// in flight when its lease expires and another relay takes it over: 5 of
+/// 20 events are tried (the queue holds 5), the other 15 wait a round.
+#[sqlx::test(migrations = false)]
+async fn a_batch_stops_sending_before_its_lease_could_expire(pool: PgPool) {
+    let source = migrated_outbox(&pool).await;
+    let events: Vec<_> = (0..20).map(|n| numbered(&format!("key-{n}"), n)).collect();
+    enqueue(&pool, "no-broker", &events).await;
+    // Nothing listens on port 1: every send times out after 2 s.
+    let relay = Relay::builder(source.clone())
+        .brokers("127.0.0.1:1")
+        .set("queue.buffering.max.messages", "5")
+        .delivery_timeout(Duration::from_secs(2))
+        .lease_timeout(Duration::from_secs(3))
+        .batch_size(20)
+        .retry(
+            RetryPolicy::default().with_backoff(Duration::from_secs(60), Duration::from_secs(60)),
+        )
+        .build()
+        .expect("relay");
+    let running = RunningRelay::run(relay);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while running.stats.snapshot().batches == 0 {
+        assert!(Instant::now() < deadline, "the first batch never finished");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let stats = running.stop().await;
+    let tried: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_outbox WHERE attempts > 0")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!((stats.failed, tried), (5, 5), "{stats}");
+    let leased: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM dedup_outbox WHERE lease_id IS NOT NULL OR leased_until IS NOT NULL",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("count");
+    assert_eq!(leased, 0, "the untried 15 were released at once");
+}

@@ -294,9 +294,10 @@ async fn a_lease_holds_its_events_and_its_keys_until_it_expires(pool: PgPool) {
         &[(Some("k"), "k-1"), (Some("k"), "k-2"), (Some("k"), "k-3")],
     )
     .await;
-    // Relay A leases two for 2 s and dies (never finishes).
+    // Relay A leases two for 4 s and dies (never finishes).
+    let leased_at = Instant::now();
     let (_dead, taken) = source
-        .lease_pending(2, Duration::from_secs(2))
+        .lease_pending(2, Duration::from_secs(4))
         .await
         .expect("lease A");
     assert_eq!(payloads(&taken), ["k-1", "k-2"]);
@@ -316,7 +317,7 @@ async fn a_lease_holds_its_events_and_its_keys_until_it_expires(pool: PgPool) {
     source.finish(&lease, &[], &[]).await.expect("finish");
 
     // Once it expired, B takes the key over from its first event.
-    tokio::time::sleep(Duration::from_millis(2_100)).await;
+    tokio::time::sleep(Duration::from_millis(4_500).saturating_sub(leased_at.elapsed())).await;
     let (lease, records) = source.lease_pending(10, LEASE).await.expect("lease B");
     assert_eq!(payloads(&records), ["k-1", "k-2", "k-3"]);
     source

@@ -632,8 +632,10 @@ async fn notifications_piled_up_in_an_outage_do_not_cost_a_round_each(pool: PgPo
     broker.run("start").await;
     wait_until_published(&source, Duration::from_secs(180)).await;
 
-    // Let the last publishing rounds' counts reach the statistics.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Let the publishing rounds' counts reach the statistics: a backend
+    // left idle reports what it has not yet reported after 10 s
+    // (PGSTAT_IDLE_INTERVAL), which must not land in the measured window.
+    tokio::time::sleep(Duration::from_secs(11)).await;
     let before = transactions(&pool).await;
     tokio::time::sleep(Duration::from_secs(10)).await;
     let idle = transactions(&pool).await - before;

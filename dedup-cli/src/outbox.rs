@@ -14,6 +14,11 @@ struct TopicBacklog {
     oldest_age: f64,
     /// Pending events backing off after a failed publish.
     failing: i64,
+    /// Pending events a relay holds now (being published).
+    leased: i64,
+    /// Pending events whose lease expired unfinished (their relay stopped
+    /// or died): the next relay to look publishes them again.
+    lease_expired: i64,
     last_error: Option<String>,
 }
 
@@ -25,6 +30,8 @@ pub(crate) async fn pending(url: &str, table: &str) -> Result<PendingReport, Fai
         "SELECT topic, count(*)::int8 AS pending, \
          extract(epoch FROM now() - min(enqueued_at))::float8 AS oldest_age, \
          count(*) FILTER (WHERE attempts > 0)::int8 AS failing, \
+         count(*) FILTER (WHERE leased_until > now())::int8 AS leased, \
+         count(*) FILTER (WHERE leased_until <= now())::int8 AS lease_expired, \
          (array_agg(last_error ORDER BY seq DESC) FILTER (WHERE last_error IS NOT NULL))[1] AS last_error \
          FROM {} WHERE sent_at IS NULL GROUP BY topic ORDER BY topic",
         name.quoted()
@@ -59,6 +66,15 @@ impl Report for PendingReport {
                 t.pending,
                 human_seconds(t.oldest_age)
             ));
+            if t.leased > 0 {
+                out.push_str(&format!(", {} being published (leased)", t.leased));
+            }
+            if t.lease_expired > 0 {
+                out.push_str(&format!(
+                    ", {} left by a relay that stopped (lease expired; published again next)",
+                    t.lease_expired
+                ));
+            }
             if t.failing > 0 {
                 out.push_str(&format!(
                     ", {} failing (last error: {})",
@@ -80,6 +96,8 @@ impl Report for PendingReport {
                 "pending": t.pending,
                 "oldest_age_seconds": t.oldest_age,
                 "failing": t.failing,
+                "leased": t.leased,
+                "lease_expired": t.lease_expired,
                 "last_error": t.last_error,
             })).collect::<Vec<_>>(),
         })

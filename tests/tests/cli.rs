@@ -6,7 +6,7 @@ mod common;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use dedup_core::{HandlerError, OutboxMessage, idempotent};
+use dedup_core::{HandlerError, OutboxMessage, OutboxSource as _, idempotent};
 use dedup_kafka::Consumer;
 use dedup_postgres::{OutboxWriter, PgStore, PgTx};
 use dedup_tests::{PaymentReceived, credit, payment, store, total_balance};
@@ -683,4 +683,38 @@ async fn outbox_pending_shows_the_backlog_per_topic(pool: PgPool) {
     assert_eq!(topics.len(), 2, "{pending}");
     assert_eq!(topics[1]["topic"], "orders");
     assert_eq!(topics[1]["pending"], 2);
+    assert_eq!(
+        (
+            topics[1]["leased"].clone(),
+            topics[1]["lease_expired"].clone()
+        ),
+        (0.into(), 0.into())
+    );
+
+    // A relay holds the first event; another's lease on the second ran out:
+    // its relay stopped (both are orders).
+    let reader = outbox.reader(pool.clone());
+    let (_held, first) = reader
+        .lease_pending(1, Duration::from_secs(600))
+        .await
+        .expect("lease");
+    let (_abandoned, second) = reader
+        .lease_pending(1, Duration::from_millis(1))
+        .await
+        .expect("lease");
+    assert_eq!((first.len(), second.len()), (1, 1));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let pending = json(&dedup(&pool, &["outbox", "pending", "--json"]).await);
+    let topics = pending["topics"].as_array().expect("topics");
+    assert_eq!(
+        (
+            topics[1]["leased"].clone(),
+            topics[1]["lease_expired"].clone()
+        ),
+        (1.into(), 1.into()),
+        "{pending}"
+    );
+    let text = stdout(&dedup(&pool, &["outbox", "pending"]).await);
+    assert!(text.contains("1 being published (leased)"), "{text}");
+    assert!(text.contains("1 left by a relay that stopped"), "{text}");
 }

@@ -171,7 +171,10 @@ impl<S: OutboxSource> RelayBuilder<S> {
             retry: self.retry,
             purge_interval: self.purge_interval,
             lease,
-            delivery_timeout: self.delivery_timeout,
+            // Each send may take the delivery timeout: one queued later
+            // than this into a batch could still be in flight when the
+            // lease expires, and another relay would publish it too.
+            send_window: (lease - self.delivery_timeout) / 2,
             stats: Arc::default(),
         })
     }
@@ -261,7 +264,8 @@ pub struct Relay<S> {
     retry: RetryPolicy,
     purge_interval: Duration,
     lease: Duration,
-    delivery_timeout: Duration,
+    /// How long after leasing a batch its sends may be queued.
+    send_window: Duration,
     stats: Arc<RelayStats>,
 }
 
@@ -377,16 +381,12 @@ impl<S: OutboxSource> Relay<S> {
                         Some(self.retry.backoff(failures, jitter.next()))
                     }
                 };
-                let mut stopping = stop_rx.clone();
                 match wait {
-                    Some(backoff) => tokio::select! {
-                        () = tokio::time::sleep(backoff) => {}
-                        _ = stopping.wait_for(|s| *s) => {}
-                    },
-                    None => tokio::select! {
-                        () = self.source.wait_for_events(self.poll_interval) => {}
-                        _ = stopping.wait_for(|s| *s) => {}
-                    },
+                    Some(backoff) => until_stopped(tokio::time::sleep(backoff), &stop_rx).await,
+                    None => {
+                        let events = self.source.wait_for_events(self.poll_interval);
+                        until_stopped(events, &stop_rx).await;
+                    }
                 }
             }
         };
@@ -418,12 +418,8 @@ impl<S: OutboxSource> Relay<S> {
         if records.is_empty() {
             return Ok(Round::default());
         }
-        // Each send may take the delivery timeout: one queued later than
-        // this could still be in flight when the lease expires, and another
-        // relay would publish it too. What is not sent by then waits for
-        // the next round.
-        let send_by = leased_at + (self.lease - self.delivery_timeout) / 2;
-        let outcomes = self.publish(&records, send_by).await;
+        // What is not sent within the window waits for the next round.
+        let outcomes = self.publish(&records, leased_at + self.send_window).await;
         failpoint("relay-after-publish");
         let mut published = Vec::with_capacity(records.len());
         let mut failed = Vec::new();
@@ -500,11 +496,7 @@ impl<S: OutboxSource> Relay<S> {
                 ?backoff,
                 "outbox relay: marking a published batch failed; retrying while its lease lasts"
             );
-            let mut stopping = stop.clone();
-            tokio::select! {
-                () = tokio::time::sleep(backoff) => {}
-                _ = stopping.wait_for(|s| *s) => {}
-            }
+            until_stopped(tokio::time::sleep(backoff), stop).await;
         }
     }
 
@@ -595,6 +587,15 @@ impl<S: OutboxSource> Relay<S> {
                 outcome
             })
             .collect()
+    }
+}
+
+/// Waits for `wait`, cut short when the relay is told to stop.
+async fn until_stopped(wait: impl Future<Output = ()>, stop: &tokio::sync::watch::Receiver<bool>) {
+    let mut stopping = stop.clone();
+    tokio::select! {
+        () = wait => {}
+        _ = stopping.wait_for(|s| *s) => {}
     }
 }
 

@@ -436,16 +436,12 @@ impl OutboxReader {
                 let own = self.wakeups.own.clone();
                 listening.task = Some(tokio::spawn(read_notifications(listener, notified, own)));
                 listening.next_try = None;
+                return;
             }
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "outbox: cannot LISTEN; polling");
-                listening.next_try = Some(tokio::time::Instant::now() + LISTEN_TIMEOUT);
-            }
-            Err(_) => {
-                tracing::warn!("outbox: LISTEN timed out; polling");
-                listening.next_try = Some(tokio::time::Instant::now() + LISTEN_TIMEOUT);
-            }
+            Ok(Err(e)) => tracing::warn!(error = %e, "outbox: cannot LISTEN; polling"),
+            Err(_) => tracing::warn!("outbox: LISTEN timed out; polling"),
         }
+        listening.next_try = Some(tokio::time::Instant::now() + LISTEN_TIMEOUT);
     }
 }
 

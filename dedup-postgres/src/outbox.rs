@@ -143,11 +143,14 @@ impl Statements {
             "UPDATE {t} SET lease_id = NULL, leased_until = NULL \
              WHERE seq = ANY($1) AND lease_id = $2::uuid"
         );
+        // `= ANY(ARRAY(..))`, not `IN (..)`: the generic plan PostgreSQL
+        // caches after five runs made `IN` a hash join over the whole table
+        // per batch (tests/purge.rs).
         let purge_sent = format!(
-            "DELETE FROM {t} WHERE seq IN ( \
+            "DELETE FROM {t} WHERE seq = ANY(ARRAY( \
                  SELECT seq FROM {t} \
                  WHERE sent_at IS NOT NULL AND sent_at < now() - $1 * interval '1 second' \
-                 ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
+                 ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED))"
         );
         let pending = format!("SELECT count(*) FROM {t} WHERE sent_at IS NULL");
         // Seconds on the database clock, so no date-time crate is needed.

@@ -1,0 +1,143 @@
+//! Purging large tables (expired claims, sent outbox events) under the
+//! plan PostgreSQL caches for a prepared statement after five runs: a
+//! generic plan, made without the LIMIT's value (it guesses a tenth of the
+//! table), kept from then on. Each case has its own database.
+
+use std::time::Duration;
+
+use dedup_core::{OutboxSource, PurgeExpired};
+use dedup_postgres::{OutboxConfig, OutboxWriter, PgStore, Retention};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+/// A one-connection pool (its statistics are the ones flushed and read)
+/// that always uses generic plans.
+async fn generic_plan_pool(pool: &PgPool) -> PgPool {
+    let options = (*pool.connect_options())
+        .clone()
+        .options([("plan_cache_mode", "force_generic_plan")]);
+    PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options)
+        .await
+        .expect("connect")
+}
+
+/// Rows of `table` read by sequential scans so far, as this connection's
+/// statistics say once flushed.
+async fn rows_read_by_seq_scans(pool: &PgPool, table: &str) -> i64 {
+    let mut conn = pool.acquire().await.expect("connection");
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(&mut *conn)
+        .await
+        .expect("flush");
+    sqlx::query("SELECT pg_stat_clear_snapshot()")
+        .execute(&mut *conn)
+        .await
+        .expect("snapshot");
+    sqlx::query_scalar(
+        "SELECT coalesce(seq_tup_read, 0) FROM pg_stat_user_tables WHERE relname = $1",
+    )
+    .bind(table)
+    .fetch_one(&mut *conn)
+    .await
+    .expect("stats")
+}
+
+/// The purge statement joined its batch back to the table: under a
+/// generic plan each batch of 1,000 read all the table's rows (a hash
+/// join over a sequential scan), so a consumer whose table grew past a few
+/// hundred thousand claims saw its purger run for many minutes while the
+/// table kept growing. A batch must read only what it deletes.
+#[sqlx::test(migrations = false)]
+async fn a_purge_batch_reads_what_it_deletes_not_the_whole_table(pool: PgPool) {
+    let pool = generic_plan_pool(&pool).await;
+    let store = PgStore::from_pool(pool.clone());
+    store.migrate().await.expect("migrate");
+    let expired = 50_000i64;
+    sqlx::query(
+        "INSERT INTO dedup_claims (scope, key, claimed_at, expires_at) \
+         SELECT 'old', g::text, now() - interval '2 hours', now() - interval '1 hour' \
+         FROM generate_series(1, $1) g \
+         UNION ALL \
+         SELECT 'live', g::text, now(), now() + interval '1 hour' FROM generate_series(1, 1000) g",
+    )
+    .bind(expired)
+    .execute(&pool)
+    .await
+    .expect("fill");
+    sqlx::query("ANALYZE dedup_claims")
+        .execute(&pool)
+        .await
+        .expect("analyze");
+
+    let before = rows_read_by_seq_scans(&pool, "dedup_claims").await;
+    let mut purged = 0;
+    for _ in 0..10 {
+        purged += store.purge_expired(1000).await.expect("purge");
+    }
+    let read = rows_read_by_seq_scans(&pool, "dedup_claims").await - before;
+    assert_eq!(purged, 10_000, "ten full batches of expired claims");
+    assert!(
+        read < expired,
+        "10 purge batches of 1,000 read {read} rows by sequential scans (the table holds {})",
+        expired + 1000
+    );
+
+    // And the rest goes, the live claims stay.
+    while store.purge_expired(1000).await.expect("purge") > 0 {}
+    let left: Vec<(String, i64)> =
+        sqlx::query_as("SELECT scope, count(*) FROM dedup_claims GROUP BY scope")
+            .fetch_all(&pool)
+            .await
+            .expect("count");
+    assert_eq!(left, vec![("live".to_owned(), 1000)]);
+}
+
+/// The same for the relay's purge of sent events (kept for the retention):
+/// `seq IN (batch)` was a hash join over the whole outbox per batch.
+#[sqlx::test(migrations = false)]
+async fn an_outbox_purge_batch_reads_what_it_deletes_not_the_whole_table(pool: PgPool) {
+    let pool = generic_plan_pool(&pool).await;
+    let outbox = OutboxWriter::new(
+        OutboxConfig::default().with_retention(Retention::Keep(Duration::from_secs(3600))),
+    )
+    .expect("config");
+    outbox.migrate(&pool).await.expect("migrate");
+    let source = outbox.reader(pool.clone());
+    let old = 50_000i64;
+    sqlx::query(
+        "INSERT INTO dedup_outbox (event_id, topic, payload, header_names, header_values, sent_at) \
+         SELECT g::text, 't', 'x'::bytea, '{}'::text[], '{}'::bytea[], now() - interval '2 hours' \
+         FROM generate_series(1, $1) g \
+         UNION ALL \
+         SELECT 'recent-' || g, 't', 'x'::bytea, '{}'::text[], '{}'::bytea[], now() FROM generate_series(1, 1000) g",
+    )
+    .bind(old)
+    .execute(&pool)
+    .await
+    .expect("fill");
+    sqlx::query("ANALYZE dedup_outbox")
+        .execute(&pool)
+        .await
+        .expect("analyze");
+
+    let before = rows_read_by_seq_scans(&pool, "dedup_outbox").await;
+    let mut purged = 0;
+    for _ in 0..10 {
+        purged += source.purge_sent(1000).await.expect("purge");
+    }
+    let read = rows_read_by_seq_scans(&pool, "dedup_outbox").await - before;
+    assert_eq!(purged, 10_000, "ten full batches of sent events");
+    assert!(
+        read < old,
+        "10 purge batches of 1,000 read {read} rows by sequential scans (the outbox holds {})",
+        old + 1000
+    );
+    while source.purge_sent(1000).await.expect("purge") > 0 {}
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_outbox")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(left, 1000, "the events sent within the retention stay");
+}

@@ -1,4 +1,4 @@
-//! The dedup benchmark: the same workload through four pipelines, measured
+//! The dedup benchmark: the same workload through several pipelines, measured
 //! in one run on the machine's real Kafka and PostgreSQL.
 //!
 //! `cargo run --release -p dedup-bench -- [--events 200000] [--duplicates 0.1] [--partitions 6] [--json]`
@@ -30,7 +30,20 @@
 //! distinct events, or every delivery for `no-dedup`); a wrong count fails
 //! the run.
 //!
-//! With `--purge`, a fifth mode `batched-purge` runs `batched` while the
+//! - `steady`: events produced at a fixed rate (`--rate`, default half of
+//!   what `batched` reached in the same run) for `--seconds` (60) into a
+//!   consumer with default settings; latency from the produce
+//!   acknowledgement to the effect's commit (the handler's `pg_notify`,
+//!   delivered at commit), p50/p99/p99.9 after 2 s of warm-up;
+//! - `steady-purge`: the same with a 10 s TTL and the purger running every
+//!   second; the claims table is counted every 500 ms once the first
+//!   claims could expire, and must stay within 1.1 x rate x (TTL + purge
+//!   interval) (past it the run fails, as a wrong end state does).
+//!
+//! The workload is produced by a child process (this program with
+//! `--produce-to`), so the peak RSS of a mode is its consumer's.
+//!
+//! With `--purge`, a further mode `batched-purge` runs `batched` while the
 //! purger deletes a backlog of 500,000 expired claims beside it (in batches
 //! of 1,000 every 200 ms), to show purging does not stall the consumer.
 //!
@@ -51,7 +64,7 @@
 use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::process::Command;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dedup_core::{Claim, DedupKey, DedupStore, HandlerError, StoreError, Ttl, idempotent};
@@ -61,8 +74,15 @@ use rdkafka::ClientConfig;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
-use rdkafka::producer::{FutureProducer, FutureRecord};
 use rdkafka::{Offset, TopicPartitionList};
+
+mod outbox;
+mod produce;
+mod steady;
+mod workload;
+
+use produce::{Producer, unix_micros};
+use workload::Workload;
 
 type BoxError = Box<dyn StdError + Send + Sync>;
 
@@ -74,7 +94,7 @@ const OUTBOX_MODES: [&str; 5] = [
     "outbox-2-relays-drain",
 ];
 
-const MODES: [&str; 7] = [
+const MODES: [&str; 9] = [
     "batched",
     "batched-metrics",
     "per-event-body",
@@ -82,6 +102,8 @@ const MODES: [&str; 7] = [
     "no-dedup",
     "limit",
     "limit-effects",
+    "steady",
+    "steady-purge",
 ];
 
 #[derive(serde::Deserialize)]
@@ -89,6 +111,9 @@ struct Payment {
     event_id: String,
     account_id: String,
     amount_cents: i64,
+    /// The workload's number for this event (see `Workload`).
+    #[serde(default)]
+    source: u32,
 }
 
 /// The domain write: one row per applied event, all of a batch in one
@@ -193,6 +218,18 @@ struct Args {
     per_tx: usize,
     relay_batch: usize,
     mode: Option<String>,
+    /// `steady`: the produce rate (events/s; default half of `batched`'s).
+    rate: Option<f64>,
+    /// `steady`: how long to produce.
+    seconds: f64,
+    /// Duplicates copy one of this many messages before them (0: any).
+    window: usize,
+    /// Consumer client settings (`--set key=value`), for every Kafka mode.
+    settings: Vec<(String, String)>,
+    /// `--max-buffered n`: the consumer's `max_buffered_per_partition`.
+    max_buffered: Option<usize>,
+    /// Internal: produce the workload to this topic and report the acks.
+    produce_to: Option<String>,
 }
 
 fn args() -> Result<Args, String> {
@@ -206,6 +243,12 @@ fn args() -> Result<Args, String> {
         per_tx: 10,
         relay_batch: 500,
         mode: None,
+        rate: None,
+        seconds: 60.0,
+        window: 0,
+        settings: Vec::new(),
+        max_buffered: None,
+        produce_to: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -233,82 +276,34 @@ fn args() -> Result<Args, String> {
                     .map_err(|e| format!("--per-tx: {e}"))?
                     .max(1)
             }
+            "--rate" => a.rate = Some(value()?.parse().map_err(|e| format!("--rate: {e}"))?),
+            "--seconds" => a.seconds = value()?.parse().map_err(|e| format!("--seconds: {e}"))?,
+            "--window" => a.window = value()?.parse().map_err(|e| format!("--window: {e}"))?,
+            "--set" => {
+                let kv = value()?;
+                let (k, v) = kv
+                    .split_once('=')
+                    .ok_or_else(|| format!("--set {kv}: expected key=value"))?;
+                a.settings.push((k.to_owned(), v.to_owned()));
+            }
+            "--max-buffered" => {
+                a.max_buffered = Some(
+                    value()?
+                        .parse()
+                        .map_err(|e| format!("--max-buffered: {e}"))?,
+                )
+            }
+            "--produce-to" => a.produce_to = Some(value()?),
             other => {
                 return Err(format!(
                     "unknown flag {other}; flags: --events --duplicates --partitions --json --purge \
-                     --outbox --per-tx --relay-batch"
+                     --outbox --per-tx --relay-batch --mode --rate --seconds --set key=value \
+                     --max-buffered"
                 ));
             }
         }
     }
     Ok(a)
-}
-
-/// The workload: `events` messages, a share of them exact duplicates of an
-/// earlier one (a retrying producer), JSON of about 200 bytes. Only each
-/// message's source number is kept; its bytes are made again when needed,
-/// so the benchmark's own copy of the workload does not weigh on the
-/// consumer's RSS.
-struct Workload {
-    sources: Vec<u32>,
-    distinct: usize,
-}
-
-impl Workload {
-    fn new(events: usize, duplicates: f64) -> Self {
-        let mut rng = Rng(0x2545_f491_4f6c_dd1d);
-        let mut sources = Vec::with_capacity(events);
-        let mut distinct = 0u32;
-        for i in 0..events {
-            if i > 0 && rng.unit() < duplicates {
-                let pick = (rng.unit() * sources.len() as f64) as usize;
-                sources.push(sources[pick.min(sources.len() - 1)]);
-            } else {
-                sources.push(distinct);
-                distinct += 1;
-            }
-        }
-        Workload {
-            sources,
-            distinct: distinct as usize,
-        }
-    }
-
-    fn len(&self) -> usize {
-        self.sources.len()
-    }
-
-    /// Message `i` as (Kafka key, JSON payload).
-    fn message(&self, i: usize) -> (String, String) {
-        let mut rng =
-            Rng(0x9e37_79b9_7f4a_7c15
-                ^ u64::from(self.sources[i]).wrapping_mul(0xff51_afd7_ed55_8ccd));
-        let account = format!("acct-{:04}", (rng.unit() * 1000.0) as u32);
-        let payload = serde_json::json!({
-            "event_id": uuid::Uuid::from_u64_pair(rng.next(), rng.next()),
-            "account_id": account,
-            "amount_cents": 1 + (rng.unit() * 100_000.0) as i64,
-            "memo": "x".repeat(80),
-        })
-        .to_string();
-        (account, payload)
-    }
-}
-
-/// xorshift64: a fixed, fast sequence (the workload is the same every run).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
 }
 
 fn env_or(name: &str, default: &str) -> String {
@@ -349,6 +344,8 @@ struct Report {
     events_per_s: f64,
     p50_ms: f64,
     p99_ms: f64,
+    #[serde(default)]
+    p999_ms: f64,
     peak_rss_mib: f64,
     applied_rows: i64,
     expected_rows: i64,
@@ -357,6 +354,11 @@ struct Report {
     /// The outbox table's size at the end, in MiB (outbox modes).
     #[serde(default)]
     table_mib: Option<f64>,
+    /// `steady`: the most claims rows seen after warm-up, and the bound.
+    #[serde(default)]
+    claims_max: Option<i64>,
+    #[serde(default)]
+    claims_bound: Option<f64>,
 }
 
 impl Report {
@@ -377,11 +379,14 @@ impl Report {
             events_per_s: events as f64 / seconds,
             p50_ms: percentile(&latencies, 0.5),
             p99_ms: percentile(&latencies, 0.99),
+            p999_ms: percentile(&latencies, 0.999),
             peak_rss_mib: peak_rss_mib(),
             applied_rows: rows.0,
             expected_rows: rows.1,
             batches,
             table_mib: None,
+            claims_max: None,
+            claims_bound: None,
         }
     }
 }
@@ -428,7 +433,15 @@ fn install_prometheus() -> Result<(), BoxError> {
 /// Runs one mode in this process.
 async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
     if mode.starts_with("outbox") {
-        return run_outbox(mode, args).await;
+        return outbox::run_outbox(mode, args).await;
+    }
+    if mode.starts_with("steady") {
+        let (mut report, bounds) = steady::run_steady(args, mode == "steady-purge").await?;
+        if let Some(bounds) = bounds {
+            report.claims_max = Some(bounds.max_rows);
+            report.claims_bound = Some(bounds.bound);
+        }
+        return Ok(report);
     }
     if mode == "batched-metrics" {
         install_prometheus()?;
@@ -454,7 +467,7 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
         .execute(store.pool())
         .await?;
     }
-    let work = Arc::new(Workload::new(args.events, args.duplicates));
+    let work = Arc::new(Workload::new(args.events, args.duplicates, 0));
     let events = work.len();
     let expected = if mode == "no-dedup" {
         events
@@ -513,37 +526,13 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
 
     let total = events as u64;
 
-    // Produce the whole workload first (not timed: this machine's producer
-    // would otherwise bound every mode); remember when each offset was acked.
-    let acked: Arc<Mutex<HashMap<(i32, i64), Instant>>> = Arc::default();
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", &brokers)
-        .set("linger.ms", "5")
-        .set("enable.idempotence", "true")
-        .create()?;
-    let produce = {
-        let (acked, topic, work) = (acked.clone(), topic.clone(), work.clone());
-        tokio::spawn(async move {
-            let mut inflight = tokio::task::JoinSet::new();
-            for i in 0..work.len() {
-                let (key, payload) = work.message(i);
-                if inflight.len() >= 10_000 {
-                    inflight.join_next().await;
-                }
-                let (producer, topic, acked) = (producer.clone(), topic.clone(), acked.clone());
-                inflight.spawn(async move {
-                    let record = FutureRecord::to(&topic).key(&key).payload(&payload);
-                    if let Ok(delivery) = producer.send(record, Duration::from_secs(60)).await {
-                        acked
-                            .lock()
-                            .expect("lock")
-                            .insert((delivery.partition, delivery.offset), Instant::now());
-                    }
-                });
-            }
-            while inflight.join_next().await.is_some() {}
-        })
-    };
+    // Produce the whole workload first, in a child process (not timed:
+    // this machine's producer would otherwise bound every mode; and not in
+    // this process, whose peak RSS is the consumer's).
+    let acks = Producer::spawn(&topic, args.events, args.duplicates, 0, None)?.finish()?;
+    if acks.count != total {
+        return Err(format!("{} of {total} events acknowledged", acks.count).into());
+    }
 
     // Poll the group's committed offsets: an event's latency ends when an
     // offset past it is committed.
@@ -553,14 +542,10 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
         .create()?;
     let mut committed_at: HashMap<i32, i64> = HashMap::new();
     let mut latencies = Vec::with_capacity(events);
-    produce.await?;
-    // From here the peak RSS is the consumer's (plus the ack-time map):
-    // reset the kernel's high-water mark, which producing has raised.
-    let rss_before = rss_mib("VmRSS:");
-    if let Err(e) = std::fs::write("/proc/self/clear_refs", "5") {
-        eprintln!("  could not reset the peak RSS ({e}); it includes producing");
-    }
-    eprintln!("  {mode}: RSS after producing {rss_before:.1} MiB");
+    eprintln!(
+        "  {mode}: RSS before the consumer {:.1} MiB",
+        rss_mib("VmRSS:")
+    );
     let started = Instant::now();
     let batch_size = if mode == "per-message" { 1 } else { 200 };
     let purger = (expired_backlog > 0).then(|| {
@@ -572,14 +557,16 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
     });
     let consumer = match mode {
         "no-dedup" => ConsumerRun::spawn(
-            configure(NoDedup(store.clone()), &brokers, &group, batch_size)
+            configure(NoDedup(store.clone()), args, &brokers, &group, batch_size)
                 .handle(&topic, record_payments),
         ),
         "per-event-body" => ConsumerRun::spawn(
-            configure(store.clone(), &brokers, &group, batch_size).handle(&topic, record_payment),
+            configure(store.clone(), args, &brokers, &group, batch_size)
+                .handle(&topic, record_payment),
         ),
         _ => ConsumerRun::spawn(
-            configure(store.clone(), &brokers, &group, batch_size).handle(&topic, record_payments),
+            configure(store.clone(), args, &brokers, &group, batch_size)
+                .handle(&topic, record_payments),
         ),
     };
     let mut done = 0u64;
@@ -591,16 +578,15 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
         }
         let watcher_tpl =
             tokio::task::block_in_place(|| watcher.committed_offsets(tpl, Duration::from_secs(5)))?;
-        let now = Instant::now();
-        let acked = acked.lock().expect("lock");
+        let now = unix_micros();
         for elem in watcher_tpl.elements() {
             let Offset::Offset(next) = elem.offset() else {
                 continue;
             };
             let from = committed_at.insert(elem.partition(), next).unwrap_or(0);
             for offset in from..next {
-                if let Some(t) = acked.get(&(elem.partition(), offset)) {
-                    latencies.push(now.duration_since(*t).as_secs_f64() * 1000.0);
+                if let Some(t) = acks.at(elem.partition(), offset) {
+                    latencies.push(now.saturating_sub(t) as f64 / 1000.0);
                 }
                 done += 1;
             }
@@ -669,190 +655,27 @@ fn records_in(brokers: &str, topic: &str, partitions: i32) -> Result<i64, BoxErr
     Ok(total)
 }
 
-/// One outbox mode: `outbox-direct` sends the records straight to Kafka;
-/// `outbox-N-relay(s)` enqueues them in transactions and has N relays
-/// publish them.
-async fn run_outbox(mode: &str, args: &Args) -> Result<Report, BoxError> {
-    let brokers = env_or("KAFKA_BROKERS", "127.0.0.1:9092");
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(20)
-        .connect(&std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL must be set")?)
-        .await?;
-    let outbox = dedup_postgres::OutboxWriter::default();
-    outbox.migrate(&pool).await?;
-    sqlx::query("TRUNCATE dedup_outbox").execute(&pool).await?;
-    let topic = new_topic(&brokers, mode, args.partitions).await?;
-    let work = Arc::new(Workload::new(args.events, 0.0));
-    let events = work.len();
-    let event_id = |i: usize| format!("bench-{i}");
-
-    if mode == "outbox-direct" {
-        let producer: FutureProducer = ClientConfig::new()
-            .set("bootstrap.servers", &brokers)
-            .set("enable.idempotence", "true")
-            .set("acks", "all")
-            .create()?;
-        let started = Instant::now();
-        let mut latencies = Vec::with_capacity(events);
-        let mut inflight = std::collections::VecDeque::new();
-        for i in 0..events {
-            let (key, payload) = work.message(i);
-            let id = event_id(i);
-            let headers = rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header {
-                key: dedup_core::outbox::EVENT_ID_HEADER,
-                value: Some(&id),
-            });
-            let record = FutureRecord::to(&topic)
-                .key(&key)
-                .payload(&payload)
-                .headers(headers);
-            let delivery = producer.send_result(record).map_err(|(e, _)| e)?;
-            inflight.push_back((Instant::now(), delivery));
-            if inflight.len() >= 10_000
-                && let Some((sent, delivery)) = inflight.pop_front()
-            {
-                delivery.await?.map_err(|(e, _)| e)?;
-                latencies.push(sent.elapsed().as_secs_f64() * 1000.0);
-            }
-        }
-        for (sent, delivery) in inflight {
-            delivery.await?.map_err(|(e, _)| e)?;
-            latencies.push(sent.elapsed().as_secs_f64() * 1000.0);
-        }
-        let seconds = started.elapsed().as_secs_f64();
-        let records = records_in(&brokers, &topic, args.partitions)?;
-        return Ok(Report::new(
-            mode,
-            events,
-            seconds,
-            latencies,
-            (records, events as i64),
-            0,
-        ));
-    }
-
-    let relays: usize = if mode.starts_with("outbox-2-relays") {
-        2
-    } else {
-        1
-    };
-    // `-drain`: the whole backlog is enqueued first, then the relays start
-    // (what they can publish); otherwise the writers and the relays run
-    // together (end to end).
-    let drain = mode.ends_with("-drain");
-    let start_relays = || {
-        (0..relays)
-            .map(|_| {
-                let relay = dedup_kafka::Relay::builder(outbox.reader(pool.clone()))
-                    .brokers(&brokers)
-                    .batch_size(args.relay_batch)
-                    .build()?;
-                let stats = relay.stats();
-                let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-                let task = tokio::spawn(relay.run_until(async {
-                    let _ = stopped.await;
-                }));
-                Ok::<_, BoxError>((stats, stop, task))
-            })
-            .collect::<Result<Vec<_>, _>>()
-    };
-    let mut running = Vec::new();
-    if !drain {
-        running = start_relays()?;
-        // Let the relays start listening before the clock starts.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
-    let mut started = Instant::now();
-    let writers: Vec<_> = (0..4)
-        .map(|w| {
-            let (pool, outbox, work, topic) =
-                (pool.clone(), outbox.clone(), work.clone(), topic.clone());
-            let per_tx = args.per_tx;
-            tokio::spawn(async move {
-                let chunks: Vec<usize> = (0..work.len()).step_by(per_tx).collect();
-                for start in chunks.into_iter().skip(w).step_by(4) {
-                    let mut tx = pool.begin().await?;
-                    for i in start..(start + per_tx).min(work.len()) {
-                        let (key, payload) = work.message(i);
-                        let message = dedup_core::OutboxMessage::bytes(&topic, payload)
-                            .with_key(key)
-                            .with_event_id(event_id(i));
-                        outbox.enqueue(&mut tx, message).await?;
-                    }
-                    tx.commit().await?;
-                }
-                Ok::<_, BoxError>(())
-            })
-        })
-        .collect();
-    for writer in writers {
-        writer.await??;
-    }
-    let enqueued_in = started.elapsed().as_secs_f64();
-    if drain {
-        started = Instant::now();
-        running = start_relays()?;
-    }
-    loop {
-        let pending: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM dedup_outbox WHERE sent_at IS NULL")
-                .fetch_one(&pool)
-                .await?;
-        if pending == 0 {
-            break;
-        }
-        if started.elapsed() > Duration::from_secs(3600) {
-            return Err("gave up after an hour".into());
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let seconds = started.elapsed().as_secs_f64();
-    let mut published = 0;
-    let mut batches = 0;
-    for (stats, stop, task) in running {
-        let _ = stop.send(());
-        task.await?;
-        let s = stats.snapshot();
-        published += s.published;
-        batches += s.batches;
-    }
-    eprintln!(
-        "  {mode}: enqueued in {enqueued_in:.2} s ({:.0} events/s), published {published}",
-        events as f64 / enqueued_in
-    );
-    let latencies: Vec<f64> = sqlx::query_scalar(
-        "SELECT extract(epoch FROM sent_at - enqueued_at)::float8 * 1000 FROM dedup_outbox",
-    )
-    .fetch_all(&pool)
-    .await?;
-    let table_bytes: i64 = sqlx::query_scalar("SELECT pg_total_relation_size('dedup_outbox')")
-        .fetch_one(&pool)
-        .await?;
-    let records = records_in(&brokers, &topic, args.partitions)?;
-    let mut report = Report::new(
-        mode,
-        events,
-        seconds,
-        latencies,
-        (records, events as i64),
-        batches,
-    );
-    report.table_mib = Some(table_bytes as f64 / (1024.0 * 1024.0));
-    Ok(report)
-}
-
-/// The consumer settings every Kafka mode shares.
+/// The consumer settings every Kafka mode shares, with `--set` and
+/// `--max-buffered` applied.
 fn configure<S: DedupStore>(
     store: S,
+    args: &Args,
     brokers: &str,
     group: &str,
     batch_size: usize,
 ) -> dedup_kafka::ConsumerBuilder<S> {
-    Consumer::builder(store)
+    let mut builder = Consumer::builder(store)
         .brokers(brokers)
         .group_id(group)
         .batch_size(batch_size)
-        .commit_interval(Duration::from_millis(100))
+        .commit_interval(Duration::from_millis(100));
+    for (k, v) in &args.settings {
+        builder = builder.set(k, v);
+    }
+    if let Some(n) = args.max_buffered {
+        builder = builder.max_buffered_per_partition(n);
+    }
+    builder
 }
 
 /// A consumer running in the background until stopped.
@@ -889,6 +712,11 @@ impl ConsumerRun {
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let args = args()?;
+    if let Some(topic) = &args.produce_to {
+        let work = Workload::new(args.events, args.duplicates, args.window);
+        let brokers = env_or("KAFKA_BROKERS", "127.0.0.1:9092");
+        return produce::produce(&brokers, topic, Arc::new(work), args.rate).await;
+    }
     if let Some(mode) = &args.mode {
         let report = run_mode(mode, &args).await?;
         println!("{}", serde_json::to_string(&report)?);
@@ -920,14 +748,33 @@ async fn main() -> Result<(), BoxError> {
     };
     for mode in modes {
         eprintln!("  running {mode} ...");
-        let out = Command::new(std::env::current_exe()?)
+        let mut command = Command::new(std::env::current_exe()?);
+        command
             .args(["--mode", mode, "--events", &args.events.to_string()])
             .args(["--duplicates", &args.duplicates.to_string()])
             .args(["--partitions", &args.partitions.to_string()])
             .args(["--per-tx", &args.per_tx.to_string()])
             .args(["--relay-batch", &args.relay_batch.to_string()])
-            .stderr(std::process::Stdio::inherit())
-            .output()?;
+            .args(["--seconds", &args.seconds.to_string()]);
+        for (k, v) in &args.settings {
+            command.args(["--set", &format!("{k}={v}")]);
+        }
+        if let Some(n) = args.max_buffered {
+            command.args(["--max-buffered", &n.to_string()]);
+        }
+        if mode.starts_with("steady") {
+            // Half of what batched reached in this run, unless given.
+            let batched = reports
+                .iter()
+                .find(|r: &&Report| r.mode == "batched")
+                .map(|r| r.events_per_s / 2.0);
+            let rate = args
+                .rate
+                .or(batched)
+                .ok_or("steady needs --rate or batched")?;
+            command.args(["--rate", &format!("{rate:.0}")]);
+        }
+        let out = command.stderr(std::process::Stdio::inherit()).output()?;
         if !out.status.success() {
             return Err(format!("mode {mode} failed").into());
         }
@@ -942,18 +789,27 @@ async fn main() -> Result<(), BoxError> {
         }
     }
     println!(
-        "{:<14} {:>9} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9}",
-        "mode", "events", "seconds", "events/s", "p50 ms", "p99 ms", "RSS MiB", "batches"
+        "{:<15} {:>9} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "mode",
+        "events",
+        "seconds",
+        "events/s",
+        "p50 ms",
+        "p99 ms",
+        "p99.9 ms",
+        "RSS MiB",
+        "batches"
     );
     for r in &reports {
         println!(
-            "{:<14} {:>9} {:>9.2} {:>12.0} {:>9.1} {:>9.1} {:>9.1} {:>9}",
+            "{:<15} {:>9} {:>9.2} {:>12.0} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9}",
             r.mode,
             r.events,
             r.seconds,
             r.events_per_s,
             r.p50_ms,
             r.p99_ms,
+            r.p999_ms,
             r.peak_rss_mib,
             r.batches
         );
@@ -1000,18 +856,49 @@ async fn main() -> Result<(), BoxError> {
             "        batched-metrics/batched {:.3}x (a Prometheus recorder installed and scraped every second; target >= 0.97)",
             rate("batched-metrics") / rate("batched"),
         );
+        for b in reports.iter().filter(|r| r.mode.starts_with("steady")) {
+            println!(
+                "{} ({:.0} events/s produced, {}): produce ack -> effect committed p50 {:.1} ms, p99 {:.1} ms (target <= 50), p99.9 {:.1} ms",
+                b.mode,
+                b.events as f64 / args.seconds,
+                if b.mode == "steady" {
+                    "default settings"
+                } else {
+                    "TTL 10 s, purge every 1 s"
+                },
+                b.p50_ms,
+                b.p99_ms,
+                b.p999_ms
+            );
+            if let (Some(max), Some(bound)) = (b.claims_max, b.claims_bound) {
+                println!(
+                    "        claims table after warm-up: at most {max} rows, bound 1.1 x rate x (TTL + interval) = {bound:.0}{}",
+                    if max as f64 <= bound { "" } else { " EXCEEDED" }
+                );
+            }
+        }
     }
     let wrong: Vec<_> = reports
         .iter()
         .filter(|r| r.applied_rows != r.expected_rows)
         .collect();
+    let unbounded: Vec<_> = reports
+        .iter()
+        .filter(|r| matches!((r.claims_max, r.claims_bound), (Some(m), Some(b)) if m as f64 > b))
+        .collect();
+    for r in &unbounded {
+        println!(
+            "UNBOUNDED CLAIMS TABLE in {}: {:?} rows, bound {:?}",
+            r.mode, r.claims_max, r.claims_bound
+        );
+    }
     for r in &wrong {
         println!(
             "WRONG END STATE in {}: {} effect rows (records in the topic for outbox modes), expected {}",
             r.mode, r.applied_rows, r.expected_rows
         );
     }
-    if !wrong.is_empty() {
+    if !wrong.is_empty() || !unbounded.is_empty() {
         std::process::exit(1);
     }
     println!("end state checked: every mode applied exactly the effects it should");

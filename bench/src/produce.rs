@@ -1,0 +1,210 @@
+//! Producing the workload, in a process of its own: the consumer's peak RSS
+//! is then the consumer's, not the producer's buffers. The child reports
+//! each acknowledgement on its stdout (`partition offset source unix_µs`);
+//! the parent keeps them compactly, per partition by offset and per source.
+
+use std::io::{BufRead, BufReader, BufWriter, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use rdkafka::ClientConfig;
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
+
+use crate::BoxError;
+use crate::workload::Workload;
+
+/// Microseconds since the Unix epoch: a clock both processes share.
+pub(crate) fn unix_micros() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// The child's side: produces `work` to `topic` (at `rate` events/s, or as
+/// fast as it can) and prints each acknowledgement.
+pub(crate) async fn produce(
+    brokers: &str,
+    topic: &str,
+    work: Arc<Workload>,
+    rate: Option<f64>,
+) -> Result<(), BoxError> {
+    let producer: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("linger.ms", "5")
+        .set("enable.idempotence", "true")
+        .create()?;
+    // One writer thread: acknowledgements are written as they come and
+    // flushed whenever none is waiting, so a steady run's parent sees them
+    // within milliseconds.
+    let (acks, acked) = mpsc::channel::<(i32, i64, u32, u64)>();
+    let writer = std::thread::spawn(move || {
+        let mut out = BufWriter::new(std::io::stdout().lock());
+        while let Ok(first) = acked.recv() {
+            let mut next = Some(first);
+            while let Some((p, o, s, t)) = next {
+                let _ = writeln!(out, "{p} {o} {s} {t}");
+                next = acked.try_recv().ok();
+            }
+            let _ = out.flush();
+        }
+    });
+    // Connected and the topic's leaders known before the clock starts, so
+    // a rated run does not begin with a burst of the events due meanwhile.
+    let client = producer.client();
+    tokio::task::block_in_place(|| client.fetch_metadata(Some(topic), Duration::from_secs(30)))?;
+    let started = Instant::now();
+    let mut inflight = tokio::task::JoinSet::new();
+    let mut failed = 0u64;
+    for i in 0..work.len() {
+        if let Some(rate) = rate {
+            let due = started + Duration::from_secs_f64(i as f64 / rate);
+            if due > Instant::now() {
+                tokio::time::sleep_until(due.into()).await;
+            }
+        }
+        while inflight.len() >= 10_000 {
+            if let Some(Ok(false)) = inflight.join_next().await {
+                failed += 1;
+            }
+        }
+        let (producer, topic, acks, work) = (
+            producer.clone(),
+            topic.to_owned(),
+            acks.clone(),
+            work.clone(),
+        );
+        inflight.spawn(async move {
+            let (key, payload) = work.message(i);
+            let record = FutureRecord::to(&topic).key(&key).payload(&payload);
+            match producer.send(record, Duration::from_secs(60)).await {
+                Ok(d) => {
+                    let _ = acks.send((d.partition, d.offset, work.source(i), unix_micros()));
+                    true
+                }
+                Err(_) => false,
+            }
+        });
+    }
+    while let Some(sent) = inflight.join_next().await {
+        if let Ok(false) = sent {
+            failed += 1;
+        }
+    }
+    drop(acks);
+    let _ = writer.join();
+    if failed > 0 {
+        return Err(format!("{failed} events could not be produced").into());
+    }
+    Ok(())
+}
+
+/// When each event was acknowledged, as the parent keeps it.
+#[derive(Default)]
+pub(crate) struct Acks {
+    /// Per partition, by offset: µs since the epoch (0 = not yet).
+    pub(crate) by_offset: Vec<Vec<u64>>,
+    /// Per source number: the first acknowledgement of that event.
+    pub(crate) by_source: Vec<u64>,
+    pub(crate) count: u64,
+}
+
+impl Acks {
+    fn record(&mut self, partition: usize, offset: usize, source: usize, micros: u64) {
+        if self.by_offset.len() <= partition {
+            self.by_offset.resize_with(partition + 1, Vec::new);
+        }
+        let offsets = &mut self.by_offset[partition];
+        if offsets.len() <= offset {
+            offsets.resize(offset + 1, 0);
+        }
+        offsets[offset] = micros;
+        if self.by_source.len() <= source {
+            self.by_source.resize(source + 1, 0);
+        }
+        if self.by_source[source] == 0 || micros < self.by_source[source] {
+            self.by_source[source] = micros;
+        }
+        self.count += 1;
+    }
+
+    /// The acknowledgement of `offset` in `partition`, if seen.
+    pub(crate) fn at(&self, partition: i32, offset: i64) -> Option<u64> {
+        let t = *self
+            .by_offset
+            .get(usize::try_from(partition).ok()?)?
+            .get(usize::try_from(offset).ok()?)?;
+        (t > 0).then_some(t)
+    }
+}
+
+/// The parent's side: a producer child and the thread reading its
+/// acknowledgements.
+pub(crate) struct Producer {
+    child: Child,
+    reader: std::thread::JoinHandle<()>,
+    acks: Arc<Mutex<Acks>>,
+}
+
+impl Producer {
+    /// Starts this program as `--produce-to topic` with the same workload.
+    pub(crate) fn spawn(
+        topic: &str,
+        events: usize,
+        duplicates: f64,
+        window: usize,
+        rate: Option<f64>,
+    ) -> Result<Self, BoxError> {
+        let mut command = Command::new(std::env::current_exe()?);
+        command
+            .args(["--produce-to", topic, "--events", &events.to_string()])
+            .args(["--duplicates", &duplicates.to_string()])
+            .args(["--window", &window.to_string()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if let Some(rate) = rate {
+            command.args(["--rate", &rate.to_string()]);
+        }
+        let mut child = command.spawn()?;
+        let stdout = child.stdout.take().ok_or("the producer's stdout")?;
+        let acks = Arc::new(Mutex::new(Acks::default()));
+        let reader = {
+            let acks = acks.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    let f: Vec<u64> = line
+                        .split_whitespace()
+                        .filter_map(|x| x.parse().ok())
+                        .collect();
+                    if let [p, o, s, t] = f[..] {
+                        acks.lock()
+                            .expect("lock")
+                            .record(p as usize, o as usize, s as usize, t);
+                    }
+                }
+            })
+        };
+        Ok(Producer {
+            child,
+            reader,
+            acks,
+        })
+    }
+
+    /// Whether the child is still producing.
+    pub(crate) fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Waits for the child to finish; its acknowledgements, or an error if
+    /// it failed.
+    pub(crate) fn finish(mut self) -> Result<Acks, BoxError> {
+        let status = self.child.wait()?;
+        let _ = self.reader.join();
+        if !status.success() {
+            return Err(format!("the producer failed: {status}").into());
+        }
+        Ok(std::mem::take(&mut *self.acks.lock().expect("lock")))
+    }
+}

@@ -1,0 +1,186 @@
+//! The steady modes: events produced at a fixed rate while the consumer
+//! keeps up. They measure what a service at steady load sees: the latency
+//! from an event's produce acknowledgement to its effect's commit.
+//! `steady` runs the default settings (TTL 4 h: nothing expires during the
+//! run); `steady-purge` a 10 s TTL with the purger deleting every second,
+//! and reports the claims table's size against its bound.
+//!
+//! The handler announces each batch it applied with `pg_notify` in the
+//! batch's transaction, which PostgreSQL delivers only when that
+//! transaction commits: the moment the effect is committed, not the later
+//! offset commit.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use dedup_core::{HandlerError, HandlerExt, PurgeConfig, Ttl, idempotent};
+use dedup_postgres::{PgStore, PgTx};
+use sqlx::postgres::PgListener;
+
+use crate::produce::{Producer, unix_micros};
+use crate::workload::Workload;
+use crate::{
+    Args, BoxError, ConsumerRun, Payment, Report, configure, env_or, insert_effects, new_topic,
+    reset_table, rows,
+};
+
+/// The claims' TTL in `steady-purge`: short, so the table's bound is
+/// reached (and held) within seconds.
+const TTL_SECONDS: u64 = 10;
+/// The purger's interval in `steady-purge`.
+const PURGE_INTERVAL: Duration = Duration::from_secs(1);
+/// Events acknowledged this long after the first are the steady ones.
+const WARM_UP_LATENCY: Duration = Duration::from_secs(2);
+/// Where the handler announces what it applied.
+const CHANNEL: &str = "dedup_bench_applied";
+
+#[idempotent(key = "event_id", ttl = "4h", scope = "bench::steady", batch)]
+async fn record_payments_announced(
+    tx: &mut PgTx,
+    events: Vec<Payment>,
+) -> Result<(), HandlerError> {
+    insert_effects(&mut **tx, &events).await?;
+    let sources: Vec<String> = events.iter().map(|p| p.source.to_string()).collect();
+    sqlx::query("SELECT pg_notify($1, $2)")
+        .bind(CHANNEL)
+        .bind(sources.join(","))
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+/// What the steady run saw besides throughput and latency.
+pub(crate) struct Bounds {
+    /// The most claims rows counted after warm-up.
+    pub(crate) max_rows: i64,
+    /// 1.1 x rate x (TTL + purge interval).
+    pub(crate) bound: f64,
+}
+
+/// One steady run: `purge` for `steady-purge` (else the defaults, and no
+/// bounds).
+pub(crate) async fn run_steady(
+    args: &Args,
+    purge: bool,
+) -> Result<(Report, Option<Bounds>), BoxError> {
+    let mode = if purge { "steady-purge" } else { "steady" };
+    let rate = args
+        .rate
+        .ok_or("steady needs --rate (the full run passes half of batched's)")?;
+    let brokers = env_or("KAFKA_BROKERS", "127.0.0.1:9092");
+    let url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL must be set")?;
+    // Default settings: the pool, the batch size, the linger.
+    let store = PgStore::connect(&url).await?;
+    store.migrate().await?;
+    reset_table(store.pool()).await?;
+    let events = (rate * args.seconds).round() as usize;
+    // Duplicates within the last 2 s of traffic: a retrying producer, well
+    // inside the TTL (an older copy would be applied again, by design).
+    let window = ((rate * 2.0) as usize).max(1);
+    let work = Workload::new(events, args.duplicates, window);
+    let topic = new_topic(&brokers, "steady", args.partitions).await?;
+    let group = format!("{topic}-g");
+
+    // Every committed batch's sources, with when its commit was seen.
+    let committed: Arc<Mutex<Vec<(u32, u64)>>> = Arc::default();
+    let mut listener = PgListener::connect(&url).await?;
+    listener.listen(CHANNEL).await?;
+    let listening = {
+        let committed = committed.clone();
+        tokio::spawn(async move {
+            while let Ok(n) = listener.recv().await {
+                let at = unix_micros();
+                let mut committed = committed.lock().expect("lock");
+                for s in n.payload().split(',').filter_map(|s| s.parse().ok()) {
+                    committed.push((s, at));
+                }
+            }
+        })
+    };
+
+    let builder = configure(store.clone(), args, &brokers, &group, 200);
+    let consumer = ConsumerRun::spawn(if purge {
+        let ttl = Ttl::from_secs(TTL_SECONDS).ok_or("ttl")?;
+        builder.handle(&topic, record_payments_announced.with_ttl(ttl))
+    } else {
+        builder.handle(&topic, record_payments_announced)
+    });
+    let purger =
+        purge.then(|| store.spawn_purger(PurgeConfig::default().with_interval(PURGE_INTERVAL)));
+    let joined = Instant::now();
+    while consumer.stats.health().assigned_partitions < args.partitions as u64 {
+        if joined.elapsed() > Duration::from_secs(60) {
+            return Err("the consumer was not assigned its partitions within 60 s".into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    eprintln!("  {mode}: {rate:.0} events/s for {:.0} s", args.seconds);
+    let mut producer = Producer::spawn(&topic, events, args.duplicates, window, Some(rate))?;
+    let started = Instant::now();
+    // The table is full once the first claims can expire and be purged.
+    let warm_up = Duration::from_secs(TTL_SECONDS) + PURGE_INTERVAL + Duration::from_secs(1);
+    let mut max_rows = 0i64;
+    let mut producing = true;
+    loop {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        if purge && producing && started.elapsed() >= warm_up {
+            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_claims")
+                .fetch_one(store.pool())
+                .await?;
+            max_rows = max_rows.max(n);
+        }
+        producing = producing && producer.running();
+        let applied = committed.lock().expect("lock").len();
+        if !producing && applied >= work.distinct {
+            break;
+        }
+        if started.elapsed() > Duration::from_secs_f64(args.seconds) + Duration::from_secs(120) {
+            return Err(format!(
+                "{mode}: {applied} of {} events applied 2 min after producing ended",
+                work.distinct
+            )
+            .into());
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let stats = consumer.stats.snapshot();
+    consumer.stop().await;
+    if let Some(purger) = purger {
+        purger.stop().await;
+    }
+    listening.abort();
+    let acks = producer.finish()?;
+    let committed = std::mem::take(&mut *committed.lock().expect("lock"));
+    // Latency at steady load: events acknowledged in the first seconds
+    // (the pool opening its connections, the first fetches) are left out.
+    let first_ack = acks
+        .by_source
+        .iter()
+        .copied()
+        .filter(|&t| t > 0)
+        .min()
+        .unwrap_or(0);
+    let steady_from = first_ack + WARM_UP_LATENCY.as_micros() as u64;
+    let mut latencies = Vec::with_capacity(committed.len());
+    for &(source, at) in committed.iter() {
+        let acked = acks.by_source.get(source as usize).copied().unwrap_or(0);
+        if acked == 0 {
+            return Err(format!("event {source} was applied but never acknowledged").into());
+        }
+        if acked >= steady_from {
+            latencies.push(at.saturating_sub(acked) as f64 / 1000.0);
+        }
+    }
+    let applied = rows(store.pool()).await?;
+    let report = Report::new(
+        mode,
+        events,
+        seconds,
+        latencies,
+        (applied, work.distinct as i64),
+        stats.batches,
+    );
+    let bound = 1.1 * rate * (TTL_SECONDS as f64 + PURGE_INTERVAL.as_secs_f64());
+    Ok((report, purge.then_some(Bounds { max_rows, bound })))
+}

@@ -137,18 +137,20 @@ impl Statements {
         let live_ids = format!(
             "SELECT key FROM {t} WHERE scope = $1 AND key >= $2 AND expires_at > now() ORDER BY key"
         );
-        // Bounded, oldest first, skipping rows a running claim holds; the
-        // outer condition re-checks expiry on the row version it deletes.
-        // The batch is taken by the rows' addresses (`ctid`, stable while
-        // this statement holds their locks): a join back to the table on
-        // (scope, key) was planned, under the generic plan PostgreSQL
-        // caches after five runs, as a hash join reading the whole table
+        // Bounded, oldest first, skipping rows a running claim holds. The
+        // batch is locked (FOR UPDATE re-checks expiry on the row's newest
+        // version: a claim just taken over or refreshed is left alone) and
+        // deleted by the rows' addresses (`ctid`, which cannot change while
+        // the lock is held), with no other condition the planner could
+        // prefer to the addresses: a join back on (scope, key) was a hash
+        // join over the whole table under a generic plan, and a re-check of
+        // the expiry here was planned, from statistics that thought nothing
+        // expired, as a walk of the expiry index over every expired claim
         // per batch (tests/purge.rs).
         let purge = format!(
-            "DELETE FROM {t} AS c WHERE c.ctid = ANY(ARRAY( \
+            "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
                  SELECT ctid FROM {t} WHERE expires_at <= now() \
-                 ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED)) \
-             AND c.expires_at <= now()"
+                 ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED))"
         );
         Ok(Statements {
             table,

@@ -102,14 +102,15 @@ pub(crate) fn is_shared_setting(key: &str) -> bool {
 pub(crate) const STATISTICS_INTERVAL_MS: &str = "5000";
 
 /// The consumer's pre-fetch, unless the user says otherwise. librdkafka's
-/// own defaults keep up to 64 MiB and 100,000 messages per partition
-/// fetched ahead, on top of the runtime's per-partition buffers, and once
-/// over that wait a whole second (`fetch.queue.backoff.ms`) before looking
-/// again: a small queue then starves the handlers. A 2 MiB queue looked at
-/// again every 10 ms kept the benchmark's throughput (62,103 events/s vs
-/// 61,968) at 54 MiB peak RSS instead of 118 MiB (README, Benchmark). The
-/// queue may be overshot by one fetch (`fetch.max.bytes`, which librdkafka
-/// caps at this queue size, or a single record batch larger than that).
+/// own defaults keep up to 64 MiB or 100,000 messages fetched ahead in the
+/// consumer's queue (one for all assigned partitions), on top of the
+/// runtime's per-partition buffers, and once over that wait a whole second
+/// (`fetch.queue.backoff.ms`) before looking again: a small queue then
+/// starves the handlers. A 2 MiB queue looked at again every 10 ms kept the
+/// benchmark's throughput (62,103 events/s vs 61,968) at 54 MiB peak RSS
+/// instead of 118 MiB (README, Benchmark). The queue may be overshot by one
+/// fetch per broker (`fetch.max.bytes`, which librdkafka caps at this queue
+/// size unless set, or a single record batch larger than that).
 pub(crate) const PREFETCH_DEFAULTS: [(&str, &str); 3] = [
     ("queued.max.messages.kbytes", "2048"),
     ("queued.min.messages", "5000"),

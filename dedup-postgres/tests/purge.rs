@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use dedup_core::{OutboxSource, PurgeExpired};
+use dedup_core::{Claim, DedupKey, DedupStore, OutboxSource, PurgeExpired, Ttl};
 use dedup_postgres::{OutboxConfig, OutboxWriter, PgStore, Retention};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -46,6 +46,22 @@ async fn rows_read(pool: &PgPool, table: &str) -> i64 {
     .fetch_one(&mut *conn)
     .await
     .expect("stats")
+}
+
+/// The control: `count_all`, a count of every row of `table` through a
+/// column no index holds, shows up in [`rows_read`], so a test that finds
+/// few rows read is not just reading statistics nobody collects.
+async fn assert_reads_are_counted(pool: &PgPool, table: &str, count_all: &'static str) {
+    let before = rows_read(pool, table).await;
+    let rows: i64 = sqlx::query_scalar(count_all)
+        .fetch_one(pool)
+        .await
+        .expect("read all");
+    let read = rows_read(pool, table).await - before;
+    assert!(
+        rows > 0 && read >= rows,
+        "reading {rows} rows of {table} counted {read}: statistics are not collected"
+    );
 }
 
 /// The purge statement joined its batch back to the table: under a
@@ -87,6 +103,13 @@ async fn a_purge_batch_reads_what_it_deletes_not_the_whole_table(pool: PgPool) {
         "10 purge batches of 1,000 read {read} rows (the table holds {})",
         expired + 1000
     );
+
+    assert_reads_are_counted(
+        &pool,
+        "dedup_claims",
+        "SELECT count(claimed_at) FROM dedup_claims",
+    )
+    .await;
 
     // And the rest goes, the live claims stay.
     while store.purge_expired(1000).await.expect("purge") > 0 {}
@@ -138,6 +161,12 @@ async fn an_outbox_purge_batch_reads_what_it_deletes_not_the_whole_table(pool: P
         "10 purge batches of 1,000 read {read} rows (the outbox holds {})",
         old + 1000
     );
+    assert_reads_are_counted(
+        &pool,
+        "dedup_outbox",
+        "SELECT count(payload) FROM dedup_outbox",
+    )
+    .await;
     while source.purge_sent(1000).await.expect("purge") > 0 {}
     let left: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_outbox")
         .fetch_one(&pool)
@@ -183,4 +212,50 @@ async fn a_purge_batch_reads_what_it_deletes_under_stale_statistics(pool: PgPool
         read < 50_000,
         "10 purge batches of 1,000 read {read} rows (the table holds 50,000)"
     );
+    assert_reads_are_counted(
+        &pool,
+        "dedup_claims",
+        "SELECT count(claimed_at) FROM dedup_claims",
+    )
+    .await;
+}
+
+/// A purge running while a claim takes over an expired row (the claim's
+/// transaction still open) leaves that row alone, and after the claim
+/// commits the row is live: the purge never deletes a claim someone holds.
+#[sqlx::test(migrations = false)]
+async fn a_purge_leaves_a_claim_being_taken_over(pool: PgPool) {
+    let store = PgStore::from_pool(pool.clone());
+    store.migrate().await.expect("migrate");
+    sqlx::query(
+        "INSERT INTO dedup_claims (scope, key, claimed_at, expires_at) \
+         VALUES ('s', 'taken', now() - interval '2 hours', now() - interval '1 hour'), \
+                ('s', 'left', now() - interval '2 hours', now() - interval '1 hour')",
+    )
+    .execute(&pool)
+    .await
+    .expect("fill");
+    let key = DedupKey::new("s", "taken").expect("key");
+    let hour = Ttl::from_secs(3600).expect("ttl");
+    let mut tx = store.begin().await.expect("begin");
+    assert_eq!(
+        store.claim(&mut tx, &key, hour).await.expect("claim"),
+        Claim::Reclaimed
+    );
+    assert_eq!(
+        store.purge_expired(1000).await.expect("purge"),
+        1,
+        "only the expired claim nobody holds"
+    );
+    store.commit(tx).await.expect("commit");
+    assert_eq!(store.purge_expired(1000).await.expect("purge"), 0);
+    let mut tx = store.begin().await.expect("begin");
+    assert!(
+        matches!(
+            store.claim(&mut tx, &key, hour).await.expect("claim"),
+            Claim::Duplicate { .. }
+        ),
+        "the claim taken over during the purge is live"
+    );
+    store.rollback(tx).await.expect("rollback");
 }

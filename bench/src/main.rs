@@ -228,6 +228,8 @@ struct Args {
     settings: Vec<(String, String)>,
     /// `--max-buffered n`: the consumer's `max_buffered_per_partition`.
     max_buffered: Option<usize>,
+    /// `steady` modes: write each event's (ack, commit) times here.
+    dump: Option<String>,
     /// Internal: produce the workload to this topic and report the acks.
     produce_to: Option<String>,
 }
@@ -249,6 +251,7 @@ fn args() -> Result<Args, String> {
         settings: Vec::new(),
         max_buffered: None,
         produce_to: None,
+        dump: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -294,11 +297,12 @@ fn args() -> Result<Args, String> {
                 )
             }
             "--produce-to" => a.produce_to = Some(value()?),
+            "--dump" => a.dump = Some(value()?),
             other => {
                 return Err(format!(
                     "unknown flag {other}; flags: --events --duplicates --partitions --json --purge \
                      --outbox --per-tx --relay-batch --mode --rate --seconds --set key=value \
-                     --max-buffered"
+                     --max-buffered --dump file (with --mode steady or steady-purge)"
                 ));
             }
         }
@@ -715,7 +719,7 @@ async fn main() -> Result<(), BoxError> {
     if let Some(topic) = &args.produce_to {
         let work = Workload::new(args.events, args.duplicates, args.window);
         let brokers = env_or("KAFKA_BROKERS", "127.0.0.1:9092");
-        return produce::produce(&brokers, topic, Arc::new(work), args.rate).await;
+        return produce::produce(&brokers, topic, &work, args.rate);
     }
     if let Some(mode) = &args.mode {
         let report = run_mode(mode, &args).await?;

@@ -5,11 +5,16 @@
 
 use std::io::{BufRead, BufReader, BufWriter, Write};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use rdkafka::ClientConfig;
-use rdkafka::producer::{FutureProducer, FutureRecord, Producer as _};
+use rdkafka::client::ClientContext;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::producer::{
+    BaseRecord, DeliveryResult, Producer as _, ProducerContext, ThreadedProducer,
+};
+use rdkafka::{ClientConfig, Message as _};
 
 use crate::BoxError;
 use crate::workload::Workload;
@@ -21,19 +26,42 @@ pub(crate) fn unix_micros() -> u64 {
         .map_or(0, |d| d.as_micros() as u64)
 }
 
+/// The child's producer: each acknowledgement is timed in librdkafka's
+/// delivery callback, as it arrives, and handed to the writer thread.
+struct AckContext {
+    acks: mpsc::Sender<(i32, i64, u32, u64)>,
+    failed: AtomicU64,
+}
+
+impl ClientContext for AckContext {}
+
+impl ProducerContext for AckContext {
+    /// The event's source number.
+    type DeliveryOpaque = usize;
+
+    fn delivery(&self, result: &DeliveryResult<'_>, source: usize) {
+        let at = unix_micros();
+        match result {
+            Ok(m) => {
+                let _ = self
+                    .acks
+                    .send((m.partition(), m.offset(), source as u32, at));
+            }
+            Err(_) => {
+                self.failed.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
 /// The child's side: produces `work` to `topic` (at `rate` events/s, or as
 /// fast as it can) and prints each acknowledgement.
-pub(crate) async fn produce(
+pub(crate) fn produce(
     brokers: &str,
     topic: &str,
-    work: Arc<Workload>,
+    work: &Workload,
     rate: Option<f64>,
 ) -> Result<(), BoxError> {
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("linger.ms", "5")
-        .set("enable.idempotence", "true")
-        .create()?;
     // One writer thread: acknowledgements are written as they come and
     // flushed whenever none is waiting, so a steady run's parent sees them
     // within milliseconds.
@@ -49,49 +77,47 @@ pub(crate) async fn produce(
             let _ = out.flush();
         }
     });
+    let producer: ThreadedProducer<AckContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("linger.ms", "5")
+        .set("enable.idempotence", "true")
+        .create_with_context(AckContext {
+            acks,
+            failed: AtomicU64::new(0),
+        })?;
     // Connected and the topic's leaders known before the clock starts, so
     // a rated run does not begin with a burst of the events due meanwhile.
-    let client = producer.client();
-    tokio::task::block_in_place(|| client.fetch_metadata(Some(topic), Duration::from_secs(30)))?;
+    producer
+        .client()
+        .fetch_metadata(Some(topic), Duration::from_secs(30))?;
     let started = Instant::now();
-    let mut inflight = tokio::task::JoinSet::new();
-    let mut failed = 0u64;
     for i in 0..work.len() {
         if let Some(rate) = rate {
             let due = started + Duration::from_secs_f64(i as f64 / rate);
-            if due > Instant::now() {
-                tokio::time::sleep_until(due.into()).await;
+            let now = Instant::now();
+            if due > now {
+                std::thread::sleep(due - now);
             }
         }
-        while inflight.len() >= 10_000 {
-            if let Some(Ok(false)) = inflight.join_next().await {
-                failed += 1;
-            }
-        }
-        let (producer, topic, acks, work) = (
-            producer.clone(),
-            topic.to_owned(),
-            acks.clone(),
-            work.clone(),
-        );
-        inflight.spawn(async move {
-            let (key, payload) = work.message(i);
-            let record = FutureRecord::to(&topic).key(&key).payload(&payload);
-            match producer.send(record, Duration::from_secs(60)).await {
-                Ok(d) => {
-                    let _ = acks.send((d.partition, d.offset, work.source(i), unix_micros()));
-                    true
+        let (key, payload) = work.message(i);
+        let mut record = BaseRecord::with_opaque_to(topic, work.source(i) as usize)
+            .key(&key)
+            .payload(&payload);
+        loop {
+            match producer.send(record) {
+                Ok(()) => break,
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                    record = back;
+                    std::thread::sleep(Duration::from_millis(1));
                 }
-                Err(_) => false,
+                Err((e, _)) => return Err(e.into()),
             }
-        });
-    }
-    while let Some(sent) = inflight.join_next().await {
-        if let Ok(false) = sent {
-            failed += 1;
         }
     }
-    drop(acks);
+    producer.flush(Duration::from_secs(120))?;
+    let failed = producer.context().failed.load(Ordering::Relaxed);
+    // Dropping the producer drops the last sender: the writer ends.
+    drop(producer);
     let _ = writer.join();
     if failed > 0 {
         return Err(format!("{failed} events could not be produced").into());
@@ -142,8 +168,18 @@ impl Acks {
 /// acknowledgements.
 pub(crate) struct Producer {
     child: Child,
-    reader: std::thread::JoinHandle<()>,
+    reader: Option<std::thread::JoinHandle<()>>,
     acks: Arc<Mutex<Acks>>,
+}
+
+impl Drop for Producer {
+    /// A run that fails midway does not leave its producer running.
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
 }
 
 impl Producer {
@@ -187,21 +223,28 @@ impl Producer {
         };
         Ok(Producer {
             child,
-            reader,
+            reader: Some(reader),
             acks,
         })
     }
 
-    /// Whether the child is still producing.
-    pub(crate) fn running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
+    /// Whether the child is still producing; an error as soon as it has
+    /// failed.
+    pub(crate) fn running(&mut self) -> Result<bool, BoxError> {
+        match self.child.try_wait()? {
+            None => Ok(true),
+            Some(status) if status.success() => Ok(false),
+            Some(status) => Err(format!("the producer failed: {status}").into()),
+        }
     }
 
     /// Waits for the child to finish; its acknowledgements, or an error if
     /// it failed.
     pub(crate) fn finish(mut self) -> Result<Acks, BoxError> {
         let status = self.child.wait()?;
-        let _ = self.reader.join();
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join();
+        }
         if !status.success() {
             return Err(format!("the producer failed: {status}").into());
         }

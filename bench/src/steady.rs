@@ -49,6 +49,38 @@ async fn record_payments_announced(
     Ok(())
 }
 
+/// When each event (by source number) was seen committed.
+#[derive(Default)]
+struct Applied {
+    /// µs since the epoch; 0 = not yet.
+    at: Vec<u64>,
+    /// Events seen committed at least once.
+    distinct: usize,
+    /// Commits of an event already seen committed (a double apply).
+    repeats: u64,
+}
+
+impl Applied {
+    fn new(events: usize) -> Self {
+        Applied {
+            at: vec![0; events],
+            ..Applied::default()
+        }
+    }
+
+    fn record(&mut self, source: usize, at: u64) {
+        match self.at.get_mut(source) {
+            Some(slot @ 0) => {
+                *slot = at;
+                self.distinct += 1;
+            }
+            Some(_) => self.repeats += 1,
+            // Not an event of this workload: count it as wrong.
+            None => self.repeats += 1,
+        }
+    }
+}
+
 /// What the steady run saw besides throughput and latency.
 pub(crate) struct Bounds {
     /// The most claims rows counted after warm-up.
@@ -81,18 +113,18 @@ pub(crate) async fn run_steady(
     let topic = new_topic(&brokers, "steady", args.partitions).await?;
     let group = format!("{topic}-g");
 
-    // Every committed batch's sources, with when its commit was seen.
-    let committed: Arc<Mutex<Vec<(u32, u64)>>> = Arc::default();
+    // When each event's batch was seen committed.
+    let applied = Arc::new(Mutex::new(Applied::new(work.distinct)));
     let mut listener = PgListener::connect(&url).await?;
     listener.listen(CHANNEL).await?;
     let listening = {
-        let committed = committed.clone();
+        let applied = applied.clone();
         tokio::spawn(async move {
             while let Ok(n) = listener.recv().await {
                 let at = unix_micros();
-                let mut committed = committed.lock().expect("lock");
+                let mut applied = applied.lock().expect("lock");
                 for s in n.payload().split(',').filter_map(|s| s.parse().ok()) {
-                    committed.push((s, at));
+                    applied.record(s, at);
                 }
             }
         })
@@ -130,14 +162,14 @@ pub(crate) async fn run_steady(
                 .await?;
             max_rows = max_rows.max(n);
         }
-        producing = producing && producer.running();
-        let applied = committed.lock().expect("lock").len();
-        if !producing && applied >= work.distinct {
+        producing = producing && producer.running()?;
+        let done = applied.lock().expect("lock").distinct;
+        if !producing && done >= work.distinct {
             break;
         }
         if started.elapsed() > Duration::from_secs_f64(args.seconds) + Duration::from_secs(120) {
             return Err(format!(
-                "{mode}: {applied} of {} events applied 2 min after producing ended",
+                "{mode}: {done} of {} events applied 2 min after producing ended",
                 work.distinct
             )
             .into());
@@ -151,7 +183,13 @@ pub(crate) async fn run_steady(
     }
     listening.abort();
     let acks = producer.finish()?;
-    let committed = std::mem::take(&mut *committed.lock().expect("lock"));
+    let applied = std::mem::take(&mut *applied.lock().expect("lock"));
+    if applied.repeats > 0 {
+        return Err(format!("{mode}: {} events were applied twice", applied.repeats).into());
+    }
+    if acks.count != events as u64 {
+        return Err(format!("{mode}: {} of {events} events acknowledged", acks.count).into());
+    }
     // Latency at steady load: events acknowledged in the first seconds
     // (the pool opening its connections, the first fetches) are left out.
     let first_ack = acks
@@ -162,23 +200,32 @@ pub(crate) async fn run_steady(
         .min()
         .unwrap_or(0);
     let steady_from = first_ack + WARM_UP_LATENCY.as_micros() as u64;
-    let mut latencies = Vec::with_capacity(committed.len());
-    for &(source, at) in committed.iter() {
-        let acked = acks.by_source.get(source as usize).copied().unwrap_or(0);
+    let mut latencies = Vec::with_capacity(applied.at.len());
+    let mut dump = String::new();
+    for (source, &at) in applied.at.iter().enumerate() {
+        let acked = acks.by_source.get(source).copied().unwrap_or(0);
         if acked == 0 {
             return Err(format!("event {source} was applied but never acknowledged").into());
         }
         if acked >= steady_from {
             latencies.push(at.saturating_sub(acked) as f64 / 1000.0);
         }
+        if args.dump.is_some() {
+            dump.push_str(&format!("{acked} {at}\n"));
+        }
     }
-    let applied = rows(store.pool()).await?;
+    if let Some(path) = &args.dump {
+        // One line per applied event: acknowledged, committed (µs since the
+        // epoch), for a look at the latency over time.
+        std::fs::write(path, dump)?;
+    }
+    let rows = rows(store.pool()).await?;
     let report = Report::new(
         mode,
         events,
         seconds,
         latencies,
-        (applied, work.distinct as i64),
+        (rows, work.distinct as i64),
         stats.batches,
     );
     let bound = 1.1 * rate * (TTL_SECONDS as f64 + PURGE_INTERVAL.as_secs_f64());

@@ -13,18 +13,25 @@ pub(crate) struct Workload {
 }
 
 impl Workload {
-    /// A duplicate copies one of the `window` messages before it (any
-    /// earlier message when `window` is 0): a producer retrying within
-    /// seconds, as opposed to a replay hours later.
+    /// A duplicate copies any earlier message (`window` 0), or one of the
+    /// last `window` distinct events: a producer retrying within seconds,
+    /// as opposed to a replay hours later. (Not the last `window` messages:
+    /// one of those may itself copy an older event, and chains of copies
+    /// would reach back past a short TTL.)
     pub(crate) fn new(events: usize, duplicates: f64, window: usize) -> Self {
         let mut rng = Rng(0x2545_f491_4f6c_dd1d);
         let mut sources = Vec::with_capacity(events);
         let mut distinct = 0u32;
         for i in 0..events {
             if i > 0 && rng.unit() < duplicates {
-                let span = if window == 0 { i } else { window.min(i) };
-                let back = 1 + (rng.unit() * span as f64) as usize;
-                sources.push(sources[i - back.min(span)]);
+                if window == 0 {
+                    let pick = (rng.unit() * i as f64) as usize;
+                    sources.push(sources[pick.min(i - 1)]);
+                } else {
+                    let span = window.min(distinct as usize) as u32;
+                    let back = 1 + (rng.unit() * f64::from(span)) as u32;
+                    sources.push(distinct - back.min(span));
+                }
             } else {
                 sources.push(distinct);
                 distinct += 1;

@@ -81,6 +81,72 @@ impl Applied {
     }
 }
 
+/// The LISTEN connection, on a thread and runtime of its own: a commit is
+/// timed when its notification arrives, not when the benchmark's busy
+/// runtime gets to it.
+struct Listening {
+    stop: tokio::sync::oneshot::Sender<()>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Listening {
+    /// Listens on [`CHANNEL`]; returns once LISTEN is in place.
+    async fn start(url: &str, applied: Arc<Mutex<Applied>>) -> Result<Self, BoxError> {
+        let (ready, listening) = tokio::sync::oneshot::channel::<Result<(), String>>();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let url = url.to_owned();
+        let thread = std::thread::spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(r) => r,
+                Err(e) => {
+                    let _ = ready.send(Err(e.to_string()));
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                let mut listener = match PgListener::connect(&url).await {
+                    Ok(l) => l,
+                    Err(e) => {
+                        let _ = ready.send(Err(e.to_string()));
+                        return;
+                    }
+                };
+                if let Err(e) = listener.listen(CHANNEL).await {
+                    let _ = ready.send(Err(e.to_string()));
+                    return;
+                }
+                let _ = ready.send(Ok(()));
+                tokio::pin!(stopped);
+                loop {
+                    tokio::select! {
+                        _ = &mut stopped => return,
+                        n = listener.recv() => {
+                            let Ok(n) = n else { return };
+                            let at = unix_micros();
+                            let mut applied = applied.lock().expect("lock");
+                            for s in n.payload().split(',').filter_map(|s| s.parse().ok()) {
+                                applied.record(s, at);
+                            }
+                        }
+                    }
+                }
+            });
+        });
+        listening.await.map_err(|_| "the listener thread ended")??;
+        Ok(Listening { stop, thread })
+    }
+
+    /// Stops listening, after a moment for notifications in flight.
+    fn stop(self) {
+        std::thread::sleep(Duration::from_millis(200));
+        let _ = self.stop.send(());
+        let _ = self.thread.join();
+    }
+}
+
 /// What the steady run saw besides throughput and latency.
 pub(crate) struct Bounds {
     /// The most claims rows counted after warm-up.
@@ -115,20 +181,7 @@ pub(crate) async fn run_steady(
 
     // When each event's batch was seen committed.
     let applied = Arc::new(Mutex::new(Applied::new(work.distinct)));
-    let mut listener = PgListener::connect(&url).await?;
-    listener.listen(CHANNEL).await?;
-    let listening = {
-        let applied = applied.clone();
-        tokio::spawn(async move {
-            while let Ok(n) = listener.recv().await {
-                let at = unix_micros();
-                let mut applied = applied.lock().expect("lock");
-                for s in n.payload().split(',').filter_map(|s| s.parse().ok()) {
-                    applied.record(s, at);
-                }
-            }
-        })
-    };
+    let listening = Listening::start(&url, applied.clone()).await?;
 
     let builder = configure(store.clone(), args, &brokers, &group, 200);
     let consumer = ConsumerRun::spawn(if purge {
@@ -164,7 +217,11 @@ pub(crate) async fn run_steady(
         }
         producing = producing && producer.running()?;
         let done = applied.lock().expect("lock").distinct;
-        if !producing && done >= work.distinct {
+        // Every event applied, and every delivery (the duplicates queued
+        // behind the last new event too) finished by the consumer.
+        let s = consumer.stats.snapshot();
+        let finished = s.applied + s.skipped + s.dead_lettered;
+        if !producing && done >= work.distinct && finished >= events as u64 {
             break;
         }
         if started.elapsed() > Duration::from_secs_f64(args.seconds) + Duration::from_secs(120) {
@@ -181,7 +238,7 @@ pub(crate) async fn run_steady(
     if let Some(purger) = purger {
         purger.stop().await;
     }
-    listening.abort();
+    listening.stop();
     let acks = producer.finish()?;
     let applied = std::mem::take(&mut *applied.lock().expect("lock"));
     if applied.repeats > 0 {
@@ -191,7 +248,8 @@ pub(crate) async fn run_steady(
         return Err(format!("{mode}: {} of {events} events acknowledged", acks.count).into());
     }
     // Latency at steady load: events acknowledged in the first seconds
-    // (the pool opening its connections, the first fetches) are left out.
+    // (the pool opening its connections, the first fetches) are left out;
+    // with the purger, everything before it has claims to delete.
     let first_ack = acks
         .by_source
         .iter()
@@ -199,7 +257,12 @@ pub(crate) async fn run_steady(
         .filter(|&t| t > 0)
         .min()
         .unwrap_or(0);
-    let steady_from = first_ack + WARM_UP_LATENCY.as_micros() as u64;
+    let steady_from = first_ack
+        + if purge {
+            warm_up.as_micros() as u64
+        } else {
+            WARM_UP_LATENCY.as_micros() as u64
+        };
     let mut latencies = Vec::with_capacity(applied.at.len());
     let mut dump = String::new();
     for (source, &at) in applied.at.iter().enumerate() {

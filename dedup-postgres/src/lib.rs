@@ -138,15 +138,18 @@ impl Statements {
             "SELECT key FROM {t} WHERE scope = $1 AND key >= $2 AND expires_at > now() ORDER BY key"
         );
         // Bounded, oldest first, skipping rows a running claim holds. The
-        // batch is locked (FOR UPDATE re-checks expiry on the row's newest
-        // version: a claim just taken over or refreshed is left alone) and
-        // deleted by the rows' addresses (`ctid`, which cannot change while
-        // the lock is held), with no other condition the planner could
-        // prefer to the addresses: a join back on (scope, key) was a hash
-        // join over the whole table under a generic plan, and a re-check of
-        // the expiry here was planned, from statistics that thought nothing
-        // expired, as a walk of the expiry index over every expired claim
-        // per batch (tests/purge.rs).
+        // batch is locked and deleted by the rows' addresses (`ctid`: a
+        // locked version cannot be updated, pruned or moved). What is
+        // deleted is a version this statement both sees and locked, which
+        // passed `expires_at <= now()`: a claim taken over or refreshed
+        // since the statement began is a newer version, which the lock's
+        // re-check skips (its expiry lies ahead) or the delete cannot see.
+        // No other condition is left for the planner to prefer to the
+        // addresses: a join back on (scope, key) was a hash join over the
+        // whole table under a generic plan, and a re-check of the expiry
+        // here was planned, from statistics that thought nothing expired,
+        // as a walk of the expiry index over every expired claim per batch
+        // (tests/purge.rs).
         let purge = format!(
             "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
                  SELECT ctid FROM {t} WHERE expires_at <= now() \

@@ -67,6 +67,33 @@ async fn assert_reads_are_counted(pool: &PgPool, table: &str, count_all: &'stati
     );
 }
 
+/// Ten purge batches of 1,000 through `purge`: every batch full, and all
+/// ten together reading fewer than `limit` rows of `table` (which holds
+/// `held`); then the control that such reads are counted at all.
+async fn ten_batches_read_less_than<F, Fut>(
+    pool: &PgPool,
+    table: &str,
+    count_all: &'static str,
+    (limit, held): (i64, i64),
+    mut purge: F,
+) where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = u64>,
+{
+    let before = rows_read(pool, table).await;
+    let mut purged = 0;
+    for _ in 0..10 {
+        purged += purge().await;
+    }
+    let read = rows_read(pool, table).await - before;
+    assert_eq!(purged, 10_000, "ten full batches of {table}");
+    assert!(
+        read < limit,
+        "10 purge batches of 1,000 read {read} rows (the table holds {held})"
+    );
+    assert_reads_are_counted(pool, table, count_all).await;
+}
+
 /// The purge statement joined its batch back to the table: under a
 /// generic plan each batch of 1,000 read all the table's rows (a hash
 /// join over a sequential scan), so a consumer whose table grew past a few
@@ -94,23 +121,12 @@ async fn a_purge_batch_reads_what_it_deletes_not_the_whole_table(pool: PgPool) {
         .await
         .expect("analyze");
 
-    let before = rows_read(&pool, "dedup_claims").await;
-    let mut purged = 0;
-    for _ in 0..10 {
-        purged += store.purge_expired(1000).await.expect("purge");
-    }
-    let read = rows_read(&pool, "dedup_claims").await - before;
-    assert_eq!(purged, 10_000, "ten full batches of expired claims");
-    assert!(
-        read < expired,
-        "10 purge batches of 1,000 read {read} rows (the table holds {})",
-        expired + 1000
-    );
-
-    assert_reads_are_counted(
+    ten_batches_read_less_than(
         &pool,
         "dedup_claims",
         "SELECT count(claimed_at) FROM dedup_claims",
+        (expired, expired + 1000),
+        || async { store.purge_expired(1000).await.expect("purge") },
     )
     .await;
 
@@ -152,22 +168,12 @@ async fn an_outbox_purge_batch_reads_what_it_deletes_not_the_whole_table(pool: P
         .await
         .expect("analyze");
 
-    let before = rows_read(&pool, "dedup_outbox").await;
-    let mut purged = 0;
-    for _ in 0..10 {
-        purged += source.purge_sent(1000).await.expect("purge");
-    }
-    let read = rows_read(&pool, "dedup_outbox").await - before;
-    assert_eq!(purged, 10_000, "ten full batches of sent events");
-    assert!(
-        read < old,
-        "10 purge batches of 1,000 read {read} rows (the outbox holds {})",
-        old + 1000
-    );
-    assert_reads_are_counted(
+    ten_batches_read_less_than(
         &pool,
         "dedup_outbox",
         "SELECT count(payload) FROM dedup_outbox",
+        (old, old + 1000),
+        || async { source.purge_sent(1000).await.expect("purge") },
     )
     .await;
     while source.purge_sent(1000).await.expect("purge") > 0 {}
@@ -206,21 +212,12 @@ async fn a_purge_batch_reads_what_it_deletes_under_stale_statistics(pool: PgPool
             .await
             .expect(statement);
     }
-    let before = rows_read(&pool, "dedup_claims").await;
-    let mut purged = 0;
-    for _ in 0..10 {
-        purged += store.purge_expired(1000).await.expect("purge");
-    }
-    let read = rows_read(&pool, "dedup_claims").await - before;
-    assert_eq!(purged, 10_000, "ten full batches of expired claims");
-    assert!(
-        read < 50_000,
-        "10 purge batches of 1,000 read {read} rows (the table holds 50,000)"
-    );
-    assert_reads_are_counted(
+    ten_batches_read_less_than(
         &pool,
         "dedup_claims",
         "SELECT count(claimed_at) FROM dedup_claims",
+        (50_000, 50_000),
+        || async { store.purge_expired(1000).await.expect("purge") },
     )
     .await;
 }

@@ -366,6 +366,11 @@ struct Report {
 }
 
 impl Report {
+    /// Whether the claims table grew past its bound (`steady-purge`).
+    fn exceeds_claims_bound(&self) -> bool {
+        matches!((self.claims_max, self.claims_bound), (Some(m), Some(b)) if m as f64 > b)
+    }
+
     /// A mode's figures; `rows` is (effect rows found, rows expected).
     fn new(
         mode: &str,
@@ -440,12 +445,7 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
         return outbox::run_outbox(mode, args).await;
     }
     if mode.starts_with("steady") {
-        let (mut report, bounds) = steady::run_steady(args, mode == "steady-purge").await?;
-        if let Some(bounds) = bounds {
-            report.claims_max = Some(bounds.max_rows);
-            report.claims_bound = Some(bounds.bound);
-        }
-        return Ok(report);
+        return steady::run_steady(args, mode == "steady-purge").await;
     }
     if mode == "batched-metrics" {
         install_prometheus()?;
@@ -471,7 +471,7 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
         .execute(store.pool())
         .await?;
     }
-    let work = Arc::new(Workload::new(args.events, args.duplicates, 0));
+    let work = Workload::new(args.events, args.duplicates, 0);
     let events = work.len();
     let expected = if mode == "no-dedup" {
         events
@@ -534,9 +534,6 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
     // this machine's producer would otherwise bound every mode; and not in
     // this process, whose peak RSS is the consumer's).
     let acks = Producer::spawn(&topic, args.events, args.duplicates, 0, None)?.finish()?;
-    if acks.count != total {
-        return Err(format!("{} of {total} events acknowledged", acks.count).into());
-    }
 
     // Poll the group's committed offsets: an event's latency ends when an
     // offset past it is committed.
@@ -883,7 +880,11 @@ async fn main() -> Result<(), BoxError> {
             if let (Some(max), Some(bound)) = (b.claims_max, b.claims_bound) {
                 println!(
                     "        claims table after warm-up: at most {max} rows, bound 1.1 x rate x (TTL + interval) = {bound:.0}{}",
-                    if max as f64 <= bound { "" } else { " EXCEEDED" }
+                    if b.exceeds_claims_bound() {
+                        " EXCEEDED"
+                    } else {
+                        ""
+                    }
                 );
             }
         }
@@ -894,7 +895,7 @@ async fn main() -> Result<(), BoxError> {
         .collect();
     let unbounded: Vec<_> = reports
         .iter()
-        .filter(|r| matches!((r.claims_max, r.claims_bound), (Some(m), Some(b)) if m as f64 > b))
+        .filter(|r| r.exceeds_claims_bound())
         .collect();
     for r in &unbounded {
         println!(

@@ -168,6 +168,8 @@ impl Acks {
 /// acknowledgements.
 pub(crate) struct Producer {
     child: Child,
+    /// Events the child was asked to produce.
+    events: usize,
     reader: Option<std::thread::JoinHandle<()>>,
     acks: Arc<Mutex<Acks>>,
 }
@@ -223,6 +225,7 @@ impl Producer {
         };
         Ok(Producer {
             child,
+            events,
             reader: Some(reader),
             acks,
         })
@@ -239,7 +242,7 @@ impl Producer {
     }
 
     /// Waits for the child to finish; its acknowledgements, or an error if
-    /// it failed.
+    /// it failed or not every event was acknowledged.
     pub(crate) fn finish(mut self) -> Result<Acks, BoxError> {
         let status = self.child.wait()?;
         if let Some(reader) = self.reader.take() {
@@ -248,6 +251,10 @@ impl Producer {
         if !status.success() {
             return Err(format!("the producer failed: {status}").into());
         }
-        Ok(std::mem::take(&mut *self.acks.lock().expect("lock")))
+        let acks = std::mem::take(&mut *self.acks.lock().expect("lock"));
+        if acks.count != self.events as u64 {
+            return Err(format!("{} of {} events acknowledged", acks.count, self.events).into());
+        }
+        Ok(acks)
     }
 }

@@ -19,7 +19,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use crate::{Claim, DedupKey, DedupStore, PurgeExpired, Ttl};
+use crate::{Claim, DedupKey, DedupStore, ORDERED_SCOPE_PREFIX, PurgeExpired, Ttl};
 
 fn ttl(secs: u64) -> Ttl {
     Ttl::from_secs(secs).expect("positive")
@@ -146,34 +146,33 @@ pub async fn refresh_restarts_the_ttl<S: DedupStore>(store: S) {
 /// claim's, not an expired one's.
 pub async fn live_ids_from_lists_committed_live_ids<S: DedupStore>(store: S) {
     let offset = |n: u64| format!("{n:020}");
+    // Scopes as the runtime names them: the only ones it reads in order.
+    let ids = format!("{ORDERED_SCOPE_PREFIX}conformance/ids/0");
+    let other = format!("{ORDERED_SCOPE_PREFIX}conformance/ids/1");
     for n in [3, 7, 12, 100] {
-        claim_committed(&store, &key("conformance-ids", &offset(n)), ttl(HOUR)).await;
+        claim_committed(&store, &key(&ids, &offset(n)), ttl(HOUR)).await;
     }
-    claim_committed(&store, &key("conformance-ids", &offset(9)), ttl(1)).await;
-    claim_committed(&store, &key("conformance-other", &offset(8)), ttl(HOUR)).await;
+    claim_committed(&store, &key(&ids, &offset(9)), ttl(1)).await;
+    claim_committed(&store, &key(&other, &offset(8)), ttl(HOUR)).await;
     let mut rolled_back = store.begin().await.expect("begin");
     store
-        .claim(
-            &mut rolled_back,
-            &key("conformance-ids", &offset(10)),
-            ttl(HOUR),
-        )
+        .claim(&mut rolled_back, &key(&ids, &offset(10)), ttl(HOUR))
         .await
         .expect("claim");
     store.rollback(rolled_back).await.expect("rollback");
     let mut open = store.begin().await.expect("begin");
     store
-        .claim(&mut open, &key("conformance-ids", &offset(11)), ttl(HOUR))
+        .claim(&mut open, &key(&ids, &offset(11)), ttl(HOUR))
         .await
         .expect("claim");
     tokio::time::sleep(Duration::from_millis(1200)).await;
 
-    let ids = store
-        .live_ids_from(&key("conformance-ids", &offset(7)))
+    let live = store
+        .live_ids_from(&key(&ids, &offset(7)))
         .await
         .expect("live ids");
     assert_eq!(
-        ids,
+        live,
         [offset(7), offset(12), offset(100)],
         "committed, live, in scope, from 7 on, in numeric order"
     );
@@ -187,6 +186,21 @@ pub async fn scope_isolation<S: DedupStore>(store: S) {
     assert_eq!(claim_committed(&store, &a, ttl(HOUR)).await, Claim::Fresh);
     assert_eq!(claim_committed(&store, &b, ttl(HOUR)).await, Claim::Fresh);
     assert!(!claim_committed(&store, &a, ttl(HOUR)).await.is_claimed());
+    // Where the scope ends is part of the key: a store that joins the two
+    // (or digests them joined) must not let these stand for each other.
+    for (scope, id) in [
+        ("ab", "c"),
+        ("a", "bc"),
+        ("a:b", "c"),
+        ("a", "b:c"),
+        ("2:ab", "c"),
+    ] {
+        assert_eq!(
+            claim_committed(&store, &key(scope, id), ttl(HOUR)).await,
+            Claim::Fresh,
+            "({scope:?}, {id:?}) is a claim of its own"
+        );
+    }
 }
 
 /// Rollback releases the claim: the next claim is `Fresh`, not a duplicate.

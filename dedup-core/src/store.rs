@@ -6,6 +6,11 @@ use std::time::{Duration, SystemTime};
 
 use crate::{Classification, DedupKey, StoreError, Ttl};
 
+/// The prefix of every scope the runtime reads in key order
+/// ([`DedupStore::live_ids_from`]): its dead-letter records,
+/// `dedup.dead-letter/<handler scope>/<topic>/<partition>`.
+pub const ORDERED_SCOPE_PREFIX: &str = "dedup.dead-letter/";
+
 /// The result of claiming a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Claim {
@@ -108,6 +113,11 @@ pub trait DedupStore: Send + Sync + 'static {
     /// per assigned partition, the records of the messages it has already
     /// dead-lettered (ids `<offset, 20 digits>.<fingerprint>`), so a
     /// redelivery neither dead-letters them again nor applies them.
+    ///
+    /// The runtime calls it only for scopes that start with
+    /// [`ORDERED_SCOPE_PREFIX`]: a store may keep its claims in key order for
+    /// those scopes alone (an index on every claim costs every claim) and
+    /// answer others by a slower scan.
     fn live_ids_from(
         &self,
         from: &DedupKey,

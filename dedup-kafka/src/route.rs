@@ -6,7 +6,9 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use dedup_core::{DedupKey, DedupStore, Error, Handler, HandlerExt, Headers, Outcome, Ttl};
+use dedup_core::{
+    DedupKey, DedupStore, Error, Handler, HandlerExt, Headers, ORDERED_SCOPE_PREFIX, Outcome, Ttl,
+};
 
 /// A topic routed to a handler, with where its poison messages go.
 pub(crate) struct Route<S> {
@@ -78,7 +80,7 @@ impl<S: 'static> Route<S> {
 
     fn dead_letter_key(&self, topic: &str, partition: i32, id: String) -> DedupKey {
         let scope = format!(
-            "dedup.dead-letter/{}/{topic}/{partition}",
+            "{ORDERED_SCOPE_PREFIX}{}/{topic}/{partition}",
             self.handler.scope()
         );
         DedupKey::new(scope, id).expect("never empty")

@@ -122,6 +122,9 @@ struct Payment {
 const EFFECT_SQL: &str = "INSERT INTO bench_effects (event_id, account_id, amount_cents) \
      SELECT * FROM unnest($1::text[], $2::text[], $3::int8[])";
 
+/// The scope of the benchmark's claims (the `limit` mode writes them too).
+const SCOPE: &str = "bench::record_payments";
+
 #[idempotent(key = "event_id", ttl = "4h", scope = "bench::record_payments", batch)]
 async fn record_payments(tx: &mut PgTx, events: Vec<Payment>) -> Result<(), HandlerError> {
     insert_effects(&mut **tx, &events).await?;
@@ -463,8 +466,9 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
     let expired_backlog: i64 = if mode == "batched-purge" { 500_000 } else { 0 };
     if expired_backlog > 0 {
         sqlx::query(
-            "INSERT INTO dedup_claims (scope, key, claimed_at, expires_at) \
-             SELECT 'bench::expired', g::text, now() - interval '2 hours', now() - interval '1 hour' \
+            "INSERT INTO dedup_claims (id, scope, key, claimed_at, expires_at) \
+             SELECT dedup_claims_claim_id('bench::expired', g::text), 'bench::expired', g::text, \
+                 now() - interval '2 hours', now() - interval '1 hour' \
              FROM generate_series(1, $1) g",
         )
         .bind(expired_backlog)
@@ -498,13 +502,19 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
             let t = Instant::now();
             let mut tx = store.pool().begin().await?;
             if with_claims {
-                let ids: Vec<&str> = chunk.iter().map(|p| p.event_id.as_str()).collect();
+                let keys: Vec<&str> = chunk.iter().map(|p| p.event_id.as_str()).collect();
+                let ids = keys
+                    .iter()
+                    .map(|k| Ok(dedup_postgres::claim_id(&DedupKey::new(SCOPE, *k)?)))
+                    .collect::<Result<Vec<_>, dedup_core::KeyError>>()?;
                 sqlx::query(
-                    "INSERT INTO dedup_claims (scope, key, claimed_at, expires_at) \
-                     SELECT 'bench::record_payments', k, now(), now() + interval '4 hours' \
-                     FROM unnest($1::text[]) AS k",
+                    "INSERT INTO dedup_claims (id, scope, key, claimed_at, expires_at) \
+                     SELECT u.id, $3, u.key, now(), now() + interval '4 hours' \
+                     FROM unnest($1::uuid[], $2::text[]) AS u(id, key)",
                 )
                 .bind(&ids)
+                .bind(&keys)
+                .bind(SCOPE)
                 .execute(&mut *tx)
                 .await?;
             }

@@ -95,7 +95,7 @@ impl Claims {
         format!(
             "SELECT {} AS claimed_at, {} AS expires_at, expires_at > now() AS live, \
              extract(epoch FROM expires_at - now())::float8 AS expires_in \
-             FROM {} WHERE scope = $1 AND key = $2",
+             FROM {} WHERE id = $1",
             utc!("claimed_at"),
             utc!("expires_at"),
             self.table.quoted()
@@ -110,8 +110,7 @@ impl Claims {
 
     async fn fetch(&self, key: &DedupKey) -> Result<Option<Row>, Failure> {
         sqlx::query_as::<_, Row>(sqlx::AssertSqlSafe(self.select()))
-            .bind(key.scope())
-            .bind(key.id())
+            .bind(dedup_postgres::claim_id(key))
             .fetch_optional(&self.pool)
             .await
             .map_err(|e| Failure::new(format!("reading the claim: {e}")))
@@ -141,7 +140,7 @@ impl Claims {
             .await
             .map_err(|e| Failure::new(e.to_string()))?;
         let delete = format!(
-            "DELETE FROM {} WHERE scope = $1 AND key = $2 RETURNING {} AS claimed_at, \
+            "DELETE FROM {} WHERE id = $1 RETURNING {} AS claimed_at, \
              {} AS expires_at, expires_at > now() AS live, \
              extract(epoch FROM expires_at - now())::float8 AS expires_in",
             self.table.quoted(),
@@ -149,8 +148,7 @@ impl Claims {
             utc!("expires_at"),
         );
         let row = sqlx::query_as::<_, Row>(sqlx::AssertSqlSafe(delete))
-            .bind(key.scope())
-            .bind(key.id())
+            .bind(dedup_postgres::claim_id(&key))
             .fetch_optional(&mut *tx)
             .await
             .map_err(|e| {

@@ -5,15 +5,20 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use std::collections::HashMap;
+
 use dedup_core::{
-    Claim, Classification, DedupKey, DedupStore, PurgeConfig, PurgeExpired, Purger, StoreError, Ttl,
+    Claim, Classification, DedupKey, DedupStore, ORDERED_SCOPE_PREFIX, PurgeConfig, PurgeExpired,
+    Purger, StoreError, Ttl,
 };
 use dedup_sql::{
     BatchClaims, Dialect, SqlConfig, TableName, age_from_micros, run_migrations, sql,
     time_from_unix_micros, ttl_seconds,
 };
+use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Row};
+use uuid::Uuid;
 
 pub use dedup_sql::{Error, InvalidTableName};
 
@@ -85,7 +90,28 @@ struct Statements {
     expiry_many: Arc<str>,
     refresh: Arc<str>,
     live_ids: Arc<str>,
+    live_ids_ordered: Arc<str>,
     purge: Arc<str>,
+}
+
+/// The primary key of `key`'s claim: the first 16 bytes of the SHA-256 of
+/// `<scope's length in bytes>:<scope><id>`, as a UUID (PostgreSQL's 16-byte
+/// type). The leading length keeps apart pairs whose texts join alike
+/// (`("ab", "c")`, `("a", "bc")`). Two distinct keys share an id with odd
+/// of about 1 in 2^128 per pair, and finding such a pair on purpose takes
+/// breaking SHA-256. The migration defines the same function in SQL,
+/// `<table>_claim_id(scope, key)`, for operators' queries.
+pub fn claim_id(key: &DedupKey) -> Uuid {
+    let scope = key.scope();
+    let digest = Sha256::new()
+        .chain_update(scope.len().to_string())
+        .chain_update(b":")
+        .chain_update(scope)
+        .chain_update(key.id())
+        .finalize();
+    let mut id = [0; 16];
+    id.copy_from_slice(&digest[..16]);
+    Uuid::from_bytes(id)
 }
 
 /// Expiry as microseconds since the Unix epoch, so no date-time crate is
@@ -104,38 +130,47 @@ impl Statements {
         // One simple-protocol message: BEGIN and the lock bound in one round trip.
         let begin = format!("BEGIN; SET LOCAL lock_timeout = {lock_ms}");
         // The claim: create if absent, take over if expired, else no row.
-        // `xmax = 0` is true only for a freshly inserted row version.
-        let upsert = "ON CONFLICT (scope, key) DO UPDATE \
+        // `xmax = 0` is true only for a freshly inserted row version. Found
+        // by `id` ([`claim_id`]); scope and key are kept for reading.
+        let upsert = "ON CONFLICT (id) DO UPDATE \
              SET claimed_at = EXCLUDED.claimed_at, expires_at = EXCLUDED.expires_at \
              WHERE c.expires_at <= now()";
         let claim = format!(
-            "INSERT INTO {t} AS c (scope, key, claimed_at, expires_at) \
-             VALUES ($1, $2, now(), now() + $3 * interval '1 second') {upsert} \
+            "INSERT INTO {t} AS c (id, scope, key, claimed_at, expires_at) \
+             VALUES ($1, $2, $3, now(), now() + $4 * interval '1 second') {upsert} \
              RETURNING (c.xmax = 0) AS fresh"
         );
         // Sorted so that concurrent batches lock rows in one order and cannot
         // deadlock each other.
         let claim_many = format!(
-            "INSERT INTO {t} AS c (scope, key, claimed_at, expires_at) \
-             SELECT u.scope, u.key, now(), now() + $3 * interval '1 second' \
-             FROM unnest($1::text[], $2::text[]) AS u(scope, key) \
-             ORDER BY u.scope, u.key {upsert} \
-             RETURNING c.scope, c.key, (c.xmax = 0) AS fresh, {EXPIRES_MICROS} AS expires_us"
+            "INSERT INTO {t} AS c (id, scope, key, claimed_at, expires_at) \
+             SELECT u.id, u.scope, u.key, now(), now() + $4 * interval '1 second' \
+             FROM unnest($1::uuid[], $2::text[], $3::text[]) AS u(id, scope, key) \
+             ORDER BY u.id {upsert} \
+             RETURNING c.id, (c.xmax = 0) AS fresh, {EXPIRES_MICROS} AS expires_us"
         );
-        let expiry =
-            format!("SELECT {EXPIRES_MICROS}, {AGE_MICROS} FROM {t} WHERE scope = $1 AND key = $2");
+        let expiry = format!("SELECT {EXPIRES_MICROS}, {AGE_MICROS} FROM {t} WHERE id = $1");
         let expiry_many = format!(
-            "SELECT scope, key, {EXPIRES_MICROS} AS expires_us, {AGE_MICROS} AS age_us FROM {t} \
-             WHERE (scope, key) IN (SELECT * FROM unnest($1::text[], $2::text[]))"
+            "SELECT id, {EXPIRES_MICROS} AS expires_us, {AGE_MICROS} AS age_us FROM {t} \
+             WHERE id = ANY($1::uuid[])"
         );
         // clock_timestamp(), not now(): now() is the transaction's start,
         // which is what a long transaction must not count from.
         let refresh = format!(
-            "UPDATE {t} SET expires_at = clock_timestamp() + $3 * interval '1 second' \
-             WHERE (scope, key) IN (SELECT * FROM unnest($1::text[], $2::text[]))"
+            "UPDATE {t} SET expires_at = clock_timestamp() + $2 * interval '1 second' \
+             WHERE id = ANY($1::uuid[])"
         );
+        // Any scope: no index keeps its keys in order (a scan).
         let live_ids = format!(
             "SELECT key FROM {t} WHERE scope = $1 AND key >= $2 AND expires_at > now() ORDER BY key"
+        );
+        // The runtime's scopes: the predicate of the partial index on
+        // (scope, key) is repeated word for word, so the planner proves the
+        // index covers the query (migrations/0002_claim_id.sql).
+        let live_ids_ordered = format!(
+            "SELECT key FROM {t} WHERE scope = $1 AND key >= $2 AND expires_at > now() \
+             AND scope LIKE '{}%' ORDER BY key",
+            ORDERED_SCOPE_PREFIX
         );
         // Bounded, oldest first, skipping rows a running claim holds. The
         // batch is locked and deleted by the rows' addresses (`ctid`: a
@@ -165,6 +200,7 @@ impl Statements {
             expiry_many: expiry_many.into(),
             refresh: refresh.into(),
             live_ids: live_ids.into(),
+            live_ids_ordered: live_ids_ordered.into(),
             purge: purge.into(),
         })
     }
@@ -265,7 +301,9 @@ impl DedupStore for PgStore {
     }
 
     async fn claim(&self, tx: &mut PgTx, key: &DedupKey, ttl: Ttl) -> Result<Claim, StoreError> {
+        let id = claim_id(key);
         let row = sqlx::query(sql(&self.statements.claim))
+            .bind(id)
             .bind(key.scope())
             .bind(key.id())
             .bind(ttl_seconds(ttl))
@@ -283,8 +321,7 @@ impl DedupStore for PgStore {
         // A live claim exists. Read its expiry in a new statement: in READ
         // COMMITTED it sees a claim that committed while the INSERT waited.
         let row: Option<(i64, i64)> = sqlx::query_as(sql(&self.statements.expiry))
-            .bind(key.scope())
-            .bind(key.id())
+            .bind(id)
             .fetch_optional(&mut **tx)
             .await
             .map_err(store_error)?;
@@ -306,41 +343,59 @@ impl DedupStore for PgStore {
         if batch.distinct().is_empty() {
             return Ok(Vec::new());
         }
-        let (scopes, ids): (Vec<&str>, Vec<&str>) =
-            batch.distinct().iter().map(|k| (k.scope(), k.id())).unzip();
+        let keys_by_id: HashMap<Uuid, &DedupKey> = batch
+            .distinct()
+            .iter()
+            .map(|&key| (claim_id(key), key))
+            .collect();
+        let mut ids = Vec::with_capacity(keys_by_id.len());
+        let mut scopes = Vec::with_capacity(keys_by_id.len());
+        let mut keys = Vec::with_capacity(keys_by_id.len());
+        for (id, key) in &keys_by_id {
+            ids.push(*id);
+            scopes.push(key.scope());
+            keys.push(key.id());
+        }
         let rows = sqlx::query(sql(&self.statements.claim_many))
-            .bind(&scopes)
             .bind(&ids)
+            .bind(&scopes)
+            .bind(&keys)
             .bind(ttl_seconds(ttl))
             .fetch_all(&mut **tx)
             .await
             .map_err(store_error)?;
         for row in rows {
-            let (scope, id, fresh, expires_us): (String, String, bool, i64) =
+            let (id, fresh, expires_us): (Uuid, bool, i64) =
                 sqlx::FromRow::from_row(&row).map_err(store_error)?;
-            batch.claimed(&scope, &id, fresh, time_from_unix_micros(expires_us));
+            if let Some(key) = keys_by_id.get(&id) {
+                batch.claimed(
+                    key.scope(),
+                    key.id(),
+                    fresh,
+                    time_from_unix_micros(expires_us),
+                );
+            }
         }
         // Keys with no row returned hold live claims: read their expiry in a
         // new statement, which sees claims that committed while we waited.
-        let unclaimed = batch.unclaimed();
+        let unclaimed: Vec<Uuid> = batch.unclaimed().into_iter().map(claim_id).collect();
         if !unclaimed.is_empty() {
-            let (scopes, ids): (Vec<&str>, Vec<&str>) =
-                unclaimed.iter().map(|k| (k.scope(), k.id())).unzip();
             let rows = sqlx::query(sql(&self.statements.expiry_many))
-                .bind(&scopes)
-                .bind(&ids)
+                .bind(&unclaimed)
                 .fetch_all(&mut **tx)
                 .await
                 .map_err(store_error)?;
             for row in rows {
-                let (scope, id, expires_us, age_us): (String, String, i64, i64) =
+                let (id, expires_us, age_us): (Uuid, i64, i64) =
                     sqlx::FromRow::from_row(&row).map_err(store_error)?;
-                batch.live(
-                    &scope,
-                    &id,
-                    time_from_unix_micros(expires_us),
-                    age_from_micros(age_us),
-                );
+                if let Some(key) = keys_by_id.get(&id) {
+                    batch.live(
+                        key.scope(),
+                        key.id(),
+                        time_from_unix_micros(expires_us),
+                        age_from_micros(age_us),
+                    );
+                }
             }
         }
         Ok(batch.finish())
@@ -352,10 +407,8 @@ impl DedupStore for PgStore {
         keys: &[DedupKey],
         ttl: Ttl,
     ) -> Result<(), StoreError> {
-        let (scopes, ids): (Vec<&str>, Vec<&str>) =
-            keys.iter().map(|k| (k.scope(), k.id())).unzip();
+        let ids: Vec<Uuid> = keys.iter().map(claim_id).collect();
         sqlx::query(sql(&self.statements.refresh))
-            .bind(&scopes)
             .bind(&ids)
             .bind(ttl_seconds(ttl))
             .execute(&mut **tx)
@@ -365,7 +418,12 @@ impl DedupStore for PgStore {
     }
 
     async fn live_ids_from(&self, from: &DedupKey) -> Result<Vec<String>, StoreError> {
-        sqlx::query_scalar(sql(&self.statements.live_ids))
+        let statement = if from.scope().starts_with(ORDERED_SCOPE_PREFIX) {
+            &self.statements.live_ids_ordered
+        } else {
+            &self.statements.live_ids
+        };
+        sqlx::query_scalar(sql(statement))
             .bind(from.scope())
             .bind(from.id())
             .fetch_all(&self.pool)
@@ -402,5 +460,34 @@ impl PurgeExpired for PgStore {
             .await
             .map_err(store_error)?;
         Ok(done.rows_affected())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Ids are stored: the digest of a key must never change between
+    /// versions, or every claim taken before an upgrade is forgotten.
+    #[test]
+    fn claim_ids_are_stable() {
+        let id = |scope, key| claim_id(&DedupKey::new(scope, key).expect("key")).to_string();
+        assert_eq!(id("s", "k"), "1e99d8fb-ccb9-c2d1-af73-b473e3948924");
+        assert_eq!(
+            id("payments", "evt-1"),
+            "6d7f0906-5629-680e-c139-5d137f6decca"
+        );
+        assert_ne!(id("ab", "c"), id("a", "bc"));
+    }
+
+    /// The partial index's predicate (migration 0002) is the one the
+    /// ordered read repeats, or the planner cannot use the index.
+    #[test]
+    fn the_ordered_read_repeats_the_index_predicate() {
+        let migration = include_str!("../migrations/0002_claim_id.sql");
+        let predicate = format!("scope LIKE '{ORDERED_SCOPE_PREFIX}%'");
+        assert!(migration.contains(&predicate), "{predicate}");
+        let statements = Statements::new(&PgConfig::default()).expect("statements");
+        assert!(statements.live_ids_ordered.contains(&predicate));
     }
 }

@@ -11,61 +11,9 @@ use std::time::Duration;
 use dedup_core::{Claim, DedupKey, DedupStore, OutboxSource, PurgeExpired, Ttl};
 use dedup_postgres::{OutboxConfig, OutboxWriter, PgStore, Retention};
 use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
 
-/// A one-connection pool (its statistics are the ones flushed and read)
-/// that always uses generic plans.
-async fn generic_plan_pool(pool: &PgPool) -> PgPool {
-    let options = (*pool.connect_options())
-        .clone()
-        .options([("plan_cache_mode", "force_generic_plan")]);
-    PgPoolOptions::new()
-        .max_connections(1)
-        .connect_with(options)
-        .await
-        .expect("connect")
-}
-
-/// Rows of `table` read so far by sequential scans and fetched through
-/// indexes, as this connection's statistics say once flushed. (Not the
-/// index entries read: within a round, entries of rows the round already
-/// deleted are read again until PostgreSQL may mark them dead, which a
-/// snapshot held anywhere in the database delays.)
-async fn rows_read(pool: &PgPool, table: &str) -> i64 {
-    let mut conn = pool.acquire().await.expect("connection");
-    sqlx::query("SELECT pg_stat_force_next_flush()")
-        .execute(&mut *conn)
-        .await
-        .expect("flush");
-    sqlx::query("SELECT pg_stat_clear_snapshot()")
-        .execute(&mut *conn)
-        .await
-        .expect("snapshot");
-    sqlx::query_scalar(
-        "SELECT coalesce(seq_tup_read, 0) + coalesce(idx_tup_fetch, 0) \
-         FROM pg_stat_user_tables WHERE relname = $1",
-    )
-    .bind(table)
-    .fetch_one(&mut *conn)
-    .await
-    .expect("stats")
-}
-
-/// The control: `count_all`, a count of every row of `table` through a
-/// column no index holds, shows up in [`rows_read`], so a test that finds
-/// few rows read is not just reading statistics nobody collects.
-async fn assert_reads_are_counted(pool: &PgPool, table: &str, count_all: &'static str) {
-    let before = rows_read(pool, table).await;
-    let rows: i64 = sqlx::query_scalar(count_all)
-        .fetch_one(pool)
-        .await
-        .expect("read all");
-    let read = rows_read(pool, table).await - before;
-    assert!(
-        rows > 0 && read >= rows,
-        "reading {rows} rows of {table} counted {read}: statistics are not collected"
-    );
-}
+mod common;
+use common::{assert_reads_are_counted, fill_and_analyze, generic_plan_pool, rows_read};
 
 /// Ten purge batches of 1,000 through `purge`: every batch full, and all
 /// ten together reading fewer than `limit` rows of `table` (which holds
@@ -105,21 +53,16 @@ async fn a_purge_batch_reads_what_it_deletes_not_the_whole_table(pool: PgPool) {
     let store = PgStore::from_pool(pool.clone());
     store.migrate().await.expect("migrate");
     let expired = 50_000i64;
-    sqlx::query(
-        "INSERT INTO dedup_claims (scope, key, claimed_at, expires_at) \
-         SELECT 'old', g::text, now() - interval '2 hours', now() - interval '1 hour' \
+    fill_and_analyze(
+        &pool,
+        "INSERT INTO dedup_claims (id, scope, key, claimed_at, expires_at) \
+         SELECT dedup_claims_claim_id('old', g::text), 'old', g::text, now() - interval '2 hours', now() - interval '1 hour' \
          FROM generate_series(1, $1) g \
          UNION ALL \
-         SELECT 'live', g::text, now(), now() + interval '1 hour' FROM generate_series(1, 1000) g",
+         SELECT dedup_claims_claim_id('live', g::text), 'live', g::text, now(), now() + interval '1 hour' FROM generate_series(1, 1000) g",
+        expired,
     )
-    .bind(expired)
-    .execute(&pool)
-    .await
-    .expect("fill");
-    sqlx::query("ANALYZE dedup_claims")
-        .execute(&pool)
-        .await
-        .expect("analyze");
+    .await;
 
     ten_batches_read_less_than(
         &pool,
@@ -197,13 +140,13 @@ async fn a_purge_batch_reads_what_it_deletes_under_stale_statistics(pool: PgPool
     for statement in [
         // Autoanalyze must not refresh the statistics before the purge.
         "ALTER TABLE dedup_claims SET (autovacuum_enabled = off)",
-        "INSERT INTO dedup_claims (scope, key, claimed_at, expires_at) \
-         SELECT 'ahead', g::text, now(), now() + interval '4 hours' + g * interval '10 microseconds' \
+        "INSERT INTO dedup_claims (id, scope, key, claimed_at, expires_at) \
+         SELECT dedup_claims_claim_id('ahead', g::text), 'ahead', g::text, now(), now() + interval '4 hours' + g * interval '10 microseconds' \
          FROM generate_series(1, 100000) g",
         "ANALYZE dedup_claims",
         "TRUNCATE dedup_claims",
-        "INSERT INTO dedup_claims (scope, key, claimed_at, expires_at) \
-         SELECT 'old', g::text, now() - interval '2 hours', \
+        "INSERT INTO dedup_claims (id, scope, key, claimed_at, expires_at) \
+         SELECT dedup_claims_claim_id('old', g::text), 'old', g::text, now() - interval '2 hours', \
              now() - interval '1 minute' + g * interval '100 microseconds' \
          FROM generate_series(1, 50000) g",
     ] {
@@ -230,9 +173,9 @@ async fn a_purge_leaves_a_claim_being_taken_over(pool: PgPool) {
     let store = PgStore::from_pool(pool.clone());
     store.migrate().await.expect("migrate");
     sqlx::query(
-        "INSERT INTO dedup_claims (scope, key, claimed_at, expires_at) \
-         VALUES ('s', 'taken', now() - interval '2 hours', now() - interval '1 hour'), \
-                ('s', 'left', now() - interval '2 hours', now() - interval '1 hour')",
+        "INSERT INTO dedup_claims (id, scope, key, claimed_at, expires_at) \
+         SELECT dedup_claims_claim_id('s', k), 's', k, now() - interval '2 hours', \
+             now() - interval '1 hour' FROM unnest(ARRAY['taken', 'left']) AS k",
     )
     .execute(&pool)
     .await

@@ -191,8 +191,9 @@ async fn claims_get_release_stats_and_purge(pool: PgPool) {
 
     // Expired claims of another handler, waiting for the purger.
     sqlx::query(
-        "INSERT INTO dedup_claims (scope, key, claimed_at, expires_at) \
-         SELECT 'old', 'k' || n, now() - interval '2 hours', now() - interval '1 hour' \
+        "INSERT INTO dedup_claims (id, scope, key, claimed_at, expires_at) \
+         SELECT dedup_claims_claim_id('old', 'k' || n), 'old', 'k' || n, \
+             now() - interval '2 hours', now() - interval '1 hour' \
          FROM generate_series(1, 5) AS n",
     )
     .execute(&pool)

@@ -1,0 +1,212 @@
+//! Claims found by a digest of scope and key (schema v2): a filled v1
+//! table upgraded in place keeps every claim, the SQL spelling of the
+//! digest is the store's, and the runtime's ordered reads of dead-letter
+//! records stay on an index. Each case has its own database.
+
+use std::time::{Duration, Instant, SystemTime};
+
+use dedup_core::{Claim, DedupKey, DedupStore, ORDERED_SCOPE_PREFIX, Ttl};
+use dedup_postgres::{PgStore, claim_id};
+use dedup_sql::{TableName, run_migrations};
+use sqlx::PgPool;
+use sqlx::migrate::Migrator;
+
+mod common;
+use common::{assert_reads_are_counted, fill_and_analyze, generic_plan_pool, rows_read};
+
+fn key(scope: &str, id: &str) -> DedupKey {
+    DedupKey::new(scope, id).expect("key")
+}
+
+fn dead_letter_scope() -> String {
+    format!("{ORDERED_SCOPE_PREFIX}payments/orders/0")
+}
+
+/// The table as version 1 of the migrations left it.
+async fn migrate_to_v1(pool: &PgPool) {
+    let all = sqlx::migrate!("./migrations");
+    let v1 = Migrator::with_migrations(all.iter().filter(|m| m.version == 1).cloned().collect());
+    let table = TableName::parse("dedup_claims").expect("table name");
+    run_migrations(pool, &v1, &table).await.expect("v1");
+    let columns: Vec<String> = sqlx::query_scalar(
+        "SELECT column_name::text FROM information_schema.columns \
+         WHERE table_name = 'dedup_claims' ORDER BY ordinal_position",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("columns");
+    assert_eq!(columns, ["scope", "key", "claimed_at", "expires_at"], "v1");
+}
+
+async fn primary_key(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT a.attname::text FROM pg_index i \
+         JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = ANY(i.indkey) \
+         WHERE i.indrelid = 'dedup_claims'::regclass AND i.indisprimary ORDER BY a.attnum",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("primary key")
+}
+
+/// Claims taken under v1 (live, expired, dead-letter records) answer the
+/// same after the upgrade: a live one is a duplicate with its expiry and
+/// age, an expired one is taken over, a dead-letter record is listed.
+#[sqlx::test(migrations = false)]
+async fn a_filled_v1_table_upgrades_in_place(pool: PgPool) {
+    migrate_to_v1(&pool).await;
+    let records = dead_letter_scope();
+    sqlx::query(
+        "INSERT INTO dedup_claims (scope, key, claimed_at, expires_at) \
+         SELECT 'payments', 'evt-' || g, now() - interval '10 minutes', \
+             now() + interval '3 hours 50 minutes' FROM generate_series(1, 20000) g \
+         UNION ALL \
+         SELECT 'payments', 'evt-' || g, now() - interval '5 hours', now() - interval '1 hour' \
+         FROM generate_series(20001, 25000) g \
+         UNION ALL \
+         SELECT $1, lpad(g::text, 20, '0') || '.ab', now(), now() + interval '1 day' \
+         FROM generate_series(1, 30) g",
+    )
+    .bind(&records)
+    .execute(&pool)
+    .await
+    .expect("fill v1");
+    let v1_expiry: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM expires_at)::float8 FROM dedup_claims \
+         WHERE scope = 'payments' AND key = 'evt-1'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("v1 expiry");
+
+    let store = PgStore::from_pool(pool.clone());
+    let started = Instant::now();
+    store.migrate().await.expect("upgrade to v2");
+    eprintln!("upgraded 25,030 claims in {:?}", started.elapsed());
+    store
+        .migrate()
+        .await
+        .expect("a second migrate does nothing");
+
+    assert_eq!(primary_key(&pool).await, ["id"]);
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_claims")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
+    assert_eq!(rows, 25_030, "every claim kept");
+
+    let keys = [
+        key("payments", "evt-1"),
+        key("payments", "evt-20000"),
+        key("payments", "evt-20001"),
+        key("payments", "evt-new"),
+    ];
+    let mut tx = store.begin().await.expect("begin");
+    let claims = store
+        .claim_many(&mut tx, &keys, Ttl::from_secs(3600).expect("ttl"))
+        .await
+        .expect("claim");
+    store.commit(tx).await.expect("commit");
+    let Claim::Duplicate { expires_at, age } = claims[0] else {
+        panic!("a live v1 claim is a duplicate after the upgrade: {claims:?}");
+    };
+    let expiry = expires_at
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .expect("after the epoch")
+        .as_secs_f64();
+    assert!((expiry - v1_expiry).abs() < 0.001, "its expiry kept");
+    assert!(
+        (Duration::from_secs(599)..Duration::from_secs(700)).contains(&age),
+        "its age kept: {age:?}"
+    );
+    assert!(matches!(claims[1], Claim::Duplicate { .. }), "{claims:?}");
+    assert_eq!(
+        claims[2],
+        Claim::Reclaimed,
+        "an expired v1 claim is taken over"
+    );
+    assert_eq!(claims[3], Claim::Fresh);
+
+    let from = key(&records, &format!("{:020}", 25));
+    let listed = store.live_ids_from(&from).await.expect("records");
+    let expected: Vec<String> = (25..=30).map(|n| format!("{n:020}.ab")).collect();
+    assert_eq!(
+        listed, expected,
+        "the dead-letter records from offset 25 on"
+    );
+}
+
+/// The function the upgrade fills `id` with, which operators query by, is
+/// the digest the store computes, for any text.
+#[sqlx::test(migrations = false)]
+async fn the_sql_claim_id_is_the_stores(pool: PgPool) {
+    PgStore::from_pool(pool.clone())
+        .migrate()
+        .await
+        .expect("migrate");
+    for (scope, id) in [
+        ("s", "k"),
+        ("ab", "c"),
+        ("a", "bc"),
+        ("payments::récord", "évt-😀-1"),
+        ("x", &"long".repeat(100)),
+    ] {
+        let k = key(scope, id);
+        let in_sql: uuid::Uuid = sqlx::query_scalar("SELECT dedup_claims_claim_id($1, $2)")
+            .bind(k.scope())
+            .bind(k.id())
+            .fetch_one(&pool)
+            .await
+            .expect("sql digest");
+        assert_eq!(in_sql, claim_id(&k), "({scope:?}, {id:?})");
+    }
+}
+
+/// The runtime reads each assigned partition's dead-letter records in key
+/// order: with the primary key on the digest, a partial index keeps those
+/// scopes in order, and the read touches the records, not the table.
+#[sqlx::test(migrations = false)]
+async fn dead_letter_records_are_read_through_an_index(pool: PgPool) {
+    let pool = generic_plan_pool(&pool).await;
+    let store = PgStore::from_pool(pool.clone());
+    store.migrate().await.expect("migrate");
+    let records = dead_letter_scope();
+    fill_and_analyze(
+        &pool,
+        "INSERT INTO dedup_claims (id, scope, key, claimed_at, expires_at) \
+         SELECT dedup_claims_claim_id(s, k), s, k, now(), now() + interval '4 hours' \
+         FROM (SELECT 'payments' AS s, 'evt-' || g AS k FROM generate_series(1, 100000) g \
+               UNION ALL \
+               SELECT $1, lpad(g::text, 20, '0') || '.ab' FROM generate_series(1, 50) g) AS c",
+        &records,
+    )
+    .await;
+
+    let before = rows_read(&pool, "dedup_claims").await;
+    // More than five runs: the generic plan is the one measured.
+    for _ in 0..7 {
+        let listed = store
+            .live_ids_from(&key(&records, &format!("{:020}", 41)))
+            .await
+            .expect("records");
+        assert_eq!(listed.len(), 10, "offsets 41 to 50");
+    }
+    let read = rows_read(&pool, "dedup_claims").await - before;
+    assert!(
+        read < 1_000,
+        "7 reads of 10 records read {read} rows of a table of 100,050"
+    );
+    assert_reads_are_counted(
+        &pool,
+        "dedup_claims",
+        "SELECT count(claimed_at) FROM dedup_claims",
+    )
+    .await;
+
+    // A scope the runtime does not name is still answered, by a scan.
+    let listed = store
+        .live_ids_from(&key("payments", "evt-99998"))
+        .await
+        .expect("any scope");
+    assert_eq!(listed, ["evt-99998", "evt-99999"]);
+}

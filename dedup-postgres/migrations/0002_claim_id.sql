@@ -18,10 +18,9 @@ LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
         FROM 1 FOR 16), 'hex')::uuid
 $$;
 
+-- The old keys go first, so that rewriting every row does not maintain
+-- them; the new ones are built once, from the rewritten rows.
 ALTER TABLE {{table}} ADD COLUMN id uuid;
-UPDATE {{table}} SET id = {{object:claim_id}}(scope, key);
-ALTER TABLE {{table}} ALTER COLUMN id SET NOT NULL;
-
 -- The v1 primary key on (scope, key), whatever it was named.
 DO $$
 DECLARE
@@ -33,7 +32,12 @@ BEGIN
         EXECUTE format('ALTER TABLE %s DROP CONSTRAINT %I', '{{table}}'::regclass, pkey);
     END IF;
 END $$;
+DROP INDEX IF EXISTS {{expires_index}};
+UPDATE {{table}} SET id = {{object:claim_id}}(scope, key);
+ALTER TABLE {{table}} ALTER COLUMN id SET NOT NULL;
 ALTER TABLE {{table}} ADD PRIMARY KEY (id);
+-- Purge finds expired claims through this index (as in v1).
+CREATE INDEX {{expires_index}} ON {{table}} (expires_at);
 
 -- The runtime reads its dead-letter records in key order, per partition
 -- (`live_ids_from`); only those scopes are kept in that order. The store

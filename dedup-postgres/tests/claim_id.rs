@@ -89,6 +89,22 @@ async fn a_filled_v1_table_upgrades_in_place(pool: PgPool) {
         .expect("a second migrate does nothing");
 
     assert_eq!(primary_key(&pool).await, ["id"]);
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT indexdef FROM pg_indexes WHERE tablename = 'dedup_claims' ORDER BY indexname",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("indexes");
+    assert_eq!(
+        indexes,
+        [
+            "CREATE INDEX dedup_claims_expires_at_idx ON public.dedup_claims USING btree (expires_at)",
+            "CREATE INDEX dedup_claims_ordered_idx ON public.dedup_claims USING btree (scope, key) \
+             WHERE (scope ~~ 'dedup.dead-letter/%'::text)",
+            "CREATE UNIQUE INDEX dedup_claims_pkey ON public.dedup_claims USING btree (id)",
+        ],
+        "the purge's expiry index rebuilt, the ordered index for dead-letter records"
+    );
     let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_claims")
         .fetch_one(&pool)
         .await

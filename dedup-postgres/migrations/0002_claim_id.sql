@@ -32,7 +32,8 @@ BEGIN
         EXECUTE format('ALTER TABLE %s DROP CONSTRAINT %I', '{{table}}'::regclass, pkey);
     END IF;
 END $$;
-DROP INDEX IF EXISTS {{expires_index}};
+-- Qualified like the table (an index lives in its table's schema).
+DROP INDEX IF EXISTS {{object:expires_at_idx}};
 UPDATE {{table}} SET id = {{object:claim_id}}(scope, key);
 ALTER TABLE {{table}} ALTER COLUMN id SET NOT NULL;
 ALTER TABLE {{table}} ADD PRIMARY KEY (id);

@@ -22,16 +22,18 @@ fn dead_letter_scope() -> String {
     format!("{ORDERED_SCOPE_PREFIX}payments/orders/0")
 }
 
-/// The table as version 1 of the migrations left it.
-async fn migrate_to_v1(pool: &PgPool) {
+/// The table `name` (`[schema.]table`) as version 1 of the migrations
+/// left it.
+async fn migrate_to_v1(pool: &PgPool, name: &str) {
     let all = sqlx::migrate!("./migrations");
     let v1 = Migrator::with_migrations(all.iter().filter(|m| m.version == 1).cloned().collect());
-    let table = TableName::parse("dedup_claims").expect("table name");
+    let table = TableName::parse(name).expect("table name");
     run_migrations(pool, &v1, &table).await.expect("v1");
     let columns: Vec<String> = sqlx::query_scalar(
-        "SELECT column_name::text FROM information_schema.columns \
-         WHERE table_name = 'dedup_claims' ORDER BY ordinal_position",
+        "SELECT attname::text FROM pg_attribute WHERE attrelid = to_regclass($1) \
+         AND attnum > 0 AND NOT attisdropped ORDER BY attnum",
     )
+    .bind(table.quoted())
     .fetch_all(pool)
     .await
     .expect("columns");
@@ -54,7 +56,7 @@ async fn primary_key(pool: &PgPool) -> Vec<String> {
 /// age, an expired one is taken over, a dead-letter record is listed.
 #[sqlx::test(migrations = false)]
 async fn a_filled_v1_table_upgrades_in_place(pool: PgPool) {
-    migrate_to_v1(&pool).await;
+    migrate_to_v1(&pool, "dedup_claims").await;
     let records = dead_letter_scope();
     sqlx::query(
         "INSERT INTO dedup_claims (scope, key, claimed_at, expires_at) \
@@ -225,4 +227,44 @@ async fn dead_letter_records_are_read_through_an_index(pool: PgPool) {
         .await
         .expect("any scope");
     assert_eq!(listed, ["evt-99998", "evt-99999"]);
+}
+
+/// A table in a schema of its own upgrades too: the v1 expiry index, which
+/// lives in that schema, is found, dropped and built again.
+#[sqlx::test(migrations = false)]
+async fn a_schema_qualified_v1_table_upgrades_in_place(pool: PgPool) {
+    migrate_to_v1(&pool, "billing.Claims").await;
+    sqlx::query(
+        r#"INSERT INTO billing."Claims" (scope, key, claimed_at, expires_at)
+           VALUES ('payments', 'evt-1', now(), now() + interval '1 hour')"#,
+    )
+    .execute(&pool)
+    .await
+    .expect("fill v1");
+    let config = dedup_postgres::PgConfig::default().with_table("billing.Claims");
+    let store = PgStore::from_pool_with(pool.clone(), config).expect("store");
+    store.migrate().await.expect("upgrade to v2");
+
+    let mut tx = store.begin().await.expect("begin");
+    let claim = store
+        .claim(
+            &mut tx,
+            &key("payments", "evt-1"),
+            Ttl::from_secs(3600).expect("ttl"),
+        )
+        .await
+        .expect("claim");
+    store.rollback(tx).await.expect("rollback");
+    assert!(matches!(claim, Claim::Duplicate { .. }), "{claim:?}");
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT indexname::text FROM pg_indexes WHERE schemaname = 'billing' \
+         AND tablename = 'Claims' ORDER BY 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("indexes");
+    assert_eq!(
+        indexes,
+        ["Claims_expires_at_idx", "Claims_ordered_idx", "Claims_pkey"]
+    );
 }

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant, SystemTime};
 
-use dedup_core::{Claim, DedupKey, DedupStore, ORDERED_SCOPE_PREFIX, Ttl};
+use dedup_core::{Claim, Classification, DedupKey, DedupStore, ORDERED_SCOPE_PREFIX, Ttl};
 use dedup_postgres::{PgStore, claim_id};
 use dedup_sql::{TableName, run_migrations};
 use sqlx::PgPool;
@@ -267,4 +267,41 @@ async fn a_schema_qualified_v1_table_upgrades_in_place(pool: PgPool) {
         indexes,
         ["Claims_expires_at_idx", "Claims_ordered_idx", "Claims_pkey"]
     );
+}
+
+/// Between two versions of the table the errors are the environment's, so
+/// the runtime waits them out instead of dead-lettering good events: a
+/// store whose table is not migrated yet (no `id` column), and an older
+/// version's claim (`ON CONFLICT (scope, key)`) against a migrated table.
+#[sqlx::test(migrations = false)]
+async fn a_table_between_versions_is_waited_out(pool: PgPool) {
+    migrate_to_v1(&pool, "dedup_claims").await;
+    let store = PgStore::from_pool(pool.clone());
+    let mut tx = store.begin().await.expect("begin");
+    let err = store
+        .claim_many(
+            &mut tx,
+            &[key("payments", "evt-1")],
+            Ttl::from_secs(60).expect("ttl"),
+        )
+        .await
+        .expect_err("no id column before the upgrade");
+    store.rollback(tx).await.expect("rollback");
+    assert_eq!(
+        (err.classification(), err.code()),
+        (Classification::Environment, Some("42703")),
+        "{err}"
+    );
+
+    store.migrate().await.expect("upgrade to v2");
+    let err = sqlx::query(
+        "INSERT INTO dedup_claims AS c (scope, key, claimed_at, expires_at) \
+         VALUES ('payments', 'evt-1', now(), now() + interval '1 hour') \
+         ON CONFLICT (scope, key) DO UPDATE SET expires_at = EXCLUDED.expires_at \
+         WHERE c.expires_at <= now()",
+    )
+    .execute(&pool)
+    .await
+    .expect_err("the v1 claim statement");
+    assert_eq!(store.classify(&err), Classification::Environment, "{err}");
 }

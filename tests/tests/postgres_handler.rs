@@ -273,6 +273,9 @@ async fn handler_database_errors_are_classified_by_sqlstate(pool: PgPool) {
         ("28P01", Environment),
         ("42P01", Environment),
         ("42501", Environment),
+        ("42703", Environment),
+        ("42883", Environment),
+        ("42P10", Environment),
         ("XX000", Environment),
         // Not known to be the environment's: bounded, so no event can
         // stall its partition for good.

@@ -177,6 +177,17 @@ pub async fn live_ids_from_lists_committed_live_ids<S: DedupStore>(store: S) {
         "committed, live, in scope, from 7 on, in numeric order"
     );
     store.rollback(open).await.expect("rollback");
+
+    // Any other scope is answered too (a store may scan for it).
+    let plain = "conformance-plain-ids";
+    for n in [5, 6] {
+        claim_committed(&store, &key(plain, &offset(n)), ttl(HOUR)).await;
+    }
+    let live = store
+        .live_ids_from(&key(plain, &offset(6)))
+        .await
+        .expect("live ids of another scope");
+    assert_eq!(live, [offset(6)], "any scope, from 6 on");
 }
 
 /// The same id in two scopes is two independent claims.

@@ -112,6 +112,11 @@ fn bounded(part: String) -> String {
     if part.len() <= MAX_KEY_BYTES && !part.contains('\0') && !looks_like_a_digest(&part) {
         return part;
     }
+    digest_of(&part)
+}
+
+/// `sha256:<64 hex digits>` of `part`'s bytes: how long parts are stored.
+pub(crate) fn digest_of(part: &str) -> String {
     let digest = Sha256::digest(part.as_bytes());
     let mut out = String::with_capacity(DIGEST_PREFIX.len() + 64);
     out.push_str(DIGEST_PREFIX);

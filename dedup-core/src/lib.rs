@@ -19,7 +19,7 @@ pub use key::{DedupKey, KeyError, MAX_KEY_BYTES};
 pub use memory::{MemoryStore, MemoryTx};
 pub use outbox::{OutboxMessage, OutboxRecord, OutboxSource, PublishFailure};
 pub use purge::{PurgeConfig, Purger};
-pub use store::{Claim, DedupStore, ORDERED_SCOPE_PREFIX, PurgeExpired};
+pub use store::{Claim, DedupStore, ORDERED_SCOPE_PREFIX, PurgeExpired, ordered_scope};
 pub use ttl::{Ttl, TtlError, TtlErrorKind};
 
 /// Marks an async fn as an idempotent event handler; see the crate docs.

@@ -11,6 +11,28 @@ use crate::{Classification, DedupKey, StoreError, Ttl};
 /// `dedup.dead-letter/<handler scope>/<topic>/<partition>`.
 pub const ORDERED_SCOPE_PREFIX: &str = "dedup.dead-letter/";
 
+/// The scope [`ORDERED_SCOPE_PREFIX`]`rest`, kept under that prefix however
+/// long `rest` is: when the whole would be digested as a key part (longer
+/// than [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES), or holding a NUL), `rest` alone is
+/// digested instead, so a store still reads the scope in key order.
+///
+/// ```
+/// use dedup_core::{DedupKey, ORDERED_SCOPE_PREFIX, ordered_scope};
+///
+/// let long = ordered_scope(&format!("handler/{}/0", "t".repeat(249)));
+/// assert!(long.starts_with(ORDERED_SCOPE_PREFIX));
+/// assert_eq!(DedupKey::new(long.as_str(), "1")?.scope(), long, "stored as is");
+/// assert_eq!(ordered_scope("handler/t/0"), "dedup.dead-letter/handler/t/0");
+/// # Ok::<(), dedup_core::KeyError>(())
+/// ```
+pub fn ordered_scope(rest: &str) -> String {
+    let whole = format!("{ORDERED_SCOPE_PREFIX}{rest}");
+    if DedupKey::new(whole.as_str(), "-").is_ok_and(|key| key.scope() == whole) {
+        return whole;
+    }
+    format!("{ORDERED_SCOPE_PREFIX}{}", crate::key::digest_of(rest))
+}
+
 /// The result of claiming a key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Claim {

@@ -7,7 +7,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use dedup_core::{
-    DedupKey, DedupStore, Error, Handler, HandlerExt, Headers, ORDERED_SCOPE_PREFIX, Outcome, Ttl,
+    DedupKey, DedupStore, Error, Handler, HandlerExt, Headers, Outcome, Ttl, ordered_scope,
 };
 
 /// A topic routed to a handler, with where its poison messages go.
@@ -44,7 +44,9 @@ impl<S: 'static> Route<S> {
     }
 
     /// The claim that records that `msg` was dead-lettered: scope
-    /// `dedup.dead-letter/<handler scope>/<topic>/<partition>`, id the
+    /// `dedup.dead-letter/<handler scope>/<topic>/<partition>` (the part
+    /// after the prefix digested when the whole is too long:
+    /// [`ordered_scope`]), id the
     /// offset as 20 digits (so ids sort as offsets), then the message's
     /// timestamp, payload size and a fingerprint, so that a different message at the same
     /// offset (a topic deleted and created again, another cluster) is never
@@ -79,10 +81,7 @@ impl<S: 'static> Route<S> {
     }
 
     fn dead_letter_key(&self, topic: &str, partition: i32, id: String) -> DedupKey {
-        let scope = format!(
-            "{ORDERED_SCOPE_PREFIX}{}/{topic}/{partition}",
-            self.handler.scope()
-        );
+        let scope = ordered_scope(&format!("{}/{topic}/{partition}", self.handler.scope()));
         DedupKey::new(scope, id).expect("never empty")
     }
 }

@@ -10,9 +10,11 @@
 --   SELECT * FROM dedup_claims WHERE id = dedup_claims_claim_id('scope', 'key');
 -- The scope's length in UTF-8 bytes leads, so that no two (scope, key)
 -- pairs are digested from the same bytes: ('ab', 'c') is '2:abc',
--- ('a', 'bc') is '1:abc'.
+-- ('a', 'bc') is '1:abc'. The bytes are the texts in UTF-8: in a database
+-- of another encoding, a text the conversion does not map back one to one
+-- digests apart from the application's (README: upgrading).
 CREATE OR REPLACE FUNCTION {{object:claim_id}}(scope text, key text) RETURNS uuid
-LANGUAGE sql IMMUTABLE STRICT PARALLEL SAFE AS $$
+LANGUAGE sql STABLE STRICT PARALLEL SAFE AS $$
     SELECT encode(substring(sha256(convert_to(
         octet_length(convert_to(scope, 'UTF8'))::text || ':' || scope || key, 'UTF8'))
         FROM 1 FOR 16), 'hex')::uuid

@@ -269,39 +269,42 @@ async fn a_schema_qualified_v1_table_upgrades_in_place(pool: PgPool) {
     );
 }
 
-/// Between two versions of the table the errors are the environment's, so
-/// the runtime waits them out instead of dead-lettering good events: a
-/// store whose table is not migrated yet (no `id` column), and an older
-/// version's claim (`ON CONFLICT (scope, key)`) against a migrated table.
+/// Between two versions of the table the store's errors are the
+/// environment's, so the runtime waits them out instead of dead-lettering
+/// good events: a table not migrated yet (no `id` column), and one whose
+/// key a newer version changed (no unique key on `id` for `ON CONFLICT`).
 #[sqlx::test(migrations = false)]
 async fn a_table_between_versions_is_waited_out(pool: PgPool) {
-    migrate_to_v1(&pool, "dedup_claims").await;
     let store = PgStore::from_pool(pool.clone());
-    let mut tx = store.begin().await.expect("begin");
-    let err = store
-        .claim_many(
-            &mut tx,
-            &[key("payments", "evt-1")],
-            Ttl::from_secs(60).expect("ttl"),
-        )
-        .await
-        .expect_err("no id column before the upgrade");
-    store.rollback(tx).await.expect("rollback");
+    let claim_error = || async {
+        let mut tx = store.begin().await.expect("begin");
+        let err = store
+            .claim_many(
+                &mut tx,
+                &[key("payments", "evt-1")],
+                Ttl::from_secs(60).expect("ttl"),
+            )
+            .await
+            .expect_err("a table of another version");
+        store.rollback(tx).await.expect("rollback");
+        (err.classification(), err.code().map(str::to_owned))
+    };
+
+    migrate_to_v1(&pool, "dedup_claims").await;
     assert_eq!(
-        (err.classification(), err.code()),
-        (Classification::Environment, Some("42703")),
-        "{err}"
+        claim_error().await,
+        (Classification::Environment, Some("42703".to_owned())),
+        "not migrated yet"
     );
 
     store.migrate().await.expect("upgrade to v2");
-    let err = sqlx::query(
-        "INSERT INTO dedup_claims AS c (scope, key, claimed_at, expires_at) \
-         VALUES ('payments', 'evt-1', now(), now() + interval '1 hour') \
-         ON CONFLICT (scope, key) DO UPDATE SET expires_at = EXCLUDED.expires_at \
-         WHERE c.expires_at <= now()",
-    )
-    .execute(&pool)
-    .await
-    .expect_err("the v1 claim statement");
-    assert_eq!(store.classify(&err), Classification::Environment, "{err}");
+    sqlx::query("ALTER TABLE dedup_claims DROP CONSTRAINT dedup_claims_pkey")
+        .execute(&pool)
+        .await
+        .expect("a newer version's key");
+    assert_eq!(
+        claim_error().await,
+        (Classification::Environment, Some("42P10".to_owned())),
+        "migrated by a newer version"
+    );
 }

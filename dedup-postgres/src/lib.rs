@@ -1,11 +1,10 @@
 #![doc = include_str!("../README.md")]
 
+use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
-
-use std::collections::HashMap;
 
 use dedup_core::{
     Claim, Classification, DedupKey, DedupStore, ORDERED_SCOPE_PREFIX, PurgeConfig, PurgeExpired,
@@ -160,18 +159,15 @@ impl Statements {
             "UPDATE {t} SET expires_at = clock_timestamp() + $2 * interval '1 second' \
              WHERE id = ANY($1::uuid[])"
         );
+        let live =
+            format!("SELECT key FROM {t} WHERE scope = $1 AND key >= $2 AND expires_at > now()");
         // Any scope: no index keeps its keys in order (a scan).
-        let live_ids = format!(
-            "SELECT key FROM {t} WHERE scope = $1 AND key >= $2 AND expires_at > now() ORDER BY key"
-        );
+        let live_ids = format!("{live} ORDER BY key");
         // The runtime's scopes: the predicate of the partial index on
         // (scope, key) is repeated word for word, so the planner proves the
         // index covers the query (migrations/0002_claim_id.sql).
-        let live_ids_ordered = format!(
-            "SELECT key FROM {t} WHERE scope = $1 AND key >= $2 AND expires_at > now() \
-             AND scope LIKE '{}%' ORDER BY key",
-            ORDERED_SCOPE_PREFIX
-        );
+        let live_ids_ordered =
+            format!("{live} AND scope LIKE '{ORDERED_SCOPE_PREFIX}%' ORDER BY key");
         // Bounded, oldest first, skipping rows a running claim holds. The
         // batch is locked and deleted by the rows' addresses (`ctid`: a
         // locked version cannot be updated, pruned or moved). What is

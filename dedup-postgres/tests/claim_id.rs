@@ -191,6 +191,7 @@ async fn dead_letter_records_are_read_through_an_index(pool: PgPool) {
     let records = dead_letter_scope();
     fill_and_analyze(
         &pool,
+        "dedup_claims",
         "INSERT INTO dedup_claims (id, scope, key, claimed_at, expires_at) \
          SELECT dedup_claims_claim_id(s, k), s, k, now(), now() + interval '4 hours' \
          FROM (SELECT 'payments' AS s, 'evt-' || g AS k FROM generate_series(1, 100000) g \

@@ -55,6 +55,7 @@ async fn a_purge_batch_reads_what_it_deletes_not_the_whole_table(pool: PgPool) {
     let expired = 50_000i64;
     fill_and_analyze(
         &pool,
+        "dedup_claims",
         "INSERT INTO dedup_claims (id, scope, key, claimed_at, expires_at) \
          SELECT dedup_claims_claim_id('old', g::text), 'old', g::text, now() - interval '2 hours', now() - interval '1 hour' \
          FROM generate_series(1, $1) g \
@@ -95,21 +96,17 @@ async fn an_outbox_purge_batch_reads_what_it_deletes_not_the_whole_table(pool: P
     outbox.migrate(&pool).await.expect("migrate");
     let source = outbox.reader(pool.clone());
     let old = 50_000i64;
-    sqlx::query(
+    fill_and_analyze(
+        &pool,
+        "dedup_outbox",
         "INSERT INTO dedup_outbox (event_id, topic, payload, header_names, header_values, sent_at) \
          SELECT g::text, 't', 'x'::bytea, '{}'::text[], '{}'::bytea[], now() - interval '2 hours' \
          FROM generate_series(1, $1) g \
          UNION ALL \
          SELECT 'recent-' || g, 't', 'x'::bytea, '{}'::text[], '{}'::bytea[], now() FROM generate_series(1, 1000) g",
+        old,
     )
-    .bind(old)
-    .execute(&pool)
-    .await
-    .expect("fill");
-    sqlx::query("ANALYZE dedup_outbox")
-        .execute(&pool)
-        .await
-        .expect("analyze");
+    .await;
 
     ten_batches_read_less_than(
         &pool,

@@ -58,9 +58,9 @@ pub(crate) async fn assert_reads_are_counted(pool: &PgPool, table: &str, count_a
     );
 }
 
-/// Runs `fill` (one bind parameter, `value`) and refreshes the claims
-/// table's statistics, as autovacuum would have by the time a plan matters.
-pub(crate) async fn fill_and_analyze<T>(pool: &PgPool, fill: &'static str, value: T)
+/// Runs `fill` (one bind parameter, `value`) and refreshes `table`'s
+/// statistics, as autovacuum would have by the time a plan matters.
+pub(crate) async fn fill_and_analyze<T>(pool: &PgPool, table: &str, fill: &'static str, value: T)
 where
     T: for<'q> sqlx::Encode<'q, sqlx::Postgres> + sqlx::Type<sqlx::Postgres> + Send,
 {
@@ -69,7 +69,7 @@ where
         .execute(pool)
         .await
         .expect("fill");
-    sqlx::query("ANALYZE dedup_claims")
+    sqlx::query(sqlx::AssertSqlSafe(format!("ANALYZE {table}")))
         .execute(pool)
         .await
         .expect("analyze");

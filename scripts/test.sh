@@ -6,6 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The build and the broker's logs take gigabytes; say what the disk had.
+echo "test: $(df -Ph . | awk 'NR == 2 { print $4 }') free on the disk"
 bash scripts/deps.sh
 bash scripts/postgres.sh start
 bash scripts/kafka.sh start

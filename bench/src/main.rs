@@ -67,7 +67,9 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use dedup_core::{Claim, DedupKey, DedupStore, HandlerError, StoreError, Ttl, idempotent};
+use dedup_core::{
+    Claim, DedupKey, DedupStore, Fingerprint, HandlerError, StoreError, Ttl, idempotent,
+};
 use dedup_kafka::Consumer;
 use dedup_postgres::{PgStore, PgTx};
 use rdkafka::ClientConfig;
@@ -173,7 +175,13 @@ impl DedupStore for NoDedup {
         self.0.begin().await
     }
 
-    async fn claim(&self, _: &mut PgTx, _: &DedupKey, _: Ttl) -> Result<Claim, StoreError> {
+    async fn claim(
+        &self,
+        _: &mut PgTx,
+        _: &DedupKey,
+        _: Option<Fingerprint>,
+        _: Ttl,
+    ) -> Result<Claim, StoreError> {
         Ok(Claim::Fresh)
     }
 
@@ -181,6 +189,7 @@ impl DedupStore for NoDedup {
         &self,
         _: &mut PgTx,
         keys: &[DedupKey],
+        _: &[Option<Fingerprint>],
         _: Ttl,
     ) -> Result<Vec<Claim>, StoreError> {
         Ok(vec![Claim::Fresh; keys.len()])

@@ -361,12 +361,19 @@ pub(crate) struct ReplayArgs {
     #[arg(long)]
     partition: Option<i32>,
     /// Skip records whose event already holds a live claim (applied through
-    /// another copy or path). Needs --scope and --key-field or --key-header.
+    /// another copy or path). Needs --scope and --key (or --key-field or
+    /// --key-header).
     #[arg(long, requires = "scope")]
     check_claims: bool,
     /// The handler's scope, for --check-claims.
     #[arg(long)]
     scope: Option<String>,
+    /// Where the handler takes the event id from, as its
+    /// `#[idempotent(key = ..)]` says: fields of the JSON payload and
+    /// `header:<name>`, several separated by `,` for a composite key
+    /// (`"tenant_id, header:event-id"`).
+    #[arg(long, conflicts_with_all = ["key_field", "key_header"])]
+    key: Option<String>,
     /// Where the handler takes the event id from: a field of the JSON
     /// payload (`event_id`, `meta.event_id`).
     #[arg(long, conflicts_with = "key_header")]
@@ -411,19 +418,61 @@ enum Decision {
     Invalid,
 }
 
-/// The event id as the handler takes it, if the record has one.
-fn event_id(letter: &DeadLetter, args: &ReplayArgs) -> Option<String> {
-    if let Some(header) = &args.key_header {
-        let value = letter
-            .msg
-            .headers()?
-            .iter()
-            .filter(|h| h.key == header)
-            .last()?
-            .value?;
-        return std::str::from_utf8(value).ok().map(str::to_owned);
+/// One part of the event id: a field path of the JSON payload, or a header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum KeyPart {
+    Field(String),
+    Header(String),
+}
+
+/// The parts of the event id from --key, --key-field or --key-header.
+fn key_parts(args: &ReplayArgs) -> Result<Vec<KeyPart>, Failure> {
+    if let Some(field) = &args.key_field {
+        return Ok(vec![KeyPart::Field(field.clone())]);
     }
-    let path = args.key_field.as_deref()?;
+    if let Some(header) = &args.key_header {
+        return Ok(vec![KeyPart::Header(header.clone())]);
+    }
+    let Some(spec) = &args.key else {
+        return Ok(Vec::new());
+    };
+    spec.split(',')
+        .map(str::trim)
+        .map(|part| match part.strip_prefix("header:") {
+            _ if part.is_empty() => Err(Failure::new(format!(
+                "--key {spec:?} has an empty part; separate the parts with `,`, as in \
+                 \"tenant_id, event_id\""
+            ))),
+            Some("") => Err(Failure::new("--key: `header:` needs a header name")),
+            Some(header) => Ok(KeyPart::Header(header.to_owned())),
+            None => Ok(KeyPart::Field(part.to_owned())),
+        })
+        .collect()
+}
+
+/// The event id as the handler takes it, if the record has every part.
+fn event_id(letter: &DeadLetter, parts: &[KeyPart]) -> Option<String> {
+    let values = parts
+        .iter()
+        .map(|part| part_value(letter, part).filter(|v| !v.is_empty()))
+        .collect::<Option<Vec<_>>>()?;
+    Some(dedup_core::composite_id(values.iter().map(String::as_str)))
+}
+
+fn part_value(letter: &DeadLetter, part: &KeyPart) -> Option<String> {
+    let path = match part {
+        KeyPart::Header(header) => {
+            let value = letter
+                .msg
+                .headers()?
+                .iter()
+                .filter(|h| h.key == header)
+                .last()?
+                .value?;
+            return std::str::from_utf8(value).ok().map(str::to_owned);
+        }
+        KeyPart::Field(path) => path,
+    };
     let mut value: serde_json::Value = serde_json::from_slice(letter.msg.payload()?).ok()?;
     for part in path.split('.') {
         value = value.get_mut(part)?.take();
@@ -467,10 +516,12 @@ fn replay_headers(letter: &DeadLetter) -> OwnedHeaders {
 
 /// `dlq replay`.
 pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
-    if args.check_claims && args.key_field.is_none() && args.key_header.is_none() {
+    let key_parts = key_parts(args)?;
+    if args.check_claims && key_parts.is_empty() {
         return Err(Failure::new(
-            "--check-claims needs where the handler takes its event id from: --key-field \
-             (a JSON field) or --key-header",
+            "--check-claims needs where the handler takes its event id from: --key as in its \
+             #[idempotent(key = ..)] (\"event_id\", \"tenant_id, header:event-id\"), or \
+             --key-field (a JSON field) or --key-header",
         ));
     }
     let claims = if args.check_claims {
@@ -511,7 +562,7 @@ pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
         let scope = args.scope.as_deref().expect("clap requires --scope");
         for (letter, decision) in letters.iter().zip(plan.iter_mut()) {
             if *decision == Decision::Replay
-                && let Some(id) = event_id(letter, args)
+                && let Some(id) = event_id(letter, &key_parts)
                 && claims.is_live(&Claims::key(scope, &id)?).await?
             {
                 *decision = Decision::Applied;
@@ -893,5 +944,74 @@ impl Report for ReplayReport {
             "already_replayed": self.count(Decision::Done),
             "records": self.lines,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+    use rdkafka::Timestamp;
+    use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        replay: ReplayArgs,
+    }
+
+    fn parts(args: &[&str]) -> Result<Vec<KeyPart>, Failure> {
+        let cli = Cli::try_parse_from([&["replay", "t.dlq"][..], args].concat()).expect("parsed");
+        key_parts(&cli.replay)
+    }
+
+    fn letter(payload: &str, tenant: Option<&str>) -> DeadLetter {
+        let mut headers = OwnedHeaders::new();
+        if let Some(tenant) = tenant {
+            headers = headers.insert(Header {
+                key: "tenant",
+                value: Some(tenant),
+            });
+        }
+        DeadLetter::parse(OwnedMessage::new(
+            Some(payload.as_bytes().to_vec()),
+            None,
+            "t.dlq".into(),
+            Timestamp::NotAvailable,
+            0,
+            0,
+            Some(headers),
+        ))
+    }
+
+    #[test]
+    fn a_composite_key_is_read_as_the_handler_claims_it() {
+        let key = parts(&["--key", "header:tenant, meta.event_id"]).unwrap();
+        assert_eq!(
+            key,
+            [
+                KeyPart::Header("tenant".into()),
+                KeyPart::Field("meta.event_id".into())
+            ]
+        );
+        let body = r#"{"meta":{"event_id":"b,c"}}"#;
+        assert_eq!(
+            event_id(&letter(body, Some("a")), &key).as_deref(),
+            Some(r"a,b\,c")
+        );
+        assert_eq!(event_id(&letter(body, None), &key), None, "no tenant");
+        let empty = r#"{"meta":{"event_id":""}}"#;
+        assert_eq!(event_id(&letter(empty, Some("a")), &key), None);
+
+        let one = parts(&["--key-field", "meta.event_id"]).unwrap();
+        assert_eq!(event_id(&letter(body, None), &one).as_deref(), Some("b,c"));
+        assert_eq!(
+            parts(&["--key", "event_id"]).unwrap(),
+            [KeyPart::Field("event_id".into())]
+        );
+        assert!(parts(&["--key", "a,,b"]).is_err());
+        assert!(parts(&["--key", "a, header:"]).is_err());
+        assert!(parts(&[]).unwrap().is_empty());
     }
 }

@@ -88,9 +88,24 @@ struct ClaimKey {
     /// `module::path::function`).
     #[arg(long)]
     scope: String,
-    /// The event id.
-    #[arg(long)]
-    key: String,
+    /// The event id. For a composite key (`key = "tenant_id, event_id"`),
+    /// give `--key` once per part, in the attribute's order.
+    #[arg(long, required = true)]
+    key: Vec<String>,
+}
+
+impl ClaimKey {
+    /// The event id as the handler claims it.
+    fn id(&self) -> Result<String, Failure> {
+        if self.key.len() > 1 && self.key.iter().any(String::is_empty) {
+            return Err(Failure::new(
+                "--key: a part of a composite key is empty, and no handler claims such a key",
+            ));
+        }
+        Ok(dedup_core::composite_id(
+            self.key.iter().map(String::as_str),
+        ))
+    }
 }
 
 #[derive(Subcommand)]
@@ -218,7 +233,7 @@ async fn run(command: Command) -> Result<Box<dyn Report>, Failure> {
     Ok(match command {
         Command::Claims(ClaimsCommand::Get { db, claim }) => {
             let claims = claims::Claims::connect(&db).await?;
-            Box::new(claims.get(&claim.scope, &claim.key).await?)
+            Box::new(claims.get(&claim.scope, &claim.id()?).await?)
         }
         Command::Claims(ClaimsCommand::Release { db, claim, yes }) => {
             if !yes {
@@ -227,7 +242,7 @@ async fn run(command: Command) -> Result<Box<dyn Report>, Failure> {
                 ));
             }
             let claims = claims::Claims::connect(&db).await?;
-            Box::new(claims.release(&claim.scope, &claim.key).await?)
+            Box::new(claims.release(&claim.scope, &claim.id()?).await?)
         }
         Command::Claims(ClaimsCommand::Stats { db }) => {
             Box::new(claims::Claims::connect(&db).await?.stats().await?)

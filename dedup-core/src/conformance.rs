@@ -19,7 +19,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use crate::{Claim, DedupKey, DedupStore, ORDERED_SCOPE_PREFIX, PurgeExpired, Ttl};
+use crate::{Claim, DedupKey, DedupStore, Fingerprint, ORDERED_SCOPE_PREFIX, PurgeExpired, Ttl};
 
 fn ttl(secs: u64) -> Ttl {
     Ttl::from_secs(secs).expect("positive")
@@ -34,7 +34,7 @@ const HOUR: u64 = 3600;
 /// Claims `key` in a transaction of its own and commits it.
 async fn claim_committed<S: DedupStore>(store: &S, key: &DedupKey, ttl: Ttl) -> Claim {
     let mut tx = store.begin().await.expect("begin");
-    let claim = store.claim(&mut tx, key, ttl).await.expect("claim");
+    let claim = store.claim(&mut tx, key, None, ttl).await.expect("claim");
     store.commit(tx).await.expect("commit");
     claim
 }
@@ -49,7 +49,10 @@ pub async fn exclusive_under_concurrency<S: DedupStore + Clone>(store: S) {
             let (store, k) = (store.clone(), k.clone());
             tokio::spawn(async move {
                 let mut tx = store.begin().await.expect("begin");
-                let claim = store.claim(&mut tx, &k, ttl(HOUR)).await.expect("claim");
+                let claim = store
+                    .claim(&mut tx, &k, None, ttl(HOUR))
+                    .await
+                    .expect("claim");
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 store.commit(tx).await.expect("commit");
                 claim
@@ -80,7 +83,9 @@ pub async fn duplicate_within_ttl<S: DedupStore>(store: S) {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let waited = before.elapsed().unwrap_or_default();
     match claim_committed(&store, &k, ttl(HOUR)).await {
-        Claim::Duplicate { expires_at, age } => {
+        Claim::Duplicate {
+            expires_at, age, ..
+        } => {
             let lo = before + Duration::from_secs(HOUR - 60);
             let hi = SystemTime::now() + Duration::from_secs(HOUR + 60);
             assert!(
@@ -122,7 +127,7 @@ pub async fn refresh_restarts_the_ttl<S: DedupStore>(store: S) {
     let k = key("conformance", "refresh");
     let mut tx = store.begin().await.expect("begin");
     assert_eq!(
-        store.claim(&mut tx, &k, ttl(3)).await.expect("claim"),
+        store.claim(&mut tx, &k, None, ttl(3)).await.expect("claim"),
         Claim::Fresh
     );
     // A slow handler.
@@ -156,13 +161,13 @@ pub async fn live_ids_from_lists_committed_live_ids<S: DedupStore>(store: S) {
     claim_committed(&store, &key(&other, &offset(8)), ttl(HOUR)).await;
     let mut rolled_back = store.begin().await.expect("begin");
     store
-        .claim(&mut rolled_back, &key(&ids, &offset(10)), ttl(HOUR))
+        .claim(&mut rolled_back, &key(&ids, &offset(10)), None, ttl(HOUR))
         .await
         .expect("claim");
     store.rollback(rolled_back).await.expect("rollback");
     let mut open = store.begin().await.expect("begin");
     store
-        .claim(&mut open, &key(&ids, &offset(11)), ttl(HOUR))
+        .claim(&mut open, &key(&ids, &offset(11)), None, ttl(HOUR))
         .await
         .expect("claim");
     tokio::time::sleep(Duration::from_millis(1200)).await;
@@ -220,7 +225,10 @@ pub async fn rollback_releases_the_claim<S: DedupStore>(store: S) {
     let k = key("conformance", "rollback");
     let mut tx = store.begin().await.expect("begin");
     assert_eq!(
-        store.claim(&mut tx, &k, ttl(HOUR)).await.expect("claim"),
+        store
+            .claim(&mut tx, &k, None, ttl(HOUR))
+            .await
+            .expect("claim"),
         Claim::Fresh
     );
     store.rollback(tx).await.expect("rollback");
@@ -233,13 +241,16 @@ pub async fn rollback_releases_the_claim<S: DedupStore>(store: S) {
     let k = key("conformance", "dropped");
     {
         let mut tx = store.begin().await.expect("begin");
-        store.claim(&mut tx, &k, ttl(HOUR)).await.expect("claim");
+        store
+            .claim(&mut tx, &k, None, ttl(HOUR))
+            .await
+            .expect("claim");
     }
     // Backends may release a dropped transaction asynchronously.
     let mut last = None;
     for _ in 0..50 {
         let mut tx = store.begin().await.expect("begin");
-        match store.claim(&mut tx, &k, ttl(HOUR)).await {
+        match store.claim(&mut tx, &k, None, ttl(HOUR)).await {
             Ok(Claim::Fresh) => return,
             other => last = Some(format!("{other:?}")),
         }
@@ -264,7 +275,10 @@ pub async fn second_claimer_waits_for_the_first<S: DedupStore + Clone>(store: S)
         );
         let mut first = store.begin().await.expect("begin");
         assert_eq!(
-            store.claim(&mut first, &k, ttl(HOUR)).await.expect("claim"),
+            store
+                .claim(&mut first, &k, None, ttl(HOUR))
+                .await
+                .expect("claim"),
             Claim::Fresh
         );
 
@@ -272,7 +286,10 @@ pub async fn second_claimer_waits_for_the_first<S: DedupStore + Clone>(store: S)
             let (store, k) = (store.clone(), k.clone());
             async move {
                 let mut tx = store.begin().await.expect("begin");
-                let claim = store.claim(&mut tx, &k, ttl(HOUR)).await.expect("claim");
+                let claim = store
+                    .claim(&mut tx, &k, None, ttl(HOUR))
+                    .await
+                    .expect("claim");
                 store.commit(tx).await.expect("commit");
                 claim
             }
@@ -324,7 +341,7 @@ pub async fn batch_claims<S: DedupStore>(store: S) {
     ];
     let mut tx = store.begin().await.expect("begin");
     let claims = store
-        .claim_many(&mut tx, &keys, ttl(HOUR))
+        .claim_many(&mut tx, &keys, &[], ttl(HOUR))
         .await
         .expect("claim_many");
     store.commit(tx).await.expect("commit");
@@ -360,7 +377,7 @@ pub async fn batch_claims<S: DedupStore>(store: S) {
     let mut tx = store.begin().await.expect("begin");
     assert!(
         store
-            .claim_many(&mut tx, &[], ttl(HOUR))
+            .claim_many(&mut tx, &[], &[], ttl(HOUR))
             .await
             .expect("empty batch")
             .is_empty()
@@ -375,7 +392,7 @@ pub async fn batch_rollback_releases_every_claim<S: DedupStore>(store: S) {
         .collect();
     let mut tx = store.begin().await.expect("begin");
     let claims = store
-        .claim_many(&mut tx, &keys, ttl(HOUR))
+        .claim_many(&mut tx, &keys, &[], ttl(HOUR))
         .await
         .expect("claim_many");
     assert!(claims.iter().all(|c| *c == Claim::Fresh));
@@ -383,7 +400,7 @@ pub async fn batch_rollback_releases_every_claim<S: DedupStore>(store: S) {
 
     let mut tx = store.begin().await.expect("begin");
     let claims = store
-        .claim_many(&mut tx, &keys, ttl(HOUR))
+        .claim_many(&mut tx, &keys, &[], ttl(HOUR))
         .await
         .expect("claim_many");
     assert!(
@@ -450,6 +467,102 @@ pub async fn purge_removes_only_expired<S: DedupStore + PurgeExpired>(store: S) 
     );
 }
 
+/// Claims `key` with `fingerprint` in a transaction of its own and commits
+/// it.
+async fn claim_with<S: DedupStore>(
+    store: &S,
+    key: &DedupKey,
+    fingerprint: Option<Fingerprint>,
+    ttl: Ttl,
+) -> Claim {
+    let mut tx = store.begin().await.expect("begin");
+    let claim = store
+        .claim(&mut tx, key, fingerprint, ttl)
+        .await
+        .expect("claim");
+    store.commit(tx).await.expect("commit");
+    claim
+}
+
+/// The fingerprint a duplicate reports, panicking if it is no duplicate.
+fn kept(claim: Claim) -> Option<Fingerprint> {
+    match claim {
+        Claim::Duplicate { fingerprint, .. } => fingerprint,
+        other => panic!("expected a duplicate, got {other:?}"),
+    }
+}
+
+/// A claim keeps the fingerprint it was taken with and a duplicate returns
+/// it, whatever fingerprint the duplicate has; a claim taken without one
+/// returns none; a take-over after the TTL replaces it.
+pub async fn fingerprints_are_kept_with_the_claim<S: DedupStore>(store: S) {
+    let [a, b, c] = [b"a", b"b", b"c"].map(|p| Some(Fingerprint::of_payload(p)));
+    let k = key("fingerprint", "kept");
+    assert_eq!(claim_with(&store, &k, a, ttl(HOUR)).await, Claim::Fresh);
+    assert_eq!(kept(claim_with(&store, &k, b, ttl(HOUR)).await), a);
+    assert_eq!(kept(claim_with(&store, &k, None, ttl(HOUR)).await), a);
+
+    let none = key("fingerprint", "none");
+    claim_with(&store, &none, None, ttl(HOUR)).await;
+    assert_eq!(kept(claim_with(&store, &none, b, ttl(HOUR)).await), None);
+
+    let expiring = key("fingerprint", "expiring");
+    claim_with(&store, &expiring, a, ttl(1)).await;
+    let cleared = key("fingerprint", "cleared");
+    claim_with(&store, &cleared, a, ttl(1)).await;
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(
+        claim_with(&store, &expiring, c, ttl(HOUR)).await,
+        Claim::Reclaimed
+    );
+    assert_eq!(
+        kept(claim_with(&store, &expiring, a, ttl(HOUR)).await),
+        c,
+        "the take-over's fingerprint"
+    );
+    assert_eq!(
+        claim_with(&store, &cleared, None, ttl(HOUR)).await,
+        Claim::Reclaimed
+    );
+    assert_eq!(
+        kept(claim_with(&store, &cleared, a, ttl(HOUR)).await),
+        None,
+        "a take-over without a fingerprint keeps none"
+    );
+}
+
+/// A batch keeps each key's fingerprint; a live claim's duplicate reports
+/// the claim's; a key given twice reports, at its repeat, the fingerprint
+/// given at its first position; an empty list of fingerprints keeps none.
+pub async fn batch_claims_keep_fingerprints<S: DedupStore>(store: S) {
+    let [fa, fb, fx, fl] = [b"a", b"b", b"x", b"l"].map(|p| Some(Fingerprint::of_payload(p)));
+    let [a, b, live, plain] = ["a", "b", "live", "plain"].map(|id| key("batch-fingerprint", id));
+    claim_with(&store, &live, fl, ttl(HOUR)).await;
+
+    let keys = [a.clone(), b.clone(), a.clone(), live.clone()];
+    let mut tx = store.begin().await.expect("begin");
+    let claims = store
+        .claim_many(&mut tx, &keys, &[fa, None, fx, fb], ttl(HOUR))
+        .await
+        .expect("claim_many");
+    store.commit(tx).await.expect("commit");
+    assert_eq!(claims[0], Claim::Fresh);
+    assert_eq!(claims[1], Claim::Fresh);
+    assert_eq!(kept(claims[2]), fa, "the repeat meets its first position");
+    assert_eq!(kept(claims[3]), fl, "the live claim's fingerprint");
+    assert_eq!(kept(claim_with(&store, &a, fx, ttl(HOUR)).await), fa);
+    assert_eq!(kept(claim_with(&store, &b, fx, ttl(HOUR)).await), None);
+
+    let mut tx = store.begin().await.expect("begin");
+    let claims = store
+        .claim_many(&mut tx, std::slice::from_ref(&plain), &[], ttl(HOUR))
+        .await
+        .expect("claim_many");
+    store.commit(tx).await.expect("commit");
+    assert_eq!(claims, [Claim::Fresh]);
+    assert_eq!(kept(claim_with(&store, &plain, fa, ttl(HOUR)).await), None);
+}
+
 /// Expands to one test per conformance case, so a backend runs every case
 /// (including cases added later) without listing them.
 ///
@@ -477,6 +590,8 @@ macro_rules! conformance_tests {
             batch_claims,
             batch_rollback_releases_every_claim,
             long_keys_are_digested,
+            fingerprints_are_kept_with_the_claim,
+            batch_claims_keep_fingerprints,
             live_ids_from_lists_committed_live_ids,
             purge_removes_only_expired
         );

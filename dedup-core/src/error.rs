@@ -3,7 +3,7 @@
 use std::error::Error as StdError;
 use std::fmt;
 
-use crate::KeyError;
+use crate::{DedupKey, Fingerprint, KeyError};
 
 /// A boxed error from a backend or a handler body.
 pub type BoxError = Box<dyn StdError + Send + Sync + 'static>;
@@ -28,6 +28,21 @@ pub enum Error {
     /// The dedup store failed (begin, claim, commit or rollback).
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// A duplicate whose content differs from its claim's: the producer
+    /// reused the id of another event (`#[idempotent(fingerprint)]`). The
+    /// event's fault: neither applied nor skipped silently.
+    #[error(
+        "event id {key} was claimed by an event with other content (fingerprint {claimed}, this event's {given}): \
+         the producer reused an id"
+    )]
+    FingerprintMismatch {
+        /// The claim.
+        key: DedupKey,
+        /// The fingerprint the claim keeps.
+        claimed: Fingerprint,
+        /// This event's.
+        given: Fingerprint,
+    },
     /// The handler body returned an error; the transaction was rolled back.
     #[error("handler failed{}: {source}", code.as_deref().map(|c| format!(" ({c})")).unwrap_or_default())]
     Handler {
@@ -49,7 +64,9 @@ impl Error {
     /// handler or the store said.
     pub fn classification(&self) -> Classification {
         match self {
-            Error::Decode(_) | Error::Key(_) => Classification::Permanent,
+            Error::Decode(_) | Error::Key(_) | Error::FingerprintMismatch { .. } => {
+                Classification::Permanent
+            }
             Error::Store(e) => e.classification(),
             Error::Handler { classification, .. } => *classification,
         }
@@ -61,12 +78,14 @@ impl Error {
         self.classification().is_retryable()
     }
 
-    /// A short stable name for the kind of failure (`decode`, `key`, `store`,
-    /// `handler`), for metrics labels and dead-letter headers.
+    /// A short stable name for the kind of failure (`decode`, `key`,
+    /// `fingerprint_mismatch`, `store`, `handler`), for metrics labels and
+    /// dead-letter headers.
     pub fn kind(&self) -> &'static str {
         match self {
             Error::Decode(_) => "decode",
             Error::Key(_) => "key",
+            Error::FingerprintMismatch { .. } => "fingerprint_mismatch",
             Error::Store(_) => "store",
             Error::Handler { .. } => "handler",
         }

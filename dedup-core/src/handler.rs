@@ -5,7 +5,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use serde::de::DeserializeOwned;
 
-use crate::{Claim, DedupKey, DedupStore, Error, HandlerError, KeyError, Ttl};
+use crate::{Claim, DedupKey, DedupStore, Error, Fingerprint, HandlerError, KeyError, Ttl};
 
 /// Read access to a message's headers, so keys can come from a header.
 pub trait Headers {
@@ -90,6 +90,15 @@ pub trait Handler: Send + Sync + 'static {
 
     /// Extracts the event id from the decoded event or the headers.
     fn key(&self, event: &Self::Event, headers: &dyn Headers) -> Result<String, KeyError>;
+
+    /// What the claim remembers of the event's content
+    /// (`#[idempotent(fingerprint)]`): a duplicate whose fingerprint differs
+    /// from its claim's is a reused id, not skipped but failed with
+    /// [`Error::FingerprintMismatch`]. `None` (the default): no check.
+    fn fingerprint(&self, event: &Self::Event, payload: &[u8]) -> Option<Fingerprint> {
+        let _ = (event, payload);
+        None
+    }
 
     /// The handler body: writes the effect through `tx`. It must not commit.
     fn handle(
@@ -178,7 +187,8 @@ pub trait HandlerExt: Handler {
                 Ok(ok) => ok,
                 Err(e) => return Outcome::Failed(e),
             };
-            match claim_and_run(self, store, &key, event).await {
+            let fingerprint = self.fingerprint(&event, payload);
+            match claim_and_run(self, store, &key, fingerprint, event).await {
                 Ok(outcome) => outcome,
                 Err(e) => Outcome::Failed(e),
             }
@@ -188,15 +198,22 @@ pub trait HandlerExt: Handler {
     /// [`claim_many`](DedupStore::claim_many) statement for all their keys,
     /// the body for each claimed event in order, one commit.
     ///
-    /// Returns one outcome per event (`Applied` or `Skipped`; the same key
-    /// twice in a batch is applied once). If any body fails, or the store
-    /// does, the whole batch is rolled back and the error returned: nothing
-    /// of it was applied, and the caller replays it message by message so a
-    /// poison message is isolated and everything else still applies once.
+    /// Each event comes with its key and its
+    /// [`fingerprint`](Handler::fingerprint).
+    ///
+    /// Returns one outcome per event: `Applied`, `Skipped` (the same key
+    /// twice in a batch is applied once), or `Failed` with
+    /// [`Error::FingerprintMismatch`] for a duplicate whose content differs
+    /// from its claim's (neither applied nor skipped: the caller
+    /// dead-letters it; the rest of the batch commits). If any body fails,
+    /// or the store does, the whole batch is rolled back and the error
+    /// returned: nothing of it was applied, and the caller replays it
+    /// message by message so a poison message is isolated and everything
+    /// else still applies once.
     fn apply_batch<S>(
         &self,
         store: &S,
-        batch: Vec<(DedupKey, Self::Event)>,
+        batch: Vec<(DedupKey, Option<Fingerprint>, Self::Event)>,
     ) -> impl Future<Output = Result<Vec<Outcome>, Error>> + Send
     where
         S: DedupStore<Tx = Self::Tx>,
@@ -205,10 +222,23 @@ pub trait HandlerExt: Handler {
             if batch.is_empty() {
                 return Ok(Vec::new());
             }
-            let (keys, events): (Vec<DedupKey>, Vec<Self::Event>) = batch.into_iter().unzip();
+            let mut keys = Vec::with_capacity(batch.len());
+            let mut fingerprints = Vec::with_capacity(batch.len());
+            let mut events = Vec::with_capacity(batch.len());
+            for (key, fingerprint, event) in batch {
+                keys.push(key);
+                fingerprints.push(fingerprint);
+                events.push(event);
+            }
+            if fingerprints.iter().all(Option::is_none) {
+                fingerprints.clear();
+            }
             let started = Instant::now();
             let mut tx = store.begin().await?;
-            let claims = match store.claim_many(&mut tx, &keys, self.ttl()).await {
+            let claims = match store
+                .claim_many(&mut tx, &keys, &fingerprints, self.ttl())
+                .await
+            {
                 Ok(claims) => claims,
                 Err(e) => {
                     rollback_quietly(store, tx, &keys[0]).await;
@@ -218,11 +248,19 @@ pub trait HandlerExt: Handler {
             let mut outcomes = Vec::with_capacity(claims.len());
             let mut fresh = Vec::with_capacity(claims.len());
             let mut claimed = Vec::with_capacity(claims.len());
-            for ((claim, event), key) in claims.into_iter().zip(events).zip(&keys) {
+            for (i, (claim, event)) in claims.into_iter().zip(events).enumerate() {
+                let key = &keys[i];
                 match claim {
-                    Claim::Duplicate { expires_at, age } => {
-                        outcomes.push(Outcome::Skipped { expires_at, age })
-                    }
+                    Claim::Duplicate {
+                        expires_at,
+                        age,
+                        fingerprint: claimed,
+                    } => outcomes.push(
+                        match mismatch(key, claimed, fingerprints.get(i).copied().flatten()) {
+                            Some(e) => Outcome::Failed(e),
+                            None => Outcome::Skipped { expires_at, age },
+                        },
+                    ),
                     Claim::Fresh | Claim::Reclaimed => {
                         outcomes.push(Outcome::Applied {
                             reclaimed: claim == Claim::Reclaimed,
@@ -251,6 +289,7 @@ async fn claim_and_run<H, S>(
     handler: &H,
     store: &S,
     key: &DedupKey,
+    fingerprint: Option<Fingerprint>,
     event: H::Event,
 ) -> Result<Outcome, Error>
 where
@@ -260,7 +299,7 @@ where
     tracing::Span::current().record("dedup.key", tracing::field::display(key));
     let started = Instant::now();
     let mut tx = store.begin().await?;
-    let claim = match store.claim(&mut tx, key, handler.ttl()).await {
+    let claim = match store.claim(&mut tx, key, fingerprint, handler.ttl()).await {
         Ok(claim) => claim,
         Err(e) => {
             rollback_quietly(store, tx, key).await;
@@ -268,8 +307,15 @@ where
         }
     };
     let reclaimed = match claim {
-        Claim::Duplicate { expires_at, age } => {
+        Claim::Duplicate {
+            expires_at,
+            age,
+            fingerprint: claimed,
+        } => {
             rollback_quietly(store, tx, key).await;
+            if let Some(e) = mismatch(key, claimed, fingerprint) {
+                return Err(e);
+            }
             tracing::debug!(%key, ?age, "duplicate within TTL, skipped");
             return Ok(Outcome::Skipped { expires_at, age });
         }
@@ -282,6 +328,24 @@ where
     }
     commit_claims(store, tx, std::slice::from_ref(key), handler.ttl(), started).await?;
     Ok(Outcome::Applied { reclaimed })
+}
+
+/// A duplicate's fingerprint against its claim's: a mismatch when both
+/// have one and they differ. A claim taken without one (before the handler
+/// kept fingerprints, or by a handler that keeps none) matches any event.
+fn mismatch(
+    key: &DedupKey,
+    claimed: Option<Fingerprint>,
+    given: Option<Fingerprint>,
+) -> Option<Error> {
+    match (claimed, given) {
+        (Some(claimed), Some(given)) if claimed != given => Some(Error::FingerprintMismatch {
+            key: key.clone(),
+            claimed,
+            given,
+        }),
+        _ => None,
+    }
 }
 
 /// Commits `tx`. If it ran for half its TTL or more since it began (a slow
@@ -337,6 +401,10 @@ impl<H: Handler> Handler for WithTtl<H> {
 
     fn key(&self, event: &Self::Event, headers: &dyn Headers) -> Result<String, KeyError> {
         self.inner.key(event, headers)
+    }
+
+    fn fingerprint(&self, event: &Self::Event, payload: &[u8]) -> Option<Fingerprint> {
+        self.inner.fingerprint(event, payload)
     }
 
     fn handle(

@@ -2,6 +2,7 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod error;
+mod fingerprint;
 mod handler;
 mod key;
 mod memory;
@@ -14,8 +15,9 @@ mod ttl;
 pub mod conformance;
 
 pub use error::{BoxError, Classification, Error, HandlerError, Result, StoreError};
+pub use fingerprint::Fingerprint;
 pub use handler::{Handler, HandlerExt, Headers, Outcome, WithTtl};
-pub use key::{DedupKey, KeyError, MAX_KEY_BYTES};
+pub use key::{DedupKey, KeyError, MAX_KEY_BYTES, composite_id};
 pub use memory::{MemoryStore, MemoryTx};
 pub use outbox::{OutboxMessage, OutboxRecord, OutboxSource, PublishFailure};
 pub use purge::{PurgeConfig, Purger};
@@ -28,9 +30,10 @@ pub use dedup_macros::idempotent;
 /// Not public API: what `#[idempotent]` expands to. May change in any release.
 #[doc(hidden)]
 pub mod __private {
-    pub use crate::{DedupKey, Handler, HandlerError, Headers, KeyError, Ttl};
+    pub use crate::{DedupKey, Fingerprint, Handler, HandlerError, Headers, KeyError, Ttl};
     pub use std::concat;
     pub use std::module_path;
+    pub use std::option::Option::{self, Some};
     pub use std::result::Result::{self, Err, Ok};
     pub use std::string::String;
     pub use std::vec;
@@ -63,6 +66,30 @@ pub mod __private {
         }
     }
 
+    /// Turns a fingerprint field into its text: anything `Display`, or an
+    /// `Option` of it (`None` hashes apart from every text). Chosen like
+    /// [`KeyFromDisplay`].
+    pub trait FingerprintFromDisplay {
+        fn fingerprint_part(&self) -> Option<String>;
+    }
+
+    impl<T: std::fmt::Display + ?Sized> FingerprintFromDisplay for &&T {
+        fn fingerprint_part(&self) -> Option<String> {
+            Some(self.to_string())
+        }
+    }
+
+    /// The `Option` arm of [`FingerprintFromDisplay`].
+    pub trait FingerprintFromOption {
+        fn fingerprint_part(&self) -> Option<String>;
+    }
+
+    impl<T: std::fmt::Display> FingerprintFromOption for &Option<T> {
+        fn fingerprint_part(&self) -> Option<String> {
+            self.as_ref().map(T::to_string)
+        }
+    }
+
     /// The event id from header `name`.
     pub fn key_from_header(headers: &dyn Headers, name: &str) -> Result<String, KeyError> {
         let value = headers.get(name).ok_or_else(|| KeyError::MissingHeader {
@@ -73,6 +100,17 @@ pub mod __private {
             .map_err(|_| KeyError::HeaderNotUtf8 {
                 header: name.to_owned(),
             })
+    }
+
+    /// The event id of a composite key from its `(part as written, value)`
+    /// pairs; an empty value is a key error naming its part.
+    pub fn composite_key(parts: &[(&'static str, String)]) -> Result<String, KeyError> {
+        if let Some((part, _)) = parts.iter().find(|(_, value)| value.is_empty()) {
+            return Err(KeyError::EmptyPart { part });
+        }
+        Ok(crate::composite_id(
+            parts.iter().map(|(_, value)| value.as_str()),
+        ))
     }
 
     /// The TTL the macro checked at compile time.

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::Notify;
 
-use crate::{Claim, DedupKey, DedupStore, PurgeExpired, StoreError, Ttl};
+use crate::{Claim, DedupKey, DedupStore, Fingerprint, PurgeExpired, StoreError, Ttl};
 
 /// An in-memory [`DedupStore`]: the reference implementation of the claim
 /// contract, for unit tests, docs and single-process experiments. Claims live
@@ -28,16 +28,16 @@ use crate::{Claim, DedupKey, DedupStore, PurgeExpired, StoreError, Ttl};
 /// let ttl: Ttl = "1h".parse()?;
 ///
 /// let mut tx = store.begin().await?;
-/// assert_eq!(store.claim(&mut tx, &key, ttl).await?, Claim::Fresh);
+/// assert_eq!(store.claim(&mut tx, &key, None, ttl).await?, Claim::Fresh);
 /// store.commit(tx).await?;
 ///
 /// let mut tx = store.begin().await?;
-/// assert!(!store.claim(&mut tx, &key, ttl).await?.is_claimed());
+/// assert!(!store.claim(&mut tx, &key, None, ttl).await?.is_claimed());
 /// store.rollback(tx).await?;
 ///
 /// store.advance(ttl.as_duration());
 /// let mut tx = store.begin().await?;
-/// assert_eq!(store.claim(&mut tx, &key, ttl).await?, Claim::Reclaimed);
+/// assert_eq!(store.claim(&mut tx, &key, None, ttl).await?, Claim::Reclaimed);
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Default)]
@@ -63,10 +63,19 @@ struct State {
 struct Row {
     claimed_at: SystemTime,
     expires_at: SystemTime,
+    fingerprint: Option<Fingerprint>,
     /// The transaction holding an uncommitted write to this row.
     writer: Option<u64>,
     /// The committed row the writer replaced, restored on rollback.
-    before: Option<(SystemTime, SystemTime)>,
+    before: Option<Committed>,
+}
+
+/// A committed claim's values, kept while a transaction takes it over.
+#[derive(Clone, Copy)]
+struct Committed {
+    claimed_at: SystemTime,
+    expires_at: SystemTime,
+    fingerprint: Option<Fingerprint>,
 }
 
 const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -119,6 +128,7 @@ impl MemoryStore {
         &self,
         tx: &mut MemoryTx,
         key: &DedupKey,
+        fingerprint: Option<Fingerprint>,
         ttl: Ttl,
     ) -> Result<Claim, StoreError> {
         let timeout = self.lock().lock_timeout.unwrap_or(DEFAULT_LOCK_TIMEOUT);
@@ -132,6 +142,7 @@ impl MemoryStore {
                 let fresh_row = |before| Row {
                     claimed_at: now,
                     expires_at: now + ttl.as_duration(),
+                    fingerprint,
                     writer: Some(tx.id),
                     before,
                 };
@@ -146,11 +157,16 @@ impl MemoryStore {
                             return Ok(Claim::Duplicate {
                                 expires_at: row.expires_at,
                                 age: now.duration_since(row.claimed_at).unwrap_or_default(),
+                                fingerprint: row.fingerprint,
                             });
                         }
                         let before = if row.writer.is_none() {
                             tx.written.push(key.clone());
-                            Some((row.claimed_at, row.expires_at))
+                            Some(Committed {
+                                claimed_at: row.claimed_at,
+                                expires_at: row.expires_at,
+                                fingerprint: row.fingerprint,
+                            })
                         } else {
                             row.before
                         };
@@ -186,10 +202,11 @@ impl MemoryStore {
                     row.writer = None;
                     row.before = None;
                 }
-                (false, Some((claimed_at, expires_at))) => {
+                (false, Some(before)) => {
                     *row = Row {
-                        claimed_at,
-                        expires_at,
+                        claimed_at: before.claimed_at,
+                        expires_at: before.expires_at,
+                        fingerprint: before.fingerprint,
                         writer: None,
                         before: None,
                     };
@@ -274,22 +291,25 @@ impl DedupStore for MemoryStore {
         &self,
         tx: &mut MemoryTx,
         key: &DedupKey,
+        fingerprint: Option<Fingerprint>,
         ttl: Ttl,
     ) -> Result<Claim, StoreError> {
-        self.claim_one(tx, key, ttl).await
+        self.claim_one(tx, key, fingerprint, ttl).await
     }
 
     async fn claim_many(
         &self,
         tx: &mut MemoryTx,
         keys: &[DedupKey],
+        fingerprints: &[Option<Fingerprint>],
         ttl: Ttl,
     ) -> Result<Vec<Claim>, StoreError> {
         // Within one transaction a repeated key meets its own fresh claim and
         // is a duplicate, exactly as the contract asks.
         let mut claims = Vec::with_capacity(keys.len());
-        for key in keys {
-            claims.push(self.claim_one(tx, key, ttl).await?);
+        for (i, key) in keys.iter().enumerate() {
+            let fingerprint = fingerprints.get(i).copied().flatten();
+            claims.push(self.claim_one(tx, key, fingerprint, ttl).await?);
         }
         Ok(claims)
     }
@@ -323,7 +343,7 @@ impl DedupStore for MemoryStore {
                 // What other transactions see: the committed version.
                 let expires_at = match (row.writer, row.before) {
                     (None, _) => row.expires_at,
-                    (Some(_), Some((_, expires_at))) => expires_at,
+                    (Some(_), Some(before)) => before.expires_at,
                     (Some(_), None) => return None,
                 };
                 (expires_at > now).then(|| key.id().to_owned())

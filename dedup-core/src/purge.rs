@@ -133,7 +133,7 @@ mod tests {
         for key in ["a", "b", "c"] {
             let mut tx = store.begin().await.unwrap();
             let key = DedupKey::new("purge", key).unwrap();
-            store.claim(&mut tx, &key, ttl).await.unwrap();
+            store.claim(&mut tx, &key, None, ttl).await.unwrap();
             store.commit(tx).await.unwrap();
         }
         store.advance(Duration::from_secs(2));

@@ -4,7 +4,7 @@ use std::error::Error as StdError;
 use std::future::Future;
 use std::time::{Duration, SystemTime};
 
-use crate::{Classification, DedupKey, StoreError, Ttl};
+use crate::{Classification, DedupKey, Fingerprint, StoreError, Ttl};
 
 /// The prefix of every scope the runtime reads in key order
 /// ([`DedupStore::live_ids_from`]): its dead-letter records,
@@ -49,6 +49,9 @@ pub enum Claim {
         /// (PostgreSQL: between the two transactions' starts): how late this duplicate came. Its distribution
         /// is the redelivery window a TTL must cover.
         age: Duration,
+        /// The fingerprint the existing claim keeps, if it was taken with
+        /// one: the caller compares it with its event's.
+        fingerprint: Option<Fingerprint>,
     },
 }
 
@@ -84,6 +87,11 @@ impl Claim {
 ///
 /// Because the effect of the handler is written in the same transaction,
 /// "claimed and applied" commit together or not at all.
+///
+/// A claim keeps the [`Fingerprint`] it is taken with (`None`: none), and
+/// a take-over replaces it; a [`Claim::Duplicate`] returns the one the live
+/// claim keeps, read in the same round trip as its expiry. The store only
+/// keeps and returns it: comparing is the caller's.
 pub trait DedupStore: Send + Sync + 'static {
     /// The store's transaction; handler bodies write their effect through it.
     type Tx: Send + 'static;
@@ -91,24 +99,29 @@ pub trait DedupStore: Send + Sync + 'static {
     /// Opens a transaction.
     fn begin(&self) -> impl Future<Output = Result<Self::Tx, StoreError>> + Send;
 
-    /// Claims one key inside `tx` (see the contract above).
+    /// Claims one key inside `tx` (see the contract above), keeping
+    /// `fingerprint` with the claim if it is taken.
     fn claim(
         &self,
         tx: &mut Self::Tx,
         key: &DedupKey,
+        fingerprint: Option<Fingerprint>,
         ttl: Ttl,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
     /// Claims many keys inside `tx` in one round trip, returning one outcome
     /// per key in the order given.
     ///
+    /// `fingerprints` is empty (none kept) or holds one per key.
+    ///
     /// A key given more than once is claimed at its first position; its later
-    /// positions are `Duplicate` (carrying the new claim's expiry), so each
-    /// event in a batch is applied at most once.
+    /// positions are `Duplicate` (carrying the new claim's expiry and
+    /// fingerprint), so each event in a batch is applied at most once.
     fn claim_many(
         &self,
         tx: &mut Self::Tx,
         keys: &[DedupKey],
+        fingerprints: &[Option<Fingerprint>],
         ttl: Ttl,
     ) -> impl Future<Output = Result<Vec<Claim>, StoreError>> + Send;
 

@@ -16,9 +16,9 @@ async fn a_stuck_claim_times_out_as_a_retryable_error() {
     let key = DedupKey::new("s", "k").unwrap();
     let ttl = Ttl::parse("1h").unwrap();
     let mut stuck = store.begin().await.unwrap();
-    store.claim(&mut stuck, &key, ttl).await.unwrap();
+    store.claim(&mut stuck, &key, None, ttl).await.unwrap();
 
     let mut tx = store.begin().await.unwrap();
-    let err = store.claim(&mut tx, &key, ttl).await.unwrap_err();
+    let err = store.claim(&mut tx, &key, None, ttl).await.unwrap_err();
     assert!(err.is_retryable(), "{err}");
 }

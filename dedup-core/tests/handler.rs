@@ -6,7 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dedup_core::{
-    Error, Handler, HandlerError, HandlerExt, KeyError, MemoryStore, MemoryTx, Outcome, idempotent,
+    DedupStore, Error, Handler, HandlerError, HandlerExt, KeyError, MemoryStore, MemoryTx, Outcome,
+    idempotent,
 };
 
 #[derive(serde::Deserialize)]
@@ -179,6 +180,70 @@ async fn keys_from_nested_fields_options_and_headers() {
     );
 }
 
+#[derive(serde::Deserialize)]
+struct TenantEvent {
+    tenant: Option<String>,
+    event_id: String,
+}
+
+#[idempotent(key = "tenant, header:event-id, event_id", ttl = "5m")]
+async fn per_tenant(_tx: &mut MemoryTx, _ev: TenantEvent) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+#[tokio::test]
+async fn composite_keys_keep_tenants_apart_and_name_a_missing_part() {
+    let store = MemoryStore::new();
+    let headers = vec![("event-id", b"h".to_vec())];
+    let apply = |body: &'static str| per_tenant.apply(&store, body.as_bytes(), &headers);
+    let applied = |out: &Outcome| matches!(out, Outcome::Applied { .. });
+    let skipped = |out: &Outcome| matches!(out, Outcome::Skipped { .. });
+
+    let out = apply(r#"{"tenant":"a","event_id":"1"}"#).await;
+    assert!(applied(&out), "{out:?}");
+    let out = apply(r#"{"tenant":"b","event_id":"1"}"#).await;
+    assert!(
+        applied(&out),
+        "another tenant's event 1 is its own: {out:?}"
+    );
+    let out = apply(r#"{"tenant":"a","event_id":"1"}"#).await;
+    assert!(skipped(&out), "{out:?}");
+    // Separators inside the parts cannot make two keys meet.
+    let out = apply(r#"{"tenant":"a,h","event_id":"1"}"#).await;
+    assert!(applied(&out), "{out:?}");
+    let out = apply(r#"{"tenant":"a","event_id":"h,1"}"#).await;
+    assert!(applied(&out), "{out:?}");
+    let out = apply(r#"{"tenant":"a:h","event_id":"1"}"#).await;
+    assert!(applied(&out), "{out:?}");
+
+    let out = apply(r#"{"tenant":null,"event_id":"1"}"#).await;
+    assert!(
+        matches!(
+            &out,
+            Outcome::Failed(Error::Key(KeyError::MissingField { field: "tenant" }))
+        ),
+        "{out:?}"
+    );
+    let out = apply(r#"{"tenant":"a","event_id":""}"#).await;
+    assert!(
+        matches!(
+            &out,
+            Outcome::Failed(Error::Key(KeyError::EmptyPart { part: "event_id" }))
+        ),
+        "{out:?}"
+    );
+    let out = per_tenant
+        .apply(&store, br#"{"tenant":"a","event_id":"1"}"#, &())
+        .await;
+    assert!(
+        matches!(
+            &out,
+            Outcome::Failed(Error::Key(KeyError::MissingHeader { header })) if header == "event-id"
+        ),
+        "{out:?}"
+    );
+}
+
 /// Fails the first attempt at each account with a transient error.
 #[idempotent(key = "event_id", ttl = "1h")]
 async fn flaky(tx: &mut MemoryTx, ev: Payment) -> Result<(), HandlerError> {
@@ -250,11 +315,17 @@ async fn add_in_batch(tx: &mut MemoryTx, ev: Payment) -> Result<(), HandlerError
     Ok(())
 }
 
-fn prepared(ids: &[(&str, i64)]) -> Vec<(dedup_core::DedupKey, Payment)> {
+fn prepared(
+    ids: &[(&str, i64)],
+) -> Vec<(
+    dedup_core::DedupKey,
+    Option<dedup_core::Fingerprint>,
+    Payment,
+)> {
     ids.iter()
         .map(|(id, cents)| {
             let ev = add_in_batch.decode(&payment("batch", id, *cents)).unwrap();
-            (add_in_batch.dedup_key(&ev, &()).unwrap(), ev)
+            (add_in_batch.dedup_key(&ev, &()).unwrap(), None, ev)
         })
         .collect()
 }
@@ -294,4 +365,131 @@ async fn a_batch_claims_once_applies_in_order_and_rolls_back_whole() {
         "c was rolled back, b is a live duplicate"
     );
     assert_eq!(balance("batch"), 111);
+}
+
+/// Keyed like `add_payment`, with a fingerprint of the fields that make the
+/// payment: a re-send with other whitespace or field order still matches.
+#[idempotent(key = "event_id", ttl = "1h", fingerprint = "account, amount_cents")]
+async fn add_payment_checked(tx: &mut MemoryTx, ev: Payment) -> Result<(), HandlerError> {
+    tx.on_commit(move || add_to(ev.account, ev.amount_cents));
+    Ok(())
+}
+
+/// The whole payload, byte for byte.
+#[idempotent(key = "event_id", ttl = "1h", fingerprint, batch)]
+async fn add_payments_checked(tx: &mut MemoryTx, evs: Vec<Payment>) -> Result<(), HandlerError> {
+    for ev in evs {
+        tx.on_commit(move || add_to(ev.account, ev.amount_cents));
+    }
+    Ok(())
+}
+
+fn is_mismatch(out: &Outcome) -> bool {
+    matches!(
+        out,
+        Outcome::Failed(e @ Error::FingerprintMismatch { .. })
+            if e.kind() == "fingerprint_mismatch" && !e.is_retryable()
+    )
+}
+
+#[tokio::test]
+async fn a_reused_id_with_other_content_is_a_mismatch_not_a_skip() {
+    let store = MemoryStore::new();
+    let id = "5d1c2b0e-0000-4a8e-9d8b-0a3c2f1e5b6d";
+    let out = add_payment_checked
+        .apply(&store, &payment("fp-fields", id, 250), &())
+        .await;
+    assert!(matches!(out, Outcome::Applied { .. }), "{out:?}");
+    // The same fields, written otherwise: a redelivery.
+    let resent = format!(
+        r#"{{ "amount_cents": 250, "account": "fp-fields", "event_id": "{id}", "sent_at": 9 }}"#
+    );
+    let out = add_payment_checked
+        .apply(&store, resent.as_bytes(), &())
+        .await;
+    assert!(matches!(out, Outcome::Skipped { .. }), "{out:?}");
+    let out = add_payment_checked
+        .apply(&store, &payment("fp-fields", id, 2500), &())
+        .await;
+    assert!(is_mismatch(&out), "{out:?}");
+    if let Outcome::Failed(e) = &out {
+        let message = e.to_string();
+        assert!(
+            message.contains(id) && message.contains("reused"),
+            "{message}"
+        );
+    }
+    assert_eq!(
+        balance("fp-fields"),
+        250,
+        "applied once, never the other content"
+    );
+
+    // A claim taken before the handler kept fingerprints matches any event.
+    let old = "5d1c2b0e-0000-4a8e-9d8b-0a3c2f1e5b6e";
+    let key = dedup_core::DedupKey::new(Handler::scope(&add_payment_checked), old).unwrap();
+    let mut tx = store.begin().await.unwrap();
+    let ttl = Handler::ttl(&add_payment_checked);
+    assert!(
+        store
+            .claim(&mut tx, &key, None, ttl)
+            .await
+            .unwrap()
+            .is_claimed()
+    );
+    store.commit(tx).await.unwrap();
+    let out = add_payment_checked
+        .apply(&store, &payment("fp-fields", old, 1), &())
+        .await;
+    assert!(matches!(out, Outcome::Skipped { .. }), "{out:?}");
+}
+
+#[tokio::test]
+async fn a_batch_commits_around_a_mismatch_and_reports_it() {
+    let store = MemoryStore::new();
+    let [a, b] = [
+        "00000000-0000-0000-0000-0000000000fa",
+        "00000000-0000-0000-0000-0000000000fb",
+    ];
+    let batch = |items: &[(&str, i64)]| {
+        items
+            .iter()
+            .map(|(id, cents)| {
+                let payload = payment("fp-batch", id, *cents);
+                let ev = add_payments_checked.decode(&payload).unwrap();
+                let key = add_payments_checked.dedup_key(&ev, &()).unwrap();
+                let fingerprint = add_payments_checked.fingerprint(&ev, &payload);
+                assert!(fingerprint.is_some());
+                (key, fingerprint, ev)
+            })
+            .collect::<Vec<_>>()
+    };
+    // In one batch: a, then a with other content (its repeat), then b.
+    let outcomes = add_payments_checked
+        .apply_batch(&store, batch(&[(a, 1), (a, 2), (b, 10)]))
+        .await
+        .unwrap();
+    assert!(
+        matches!(outcomes[0], Outcome::Applied { .. }),
+        "{outcomes:?}"
+    );
+    assert!(is_mismatch(&outcomes[1]), "{outcomes:?}");
+    assert!(
+        matches!(outcomes[2], Outcome::Applied { .. }),
+        "{outcomes:?}"
+    );
+    assert_eq!(balance("fp-batch"), 11);
+
+    // Against committed claims: the same content is skipped, other content
+    // is a mismatch.
+    let outcomes = add_payments_checked
+        .apply_batch(&store, batch(&[(b, 10), (a, 3)]))
+        .await
+        .unwrap();
+    assert!(
+        matches!(outcomes[0], Outcome::Skipped { .. }),
+        "{outcomes:?}"
+    );
+    assert!(is_mismatch(&outcomes[1]), "{outcomes:?}");
+    assert_eq!(balance("fp-batch"), 11);
 }

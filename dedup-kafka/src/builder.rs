@@ -297,6 +297,15 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self
     }
 
+    /// What to do with a duplicate whose fingerprint differs from its
+    /// claim's (`#[idempotent(fingerprint)]`): dead-letter it with kind
+    /// `fingerprint_mismatch` (the default) or skip it with a warning. Either
+    /// way it is counted in `dedup_messages_total{outcome="fingerprint_mismatch"}`.
+    pub fn on_fingerprint_mismatch(mut self, action: crate::OnFingerprintMismatch) -> Self {
+        self.runtime.on_fingerprint_mismatch = action;
+        self
+    }
+
     /// How long a revoke waits for the revoked partitions' batches in flight
     /// to finish (default 5 s; zero: not at all), so their offsets are
     /// committed before the partitions go and the next owner receives

@@ -25,6 +25,22 @@ pub(crate) struct Settings {
     pub(crate) dead_letter_timeout: Duration,
     pub(crate) attempt_timeout: Duration,
     pub(crate) ttl_check: crate::TtlCheck,
+    pub(crate) on_fingerprint_mismatch: OnFingerprintMismatch,
+}
+
+/// What the consumer does with a duplicate whose fingerprint differs from
+/// its claim's (`#[idempotent(fingerprint)]`): an event id reused for other
+/// content, a producer bug. Either way it is counted in
+/// `dedup_messages_total{outcome="fingerprint_mismatch"}` and never applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OnFingerprintMismatch {
+    /// Dead-letter it with kind `fingerprint_mismatch` (the default): the
+    /// event is kept for an operator to look at.
+    #[default]
+    DeadLetter,
+    /// Skip it like a duplicate, with a warning naming the key.
+    Skip,
 }
 
 impl Default for Settings {
@@ -41,6 +57,7 @@ impl Default for Settings {
             dead_letter_timeout: Duration::from_secs(30),
             attempt_timeout: Duration::from_secs(60),
             ttl_check: crate::TtlCheck::Warn,
+            on_fingerprint_mismatch: OnFingerprintMismatch::DeadLetter,
         }
     }
 }

@@ -148,7 +148,7 @@ async fn record_it<S: DedupStore>(
     loop {
         let attempt = async {
             let mut tx = shared.store.begin().await?;
-            match shared.store.claim(&mut tx, record, ttl).await {
+            match shared.store.claim(&mut tx, record, None, ttl).await {
                 Ok(_) => shared.store.commit(tx).await,
                 Err(e) => {
                     let _ = shared.store.rollback(tx).await;

@@ -17,6 +17,7 @@ mod stats;
 mod ttl_check;
 
 pub use builder::ConsumerBuilder;
+pub use config::OnFingerprintMismatch;
 pub use consumer::Consumer;
 pub use dlq::{
     DEAD_LETTER_HEADERS, MAX_ERROR_MESSAGE_BYTES, REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER,

@@ -16,6 +16,7 @@ pub(crate) struct RouteMetrics {
     dead_lettered: Counter,
     already_dead_lettered: Counter,
     redelivered: Counter,
+    fingerprint_mismatch: Counter,
     retry_environment: Counter,
     retry_contention: Counter,
     retry_handler: Counter,
@@ -51,6 +52,7 @@ impl RouteMetrics {
             dead_lettered: messages("dead_lettered"),
             already_dead_lettered: messages("already_dead_lettered"),
             redelivered: messages("redelivered"),
+            fingerprint_mismatch: messages("fingerprint_mismatch"),
             retry_environment: retries("environment"),
             retry_contention: retries("contention"),
             retry_handler: retries("handler"),
@@ -83,6 +85,16 @@ impl RouteMetrics {
     /// One of the duplicates skipped was a redelivery after a handover.
     pub(crate) fn redelivered(&self) {
         self.redelivered.increment(1);
+    }
+
+    /// A duplicate whose content differs from its claim's; counted as
+    /// dead-lettered or (`skipped`) skipped too, as the consumer is set. Its
+    /// age is left out of the duplicates' ages: it is no redelivery.
+    pub(crate) fn fingerprint_mismatch(&self, skipped: bool) {
+        self.fingerprint_mismatch.increment(1);
+        if skipped {
+            self.skipped.increment(1);
+        }
     }
 
     pub(crate) fn already_dead_lettered(&self) {

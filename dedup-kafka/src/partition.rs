@@ -17,7 +17,7 @@ use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::task::JoinError;
 use tracing::Instrument;
 
-use crate::config::Settings;
+use crate::config::{OnFingerprintMismatch, Settings};
 use crate::dead_letter::{self as dead_letters, dead_letter};
 use crate::failpoint::failpoint;
 use crate::metrics::RetryReason;
@@ -494,29 +494,40 @@ async fn process_batch<S: DedupStore>(
             if !outcomes.is_empty() {
                 let _enter = span.enter();
                 let (mut applied, mut skipped) = (0, 0);
-                for (&i, outcome) in members.iter().zip(&outcomes) {
+                for (&i, outcome) in members.iter().zip(outcomes) {
                     let name = outcome.name();
                     tracing::debug!(offset = batch[i].offset(), outcome = name);
                     match outcome {
                         Outcome::Applied { reclaimed } => {
                             applied += 1;
                             partition.applied();
-                            route.metrics().applied(*reclaimed);
+                            route.metrics().applied(reclaimed);
                             failpoint("after-commit");
                         }
                         Outcome::Skipped { age, .. } => {
                             skipped += 1;
                             partition.skipped(shared, route);
-                            route.metrics().skipped(*age);
+                            route.metrics().skipped(age);
+                        }
+                        // Neither applied nor skipped: dead-lettered after
+                        // the commit, in offset order with the others.
+                        Outcome::Failed(e @ dedup_core::Error::FingerprintMismatch { .. }) => {
+                            let _enter = message_span(&batch[i]).entered();
+                            if skips_mismatch(shared, route, &e) {
+                                skipped += 1;
+                            } else {
+                                bad.push((i, Unprepared::Error(e)));
+                            }
                         }
                         Outcome::Failed(_) => {
-                            // A committed batch has no failure; were there
-                            // one, its message is finished all the same.
+                            // A committed batch has no other failure; were
+                            // there one, its message is finished all the same.
                             debug_assert!(false, "a failure in a committed batch");
                             skipped += 1;
                         }
                     }
                 }
+                bad.sort_by_key(|(i, _)| *i);
                 shared.stats.store_answered();
                 shared.stats.applied.fetch_add(applied, Ordering::Relaxed);
                 shared.stats.skipped.fetch_add(skipped, Ordering::Relaxed);
@@ -560,7 +571,8 @@ async fn process_batch<S: DedupStore>(
 
 /// Why a message of a batch could not be prepared.
 enum Unprepared {
-    /// It cannot be decoded or has no key.
+    /// It cannot be decoded or has no key, or (found by the batch's claim)
+    /// its content differs from its claim's.
     Error(dedup_core::Error),
     /// Decoding it or reading its key panicked.
     Panic(String),
@@ -737,12 +749,35 @@ async fn process<S: DedupStore>(
                     return false;
                 }
             }
+            Outcome::Failed(e @ dedup_core::Error::FingerprintMismatch { .. })
+                if skips_mismatch(shared, route, &e) =>
+            {
+                shared.stats.store_answered();
+                shared.stats.skipped.fetch_add(1, Ordering::Relaxed);
+                return true;
+            }
             Outcome::Failed(e) => {
                 let why = route.dead_letter(e.kind(), error_chain(&e), attempt);
                 return dead_letter(shared, route, partition, msg, why, jitter).await;
             }
         }
     }
+}
+
+/// Counts a duplicate whose content differs from its claim's and says
+/// whether it is skipped (`on_fingerprint_mismatch(Skip)`, logged with its
+/// key) rather than dead-lettered (the default).
+fn skips_mismatch<S: 'static>(
+    shared: &Shared<S>,
+    route: &Route<S>,
+    error: &dedup_core::Error,
+) -> bool {
+    let skip = shared.settings.on_fingerprint_mismatch == OnFingerprintMismatch::Skip;
+    route.metrics().fingerprint_mismatch(skip);
+    if skip {
+        tracing::warn!(outcome = "skipped", kind = error.kind(), error = %error, "skipped as on_fingerprint_mismatch says");
+    }
+    skip
 }
 
 /// One partition's part in an outage of the environment: entered at the

@@ -7,7 +7,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use dedup_core::{
-    DedupKey, DedupStore, Error, Handler, HandlerExt, Headers, Outcome, Ttl, ordered_scope,
+    DedupKey, DedupStore, Error, Fingerprint, Handler, HandlerExt, Headers, Outcome, Ttl,
+    ordered_scope,
 };
 
 /// A topic routed to a handler, with where its poison messages go.
@@ -103,6 +104,9 @@ pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// A decoded event whose type only its handler knows.
 pub(crate) type AnyEvent = Box<dyn Any + Send>;
 
+/// A message ready for a batch: its key, its fingerprint, its event.
+pub(crate) type Prepared = (DedupKey, Option<Fingerprint>, AnyEvent);
+
 /// A handler with its event type erased, so one consumer can route topics to
 /// handlers of different event types over one store.
 pub(crate) trait ErasedHandler<S>: Send + Sync + 'static {
@@ -117,19 +121,16 @@ pub(crate) trait ErasedHandler<S>: Send + Sync + 'static {
         headers: &'a (dyn Headers + Sync),
     ) -> BoxFuture<'a, Outcome>;
 
-    /// Decodes a message and extracts its key, for the batch path.
-    fn prepare(
-        &self,
-        payload: &[u8],
-        headers: &(dyn Headers + Sync),
-    ) -> Result<(DedupKey, AnyEvent), Error>;
+    /// Decodes a message and extracts its key and fingerprint, for the
+    /// batch path.
+    fn prepare(&self, payload: &[u8], headers: &(dyn Headers + Sync)) -> Result<Prepared, Error>;
 
     /// Applies events that [`prepare`](Self::prepare) made, in one
     /// transaction (see `HandlerExt::apply_batch`).
     fn apply_batch<'a>(
         &'a self,
         store: &'a S,
-        batch: Vec<(DedupKey, AnyEvent)>,
+        batch: Vec<Prepared>,
     ) -> BoxFuture<'a, Result<Vec<Outcome>, Error>>;
 }
 
@@ -155,28 +156,25 @@ where
         Box::pin(HandlerExt::apply(self, store, payload, headers))
     }
 
-    fn prepare(
-        &self,
-        payload: &[u8],
-        headers: &(dyn Headers + Sync),
-    ) -> Result<(DedupKey, AnyEvent), Error> {
+    fn prepare(&self, payload: &[u8], headers: &(dyn Headers + Sync)) -> Result<Prepared, Error> {
         let event = Handler::decode(self, payload)?;
         let key = self.dedup_key(&event, headers)?;
-        Ok((key, Box::new(event)))
+        let fingerprint = Handler::fingerprint(self, &event, payload);
+        Ok((key, fingerprint, Box::new(event)))
     }
 
     fn apply_batch<'a>(
         &'a self,
         store: &'a S,
-        batch: Vec<(DedupKey, AnyEvent)>,
+        batch: Vec<Prepared>,
     ) -> BoxFuture<'a, Result<Vec<Outcome>, Error>> {
         let batch = batch
             .into_iter()
-            .map(|(key, event)| {
+            .map(|(key, fingerprint, event)| {
                 let event = event
                     .downcast::<H::Event>()
                     .expect("prepared by this same handler");
-                (key, *event)
+                (key, fingerprint, *event)
             })
             .collect();
         Box::pin(HandlerExt::apply_batch(self, store, batch))

@@ -1,4 +1,5 @@
-//! Parsing `#[idempotent(key = "...", ttl = "...", scope = "...", crate = "...", batch)]`.
+//! Parsing `#[idempotent(key = "...", ttl = "...", scope = "...", crate = "...", batch)]`;
+//! `key` may name several parts, separated by `,`.
 
 use proc_macro2::{Span, TokenStream};
 use syn::LitStr;
@@ -6,10 +7,10 @@ use syn::meta::ParseNestedMeta;
 
 use crate::errors::Errors;
 
-const VALID: &str = "valid options: `key`, `ttl`, `scope`, `crate`, `batch`";
+const VALID: &str = "valid options: `key`, `ttl`, `scope`, `crate`, `batch`, `fingerprint`";
 const EXAMPLE: &str = r#"#[idempotent(key = "event_id", ttl = "4h")]"#;
 
-/// Where the event id comes from.
+/// Where one part of the event id comes from.
 pub(crate) enum KeySource {
     /// A field path on the event: `["meta", "event_id"]`.
     Field(Vec<syn::Member>),
@@ -17,9 +18,26 @@ pub(crate) enum KeySource {
     Header(String),
 }
 
+/// One part of `key`: `"event_id"`, or each of `"tenant_id, header:event-id"`.
+pub(crate) struct KeyPart {
+    /// The part as written (trimmed): named by errors about it.
+    pub(crate) text: String,
+    pub(crate) source: KeySource,
+}
+
+/// What a claim remembers of its event's content (`fingerprint`).
+pub(crate) enum FingerprintSource {
+    /// The whole payload, byte for byte: the flag alone.
+    Payload,
+    /// Some fields: `fingerprint = "account_id, amount_cents"`, each as
+    /// written and as a path; and where the literal is, for errors.
+    Fields(Vec<(String, Vec<syn::Member>)>, Span),
+}
+
 /// The parsed, validated options.
 pub(crate) struct Args {
-    pub(crate) key: KeySource,
+    /// One part, or several for a composite key.
+    pub(crate) key: Vec<KeyPart>,
     /// The `key` literal, for spans and the field name in errors.
     pub(crate) key_lit: LitStr,
     pub(crate) ttl_secs: u64,
@@ -27,6 +45,7 @@ pub(crate) struct Args {
     pub(crate) krate: Option<syn::Path>,
     /// The body takes `Vec<Event>`: all claimed events of a batch at once.
     pub(crate) batch: bool,
+    pub(crate) fingerprint: Option<FingerprintSource>,
 }
 
 /// Stores `value` in `slot` unless the option was given before: the one
@@ -46,6 +65,7 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
     let mut scope = None;
     let mut krate = None;
     let mut batch = None;
+    let mut fingerprint: Option<Option<LitStr>> = None;
     let parser = syn::meta::parser(|meta| {
         if meta.path.is_ident("key") {
             let lit: LitStr = meta.value()?.parse()?;
@@ -63,6 +83,13 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
                 );
             }
             set_once(&mut batch, &meta, ())
+        } else if meta.path.is_ident("fingerprint") {
+            let fields = if meta.input.peek(syn::Token![=]) {
+                Some(meta.value()?.parse::<LitStr>()?)
+            } else {
+                None
+            };
+            set_once(&mut fingerprint, &meta, fields)
         } else if meta.path.is_ident("crate") {
             let lit: LitStr = meta.value()?.parse()?;
             set_once(&mut krate, &meta, lit)
@@ -99,6 +126,11 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
         errors.push(syn::Error::new(lit.span(), "`scope` must not be empty"));
     }
     let krate = krate.and_then(|lit| errors.ok(lit.parse::<syn::Path>()));
+    let fingerprint = match fingerprint {
+        None => None,
+        Some(None) => Some(FingerprintSource::Payload),
+        Some(Some(lit)) => errors.ok(parse_fingerprint(&lit)),
+    };
     errors.finish()?;
     Ok(Args {
         key: key_parsed.expect("checked above"),
@@ -107,12 +139,72 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
         scope,
         krate,
         batch: batch.is_some(),
+        fingerprint,
     })
 }
 
-fn parse_key(lit: &LitStr) -> syn::Result<KeySource> {
+/// `fingerprint = "..."`: fields of the event, separated by `,`.
+fn parse_fingerprint(lit: &LitStr) -> syn::Result<FingerprintSource> {
     let value = lit.value();
-    if let Some(header) = value.strip_prefix("header:") {
+    let mut fields: Vec<(String, Vec<syn::Member>)> = Vec::new();
+    let mut errors = Errors::default();
+    for text in value.split(',').map(str::trim) {
+        let error = |message: String| syn::Error::new(lit.span(), message);
+        if text.is_empty() {
+            errors.push(error(format!(
+                "`fingerprint` names fields of the event separated by `,`, as in \"account_id, amount_cents\" (or is a flag alone: the whole payload); got {value:?}"
+            )));
+        } else if text.starts_with("header:") {
+            errors.push(error(format!(
+                "`fingerprint` hashes fields of the event, not headers; got {text:?}"
+            )));
+        } else if fields.iter().any(|(seen, _)| seen == text) {
+            errors.push(error(format!(
+                "the fingerprint field `{text}` is given twice"
+            )));
+        } else if let Some(KeySource::Field(path)) = errors.ok(parse_part(lit, text)) {
+            fields.push((text.to_owned(), path));
+        }
+    }
+    errors.finish()?;
+    Ok(FingerprintSource::Fields(fields, lit.span()))
+}
+
+/// `key`: one part, or several separated by `,` (a composite key).
+fn parse_key(lit: &LitStr) -> syn::Result<Vec<KeyPart>> {
+    let value = lit.value();
+    let mut parts: Vec<KeyPart> = Vec::new();
+    let mut errors = Errors::default();
+    for text in value.split(',').map(str::trim) {
+        if text.is_empty() && value.contains(',') {
+            errors.push(syn::Error::new(
+                lit.span(),
+                format!(
+                    "`key` has an empty part; the parts of a composite key are separated by `,`, as in \"tenant_id, event_id\"; got {value:?}"
+                ),
+            ));
+            continue;
+        }
+        if parts.iter().any(|p| p.text == text) {
+            errors.push(syn::Error::new(
+                lit.span(),
+                format!("the key part `{text}` is given twice"),
+            ));
+            continue;
+        }
+        if let Some(source) = errors.ok(parse_part(lit, text)) {
+            parts.push(KeyPart {
+                text: text.to_owned(),
+                source,
+            });
+        }
+    }
+    errors.finish()?;
+    Ok(parts)
+}
+
+fn parse_part(lit: &LitStr, text: &str) -> syn::Result<KeySource> {
+    if let Some(header) = text.strip_prefix("header:") {
         if header.is_empty() {
             return Err(syn::Error::new(
                 lit.span(),
@@ -125,15 +217,14 @@ fn parse_key(lit: &LitStr) -> syn::Result<KeySource> {
         syn::Error::new(
             lit.span(),
             format!(
-                "`key` must be a field path of the event (\"event_id\", \"meta.event_id\") or \"header:<name>\"; got {value:?}"
+                "`key` must be a field path of the event (\"event_id\", \"meta.event_id\") or \"header:<name>\", or several of them separated by `,`; got {text:?}"
             ),
         )
     };
-    if value.is_empty() {
+    if text.is_empty() {
         return Err(bad());
     }
-    value
-        .split('.')
+    text.split('.')
         .map(|segment| {
             let mut member = syn::parse_str::<syn::Member>(segment).map_err(|_| bad())?;
             // Located on the literal, so "no field" errors point at what the
@@ -175,7 +266,10 @@ mod tests {
             crate = "my::dedup"
         ))
         .unwrap();
-        let KeySource::Field(path) = &args.key else {
+        let [part] = &args.key[..] else {
+            panic!("one part")
+        };
+        let KeySource::Field(path) = &part.source else {
             panic!("field")
         };
         assert_eq!(path.len(), 2);
@@ -183,7 +277,44 @@ mod tests {
         assert_eq!(args.scope.unwrap().value(), "s");
         assert!(args.krate.is_some());
         let args = parse(quote!(ttl = "4h", key = "header:event-id")).unwrap();
-        assert!(matches!(args.key, KeySource::Header(h) if h == "event-id"));
+        assert!(matches!(&args.key[0].source, KeySource::Header(h) if h == "event-id"));
+        let args = parse(quote!(ttl = "4h", key = " tenant.id ,header:event-id,seq")).unwrap();
+        let texts: Vec<_> = args.key.iter().map(|p| p.text.as_str()).collect();
+        assert_eq!(texts, ["tenant.id", "header:event-id", "seq"]);
+        assert!(matches!(&args.key[1].source, KeySource::Header(h) if h == "event-id"));
+    }
+
+    #[test]
+    fn fingerprint_is_a_flag_or_fields() {
+        let args = parse(quote!(key = "id", ttl = "1h", fingerprint)).unwrap();
+        assert!(matches!(args.fingerprint, Some(FingerprintSource::Payload)));
+        let args = parse(quote!(key = "id", ttl = "1h", fingerprint = "a, m.b")).unwrap();
+        let Some(FingerprintSource::Fields(fields, _)) = args.fingerprint else {
+            panic!("fields")
+        };
+        let names: Vec<_> = fields.iter().map(|(text, _)| text.as_str()).collect();
+        assert_eq!(names, ["a", "m.b"]);
+        assert_eq!(fields[1].1.len(), 2);
+        assert!(
+            parse(quote!(key = "id", ttl = "1h"))
+                .unwrap()
+                .fingerprint
+                .is_none()
+        );
+        let msg = err(quote!(
+            key = "id",
+            ttl = "1h",
+            fingerprint = "a,,a-b, header:x, a"
+        ));
+        for part in [
+            "separated by `,`",
+            "got \"a-b\"",
+            "not headers",
+            "`a` is given twice",
+        ] {
+            assert!(msg.contains(part), "{part}: {msg}");
+        }
+        assert!(err(quote!(key = "id", ttl = "1h", fingerprint, fingerprint)).contains("twice"));
     }
 
     #[test]
@@ -199,5 +330,13 @@ mod tests {
         assert!(err(quote!(key = "a..b", ttl = "1h")).contains("field path"));
         assert!(err(quote!(key = "event-id", ttl = "1h")).contains("field path"));
         assert!(err(quote!(key = "header:", ttl = "1h")).contains("header name"));
+        assert!(err(quote!(key = "a,", ttl = "1h")).contains("empty part"));
+        assert!(err(quote!(key = "a,,b", ttl = "1h")).contains("empty part"));
+        assert!(err(quote!(key = "a, b, a", ttl = "1h")).contains("`a` is given twice"));
+        let msg = err(quote!(key = "a-b, header:, c", ttl = "1h"));
+        assert!(
+            msg.contains(r#"got "a-b""#) && msg.contains("header name"),
+            "{msg}"
+        );
     }
 }

@@ -5,7 +5,7 @@ use quote::{ToTokens, format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{FnArg, ItemFn, Type};
 
-use crate::attr::{self, Args, KeySource};
+use crate::attr::{self, Args, FingerprintSource, KeyPart, KeySource};
 use crate::errors::Errors;
 
 pub(crate) fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
@@ -159,25 +159,81 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
     };
 
     let key_span = args.key_lit.span();
-    let key_body = match &args.key {
+    let part_expr = |part: &KeyPart| match &part.source {
         KeySource::Field(path) => {
             // Spanned at the `key` literal, so a path that is not a field of
             // the event is reported on the string the user wrote.
-            let field = args.key_lit.value();
-            quote_spanned! {key_span=>
+            let text = &part.text;
+            quote_spanned! {key_span=> {
                 #[allow(unused_imports)]
                 use #private::{KeyFromDisplay as _, KeyFromOption as _};
-                (&&event #(.#path)*).dedup_key_string(#field)
-            }
+                (&&event #(.#path)*).dedup_key_string(#text)
+            }}
         }
         KeySource::Header(header) => quote! {
             #private::key_from_header(headers, #header)
         },
     };
-    let (uses_event, uses_headers) = match args.key {
-        KeySource::Field(_) => (quote!(event), quote!(_headers)),
-        KeySource::Header(_) => (quote!(_event), quote!(headers)),
+    let key_body = match &args.key[..] {
+        [part] => part_expr(part),
+        parts => {
+            let pairs = parts.iter().map(|part| {
+                let text = &part.text;
+                let value = part_expr(part);
+                quote!((#text, #value?))
+            });
+            quote!(#private::composite_key(&[#(#pairs),*]))
+        }
     };
+    let is_field = |part: &KeyPart| matches!(part.source, KeySource::Field(_));
+    let uses_event = if args.key.iter().any(is_field) {
+        quote!(event)
+    } else {
+        quote!(_event)
+    };
+    let uses_headers = if args.key.iter().all(is_field) {
+        quote!(_headers)
+    } else {
+        quote!(headers)
+    };
+    let fingerprint_fn = args.fingerprint.as_ref().map(|source| {
+        let (uses_event, uses_payload, body) = match source {
+            FingerprintSource::Payload => (
+                quote!(_event),
+                quote!(payload),
+                quote!(#private::Fingerprint::of_payload(payload)),
+            ),
+            FingerprintSource::Fields(fields, span) => {
+                let n = fields.len();
+                let parts = fields.iter().map(|(_, path)| {
+                    quote_spanned! {*span=>
+                        (&&event #(.#path)*).fingerprint_part()
+                    }
+                });
+                // The field paths are checked like the key's: spanned at
+                // the attribute, so a typo is reported there.
+                (
+                    quote!(event),
+                    quote!(_payload),
+                    quote! {{
+                        #[allow(unused_imports)]
+                        use #private::{FingerprintFromDisplay as _, FingerprintFromOption as _};
+                        let parts: [#private::Option<#private::String>; #n] = [#(#parts),*];
+                        #private::Fingerprint::of_parts(parts.iter().map(#private::Option::as_deref))
+                    }},
+                )
+            }
+        };
+        quote! {
+            fn fingerprint(
+                &self,
+                #uses_event: &Self::Event,
+                #uses_payload: &[u8],
+            ) -> #private::Option<#private::Fingerprint> {
+                #private::Some(#body)
+            }
+        }
+    });
     let call = format_ident!("call", span = Span::call_site());
     let output_span = output.span();
     let into = quote_spanned! {output_span=> #private::Result::map_err(result, ::core::convert::Into::<#private::HandlerError>::into) };
@@ -252,6 +308,8 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
                 #key_body
             }
 
+            #fingerprint_fn
+
             #handle_fns
         }
     }
@@ -312,6 +370,27 @@ mod tests {
         let allow = out.find("allow (unused_variables)").expect("allow");
         assert!(strukt < instrument && instrument < call, "{out}");
         assert!(strukt < allow && allow < call, "{out}");
+    }
+
+    #[test]
+    fn a_composite_key_names_each_part() {
+        let out = idempotent(
+            quote!(key = "tenant.id, header:event-id", ttl = "4h"),
+            quote!(
+                async fn record(tx: &mut Tx, ev: Ev) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+        )
+        .to_string();
+        assert!(out.contains("composite_key"), "{out}");
+        assert!(out.contains("(\"tenant.id\" ,"), "{out}");
+        assert!(out.contains("(\"header:event-id\" ,"), "{out}");
+        assert!(
+            out.contains("key_from_header (headers , \"event-id\")"),
+            "{out}"
+        );
+        assert!(!out.contains("compile_error"), "{out}");
     }
 
     #[test]

@@ -4,15 +4,15 @@ use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::fmt;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use dedup_core::{
-    Claim, Classification, DedupKey, DedupStore, ORDERED_SCOPE_PREFIX, PurgeConfig, PurgeExpired,
-    Purger, StoreError, Ttl,
+    Claim, Classification, DedupKey, DedupStore, Fingerprint, ORDERED_SCOPE_PREFIX, PurgeConfig,
+    PurgeExpired, Purger, StoreError, Ttl,
 };
 use dedup_sql::{
-    BatchClaims, Dialect, SqlConfig, TableName, age_from_micros, run_migrations, sql,
-    time_from_unix_micros, ttl_seconds,
+    BatchClaims, Dialect, SqlConfig, TableName, age_from_micros, fingerprint_from, live_claim,
+    run_migrations, sql, time_from_unix_micros, ttl_seconds,
 };
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -132,26 +132,32 @@ impl Statements {
         // `xmax = 0` is true only for a freshly inserted row version. Found
         // by `id` ([`claim_id`]); scope and key are kept for reading.
         let upsert = "ON CONFLICT (id) DO UPDATE \
-             SET claimed_at = EXCLUDED.claimed_at, expires_at = EXCLUDED.expires_at \
+             SET claimed_at = EXCLUDED.claimed_at, expires_at = EXCLUDED.expires_at, \
+                 fingerprint = EXCLUDED.fingerprint \
              WHERE c.expires_at <= now()";
         let claim = format!(
-            "INSERT INTO {t} AS c (id, scope, key, claimed_at, expires_at) \
-             VALUES ($1, $2, $3, now(), now() + $4 * interval '1 second') {upsert} \
+            "INSERT INTO {t} AS c (id, scope, key, claimed_at, expires_at, fingerprint) \
+             VALUES ($1, $2, $3, now(), now() + $4 * interval '1 second', $5) {upsert} \
              RETURNING (c.xmax = 0) AS fresh"
         );
         // Sorted so that concurrent batches lock rows in one order and cannot
-        // deadlock each other.
+        // deadlock each other. A NULL array of fingerprints (none kept)
+        // unnests as NULLs beside the others.
         let claim_many = format!(
-            "INSERT INTO {t} AS c (id, scope, key, claimed_at, expires_at) \
-             SELECT u.id, u.scope, u.key, now(), now() + $4 * interval '1 second' \
-             FROM unnest($1::uuid[], $2::text[], $3::text[]) AS u(id, scope, key) \
+            "INSERT INTO {t} AS c (id, scope, key, claimed_at, expires_at, fingerprint) \
+             SELECT u.id, u.scope, u.key, now(), now() + $4 * interval '1 second', u.fingerprint \
+             FROM unnest($1::uuid[], $2::text[], $3::text[], $5::bytea[]) \
+                 AS u(id, scope, key, fingerprint) \
              ORDER BY u.id {upsert} \
              RETURNING c.id, (c.xmax = 0) AS fresh, {EXPIRES_MICROS} AS expires_us"
         );
-        let expiry = format!("SELECT {EXPIRES_MICROS}, {AGE_MICROS} FROM {t} WHERE id = $1");
+        // A duplicate's expiry, age and fingerprint: the one extra statement
+        // a batch with duplicates takes, whether fingerprints are kept or not.
+        let expiry =
+            format!("SELECT {EXPIRES_MICROS}, {AGE_MICROS}, fingerprint FROM {t} WHERE id = $1");
         let expiry_many = format!(
-            "SELECT id, {EXPIRES_MICROS} AS expires_us, {AGE_MICROS} AS age_us FROM {t} \
-             WHERE id = ANY($1::uuid[])"
+            "SELECT id, {EXPIRES_MICROS} AS expires_us, {AGE_MICROS} AS age_us, fingerprint \
+             FROM {t} WHERE id = ANY($1::uuid[])"
         );
         // clock_timestamp(), not now(): now() is the transaction's start,
         // which is what a long transaction must not count from.
@@ -310,13 +316,20 @@ impl DedupStore for PgStore {
             .map_err(store_error)
     }
 
-    async fn claim(&self, tx: &mut PgTx, key: &DedupKey, ttl: Ttl) -> Result<Claim, StoreError> {
+    async fn claim(
+        &self,
+        tx: &mut PgTx,
+        key: &DedupKey,
+        fingerprint: Option<Fingerprint>,
+        ttl: Ttl,
+    ) -> Result<Claim, StoreError> {
         let id = claim_id(key);
         let row = sqlx::query(sql(&self.statements.claim))
             .bind(id)
             .bind(key.scope())
             .bind(key.id())
             .bind(ttl_seconds(ttl))
+            .bind(fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
             .fetch_optional(&mut **tx)
             .await
             .map_err(store_error)?;
@@ -330,26 +343,22 @@ impl DedupStore for PgStore {
         }
         // A live claim exists. Read its expiry in a new statement: in READ
         // COMMITTED it sees a claim that committed while the INSERT waited.
-        let row: Option<(i64, i64)> = sqlx::query_as(sql(&self.statements.expiry))
+        let row: Option<(i64, i64, Option<Vec<u8>>)> = sqlx::query_as(sql(&self.statements.expiry))
             .bind(id)
             .fetch_optional(&mut **tx)
             .await
             .map_err(store_error)?;
-        // No row: it vanished in between (purged at its expiry).
-        let (expires_us, age_us) = row.unwrap_or_default();
-        Ok(Claim::Duplicate {
-            expires_at: row.map_or_else(SystemTime::now, |_| time_from_unix_micros(expires_us)),
-            age: age_from_micros(age_us),
-        })
+        Ok(live_claim(row))
     }
 
     async fn claim_many(
         &self,
         tx: &mut PgTx,
         keys: &[DedupKey],
+        fingerprints: &[Option<Fingerprint>],
         ttl: Ttl,
     ) -> Result<Vec<Claim>, StoreError> {
-        let mut batch = BatchClaims::new(keys);
+        let mut batch = BatchClaims::new(keys, fingerprints);
         if batch.distinct().is_empty() {
             return Ok(Vec::new());
         }
@@ -361,16 +370,24 @@ impl DedupStore for PgStore {
         let mut ids = Vec::with_capacity(keys_by_id.len());
         let mut scopes = Vec::with_capacity(keys_by_id.len());
         let mut keys = Vec::with_capacity(keys_by_id.len());
+        let mut kept = Vec::with_capacity(keys_by_id.len());
         for (id, key) in &keys_by_id {
             ids.push(*id);
             scopes.push(key.scope());
             keys.push(key.id());
+            kept.push(batch.fingerprint(key));
         }
+        let kept: Option<Vec<Option<&[u8]>>> = kept.iter().any(Option::is_some).then(|| {
+            kept.iter()
+                .map(|f| f.as_ref().map(|f| &f.as_bytes()[..]))
+                .collect()
+        });
         let rows = sqlx::query(sql(&self.statements.claim_many))
             .bind(&ids)
             .bind(&scopes)
             .bind(&keys)
             .bind(ttl_seconds(ttl))
+            .bind(kept)
             .fetch_all(&mut **tx)
             .await
             .map_err(store_error)?;
@@ -396,7 +413,7 @@ impl DedupStore for PgStore {
                 .await
                 .map_err(store_error)?;
             for row in rows {
-                let (id, expires_us, age_us): (Uuid, i64, i64) =
+                let (id, expires_us, age_us, kept): (Uuid, i64, i64, Option<Vec<u8>>) =
                     sqlx::FromRow::from_row(&row).map_err(store_error)?;
                 if let Some(key) = keys_by_id.get(&id) {
                     batch.live(
@@ -404,6 +421,7 @@ impl DedupStore for PgStore {
                         key.id(),
                         time_from_unix_micros(expires_us),
                         age_from_micros(age_us),
+                        fingerprint_from(kept),
                     );
                 }
             }

@@ -121,11 +121,14 @@ async fn a_filled_v1_table_upgrades_in_place(pool: PgPool) {
     ];
     let mut tx = store.begin().await.expect("begin");
     let claims = store
-        .claim_many(&mut tx, &keys, Ttl::from_secs(3600).expect("ttl"))
+        .claim_many(&mut tx, &keys, &[], Ttl::from_secs(3600).expect("ttl"))
         .await
         .expect("claim");
     store.commit(tx).await.expect("commit");
-    let Claim::Duplicate { expires_at, age } = claims[0] else {
+    let Claim::Duplicate {
+        expires_at, age, ..
+    } = claims[0]
+    else {
         panic!("a live v1 claim is a duplicate after the upgrade: {claims:?}");
     };
     let expiry = expires_at
@@ -251,6 +254,7 @@ async fn a_schema_qualified_v1_table_upgrades_in_place(pool: PgPool) {
         .claim(
             &mut tx,
             &key("payments", "evt-1"),
+            None,
             Ttl::from_secs(3600).expect("ttl"),
         )
         .await
@@ -283,6 +287,7 @@ async fn a_table_between_versions_is_waited_out(pool: PgPool) {
             .claim_many(
                 &mut tx,
                 &[key("payments", "evt-1")],
+                &[],
                 Ttl::from_secs(60).expect("ttl"),
             )
             .await

@@ -181,7 +181,7 @@ async fn a_purge_leaves_a_claim_being_taken_over(pool: PgPool) {
     let hour = Ttl::from_secs(3600).expect("ttl");
     let mut tx = store.begin().await.expect("begin");
     assert_eq!(
-        store.claim(&mut tx, &key, hour).await.expect("claim"),
+        store.claim(&mut tx, &key, None, hour).await.expect("claim"),
         Claim::Reclaimed
     );
     // A purge that waited for the claim's lock would wait for ever (the
@@ -196,7 +196,7 @@ async fn a_purge_leaves_a_claim_being_taken_over(pool: PgPool) {
     let mut tx = store.begin().await.expect("begin");
     assert!(
         matches!(
-            store.claim(&mut tx, &key, hour).await.expect("claim"),
+            store.claim(&mut tx, &key, None, hour).await.expect("claim"),
             Claim::Duplicate { .. }
         ),
         "the claim taken over during the purge is live"

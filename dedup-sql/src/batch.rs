@@ -4,32 +4,34 @@
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use dedup_core::{Claim, DedupKey, Ttl};
+use dedup_core::{Claim, DedupKey, Fingerprint, Ttl};
 
 /// The bookkeeping of a batch claim, the same for every SQL backend: one
 /// row per distinct key goes into the claim statement (ON CONFLICT cannot
 /// touch a row twice in one statement), the rows it returns are the claims
 /// taken, the keys it does not return are live duplicates whose expiry is
-/// read separately, and a key given twice is answered at its repeats from
-/// its first position.
+/// read separately (with the fingerprint they keep), and a key given twice
+/// is answered at its repeats from its first position.
 ///
 /// ```
 /// use dedup_sql::BatchClaims;
-/// use dedup_core::{Claim, DedupKey};
+/// use dedup_core::{Claim, DedupKey, Fingerprint};
 /// use std::time::{Duration, SystemTime};
 ///
 /// let keys = [DedupKey::new("s", "a")?, DedupKey::new("s", "b")?, DedupKey::new("s", "a")?];
-/// let mut batch = BatchClaims::new(&keys);
+/// let fingerprint = Some(Fingerprint::of_payload(b"a"));
+/// let mut batch = BatchClaims::new(&keys, &[fingerprint, None, None]);
 /// assert_eq!(batch.distinct().len(), 2);
+/// assert_eq!(batch.fingerprint(batch.distinct()[0]), fingerprint);
 /// let t = SystemTime::now();
 /// batch.claimed("s", "a", true, t); // the statement returned a (fresh), not b
 /// assert_eq!(batch.unclaimed().len(), 1);
 /// let age = Duration::from_secs(90);
-/// batch.live("s", "b", t, age); // b's live claim, read afterwards
+/// batch.live("s", "b", t, age, None); // b's live claim, read afterwards
 /// let claims = batch.finish();
 /// assert_eq!(claims[0], Claim::Fresh);
-/// assert_eq!(claims[1], Claim::Duplicate { expires_at: t, age });
-/// let repeat = Claim::Duplicate { expires_at: t, age: Duration::ZERO };
+/// assert_eq!(claims[1], Claim::Duplicate { expires_at: t, age, fingerprint: None });
+/// let repeat = Claim::Duplicate { expires_at: t, age: Duration::ZERO, fingerprint };
 /// assert_eq!(claims[2], repeat, "a repeat of a, claimed just now");
 /// # Ok::<(), dedup_core::KeyError>(())
 /// ```
@@ -44,16 +46,22 @@ pub struct BatchClaims<'k> {
     expires_at: Vec<Option<SystemTime>>,
     /// Per distinct key read as live: its claim's age.
     ages: Vec<Option<Duration>>,
+    /// Per distinct key: the fingerprint given at its first position, then
+    /// the one its live claim keeps, if read as live.
+    fingerprints: Vec<Option<Fingerprint>>,
 }
 
 impl<'k> BatchClaims<'k> {
-    /// Starts a batch claim of `keys`, in their order.
-    pub fn new(keys: &'k [DedupKey]) -> Self {
+    /// Starts a batch claim of `keys`, in their order, with their
+    /// `fingerprints` (empty, or one per key).
+    pub fn new(keys: &'k [DedupKey], fingerprints: &[Option<Fingerprint>]) -> Self {
         let mut index = HashMap::with_capacity(keys.len());
         let mut distinct = Vec::with_capacity(keys.len());
-        for key in keys {
+        let mut first_fingerprints = Vec::with_capacity(keys.len());
+        for (i, key) in keys.iter().enumerate() {
             index.entry((key.scope(), key.id())).or_insert_with(|| {
                 distinct.push(key);
+                first_fingerprints.push(fingerprints.get(i).copied().flatten());
                 distinct.len() - 1
             });
         }
@@ -65,7 +73,15 @@ impl<'k> BatchClaims<'k> {
             taken: vec![None; n],
             expires_at: vec![None; n],
             ages: vec![None; n],
+            fingerprints: first_fingerprints,
         }
+    }
+
+    /// The fingerprint a distinct key's claim is to keep: the one given at
+    /// its first position.
+    pub fn fingerprint(&self, key: &DedupKey) -> Option<Fingerprint> {
+        let i = self.index.get(&(key.scope(), key.id()))?;
+        self.fingerprints[*i]
     }
 
     /// The distinct keys, in first-seen order: what the claim statement gets.
@@ -92,11 +108,19 @@ impl<'k> BatchClaims<'k> {
             .collect()
     }
 
-    /// Records the expiry and age of a live claim.
-    pub fn live(&mut self, scope: &str, id: &str, expires_at: SystemTime, age: Duration) {
+    /// Records the expiry, age and fingerprint of a live claim.
+    pub fn live(
+        &mut self,
+        scope: &str,
+        id: &str,
+        expires_at: SystemTime,
+        age: Duration,
+        fingerprint: Option<Fingerprint>,
+    ) {
         if let Some(&i) = self.index.get(&(scope, id)) {
             self.expires_at[i] = Some(expires_at);
             self.ages[i] = Some(age);
+            self.fingerprints[i] = fingerprint;
         }
     }
 
@@ -115,7 +139,11 @@ impl<'k> BatchClaims<'k> {
                 match (self.taken[i], std::mem::replace(&mut answered[i], true)) {
                     (Some(true), false) => Claim::Fresh,
                     (Some(false), false) => Claim::Reclaimed,
-                    _ => Claim::Duplicate { expires_at, age },
+                    _ => Claim::Duplicate {
+                        expires_at,
+                        age,
+                        fingerprint: self.fingerprints[i],
+                    },
                 }
             })
             .collect()
@@ -138,6 +166,33 @@ pub fn time_from_unix_micros(us: i64) -> SystemTime {
 /// start).
 pub fn age_from_micros(us: i64) -> Duration {
     Duration::from_micros(u64::try_from(us).unwrap_or(0))
+}
+
+/// A fingerprint as a claims table keeps it: 16 bytes, or NULL (none). A
+/// value of another length, which no version of dedup writes, counts as
+/// none rather than failing every duplicate of the claim.
+pub fn fingerprint_from(bytes: Option<Vec<u8>>) -> Option<Fingerprint> {
+    let bytes: [u8; 16] = bytes?.try_into().ok()?;
+    Some(Fingerprint::from_bytes(bytes))
+}
+
+/// The duplicate a live claim's row reads as: `(expires_at, age)` in
+/// microseconds and its fingerprint. No row: the claim vanished between the
+/// claim statement and this read (purged at its expiry), reported as
+/// expiring now.
+pub fn live_claim(row: Option<(i64, i64, Option<Vec<u8>>)>) -> Claim {
+    match row {
+        Some((expires_us, age_us, kept)) => Claim::Duplicate {
+            expires_at: time_from_unix_micros(expires_us),
+            age: age_from_micros(age_us),
+            fingerprint: fingerprint_from(kept),
+        },
+        None => Claim::Duplicate {
+            expires_at: SystemTime::now(),
+            age: Duration::ZERO,
+            fingerprint: None,
+        },
+    }
 }
 
 /// A TTL as the signed seconds SQL parameters take. A TTL is at most 100

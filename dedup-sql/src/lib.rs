@@ -9,7 +9,9 @@ mod table;
 
 use std::sync::Arc;
 
-pub use batch::{BatchClaims, age_from_micros, time_from_unix_micros, ttl_seconds};
+pub use batch::{
+    BatchClaims, age_from_micros, fingerprint_from, live_claim, time_from_unix_micros, ttl_seconds,
+};
 pub use config::SqlConfig;
 pub use dialect::Dialect;
 pub use error::{Error, classify, classify_sqlx, error_code, store_error};

@@ -4,14 +4,15 @@ use std::error::Error as StdError;
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use dedup_core::{
-    Claim, Classification, DedupKey, DedupStore, PurgeConfig, PurgeExpired, Purger, StoreError, Ttl,
+    Claim, Classification, DedupKey, DedupStore, Fingerprint, PurgeConfig, PurgeExpired, Purger,
+    StoreError, Ttl,
 };
 use dedup_sql::{
-    BatchClaims, Dialect, SqlConfig, TableName, age_from_micros, run_migrations, sql,
-    time_from_unix_micros, ttl_seconds,
+    BatchClaims, Dialect, SqlConfig, TableName, age_from_micros, fingerprint_from, live_claim,
+    run_migrations, sql, time_from_unix_micros, ttl_seconds,
 };
 use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
@@ -85,29 +86,31 @@ impl Statements {
         let t = table.quoted();
         let upsert = format!(
             "ON CONFLICT (scope, key) DO UPDATE SET claimed_at = excluded.claimed_at, \
-             expires_at = excluded.expires_at, claims = c.claims + 1 \
+             expires_at = excluded.expires_at, fingerprint = excluded.fingerprint, \
+             claims = c.claims + 1 \
              WHERE c.expires_at <= {NOW_US}"
         );
         // The claim: create if absent, take over if expired, else no row.
         let claim = format!(
-            "INSERT INTO {t} AS c (scope, key, claimed_at, expires_at) \
-             VALUES (?1, ?2, {NOW_US}, {NOW_US} + ?3 * 1000000) {upsert} \
+            "INSERT INTO {t} AS c (scope, key, claimed_at, expires_at, fingerprint) \
+             VALUES (?1, ?2, {NOW_US}, {NOW_US} + ?3 * 1000000, ?4) {upsert} \
              RETURNING claims"
         );
         // All keys of a batch in one statement, from a JSON array of
-        // [scope, key] pairs (`WHERE true` resolves SQLite's upsert parsing
-        // ambiguity after a SELECT).
+        // [scope, key, fingerprint as hex or null] (`WHERE true` resolves
+        // SQLite's upsert parsing ambiguity after a SELECT).
         let claim_many = format!(
-            "INSERT INTO {t} AS c (scope, key, claimed_at, expires_at) \
-             SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), {NOW_US}, {NOW_US} + ?2 * 1000000 \
+            "INSERT INTO {t} AS c (scope, key, claimed_at, expires_at, fingerprint) \
+             SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]'), {NOW_US}, {NOW_US} + ?2 * 1000000, \
+                 unhex(json_extract(value, '$[2]')) \
              FROM json_each(?1) WHERE true {upsert} \
              RETURNING scope, key, claims, expires_at"
         );
         let expiry = format!(
-            "SELECT expires_at, {NOW_US} - claimed_at FROM {t} WHERE scope = ?1 AND key = ?2"
+            "SELECT expires_at, {NOW_US} - claimed_at, fingerprint FROM {t} WHERE scope = ?1 AND key = ?2"
         );
         let expiry_many = format!(
-            "SELECT scope, key, expires_at, {NOW_US} - claimed_at FROM {t} \
+            "SELECT scope, key, expires_at, {NOW_US} - claimed_at, fingerprint FROM {t} \
              WHERE (scope, key) IN (SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each(?1))"
         );
         let refresh = format!(
@@ -220,6 +223,21 @@ fn json_pairs<'a>(keys: impl Iterator<Item = &'a DedupKey>) -> String {
     .to_string()
 }
 
+/// A batch's distinct keys as `[scope, key, fingerprint as hex or null]`.
+fn json_claims(batch: &BatchClaims<'_>) -> String {
+    serde_json::Value::Array(
+        batch
+            .distinct()
+            .iter()
+            .map(|k| {
+                let fingerprint = batch.fingerprint(k).map(|f| f.to_string());
+                serde_json::json!([k.scope(), k.id(), fingerprint])
+            })
+            .collect(),
+    )
+    .to_string()
+}
+
 impl DedupStore for SqliteStore {
     type Tx = SqliteTx;
 
@@ -235,12 +253,14 @@ impl DedupStore for SqliteStore {
         &self,
         tx: &mut SqliteTx,
         key: &DedupKey,
+        fingerprint: Option<Fingerprint>,
         ttl: Ttl,
     ) -> Result<Claim, StoreError> {
         let claims: Option<i64> = sqlx::query_scalar(sql(&self.statements.claim))
             .bind(key.scope())
             .bind(key.id())
             .bind(ttl_seconds(ttl))
+            .bind(fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
             .fetch_optional(&mut **tx)
             .await
             .map_err(store_error)?;
@@ -248,19 +268,14 @@ impl DedupStore for SqliteStore {
             Some(1) => Ok(Claim::Fresh),
             Some(_) => Ok(Claim::Reclaimed),
             None => {
-                let row: Option<(i64, i64)> = sqlx::query_as(sql(&self.statements.expiry))
-                    .bind(key.scope())
-                    .bind(key.id())
-                    .fetch_optional(&mut **tx)
-                    .await
-                    .map_err(store_error)?;
-                // No row: it vanished in between (purged at its expiry).
-                let (expires_us, age_us) = row.unwrap_or_default();
-                Ok(Claim::Duplicate {
-                    expires_at: row
-                        .map_or_else(SystemTime::now, |_| time_from_unix_micros(expires_us)),
-                    age: age_from_micros(age_us),
-                })
+                let row: Option<(i64, i64, Option<Vec<u8>>)> =
+                    sqlx::query_as(sql(&self.statements.expiry))
+                        .bind(key.scope())
+                        .bind(key.id())
+                        .fetch_optional(&mut **tx)
+                        .await
+                        .map_err(store_error)?;
+                Ok(live_claim(row))
             }
         }
     }
@@ -269,14 +284,15 @@ impl DedupStore for SqliteStore {
         &self,
         tx: &mut SqliteTx,
         keys: &[DedupKey],
+        fingerprints: &[Option<Fingerprint>],
         ttl: Ttl,
     ) -> Result<Vec<Claim>, StoreError> {
-        let mut batch = BatchClaims::new(keys);
+        let mut batch = BatchClaims::new(keys, fingerprints);
         if batch.distinct().is_empty() {
             return Ok(Vec::new());
         }
         let rows = sqlx::query(sql(&self.statements.claim_many))
-            .bind(json_pairs(batch.distinct().iter().copied()))
+            .bind(json_claims(&batch))
             .bind(ttl_seconds(ttl))
             .fetch_all(&mut **tx)
             .await
@@ -294,13 +310,19 @@ impl DedupStore for SqliteStore {
                 .await
                 .map_err(store_error)?;
             for row in rows {
-                let (scope, id, expires_us, age_us): (String, String, i64, i64) =
-                    sqlx::FromRow::from_row(&row).map_err(store_error)?;
+                let (scope, id, expires_us, age_us, kept): (
+                    String,
+                    String,
+                    i64,
+                    i64,
+                    Option<Vec<u8>>,
+                ) = sqlx::FromRow::from_row(&row).map_err(store_error)?;
                 batch.live(
                     &scope,
                     &id,
                     time_from_unix_micros(expires_us),
                     age_from_micros(age_us),
+                    fingerprint_from(kept),
                 );
             }
         }

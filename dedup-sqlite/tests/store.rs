@@ -147,3 +147,60 @@ async fn schema_qualified_table_names_are_refused() {
         .expect_err("refused");
     assert!(err.to_string().contains("without a schema"), "{err}");
 }
+
+/// A table of the first version, filled, gains the fingerprint column; its
+/// claims (kept without one) answer as duplicates of any content, and new
+/// claims keep theirs.
+#[tokio::test]
+async fn a_filled_v1_table_gains_fingerprints() {
+    use dedup_core::{Claim, DedupKey, Fingerprint, Ttl};
+    use dedup_sql::{TableName, run_migrations};
+
+    let path = std::env::temp_dir().join(format!("dedup-sqlite-{}.db", uuid::Uuid::new_v4()));
+    let store = SqliteStore::open(&path).await.expect("open");
+    let all = sqlx::migrate!("./migrations");
+    let v1 = sqlx::migrate::Migrator::with_migrations(
+        all.iter().filter(|m| m.version == 1).cloned().collect(),
+    );
+    let table = TableName::parse_unqualified("dedup_claims").expect("name");
+    run_migrations(store.pool(), &v1, &table).await.expect("v1");
+    sqlx::query(
+        "WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < 10000) \
+         INSERT INTO dedup_claims (scope, key, claimed_at, expires_at) \
+         SELECT 'payments', 'evt-' || n, 0, 9000000000000000 FROM g",
+    )
+    .execute(store.pool())
+    .await
+    .expect("fill v1");
+    store.migrate().await.expect("upgrade");
+    store.migrate().await.expect("migrating again does nothing");
+
+    let ttl = Ttl::from_secs(3600).expect("ttl");
+    let given = Some(Fingerprint::of_payload(b"content"));
+    let old = DedupKey::new("payments", "evt-10000").expect("key");
+    let new = DedupKey::new("payments", "evt-new").expect("key");
+    let mut tx = store.begin().await.expect("begin");
+    let claim = store.claim(&mut tx, &old, given, ttl).await.expect("claim");
+    assert!(
+        matches!(
+            claim,
+            Claim::Duplicate {
+                fingerprint: None,
+                ..
+            }
+        ),
+        "{claim:?}"
+    );
+    assert_eq!(
+        store.claim(&mut tx, &new, given, ttl).await.expect("claim"),
+        Claim::Fresh
+    );
+    store.commit(tx).await.expect("commit");
+    let mut tx = store.begin().await.expect("begin");
+    let claim = store.claim(&mut tx, &new, None, ttl).await.expect("claim");
+    store.rollback(tx).await.expect("rollback");
+    assert!(
+        matches!(claim, Claim::Duplicate { fingerprint, .. } if fingerprint == given),
+        "{claim:?}"
+    );
+}

@@ -240,6 +240,50 @@ async fn claims_get_release_stats_and_purge(pool: PgPool) {
 }
 
 #[sqlx::test(migrations = false)]
+async fn a_composite_key_is_found_by_its_parts(pool: PgPool) {
+    migrated(&pool).await;
+    // As `#[idempotent(key = "tenant_id, event_id")]` claims ("a,b", "c").
+    sqlx::query(
+        "INSERT INTO dedup_claims (id, scope, key, claimed_at, expires_at) \
+         VALUES (dedup_claims_claim_id($1, $2), $1, $2, now(), now() + interval '1 hour')",
+    )
+    .bind(SCOPE)
+    .bind(dedup_core::composite_id(["a,b", "c"]))
+    .execute(&pool)
+    .await
+    .expect("claim");
+    let get = |parts: &'static [&'static str]| {
+        let mut args = vec!["claims", "get", "--scope", SCOPE, "--json"];
+        for part in parts {
+            args.extend(["--key", part]);
+        }
+        let pool = pool.clone();
+        async move { json(&dedup(&pool, &args).await) }
+    };
+    assert_eq!(get(&["a,b", "c"]).await["found"], true);
+    assert_eq!(get(&["a", "b,c"]).await["found"], false);
+    assert_eq!(get(&["c", "a,b"]).await["found"], false, "order matters");
+    let empty = dedup(
+        &pool,
+        &["claims", "get", "--scope", SCOPE, "--key", "a", "--key", ""],
+    )
+    .await;
+    assert!(!empty.status.success());
+    assert!(stderr(&empty).contains("empty"), "{}", stderr(&empty));
+    let released = json(
+        &dedup(
+            &pool,
+            &[
+                "claims", "release", "--scope", SCOPE, "--key", "a,b", "--key", "c", "--yes",
+                "--json",
+            ],
+        )
+        .await,
+    );
+    assert_eq!(released["released"], true, "{released}");
+}
+
+#[sqlx::test(migrations = false)]
 async fn bad_settings_are_clear_errors_that_reveal_no_secret(pool: PgPool) {
     migrated(&pool).await;
     let bad_name = dedup(
@@ -366,7 +410,7 @@ async fn a_replay_after_the_fix_applies_every_dead_letter_once(pool: PgPool) {
         "--check-claims",
         "--scope",
         SCOPE,
-        "--key-field",
+        "--key",
         "event_id",
     ];
     let dry = dedup(&pool, &[&replay[..], &["--dry-run"]].concat()).await;

@@ -165,7 +165,7 @@ async fn the_second_transaction_applies_when_the_first_rolls_back(pool: PgPool) 
     let mut first = store.begin().await.unwrap();
     assert!(
         store
-            .claim(&mut first, &key, record_payment.ttl())
+            .claim(&mut first, &key, None, record_payment.ttl())
             .await
             .unwrap()
             .is_claimed()
@@ -211,7 +211,7 @@ async fn a_stuck_claim_becomes_a_retryable_lock_timeout(pool: PgPool) {
 
     let mut stuck = store.begin().await.unwrap();
     store
-        .claim(&mut stuck, &key, record_payment.ttl())
+        .claim(&mut stuck, &key, None, record_payment.ttl())
         .await
         .unwrap();
 

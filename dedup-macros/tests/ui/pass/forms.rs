@@ -9,6 +9,7 @@ pub struct Payment {
 #[derive(serde::Deserialize)]
 pub struct Meta {
     trace_id: Option<u64>,
+    tenant: String,
 }
 
 /// Doc comments and visibility carry over to the handler value.
@@ -24,6 +25,29 @@ async fn by_nested_option(_tx: &mut MemoryTx, _ev: Payment) -> Result<(), std::i
 
 #[idempotent(key = "header:event-id", ttl = "7d")]
 async fn by_header(_tx: &mut MemoryTx, _ev: serde_json::Value) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+/// A composite key: fields and headers, any mix, each part checked.
+#[idempotent(key = "meta.tenant, header:event-id, event_id", ttl = "4h")]
+async fn by_composite_key(_tx: &mut MemoryTx, _ev: Payment) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+#[idempotent(key = "header:tenant,header:event-id", ttl = "4h")]
+async fn by_two_headers(_tx: &mut MemoryTx, _ev: serde_json::Value) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+/// A fingerprint of the whole payload.
+#[idempotent(key = "event_id", ttl = "4h", fingerprint)]
+async fn with_payload_fingerprint(_tx: &mut MemoryTx, _ev: Payment) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+/// A fingerprint of some fields, an `Option` among them.
+#[idempotent(key = "event_id", ttl = "4h", fingerprint = "meta.tenant, meta.trace_id")]
+async fn with_field_fingerprint(_tx: &mut MemoryTx, _ev: Payment) -> Result<(), HandlerError> {
     Ok(())
 }
 
@@ -43,6 +67,10 @@ fn main() {
     assert_handler(by_nested_option);
     assert_handler(by_header);
     assert_handler(through_a_reexport);
+    assert_handler(by_composite_key);
+    assert_handler(by_two_headers);
+    assert_handler(with_payload_fingerprint);
+    assert_handler(with_field_fingerprint);
     assert_eq!(by_nested_option.scope(), "payments-v2");
     assert_eq!(through_a_reexport.ttl().as_secs(), 90);
     // The body stays callable on its own.

@@ -31,10 +31,9 @@ pub enum Error {
     /// A duplicate whose content differs from its claim's: the producer
     /// reused the id of another event (`#[idempotent(fingerprint)]`). The
     /// event's fault: neither applied nor skipped silently.
-    #[error(
-        "event id {key} was claimed by an event with other content (fingerprint {claimed}, this event's {given}): \
-         the producer reused an id"
-    )]
+    // The fingerprints stay out of the message: a fingerprint of a few
+    // chosen fields (an amount) can be guessed back from it.
+    #[error("event id {key} was claimed by an event with other content: the producer reused an id")]
     FingerprintMismatch {
         /// The claim.
         key: DedupKey,
@@ -42,6 +41,29 @@ pub enum Error {
         claimed: Fingerprint,
         /// This event's.
         given: Fingerprint,
+    },
+    /// Lease mode: another holder's lease on the event is live, so its
+    /// effect may be under way. Retry after `expires_at`: by then the claim
+    /// is done (a duplicate) or expired (taken over). Never the event's
+    /// fault: never dead-lettered for it.
+    #[error("the lease on {key} is held by token {token}: waiting for it to complete or expire")]
+    LeaseHeld {
+        /// The claim.
+        key: DedupKey,
+        /// When the lease ends unless its holder extends it (store clock).
+        expires_at: std::time::SystemTime,
+        /// The holder's token.
+        token: crate::Token,
+    },
+    /// Lease mode: the body finished, but a newer holder had taken the
+    /// claim over (the lease expired first), so this completion was
+    /// refused; the newer holder finishes the event.
+    #[error("the lease on {key} (token {token}) was taken over before its effect completed")]
+    LeaseLost {
+        /// The claim.
+        key: DedupKey,
+        /// This holder's token.
+        token: crate::Token,
     },
     /// The handler body returned an error; the transaction was rolled back.
     #[error("handler failed{}: {source}", code.as_deref().map(|c| format!(" ({c})")).unwrap_or_default())]
@@ -67,6 +89,9 @@ impl Error {
             Error::Decode(_) | Error::Key(_) | Error::FingerprintMismatch { .. } => {
                 Classification::Permanent
             }
+            // Retried by a runtime that knows leases until the holder is
+            // done; a lost lease is no failure of the event at all.
+            Error::LeaseHeld { .. } | Error::LeaseLost { .. } => Classification::Transient,
             Error::Store(e) => e.classification(),
             Error::Handler { classification, .. } => *classification,
         }
@@ -86,6 +111,8 @@ impl Error {
             Error::Decode(_) => "decode",
             Error::Key(_) => "key",
             Error::FingerprintMismatch { .. } => "fingerprint_mismatch",
+            Error::LeaseHeld { .. } => "lease_held",
+            Error::LeaseLost { .. } => "lease_lost",
             Error::Store(_) => "store",
             Error::Handler { .. } => "handler",
         }

@@ -333,7 +333,7 @@ where
 /// A duplicate's fingerprint against its claim's: a mismatch when both
 /// have one and they differ. A claim taken without one (before the handler
 /// kept fingerprints, or by a handler that keeps none) matches any event.
-fn mismatch(
+pub(crate) fn mismatch(
     key: &DedupKey,
     claimed: Option<Fingerprint>,
     given: Option<Fingerprint>,

@@ -5,6 +5,7 @@ mod error;
 mod fingerprint;
 mod handler;
 mod key;
+mod lease;
 mod memory;
 pub mod outbox;
 mod purge;
@@ -18,6 +19,7 @@ pub use error::{BoxError, Classification, Error, HandlerError, Result, StoreErro
 pub use fingerprint::Fingerprint;
 pub use handler::{Handler, HandlerExt, Headers, Outcome, WithTtl};
 pub use key::{DedupKey, KeyError, MAX_KEY_BYTES, composite_id};
+pub use lease::{Acquire, Lease, LeaseError, LeaseHandler, LeaseHandlerExt, LeaseStore, Token};
 pub use memory::{MemoryStore, MemoryTx};
 pub use outbox::{OutboxMessage, OutboxRecord, OutboxSource, PublishFailure};
 pub use purge::{PurgeConfig, Purger};
@@ -30,7 +32,9 @@ pub use dedup_macros::idempotent;
 /// Not public API: what `#[idempotent]` expands to. May change in any release.
 #[doc(hidden)]
 pub mod __private {
-    pub use crate::{DedupKey, Fingerprint, Handler, HandlerError, Headers, KeyError, Ttl};
+    pub use crate::{
+        DedupKey, Fingerprint, Handler, HandlerError, Headers, KeyError, Lease, LeaseHandler, Ttl,
+    };
     pub use std::concat;
     pub use std::module_path;
     pub use std::option::Option::{self, Some};

@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime};
 
 use tokio::sync::Notify;
 
+use crate::lease::{Acquire, LeaseStore, Token};
 use crate::{Claim, DedupKey, DedupStore, Fingerprint, PurgeExpired, StoreError, Ttl};
 
 /// An in-memory [`DedupStore`]: the reference implementation of the claim
@@ -58,12 +59,18 @@ struct State {
     next_tx: u64,
     clock_offset: Duration,
     lock_timeout: Option<Duration>,
+    /// The last lease token given.
+    last_token: Token,
 }
 
 struct Row {
     claimed_at: SystemTime,
     expires_at: SystemTime,
     fingerprint: Option<Fingerprint>,
+    /// Lease mode: the holder's token, and whether its effect is still in
+    /// progress (`expires_at` is then the lease's end).
+    token: Option<Token>,
+    in_progress: bool,
     /// The transaction holding an uncommitted write to this row.
     writer: Option<u64>,
     /// The committed row the writer replaced, restored on rollback.
@@ -76,6 +83,8 @@ struct Committed {
     claimed_at: SystemTime,
     expires_at: SystemTime,
     fingerprint: Option<Fingerprint>,
+    token: Option<Token>,
+    in_progress: bool,
 }
 
 const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -143,6 +152,8 @@ impl MemoryStore {
                     claimed_at: now,
                     expires_at: now + ttl.as_duration(),
                     fingerprint,
+                    token: None,
+                    in_progress: false,
                     writer: Some(tx.id),
                     before,
                 };
@@ -166,6 +177,8 @@ impl MemoryStore {
                                 claimed_at: row.claimed_at,
                                 expires_at: row.expires_at,
                                 fingerprint: row.fingerprint,
+                                token: row.token,
+                                in_progress: row.in_progress,
                             })
                         } else {
                             row.before
@@ -207,6 +220,8 @@ impl MemoryStore {
                         claimed_at: before.claimed_at,
                         expires_at: before.expires_at,
                         fingerprint: before.fingerprint,
+                        token: before.token,
+                        in_progress: before.in_progress,
                         writer: None,
                         before: None,
                     };
@@ -365,6 +380,93 @@ impl DedupStore for MemoryStore {
         self.finish(&mut tx, false);
         Ok(())
     }
+}
+
+impl LeaseStore for MemoryStore {
+    async fn acquire(
+        &self,
+        key: &DedupKey,
+        fingerprint: Option<Fingerprint>,
+        lease: Ttl,
+    ) -> Result<Acquire, StoreError> {
+        let mut state = self.lock();
+        let now = SystemTime::now() + state.clock_offset;
+        let reclaimed = match state.rows.get(key) {
+            None => false,
+            Some(row) if row.writer.is_none() && row.expires_at <= now => true,
+            // A transaction's uncommitted claim counts as held until it ends.
+            Some(row) if row.writer.is_some() || row.in_progress => {
+                return Ok(Acquire::Held {
+                    expires_at: row.expires_at,
+                    token: row.token.unwrap_or_default(),
+                });
+            }
+            Some(row) => {
+                return Ok(Acquire::Done {
+                    expires_at: row.expires_at,
+                    age: now.duration_since(row.claimed_at).unwrap_or_default(),
+                    fingerprint: row.fingerprint,
+                });
+            }
+        };
+        state.last_token += 1;
+        let token = state.last_token;
+        state.rows.insert(
+            key.clone(),
+            Row {
+                claimed_at: now,
+                expires_at: now + lease.as_duration(),
+                fingerprint,
+                token: Some(token),
+                in_progress: true,
+                writer: None,
+                before: None,
+            },
+        );
+        Ok(Acquire::Acquired { token, reclaimed })
+    }
+
+    async fn extend(
+        &self,
+        key: &DedupKey,
+        token: Token,
+        lease: Ttl,
+    ) -> Result<Option<SystemTime>, StoreError> {
+        let mut state = self.lock();
+        let now = SystemTime::now() + state.clock_offset;
+        Ok(held_by(&mut state, key, token).map(|row| {
+            row.expires_at = now + lease.as_duration();
+            row.expires_at
+        }))
+    }
+
+    async fn complete(&self, key: &DedupKey, token: Token, ttl: Ttl) -> Result<bool, StoreError> {
+        let mut state = self.lock();
+        let now = SystemTime::now() + state.clock_offset;
+        Ok(held_by(&mut state, key, token)
+            .map(|row| {
+                row.expires_at = now + ttl.as_duration();
+                row.in_progress = false;
+            })
+            .is_some())
+    }
+
+    async fn release(&self, key: &DedupKey, token: Token) -> Result<bool, StoreError> {
+        let mut state = self.lock();
+        let held = held_by(&mut state, key, token).is_some();
+        if held {
+            state.rows.remove(key);
+        }
+        Ok(held)
+    }
+}
+
+/// `key`'s claim if it is a lease in progress under `token`.
+fn held_by<'s>(state: &'s mut State, key: &DedupKey, token: Token) -> Option<&'s mut Row> {
+    state
+        .rows
+        .get_mut(key)
+        .filter(|row| row.writer.is_none() && row.in_progress && row.token == Some(token))
 }
 
 impl PurgeExpired for MemoryStore {

@@ -7,7 +7,8 @@ use syn::meta::ParseNestedMeta;
 
 use crate::errors::Errors;
 
-const VALID: &str = "valid options: `key`, `ttl`, `scope`, `crate`, `batch`, `fingerprint`";
+const VALID: &str =
+    "valid options: `key`, `ttl`, `scope`, `crate`, `batch`, `fingerprint`, `lease`";
 const EXAMPLE: &str = r#"#[idempotent(key = "event_id", ttl = "4h")]"#;
 
 /// Where one part of the event id comes from.
@@ -46,6 +47,9 @@ pub(crate) struct Args {
     /// The body takes `Vec<Event>`: all claimed events of a batch at once.
     pub(crate) batch: bool,
     pub(crate) fingerprint: Option<FingerprintSource>,
+    /// Lease mode: the lease's length in seconds; the body takes
+    /// `&Lease` instead of a transaction.
+    pub(crate) lease_secs: Option<u64>,
 }
 
 /// Stores `value` in `slot` unless the option was given before: the one
@@ -66,6 +70,7 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
     let mut krate = None;
     let mut batch = None;
     let mut fingerprint: Option<Option<LitStr>> = None;
+    let mut lease = None;
     let parser = syn::meta::parser(|meta| {
         if meta.path.is_ident("key") {
             let lit: LitStr = meta.value()?.parse()?;
@@ -90,6 +95,9 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
                 None
             };
             set_once(&mut fingerprint, &meta, fields)
+        } else if meta.path.is_ident("lease") {
+            let lit: LitStr = meta.value()?.parse()?;
+            set_once(&mut lease, &meta, lit)
         } else if meta.path.is_ident("crate") {
             let lit: LitStr = meta.value()?.parse()?;
             set_once(&mut krate, &meta, lit)
@@ -131,6 +139,15 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
         Some(None) => Some(FingerprintSource::Payload),
         Some(Some(lit)) => errors.ok(parse_fingerprint(&lit)),
     };
+    let lease_secs = lease.and_then(|lit| {
+        if batch.is_some() {
+            errors.push(syn::Error::new(
+                lit.span(),
+                "`lease` and `batch` do not combine: each leased event is its own effect",
+            ));
+        }
+        errors.ok(dedup_ttl::parse_secs(&lit.value()).map_err(|e| syn::Error::new(lit.span(), e)))
+    });
     errors.finish()?;
     Ok(Args {
         key: key_parsed.expect("checked above"),
@@ -140,6 +157,7 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
         krate,
         batch: batch.is_some(),
         fingerprint,
+        lease_secs,
     })
 }
 
@@ -204,7 +222,7 @@ fn parse_key(lit: &LitStr) -> syn::Result<Vec<KeyPart>> {
 }
 
 fn parse_part(lit: &LitStr, text: &str) -> syn::Result<KeySource> {
-    if let Some(header) = text.strip_prefix("header:") {
+    if let Some(header) = text.strip_prefix("header:").map(str::trim) {
         if header.is_empty() {
             return Err(syn::Error::new(
                 lit.span(),
@@ -278,9 +296,9 @@ mod tests {
         assert!(args.krate.is_some());
         let args = parse(quote!(ttl = "4h", key = "header:event-id")).unwrap();
         assert!(matches!(&args.key[0].source, KeySource::Header(h) if h == "event-id"));
-        let args = parse(quote!(ttl = "4h", key = " tenant.id ,header:event-id,seq")).unwrap();
+        let args = parse(quote!(ttl = "4h", key = " tenant.id ,header: event-id,seq")).unwrap();
         let texts: Vec<_> = args.key.iter().map(|p| p.text.as_str()).collect();
-        assert_eq!(texts, ["tenant.id", "header:event-id", "seq"]);
+        assert_eq!(texts, ["tenant.id", "header: event-id", "seq"]);
         assert!(matches!(&args.key[1].source, KeySource::Header(h) if h == "event-id"));
     }
 
@@ -315,6 +333,16 @@ mod tests {
             assert!(msg.contains(part), "{part}: {msg}");
         }
         assert!(err(quote!(key = "id", ttl = "1h", fingerprint, fingerprint)).contains("twice"));
+    }
+
+    #[test]
+    fn lease_takes_a_duration() {
+        let args = parse(quote!(key = "id", ttl = "4h", lease = "30s")).unwrap();
+        assert_eq!(args.lease_secs, Some(30));
+        assert!(err(quote!(key = "id", ttl = "4h", lease = "0s")).contains("longer than zero"));
+        assert!(
+            err(quote!(key = "id", ttl = "4h", lease = "30s", batch)).contains("do not combine")
+        );
     }
 
     #[test]

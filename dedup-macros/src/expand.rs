@@ -15,9 +15,13 @@ pub(crate) fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
         Err(e) => return token_stream_with_error(item, e),
     };
     let mut errors = Errors::default();
+    let attr_tokens = attr.clone();
     let args = errors.ok(attr::parse(attr));
-    let batch = args.as_ref().is_some_and(|a| a.batch);
-    let signature = errors.ok(check_signature(&func, batch));
+    // Read from the tokens, so the signature is checked for the mode the
+    // user asked for even when an option's value is refused.
+    let batch = names_option(&attr_tokens, "batch");
+    let lease = names_option(&attr_tokens, "lease");
+    let signature = errors.ok(check_signature(&func, batch, lease));
     match (errors.finish(), args, signature) {
         (Ok(()), Some(args), Some((tx, event))) => generate(&args, &func, tx, event),
         (result, ..) => {
@@ -27,15 +31,23 @@ pub(crate) fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
     }
 }
 
+/// Whether the attribute's top level names the option `name`.
+fn names_option(attr: &TokenStream, name: &str) -> bool {
+    attr.clone()
+        .into_iter()
+        .any(|token| matches!(token, proc_macro2::TokenTree::Ident(ident) if ident == name))
+}
+
 /// The original item plus the errors, so IDEs still see the function.
 fn token_stream_with_error(mut item: TokenStream, error: syn::Error) -> TokenStream {
     item.extend(error.into_compile_error());
     item
 }
 
-/// Checks `async fn name(tx: &mut Tx, event: Event) -> ...` and returns the
-/// transaction and event types.
-fn check_signature(func: &ItemFn, batch: bool) -> syn::Result<(&Type, &Type)> {
+/// Checks `async fn name(tx: &mut Tx, event: Event) -> ...` (in lease mode
+/// `lease: &Lease` first) and returns the transaction (or lease) and event
+/// types.
+fn check_signature(func: &ItemFn, batch: bool, lease: bool) -> syn::Result<(&Type, &Type)> {
     let sig = &func.sig;
     let mut errors = Errors::default();
     if sig.asyncness.is_none() {
@@ -66,14 +78,29 @@ fn check_signature(func: &ItemFn, batch: bool) -> syn::Result<(&Type, &Type)> {
         .collect();
     let mut types = None;
     if sig.receiver().is_none() {
+        let first = if lease {
+            "`lease: &Lease`"
+        } else {
+            "`tx: &mut <transaction>`"
+        };
         if typed.len() != 2 {
             errors.push(syn::Error::new(
                 sig.paren_token.span.join(),
                 format!(
-                    "#[idempotent] handlers take two parameters, `tx: &mut <transaction>` and `event: <event type>`; found {}",
+                    "#[idempotent] handlers take two parameters, {first} and `event: <event type>`; found {}",
                     typed.len()
                 ),
             ));
+        } else if lease {
+            match &*typed[0].ty {
+                Type::Reference(r) if r.mutability.is_none() => {
+                    types = Some((&*r.elem, &*typed[1].ty));
+                }
+                other => errors.push(syn::Error::new(
+                    other.span(),
+                    "with `lease`, the first parameter is the lease, shared: `lease: &Lease` (`dedup_core::Lease`)",
+                )),
+            }
         } else if let Type::Reference(r) = &*typed[0].ty {
             if r.mutability.is_none() {
                 errors.push(syn::Error::new(
@@ -270,6 +297,60 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
         #handle_batch
     };
 
+    let common = quote! {
+        fn scope(&self) -> &str {
+            #scope
+        }
+
+        fn ttl(&self) -> #private::Ttl {
+            const TTL: #private::Ttl = #private::ttl_from_secs(#ttl_secs);
+            TTL
+        }
+
+        fn key(
+            &self,
+            #uses_event: &Self::Event,
+            #uses_headers: &dyn #private::Headers,
+        ) -> #private::Result<#private::String, #private::KeyError> {
+            #key_body
+        }
+
+        #fingerprint_fn
+    };
+    let handler_impl = match args.lease_secs {
+        None => quote! {
+            impl #private::Handler for #name {
+                type Tx = #tx;
+                type Event = #event;
+
+                #common
+
+                #handle_fns
+            }
+        },
+        Some(lease_secs) => quote! {
+            impl #private::LeaseHandler for #name {
+                type Event = #event;
+
+                #common
+
+                fn lease(&self) -> #private::Ttl {
+                    const LEASE: #private::Ttl = #private::ttl_from_secs(#lease_secs);
+                    LEASE
+                }
+
+                async fn handle(
+                    &self,
+                    lease: &#private::Lease,
+                    event: Self::Event,
+                ) -> #private::Result<(), #private::HandlerError> {
+                    let result = #name::#call(lease, event).await;
+                    #into
+                }
+            }
+        },
+    };
+
     quote! {
         #(#cfgs)*
         #(#docs)*
@@ -287,31 +368,7 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
         }
 
         #(#cfgs)*
-        impl #private::Handler for #name {
-            type Tx = #tx;
-            type Event = #event;
-
-            fn scope(&self) -> &str {
-                #scope
-            }
-
-            fn ttl(&self) -> #private::Ttl {
-                const TTL: #private::Ttl = #private::ttl_from_secs(#ttl_secs);
-                TTL
-            }
-
-            fn key(
-                &self,
-                #uses_event: &Self::Event,
-                #uses_headers: &dyn #private::Headers,
-            ) -> #private::Result<#private::String, #private::KeyError> {
-                #key_body
-            }
-
-            #fingerprint_fn
-
-            #handle_fns
-        }
+        #handler_impl
     }
 }
 
@@ -391,6 +448,33 @@ mod tests {
             "{out}"
         );
         assert!(!out.contains("compile_error"), "{out}");
+    }
+
+    #[test]
+    fn lease_mode_generates_a_lease_handler() {
+        let out = idempotent(
+            quote!(key = "event_id", ttl = "4h", lease = "30s"),
+            quote!(
+                async fn charge(lease: &Lease, ev: Ev) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+        )
+        .to_string();
+        assert!(out.contains("LeaseHandler for charge"), "{out}");
+        assert!(out.contains("ttl_from_secs (30u64)"), "{out}");
+        assert!(!out.contains("type Tx"), "{out}");
+        assert!(!out.contains("compile_error"), "{out}");
+        let out = idempotent(
+            quote!(key = "event_id", ttl = "4h", lease = "30s"),
+            quote!(
+                async fn charge(tx: &mut Tx, ev: Ev) -> Result<(), E> {
+                    Ok(())
+                }
+            ),
+        )
+        .to_string();
+        assert!(out.contains("`lease: &Lease`"), "{out}");
     }
 
     #[test]

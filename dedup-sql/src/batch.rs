@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use dedup_core::{Claim, DedupKey, Fingerprint, Ttl};
+use dedup_core::{Acquire, Claim, DedupKey, Fingerprint, Ttl};
 
 /// The bookkeeping of a batch claim, the same for every SQL backend: one
 /// row per distinct key goes into the claim statement (ON CONFLICT cannot
@@ -192,6 +192,28 @@ pub fn live_claim(row: Option<(i64, i64, Option<Vec<u8>>)>) -> Claim {
             age: Duration::ZERO,
             fingerprint: None,
         },
+    }
+}
+
+/// A claim's row as lease mode reads it when it cannot acquire:
+/// `in_progress`, its token, `expires_at` and age in microseconds, its
+/// fingerprint.
+pub type LeaseRow = (bool, i64, i64, i64, Option<Vec<u8>>);
+
+/// What a live claim means to an acquirer: another holder's lease in
+/// progress, or a done claim (a duplicate).
+pub fn held_or_done((in_progress, token, expires_us, age_us, kept): LeaseRow) -> Acquire {
+    if in_progress {
+        Acquire::Held {
+            expires_at: time_from_unix_micros(expires_us),
+            token: token.unsigned_abs(),
+        }
+    } else {
+        Acquire::Done {
+            expires_at: time_from_unix_micros(expires_us),
+            age: age_from_micros(age_us),
+            fingerprint: fingerprint_from(kept),
+        }
     }
 }
 

@@ -10,7 +10,8 @@ mod table;
 use std::sync::Arc;
 
 pub use batch::{
-    BatchClaims, age_from_micros, fingerprint_from, live_claim, time_from_unix_micros, ttl_seconds,
+    BatchClaims, LeaseRow, age_from_micros, fingerprint_from, held_or_done, live_claim,
+    time_from_unix_micros, ttl_seconds,
 };
 pub use config::SqlConfig;
 pub use dialect::Dialect;

@@ -4,15 +4,15 @@ use std::error::Error as StdError;
 use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use dedup_core::{
-    Claim, Classification, DedupKey, DedupStore, Fingerprint, PurgeConfig, PurgeExpired, Purger,
-    StoreError, Ttl,
+    Acquire, Claim, Classification, DedupKey, DedupStore, Fingerprint, LeaseStore, PurgeConfig,
+    PurgeExpired, Purger, StoreError, Token, Ttl,
 };
 use dedup_sql::{
-    BatchClaims, Dialect, SqlConfig, TableName, age_from_micros, fingerprint_from, live_claim,
-    run_migrations, sql, time_from_unix_micros, ttl_seconds,
+    BatchClaims, Dialect, LeaseRow, SqlConfig, TableName, age_from_micros, fingerprint_from,
+    held_or_done, live_claim, run_migrations, sql, time_from_unix_micros, ttl_seconds,
 };
 use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
@@ -78,16 +78,28 @@ struct Statements {
     refresh: Arc<str>,
     live_ids: Arc<str>,
     purge: Arc<str>,
+    lease: LeaseStatements,
+}
+
+/// Lease mode's statements.
+struct LeaseStatements {
+    next_token: Arc<str>,
+    acquire: Arc<str>,
+    state: Arc<str>,
+    extend: Arc<str>,
+    complete: Arc<str>,
+    release: Arc<str>,
 }
 
 impl Statements {
     fn new(config: &SqliteConfig) -> Result<Self, InvalidTableName> {
         let table = TableName::parse_unqualified(&config.table)?;
         let t = table.quoted();
+        let tokens = table.quoted_with_suffix("_tokens");
         let upsert = format!(
             "ON CONFLICT (scope, key) DO UPDATE SET claimed_at = excluded.claimed_at, \
              expires_at = excluded.expires_at, fingerprint = excluded.fingerprint, \
-             claims = c.claims + 1 \
+             token = NULL, in_progress = 0, claims = c.claims + 1 \
              WHERE c.expires_at <= {NOW_US}"
         );
         // The claim: create if absent, take over if expired, else no row.
@@ -133,7 +145,42 @@ impl Statements {
             refresh: refresh.into(),
             live_ids: live_ids.into(),
             purge: purge.into(),
+            lease: LeaseStatements::new(&t, &tokens),
         })
+    }
+}
+
+impl LeaseStatements {
+    fn new(t: &str, tokens: &str) -> Self {
+        let acquire = format!(
+            "INSERT INTO {t} AS c \
+                 (scope, key, claimed_at, expires_at, fingerprint, token, in_progress) \
+             VALUES (?1, ?2, {NOW_US}, {NOW_US} + ?3 * 1000000, ?4, ?5, 1) \
+             ON CONFLICT (scope, key) DO UPDATE SET claimed_at = excluded.claimed_at, \
+                 expires_at = excluded.expires_at, fingerprint = excluded.fingerprint, \
+                 token = excluded.token, in_progress = 1, claims = c.claims + 1 \
+             WHERE c.expires_at <= {NOW_US} \
+             RETURNING claims"
+        );
+        let held = "WHERE scope = ?1 AND key = ?2 AND token = ?3 AND in_progress = 1";
+        LeaseStatements {
+            next_token: format!("UPDATE {tokens} SET last = last + 1 RETURNING last").into(),
+            acquire: acquire.into(),
+            state: format!(
+                "SELECT in_progress, coalesce(token, 0), expires_at, {NOW_US} - claimed_at, \
+                     fingerprint FROM {t} WHERE scope = ?1 AND key = ?2"
+            )
+            .into(),
+            extend: format!(
+                "UPDATE {t} SET expires_at = {NOW_US} + ?4 * 1000000 {held} RETURNING expires_at"
+            )
+            .into(),
+            complete: format!(
+                "UPDATE {t} SET expires_at = {NOW_US} + ?4 * 1000000, in_progress = 0 {held}"
+            )
+            .into(),
+            release: format!("DELETE FROM {t} {held}").into(),
+        }
     }
 }
 
@@ -371,6 +418,92 @@ impl DedupStore for SqliteStore {
 
     fn error_code(&self, error: &(dyn StdError + 'static)) -> Option<String> {
         dedup_sql::error_code::<Sqlite>(error)
+    }
+}
+
+/// A token as SQLite's INTEGER holds it (the counter starts at 1).
+fn token_param(token: Token) -> i64 {
+    i64::try_from(token).unwrap_or(i64::MAX)
+}
+
+impl LeaseStore for SqliteStore {
+    async fn acquire(
+        &self,
+        key: &DedupKey,
+        fingerprint: Option<Fingerprint>,
+        lease: Ttl,
+    ) -> Result<Acquire, StoreError> {
+        let statements = &self.statements.lease;
+        // One write transaction: the counter moves only with a lease taken.
+        let mut tx = self.begin().await?;
+        let token: i64 = sqlx::query_scalar(sql(&statements.next_token))
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        let taken: Option<i64> = sqlx::query_scalar(sql(&statements.acquire))
+            .bind(key.scope())
+            .bind(key.id())
+            .bind(ttl_seconds(lease))
+            .bind(fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
+            .bind(token)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        if let Some(claims) = taken {
+            tx.commit().await.map_err(store_error)?;
+            return Ok(Acquire::Acquired {
+                token: token.unsigned_abs(),
+                reclaimed: claims > 1,
+            });
+        }
+        let row: LeaseRow = sqlx::query_as(sql(&statements.state))
+            .bind(key.scope())
+            .bind(key.id())
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        tx.rollback().await.map_err(store_error)?;
+        Ok(held_or_done(row))
+    }
+
+    async fn extend(
+        &self,
+        key: &DedupKey,
+        token: Token,
+        lease: Ttl,
+    ) -> Result<Option<SystemTime>, StoreError> {
+        let expires: Option<i64> = sqlx::query_scalar(sql(&self.statements.lease.extend))
+            .bind(key.scope())
+            .bind(key.id())
+            .bind(token_param(token))
+            .bind(ttl_seconds(lease))
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(expires.map(time_from_unix_micros))
+    }
+
+    async fn complete(&self, key: &DedupKey, token: Token, ttl: Ttl) -> Result<bool, StoreError> {
+        let done = sqlx::query(sql(&self.statements.lease.complete))
+            .bind(key.scope())
+            .bind(key.id())
+            .bind(token_param(token))
+            .bind(ttl_seconds(ttl))
+            .execute(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    async fn release(&self, key: &DedupKey, token: Token) -> Result<bool, StoreError> {
+        let released = sqlx::query(sql(&self.statements.lease.release))
+            .bind(key.scope())
+            .bind(key.id())
+            .bind(token_param(token))
+            .execute(&self.pool)
+            .await
+            .map_err(store_error)?;
+        Ok(released.rows_affected() == 1)
     }
 }
 

@@ -1,4 +1,4 @@
-use dedup_core::{Handler, HandlerError, MemoryTx, idempotent};
+use dedup_core::{Handler, HandlerError, Lease, LeaseHandler, MemoryTx, idempotent};
 
 #[derive(serde::Deserialize)]
 pub struct Payment {
@@ -51,6 +51,13 @@ async fn with_field_fingerprint(_tx: &mut MemoryTx, _ev: Payment) -> Result<(), 
     Ok(())
 }
 
+/// Lease mode: the effect is outside the database; the body gets the lease.
+#[idempotent(key = "event_id", ttl = "4h", lease = "30s", fingerprint)]
+async fn in_lease_mode(lease: &Lease, _ev: Payment) -> Result<(), HandlerError> {
+    let _token = lease.token();
+    Ok(())
+}
+
 mod reexported {
     pub use dedup_core as dedup;
 }
@@ -62,6 +69,8 @@ async fn through_a_reexport(_tx: &mut MemoryTx, _ev: Payment) -> Result<(), Hand
 
 fn assert_handler<H: Handler<Tx = MemoryTx>>(_: H) {}
 
+fn assert_lease_handler<H: LeaseHandler>(_: H) {}
+
 fn main() {
     assert_handler(by_uuid);
     assert_handler(by_nested_option);
@@ -71,6 +80,8 @@ fn main() {
     assert_handler(by_two_headers);
     assert_handler(with_payload_fingerprint);
     assert_handler(with_field_fingerprint);
+    assert_lease_handler(in_lease_mode);
+    assert_eq!(in_lease_mode.lease().as_secs(), 30);
     assert_eq!(by_nested_option.scope(), "payments-v2");
     assert_eq!(through_a_reexport.ttl().as_secs(), 90);
     // The body stays callable on its own.

@@ -1,10 +1,11 @@
-//! Schema v3: claims keep a fingerprint of their event's content. A filled
-//! v2 table gains the column in place, without a rewrite, and its claims
-//! (kept without a fingerprint) still answer as duplicates of any content.
+//! Schemas v3 and v4: claims keep a fingerprint of their event's content,
+//! and lease mode's token and state. A filled v2 table gains the columns
+//! in place, without a rewrite; its claims (kept without a fingerprint)
+//! still answer as duplicates of any content, and as done to a lease.
 
 use std::time::Instant;
 
-use dedup_core::{Claim, DedupKey, DedupStore, Fingerprint, Ttl};
+use dedup_core::{Acquire, Claim, DedupKey, DedupStore, Fingerprint, LeaseStore, Ttl};
 use dedup_postgres::PgStore;
 use dedup_sql::{TableName, run_migrations};
 use sqlx::PgPool;
@@ -49,16 +50,29 @@ async fn a_filled_v2_table_gains_fingerprints_in_place(pool: PgPool) {
     let started = Instant::now();
     store.migrate().await.expect("migrate to v3");
     let took = started.elapsed();
-    eprintln!("{CLAIMS} claims: the upgrade to v3 took {took:?}");
+    eprintln!("{CLAIMS} claims: the upgrade to v4 took {took:?}");
     assert_eq!(relfilenode(&pool).await, file, "no row was rewritten");
-    let column: String = sqlx::query_scalar(
-        "SELECT format_type(atttypid, atttypmod) FROM pg_attribute \
-         WHERE attrelid = 'dedup_claims'::regclass AND attname = 'fingerprint'",
+    let columns: Vec<(String, String)> = sqlx::query_as(
+        "SELECT attname::text, format_type(atttypid, atttypmod) FROM pg_attribute \
+         WHERE attrelid = 'dedup_claims'::regclass AND attnum > 4 AND NOT attisdropped \
+         ORDER BY attnum",
     )
-    .fetch_one(&pool)
+    .fetch_all(&pool)
     .await
-    .expect("the fingerprint column");
-    assert_eq!(column, "bytea");
+    .expect("columns");
+    let columns: Vec<(&str, &str)> = columns
+        .iter()
+        .map(|(name, kind)| (name.as_str(), kind.as_str()))
+        .collect();
+    assert_eq!(
+        columns,
+        [
+            ("id", "uuid"),
+            ("fingerprint", "bytea"),
+            ("token", "bigint"),
+            ("in_progress", "boolean")
+        ]
+    );
     store.migrate().await.expect("migrating again does nothing");
 
     // A v2 claim is a duplicate of any content: it kept no fingerprint.
@@ -85,6 +99,19 @@ async fn a_filled_v2_table_gains_fingerprints_in_place(pool: PgPool) {
             "{claim:?}"
         );
     }
+
+    // To lease mode, a v2 claim is done: its effect happened.
+    let acquired = store.acquire(&old, given, ttl).await.expect("acquire");
+    assert!(
+        matches!(
+            acquired,
+            Acquire::Done {
+                fingerprint: None,
+                ..
+            }
+        ),
+        "{acquired:?}"
+    );
 
     // A new claim keeps its fingerprint, as 16 bytes.
     let new = DedupKey::new("payments", "evt-new").expect("key");

@@ -210,6 +210,28 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self
     }
 
+    /// Routes `topic` to a lease-mode handler (`#[idempotent(lease =
+    /// "30s")]`), whose effect lies outside the store: each message is
+    /// acquired, its effect run under the lease, and completed, one message
+    /// at a time. A message whose event another holder's lease covers waits
+    /// (never dead-lettered for it) until that lease is done (then skipped)
+    /// or expires (then taken over). Keep `attempt_timeout` above the
+    /// longest effect: an abandoned attempt leaves its lease to expire.
+    pub fn handle_leased<H>(mut self, topic: impl Into<String>, handler: H) -> Self
+    where
+        S: dedup_core::LeaseStore,
+        H: dedup_core::LeaseHandler,
+    {
+        let topic = topic.into();
+        self.routes.push(Route {
+            dead_letter_topic: format!("{topic}.dlq"),
+            topic,
+            handler: Arc::new(crate::route::Leased(handler)),
+            metrics: std::sync::OnceLock::new(),
+        });
+        self
+    }
+
     /// Sends the dead letters of `topic` to `dead_letter_topic`.
     pub fn dead_letter_topic(
         mut self,

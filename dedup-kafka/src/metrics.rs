@@ -21,6 +21,8 @@ pub(crate) struct RouteMetrics {
     retry_contention: Counter,
     retry_handler: Counter,
     retry_timeout: Counter,
+    retry_lease_held: Counter,
+    lease_lost: Counter,
     handler_duration: Histogram,
     batch_size: Histogram,
     duplicate_age: Histogram,
@@ -38,6 +40,8 @@ pub(crate) enum RetryReason {
     Handler,
     /// The attempt outlived `attempt_timeout`.
     Timeout,
+    /// Lease mode: another holder's lease on the event is live.
+    LeaseHeld,
 }
 
 impl RouteMetrics {
@@ -57,6 +61,8 @@ impl RouteMetrics {
             retry_contention: retries("contention"),
             retry_handler: retries("handler"),
             retry_timeout: retries("timeout"),
+            retry_lease_held: retries("lease_held"),
+            lease_lost: messages("lease_lost"),
             handler_duration: histogram!("dedup_handler_duration_seconds", "topic" => topic.clone(), "handler" => handler.clone()),
             batch_size: histogram!("dedup_batch_size", "topic" => topic.clone()),
             duplicate_age: histogram!("dedup_duplicate_age_seconds", "topic" => topic, "handler" => handler),
@@ -97,6 +103,13 @@ impl RouteMetrics {
         }
     }
 
+    /// Lease mode: an effect finished after a newer holder took its claim
+    /// over; counted as skipped too (the newer holder finishes the event).
+    pub(crate) fn lease_lost(&self) {
+        self.lease_lost.increment(1);
+        self.skipped.increment(1);
+    }
+
     pub(crate) fn already_dead_lettered(&self) {
         self.already_dead_lettered.increment(1);
     }
@@ -107,6 +120,7 @@ impl RouteMetrics {
             RetryReason::Contention => &self.retry_contention,
             RetryReason::Handler => &self.retry_handler,
             RetryReason::Timeout => &self.retry_timeout,
+            RetryReason::LeaseHeld => &self.retry_lease_held,
         }
         .increment(1);
     }

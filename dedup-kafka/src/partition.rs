@@ -306,7 +306,11 @@ pub(crate) async fn worker<S: DedupStore>(
                 None => break,
             },
         };
-        let batch = gather(&mut inbox, msg, &shared.settings).await;
+        let batch = if route.handler.batches() {
+            gather(&mut inbox, msg, &shared.settings).await
+        } else {
+            vec![msg]
+        };
         partition
             .busy_since_ms
             .store(shared.stats.clock_ms(), Ordering::Release);
@@ -657,6 +661,8 @@ async fn process<S: DedupStore>(
     // the database it holds the claim's lock, so the lock timeouts that
     // follow are its doing, not contention, and must not use up attempts.
     let mut abandoned = false;
+    // Looks at another holder's lease (lease mode), for the back-off.
+    let mut lease_waits = 0;
     loop {
         attempt += 1;
         // The permit is held while the handler runs, not while backing off,
@@ -748,6 +754,40 @@ async fn process<S: DedupStore>(
                 if !wait_unless_stopped(shared, partition, wait).await {
                     return false;
                 }
+            }
+            Outcome::Failed(dedup_core::Error::LeaseHeld {
+                key,
+                expires_at,
+                token,
+            }) => {
+                // Lease mode: another holder's effect may be under way. Not
+                // the event's fault and bounded by the lease: look again
+                // with back-off, never later than the lease's end, without
+                // using up attempts.
+                lease_waits += 1;
+                shared.stats.retries.fetch_add(1, Ordering::Relaxed);
+                route.metrics().retried(RetryReason::LeaseHeld);
+                let until_expiry = expires_at
+                    .duration_since(std::time::SystemTime::now())
+                    .unwrap_or_default();
+                let wait = policy
+                    .backoff(lease_waits, jitter.next())
+                    .min(until_expiry + Duration::from_millis(50));
+                if lease_waits == 1 {
+                    tracing::info!(outcome = "waiting", %key, token, ?until_expiry, "another holder's lease covers this event");
+                }
+                if !wait_unless_stopped(shared, partition, wait).await {
+                    return false;
+                }
+            }
+            Outcome::Failed(dedup_core::Error::LeaseLost { key, token }) => {
+                // The effect ran, but its lease had expired and a newer
+                // holder took the claim over: that holder finishes the event.
+                shared.stats.store_answered();
+                shared.stats.skipped.fetch_add(1, Ordering::Relaxed);
+                route.metrics().lease_lost();
+                tracing::warn!(outcome = "skipped", %key, token, "the lease was taken over before the effect completed: extend long effects (lease.extend()) or lengthen the lease");
+                return true;
             }
             Outcome::Failed(e @ dedup_core::Error::FingerprintMismatch { .. })
                 if skips_mismatch(shared, route, &e) =>

@@ -7,8 +7,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use dedup_core::{
-    DedupKey, DedupStore, Error, Fingerprint, Handler, HandlerExt, Headers, Outcome, Ttl,
-    ordered_scope,
+    DedupKey, DedupStore, Error, Fingerprint, Handler, HandlerExt, Headers, LeaseHandler,
+    LeaseHandlerExt, LeaseStore, Outcome, Ttl, ordered_scope,
 };
 
 /// A topic routed to a handler, with where its poison messages go.
@@ -121,6 +121,12 @@ pub(crate) trait ErasedHandler<S>: Send + Sync + 'static {
         headers: &'a (dyn Headers + Sync),
     ) -> BoxFuture<'a, Outcome>;
 
+    /// Whether its messages may go through the batch path (`prepare`,
+    /// `apply_batch`); lease-mode handlers take them one at a time.
+    fn batches(&self) -> bool {
+        true
+    }
+
     /// Decodes a message and extracts its key and fingerprint, for the
     /// batch path.
     fn prepare(&self, payload: &[u8], headers: &(dyn Headers + Sync)) -> Result<Prepared, Error>;
@@ -179,6 +185,56 @@ where
             .collect();
         Box::pin(HandlerExt::apply_batch(self, store, batch))
     }
+}
+
+/// A lease-mode handler routed to a topic (`ConsumerBuilder::handle_leased`).
+pub(crate) struct Leased<H>(pub(crate) H);
+
+impl<S, H> ErasedHandler<S> for Leased<H>
+where
+    S: LeaseStore,
+    H: LeaseHandler,
+{
+    fn scope(&self) -> &str {
+        LeaseHandler::scope(&self.0)
+    }
+
+    fn ttl(&self) -> Ttl {
+        LeaseHandler::ttl(&self.0)
+    }
+
+    fn apply<'a>(
+        &'a self,
+        store: &'a S,
+        payload: &'a [u8],
+        headers: &'a (dyn Headers + Sync),
+    ) -> BoxFuture<'a, Outcome> {
+        Box::pin(self.0.apply_leased(store, payload, headers))
+    }
+
+    fn batches(&self) -> bool {
+        false
+    }
+
+    fn prepare(&self, _: &[u8], _: &(dyn Headers + Sync)) -> Result<Prepared, Error> {
+        Err(not_batched())
+    }
+
+    fn apply_batch<'a>(
+        &'a self,
+        _: &'a S,
+        _: Vec<Prepared>,
+    ) -> BoxFuture<'a, Result<Vec<Outcome>, Error>> {
+        Box::pin(std::future::ready(Err(not_batched())))
+    }
+}
+
+/// The worker never batches a lease-mode route (`batches` is false); were
+/// it asked to, the batch would fail whole and replay message by message.
+fn not_batched() -> Error {
+    Error::Store(dedup_core::StoreError::transient(
+        "lease-mode handlers take their messages one at a time",
+    ))
 }
 
 #[cfg(test)]

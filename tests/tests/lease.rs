@@ -1,0 +1,265 @@
+//! Lease mode end to end (real Kafka, real PostgreSQL): handlers whose
+//! effect lies outside the database, here an in-process "provider" that
+//! records every call with the token it came under.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use dedup_core::{HandlerError, Lease, idempotent};
+use dedup_kafka::{Consumer, ConsumerBuilder, RetryPolicy, StatsSnapshot};
+use dedup_postgres::PgStore;
+use rdkafka::producer::FutureRecord;
+use sqlx::PgPool;
+
+use common::{brokers, create_topic, producer, start, unique};
+
+#[derive(serde::Deserialize)]
+struct Charge {
+    event_id: String,
+    /// Each test charges accounts of its own (the provider is shared).
+    account: String,
+    /// How long the call to the provider takes.
+    millis: u64,
+}
+
+/// One call the provider received.
+#[derive(Debug, Clone)]
+struct Call {
+    event_id: String,
+    token: u64,
+    started: Instant,
+    finished: Instant,
+}
+
+static PROVIDER: Mutex<Vec<(String, Call)>> = Mutex::new(Vec::new());
+
+fn calls(account: &str) -> Vec<Call> {
+    PROVIDER
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(a, _)| a == account)
+        .map(|(_, call)| call.clone())
+        .collect()
+}
+
+async fn call_provider(lease: &Lease, ev: Charge) -> Result<(), HandlerError> {
+    let started = Instant::now();
+    tokio::time::sleep(Duration::from_millis(ev.millis)).await;
+    let call = Call {
+        event_id: ev.event_id,
+        token: lease.token(),
+        started,
+        finished: Instant::now(),
+    };
+    PROVIDER.lock().unwrap().push((ev.account, call));
+    Ok(())
+}
+
+#[idempotent(
+    key = "event_id",
+    ttl = "4h",
+    lease = "30s",
+    scope = "lease-test::charge"
+)]
+async fn charge(lease: &Lease, ev: Charge) -> Result<(), HandlerError> {
+    call_provider(lease, ev).await
+}
+
+/// A lease of one second, which a slow call outlives without extending.
+#[idempotent(
+    key = "event_id",
+    ttl = "4h",
+    lease = "1s",
+    scope = "lease-test::short"
+)]
+async fn charge_briefly(lease: &Lease, ev: Charge) -> Result<(), HandlerError> {
+    call_provider(lease, ev).await
+}
+
+async fn store(pool: &PgPool) -> PgStore {
+    let store = PgStore::from_pool(pool.clone());
+    store.migrate().await.expect("migrate");
+    store
+}
+
+fn consumer(store: &PgStore, group: &str) -> ConsumerBuilder<PgStore> {
+    Consumer::builder(store.clone())
+        .brokers(brokers())
+        .group_id(group)
+        .commit_interval(Duration::from_millis(200))
+        // Two attempts, 20 ms apart at first: a held lease outlasts that
+        // budget many times over, and must be waited out, not dead-lettered.
+        .retry(
+            RetryPolicy::default()
+                .with_max_attempts(2)
+                .with_backoff(Duration::from_millis(20), Duration::from_millis(200)),
+        )
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "500")
+}
+
+async fn send(topic: &str, charges: &[(&str, &str, u64)]) {
+    let producer = producer();
+    for (id, account, millis) in charges {
+        let payload = format!(r#"{{"event_id":"{id}","account":"{account}","millis":{millis}}}"#);
+        producer
+            .send(
+                FutureRecord::to(topic).key(*id).payload(&payload),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produced");
+    }
+}
+
+fn by_event(calls: &[Call]) -> HashMap<&str, usize> {
+    let mut counts = HashMap::new();
+    for call in calls {
+        *counts.entry(call.event_id.as_str()).or_default() += 1;
+    }
+    counts
+}
+
+fn finished(s: &StatsSnapshot) -> u64 {
+    s.applied + s.skipped + s.dead_lettered
+}
+
+#[sqlx::test(migrations = false)]
+async fn each_effect_runs_once_and_redeliveries_are_skipped(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(2).await;
+    let account = unique("once");
+    let ids: Vec<String> = (0..20).map(|i| format!("{account}-{i}")).collect();
+    let mut charges: Vec<(&str, &str, u64)> = Vec::new();
+    for id in &ids {
+        charges.push((id, &account, 5));
+        charges.push((id, &account, 5));
+    }
+    send(&topic, &charges).await;
+
+    let running = start(consumer(&store, &unique("g")).handle_leased(&topic, charge));
+    running
+        .wait_for("40 finished", |s| finished(&s) == 40)
+        .await;
+    let stats = running.stop().await;
+    assert_eq!(
+        (stats.applied, stats.skipped, stats.dead_lettered),
+        (20, 20, 0)
+    );
+    let calls = calls(&account);
+    assert_eq!(calls.len(), 20, "{calls:?}");
+    assert!(by_event(&calls).values().all(|&n| n == 1), "{calls:?}");
+    let done: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM dedup_claims WHERE scope = 'lease-test::charge' \
+         AND NOT in_progress AND token IS NOT NULL",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("claims");
+    assert_eq!(done, 20, "every lease completed");
+}
+
+/// Two consumer groups run the same handler (one scope) over the same
+/// events, so every event reaches two consumers at about the same time:
+/// one holds the lease while the other waits, then skips.
+#[sqlx::test(migrations = false)]
+async fn two_consumers_racing_on_one_key_make_one_call(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let account = unique("race");
+    let ids: Vec<String> = (0..10).map(|i| format!("{account}-{i}")).collect();
+    let charges: Vec<(&str, &str, u64)> = ids
+        .iter()
+        .map(|id| (id.as_str(), account.as_str(), 150))
+        .collect();
+    send(&topic, &charges).await;
+
+    let a = start(consumer(&store, &unique("a")).handle_leased(&topic, charge));
+    let b = start(consumer(&store, &unique("b")).handle_leased(&topic, charge));
+    a.wait_for("a finished all", |s| finished(&s) == 10).await;
+    b.wait_for("b finished all", |s| finished(&s) == 10).await;
+    let (a, b) = (a.stop().await, b.stop().await);
+    assert_eq!(a.applied + b.applied, 10, "{a:?} {b:?}");
+    assert_eq!(a.skipped + b.skipped, 10, "{a:?} {b:?}");
+    assert_eq!(a.dead_lettered + b.dead_lettered, 0);
+    let calls = calls(&account);
+    assert_eq!(calls.len(), 10, "one call per event: {calls:?}");
+    assert!(by_event(&calls).values().all(|&n| n == 1), "{calls:?}");
+}
+
+/// A holder whose call outlives its lease (no `extend`) is overtaken: the
+/// other consumer waits for the lease to expire, takes the claim over with
+/// a greater token and completes; the stale holder's completion is refused
+/// and its message finished without a second completion.
+#[sqlx::test(migrations = false)]
+async fn a_stale_holders_completion_is_refused(pool: PgPool) {
+    let store = store(&pool).await;
+    let slow_topic = create_topic(1).await;
+    let fast_topic = create_topic(1).await;
+    let account = unique("stale");
+    let id = format!("{account}-0");
+    // The same event, slow on one topic and quick on the other.
+    send(&slow_topic, &[(&id, &account, 2500)]).await;
+    let slow = start(consumer(&store, &unique("slow")).handle_leased(&slow_topic, charge_briefly));
+    // Let the slow holder take its lease first.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let held: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM dedup_claims WHERE scope = 'lease-test::short' AND in_progress",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("claims");
+        if held == 1 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the slow consumer never took its lease"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    send(&fast_topic, &[(&id, &account, 1)]).await;
+    let fast = start(consumer(&store, &unique("fast")).handle_leased(&fast_topic, charge_briefly));
+    fast.wait_for("the fast one finished", |s| finished(&s) == 1)
+        .await;
+    slow.wait_for("the slow one finished", |s| finished(&s) == 1)
+        .await;
+    let (slow, fast) = (slow.stop().await, fast.stop().await);
+    assert_eq!((fast.applied, fast.retries > 0), (1, true), "{fast:?}");
+    assert_eq!(
+        (slow.applied, slow.skipped),
+        (0, 1),
+        "refused, finished: {slow:?}"
+    );
+
+    let calls = calls(&account);
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    let (stale, newer) = if calls[0].token < calls[1].token {
+        (&calls[0], &calls[1])
+    } else {
+        (&calls[1], &calls[0])
+    };
+    assert!(
+        newer.started >= stale.started + Duration::from_millis(900),
+        "the newer holder waited for the lease to expire: {calls:?}"
+    );
+    assert!(stale.finished > newer.finished, "{calls:?}");
+    let (in_progress, token): (bool, i64) = sqlx::query_as(
+        "SELECT in_progress, token FROM dedup_claims WHERE scope = 'lease-test::short'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("claim");
+    assert!(!in_progress, "done");
+    assert_eq!(
+        token.unsigned_abs(),
+        newer.token,
+        "done under the newer token"
+    );
+}

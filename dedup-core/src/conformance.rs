@@ -687,9 +687,11 @@ pub async fn an_expired_lease_is_taken_over_and_its_holder_fenced<S: LeaseStore 
         "the new holder's lease"
     );
     assert!(store.release(&k, token).await.expect("release"));
-    let (again, reclaimed) = acquired(&store, &k, ttl(1)).await;
+    let (again, reclaimed) = acquired(&store, &k, ttl(60)).await;
     assert!(!reclaimed && again > token, "released, so acquired afresh");
 
+    // Done for a second, then purged: the next token is still greater.
+    assert!(store.complete(&k, again, ttl(1)).await.expect("complete"));
     tokio::time::sleep(Duration::from_millis(1200)).await;
     while store.purge_expired(100).await.expect("purge") > 0 {}
     let (after_purge, reclaimed) = acquired(&store, &k, ttl(60)).await;
@@ -700,8 +702,9 @@ pub async fn an_expired_lease_is_taken_over_and_its_holder_fenced<S: LeaseStore 
 }
 
 /// An extended lease outlives its first expiry; a lease that expired but
-/// was not taken over still completes under its token.
-pub async fn an_extended_lease_stays_held<S: LeaseStore>(store: S) {
+/// was not taken over still completes under its token, also after a purge
+/// ran (the purge leaves leases in progress alone).
+pub async fn an_extended_lease_stays_held<S: LeaseStore + PurgeExpired>(store: S) {
     let k = key("lease", "extended");
     let (token, _) = acquired(&store, &k, ttl(1)).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -724,6 +727,7 @@ pub async fn an_extended_lease_stays_held<S: LeaseStore>(store: S) {
     let late = key("lease", "late");
     let (token, _) = acquired(&store, &late, ttl(1)).await;
     tokio::time::sleep(Duration::from_millis(1200)).await;
+    while store.purge_expired(100).await.expect("purge") > 0 {}
     assert!(
         store
             .complete(&late, token, ttl(HOUR))

@@ -293,6 +293,7 @@ impl HandlerError {
     pub(crate) fn into_error<S: crate::DedupStore + ?Sized>(self, store: &S) -> Error {
         let classification = self
             .classification
+            .or_else(|| store_error_in(&*self.source))
             .or_else(|| store.classify(&*self.source))
             .or_else(|| Classification::Permanent);
         Error::Handler {
@@ -301,6 +302,19 @@ impl HandlerError {
             source: self.source,
         }
     }
+}
+
+/// The classification of a dedup [`StoreError`] in an error's chain (a
+/// body that passed on `lease.extend()`'s failure with `?`), if any.
+fn store_error_in(error: &(dyn StdError + 'static)) -> Classification {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(store) = e.downcast_ref::<StoreError>() {
+            return store.classification();
+        }
+        next = e.source();
+    }
+    Classification::Unknown
 }
 
 impl<E: StdError + Send + Sync + 'static> From<E> for HandlerError {

@@ -14,10 +14,11 @@ use crate::{
     Ttl,
 };
 
-/// The fencing token of a lease: it grows with every lease any holder takes
-/// in a store (never reused, not even after the claim is purged), so an
-/// outside system that keeps the highest token it has seen for a key can
-/// refuse a stale holder's late write.
+/// The fencing token of a lease, drawn from a counter that only grows
+/// (never reused, not even after the claim is purged): a holder that takes
+/// an expired lease over has a greater token than the one it replaces, so
+/// an outside system that keeps the highest token it has seen for a key
+/// can refuse a stale holder's late write.
 pub type Token = u64;
 
 /// The result of taking a lease on a key.
@@ -58,8 +59,9 @@ pub enum Acquire {
 ///
 /// - [`acquire`](LeaseStore::acquire) is atomic, on the store's clock: no
 ///   claim, or an expired one (a lease or a done claim) → a new lease,
-///   *in progress*, expiring `lease` from now, with a token greater than
-///   every token the store gave before; a live lease → [`Acquire::Held`]; a
+///   *in progress*, expiring `lease` from now, with a new token from a
+///   counter that only grows (a take-over's is greater than the token it
+///   replaces); a live lease → [`Acquire::Held`]; a
 ///   live done claim → [`Acquire::Done`]. Two acquirers never both hold.
 /// - [`extend`](LeaseStore::extend), [`complete`](LeaseStore::complete) and
 ///   [`release`](LeaseStore::release) act only while the claim is still in
@@ -69,7 +71,9 @@ pub enum Acquire {
 /// - `complete` turns the lease into a done claim that lives for the TTL;
 ///   `release` deletes it, so the next attempt acquires at once.
 /// - An expired lease that nobody took over still completes under its
-///   token: only a newer holder fences an older one.
+///   token: only a newer holder fences an older one. So the purge
+///   ([`PurgeExpired`](crate::PurgeExpired)) leaves leases in progress
+///   alone; the next delivery of their event takes them over.
 pub trait LeaseStore: DedupStore + Clone {
     /// Takes a lease on `key` (see the contract above), keeping
     /// `fingerprint` with it.
@@ -203,7 +207,7 @@ impl Lease {
     /// How long the lease has left by this process's clock (zero once
     /// lost).
     pub fn remaining(&self) -> Duration {
-        if self.lost.load(Ordering::Relaxed) {
+        if self.taken_over() {
             return Duration::ZERO;
         }
         let deadline = *self.deadline.lock().unwrap_or_else(|p| p.into_inner());
@@ -217,8 +221,15 @@ impl Lease {
         self.remaining().is_zero()
     }
 
+    /// Whether an [`extend`](Lease::extend) found a newer holder.
+    fn taken_over(&self) -> bool {
+        self.lost.load(Ordering::Relaxed)
+    }
+
     /// Renews the lease for its full duration from now, for effects that
-    /// take longer than one lease.
+    /// take longer than one lease. A body that gets
+    /// [`LeaseError::Lost`] should stop and may return it with `?`: the
+    /// message is then finished as taken over, not failed.
     pub async fn extend(&self) -> Result<(), LeaseError> {
         let asked_at = Instant::now();
         match self
@@ -361,6 +372,11 @@ where
     };
     let lease = Lease::new(store.clone(), key.clone(), token, handler.lease(), asked_at);
     if let Err(e) = handler.handle(&lease, event).await {
+        // The body stopped because `extend` found a newer holder (and
+        // passed that on with `?`): the newer holder finishes the event.
+        if lease.taken_over() {
+            return Err(Error::LeaseLost { key, token });
+        }
         // A release that fails leaves the lease to expire: the retry waits
         // for it, then takes it over.
         if let Err(release) = store.release(&key, token).await {

@@ -476,7 +476,9 @@ impl PurgeExpired for MemoryStore {
         let expired: Vec<DedupKey> = state
             .rows
             .iter()
-            .filter(|(_, row)| row.writer.is_none() && row.expires_at <= now)
+            // An expired lease in progress stays: its holder may still
+            // complete it.
+            .filter(|(_, row)| row.writer.is_none() && !row.in_progress && row.expires_at <= now)
             .map(|(key, _)| key.clone())
             .take(limit as usize)
             .collect();

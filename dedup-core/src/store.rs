@@ -193,7 +193,8 @@ pub trait DedupStore: Send + Sync + 'static {
 
 /// Deleting expired claims, so the table stays about `rate x TTL` rows.
 pub trait PurgeExpired: Send + Sync + 'static {
-    /// Deletes at most `limit` claims that expired on the store's clock and
+    /// Deletes at most `limit` claims that expired on the store's clock
+    /// (never a lease still in progress: see [`LeaseStore`](crate::LeaseStore)) and
     /// returns how many it deleted. Bounded so that purging never holds long
     /// locks beside a running consumer; call again while it returns `limit`.
     fn purge_expired(&self, limit: u32) -> impl Future<Output = Result<u64, StoreError>> + Send;

@@ -59,6 +59,10 @@ async fn charge(lease: &Lease, ev: Charge) -> Result<(), HandlerError> {
             .lock()
             .unwrap()
             .push((ev.account.clone(), lost, lease.is_lost()));
+        if ev.account.ends_with("-stops") {
+            // Stops before its effect, passing the loss on.
+            extended?;
+        }
     }
     EFFECTS
         .lock()
@@ -127,14 +131,26 @@ async fn a_failed_effect_releases_its_lease_for_the_retry() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_held_lease_makes_a_duplicate_wait_and_a_stale_holder_is_fenced() {
+    held_then_overtaken("held").await;
+}
+
+/// The same, with a stale holder that stops when `extend` says it lost and
+/// returns that error: it is told it was taken over, not failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_holder_that_stops_on_its_lost_lease_is_not_failed() {
+    held_then_overtaken("held-stops").await;
+}
+
+async fn held_then_overtaken(account: &'static str) {
+    let stops = account.ends_with("-stops");
     let store = MemoryStore::new();
     let held = Arc::new(Notify::new());
-    GATES.lock().unwrap().push(("held".into(), held.clone()));
+    GATES.lock().unwrap().push((account.into(), held.clone()));
     let first = tokio::spawn({
         let store = store.clone();
         async move {
             charge
-                .apply_leased(&store, &payload("held", "c3", 11), &())
+                .apply_leased(&store, &payload(account, "c3", 11), &())
                 .await
         }
     });
@@ -147,18 +163,18 @@ async fn a_held_lease_makes_a_duplicate_wait_and_a_stale_holder_is_fenced() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let out = charge
-        .apply_leased(&store, &payload("held", "c3", 11), &())
+        .apply_leased(&store, &payload(account, "c3", 11), &())
         .await;
     let Outcome::Failed(e) = out else {
         panic!("the duplicate must meet the held lease: {out:?}")
     };
     assert!(e.is_retryable() && e.kind() == "lease_held", "{e}");
-    assert!(effects("held").is_empty(), "no second effect meanwhile");
+    assert!(effects(account).is_empty(), "no second effect meanwhile");
 
     // The holder stalls past its lease: the next delivery takes over.
     store.advance(Duration::from_secs(31));
     let out = charge
-        .apply_leased(&store, &payload("held", "c3", 11), &())
+        .apply_leased(&store, &payload(account, "c3", 11), &())
         .await;
     assert!(
         matches!(out, Outcome::Applied { reclaimed: true }),
@@ -175,21 +191,29 @@ async fn a_held_lease_makes_a_duplicate_wait_and_a_stale_holder_is_fenced() {
     );
     let extended = EXTENDED.lock().unwrap().clone();
     assert!(
-        extended.contains(&("held".to_owned(), true, true)),
+        extended.contains(&(account.to_owned(), true, true)),
         "{extended:?}"
     );
-    let tokens: Vec<Token> = effects("held").iter().map(|(t, _)| *t).collect();
-    assert_eq!(
-        tokens.len(),
-        2,
-        "the stale effect ran (the outside system sees its token)"
-    );
-    assert!(
-        tokens[0] > tokens[1],
-        "the newer holder's token is greater: {tokens:?}"
-    );
+    let tokens: Vec<Token> = effects(account).iter().map(|(t, _)| *t).collect();
+    if stops {
+        assert_eq!(
+            tokens.len(),
+            1,
+            "only the newer holder's effect: {tokens:?}"
+        );
+    } else {
+        assert_eq!(
+            tokens.len(),
+            2,
+            "the stale effect ran (the outside system sees its token)"
+        );
+        assert!(
+            tokens[0] > tokens[1],
+            "the newer holder's token is greater: {tokens:?}"
+        );
+    }
     let out = charge
-        .apply_leased(&store, &payload("held", "c3", 11), &())
+        .apply_leased(&store, &payload(account, "c3", 11), &())
         .await;
     assert!(
         matches!(out, Outcome::Skipped { .. }),

@@ -715,6 +715,43 @@ async fn process<S: DedupStore>(
                 tracing::info!(outcome = "skipped", "duplicate within the TTL");
                 return true;
             }
+            Outcome::Failed(dedup_core::Error::LeaseHeld {
+                key,
+                expires_at,
+                token,
+            }) => {
+                // Before the generic arms: a held lease is classified
+                // transient, but must neither use up attempts nor count as an
+                // outage. Lease mode: another holder's effect may be under way. Not
+                // the event's fault and bounded by the lease: look again
+                // with back-off, never later than the lease's end, without
+                // using up attempts.
+                lease_waits += 1;
+                shared.stats.retries.fetch_add(1, Ordering::Relaxed);
+                route.metrics().retried(RetryReason::LeaseHeld);
+                let until_expiry = expires_at
+                    .duration_since(std::time::SystemTime::now())
+                    .unwrap_or_default();
+                let wait = policy
+                    .backoff(lease_waits, jitter.next())
+                    .min(until_expiry + Duration::from_millis(50))
+                    .max(Duration::from_millis(20));
+                if lease_waits == 1 {
+                    tracing::info!(outcome = "waiting", %key, token, ?until_expiry, "another holder's lease covers this event");
+                }
+                if !wait_unless_stopped(shared, partition, wait).await {
+                    return false;
+                }
+            }
+            Outcome::Failed(dedup_core::Error::LeaseLost { key, token }) => {
+                // The effect ran, but its lease had expired and a newer
+                // holder took the claim over: that holder finishes the event.
+                shared.stats.store_answered();
+                shared.stats.skipped.fetch_add(1, Ordering::Relaxed);
+                route.metrics().lease_lost();
+                tracing::warn!(outcome = "skipped", %key, token, "the lease was taken over before the effect completed: extend long effects (lease.extend()) or lengthen the lease");
+                return true;
+            }
             Outcome::Failed(e)
                 if e.classification() == Classification::Environment
                     || (abandoned && e.classification() == Classification::Transient) =>
@@ -754,40 +791,6 @@ async fn process<S: DedupStore>(
                 if !wait_unless_stopped(shared, partition, wait).await {
                     return false;
                 }
-            }
-            Outcome::Failed(dedup_core::Error::LeaseHeld {
-                key,
-                expires_at,
-                token,
-            }) => {
-                // Lease mode: another holder's effect may be under way. Not
-                // the event's fault and bounded by the lease: look again
-                // with back-off, never later than the lease's end, without
-                // using up attempts.
-                lease_waits += 1;
-                shared.stats.retries.fetch_add(1, Ordering::Relaxed);
-                route.metrics().retried(RetryReason::LeaseHeld);
-                let until_expiry = expires_at
-                    .duration_since(std::time::SystemTime::now())
-                    .unwrap_or_default();
-                let wait = policy
-                    .backoff(lease_waits, jitter.next())
-                    .min(until_expiry + Duration::from_millis(50));
-                if lease_waits == 1 {
-                    tracing::info!(outcome = "waiting", %key, token, ?until_expiry, "another holder's lease covers this event");
-                }
-                if !wait_unless_stopped(shared, partition, wait).await {
-                    return false;
-                }
-            }
-            Outcome::Failed(dedup_core::Error::LeaseLost { key, token }) => {
-                // The effect ran, but its lease had expired and a newer
-                // holder took the claim over: that holder finishes the event.
-                shared.stats.store_answered();
-                shared.stats.skipped.fetch_add(1, Ordering::Relaxed);
-                route.metrics().lease_lost();
-                tracing::warn!(outcome = "skipped", %key, token, "the lease was taken over before the effect completed: extend long effects (lease.extend()) or lengthen the lease");
-                return true;
             }
             Outcome::Failed(e @ dedup_core::Error::FingerprintMismatch { .. })
                 if skips_mismatch(shared, route, &e) =>

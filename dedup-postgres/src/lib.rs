@@ -186,7 +186,9 @@ impl Statements {
         // index covers the query (migrations/0002_claim_id.sql).
         let live_ids_ordered =
             format!("{live} AND scope LIKE '{ORDERED_SCOPE_PREFIX}%' ORDER BY key");
-        // Bounded, oldest first, skipping rows a running claim holds. The
+        // Bounded, oldest first, skipping rows a running claim holds and
+        // leases in progress (an expired lease whose holder still runs
+        // completes under its token, which needs its row). The
         // batch is locked and deleted by the rows' addresses (`ctid`: a
         // locked version cannot be updated, pruned or moved). What is
         // deleted is a version this statement both sees and locked, which
@@ -201,7 +203,7 @@ impl Statements {
         // (tests/purge.rs).
         let purge = format!(
             "DELETE FROM {t} WHERE ctid = ANY(ARRAY( \
-                 SELECT ctid FROM {t} WHERE expires_at <= now() \
+                 SELECT ctid FROM {t} WHERE expires_at <= now() AND NOT in_progress \
                  ORDER BY expires_at LIMIT $1 FOR UPDATE SKIP LOCKED))"
         );
         let lease = LeaseStatements::new(&table);

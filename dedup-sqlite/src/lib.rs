@@ -134,7 +134,8 @@ impl Statements {
         );
         let purge = format!(
             "DELETE FROM {t} WHERE rowid IN \
-             (SELECT rowid FROM {t} WHERE expires_at <= {NOW_US} ORDER BY expires_at LIMIT ?1)"
+             (SELECT rowid FROM {t} WHERE expires_at <= {NOW_US} AND in_progress = 0 \
+                 ORDER BY expires_at LIMIT ?1)"
         );
         Ok(Statements {
             table,

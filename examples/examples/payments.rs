@@ -16,11 +16,9 @@
 
 #![allow(clippy::print_stdout)]
 
-use std::time::Duration;
-
 use dedup_core::{HandlerError, HandlerExt, Ttl, idempotent};
-use dedup_examples::env_or;
-use dedup_kafka::{Consumer, Stats};
+use dedup_examples::{env_or, exit_when_idle, until_idle};
+use dedup_kafka::Consumer;
 use dedup_postgres::{PgStore, PgTx};
 
 #[derive(serde::Deserialize)]
@@ -43,39 +41,10 @@ async fn record_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), Handle
     Ok(())
 }
 
-/// `--exit-when-idle <ttl>`, if given.
-fn exit_when_idle() -> Result<Option<Ttl>, Box<dyn std::error::Error>> {
-    let mut args = std::env::args().skip(1);
-    let mut idle = None;
-    while let Some(arg) = args.next() {
-        match arg.as_str() {
-            "--exit-when-idle" => {
-                let value = args
-                    .next()
-                    .ok_or("--exit-when-idle needs a duration, like 10s")?;
-                idle = Some(value.parse()?);
-            }
-            other => {
-                return Err(format!(
-                    "unknown argument {other:?}; usage: payments [--exit-when-idle <ttl>]"
-                )
-                .into());
-            }
-        }
-    }
-    Ok(idle)
-}
-
-async fn idle(stats: &Stats, limit: Duration) {
-    while stats.idle_for() < limit {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     dedup_examples::init_logging();
-    let idle_limit = exit_when_idle()?;
+    let idle_limit = exit_when_idle("payments")?;
     let database_url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL must be set")?;
     let ttl: Ttl = env_or("DEDUP_TTL", "4h").parse()?;
 
@@ -104,16 +73,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let stats = consumer.stats();
     // With METRICS_ADDR set: /metrics and /healthz.
     dedup_examples::serve_metrics(Some(stats.clone()))?;
-    let shutdown = async {
-        match idle_limit {
-            Some(limit) => tokio::select! {
-                () = idle(&stats, limit.as_duration()) => {}
-                () = dedup_kafka::shutdown_signal() => {}
-            },
-            None => dedup_kafka::shutdown_signal().await,
-        }
-    };
-    let summary = consumer.run_until(shutdown).await?;
+    let summary = consumer
+        .run_until(until_idle(
+            stats,
+            idle_limit,
+            dedup_kafka::shutdown_signal(),
+        ))
+        .await?;
     println!("{summary}");
     Ok(())
 }

@@ -122,3 +122,50 @@ pub fn serve_metrics_on(
     });
     Ok(())
 }
+
+/// `--exit-when-idle <ttl>`, the one flag of the consumer examples, if
+/// given; `example` names the binary in the usage message.
+pub fn exit_when_idle(
+    example: &str,
+) -> Result<Option<dedup_core::Ttl>, Box<dyn std::error::Error>> {
+    let mut args = std::env::args().skip(1);
+    let mut idle = None;
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--exit-when-idle" => {
+                let value = args
+                    .next()
+                    .ok_or("--exit-when-idle needs a duration, like 10s")?;
+                idle = Some(value.parse()?);
+            }
+            other => {
+                return Err(format!(
+                    "unknown argument {other:?}; usage: {example} [--exit-when-idle <ttl>]"
+                )
+                .into());
+            }
+        }
+    }
+    Ok(idle)
+}
+
+/// Resolves when `signal` does, or once the consumer has been idle for
+/// `limit` (if given): what the examples run until.
+pub async fn until_idle(
+    stats: std::sync::Arc<dedup_kafka::Stats>,
+    limit: Option<dedup_core::Ttl>,
+    signal: impl std::future::Future<Output = ()>,
+) {
+    let Some(limit) = limit else {
+        return signal.await;
+    };
+    let idle = async {
+        while stats.idle_for() < limit.as_duration() {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    };
+    tokio::select! {
+        () = idle => {}
+        () = signal => {}
+    }
+}

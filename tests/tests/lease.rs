@@ -263,3 +263,104 @@ async fn a_stale_holders_completion_is_refused(pool: PgPool) {
         "done under the newer token"
     );
 }
+
+/// `charges` (examples/charges.rs) is killed with SIGKILL right after its
+/// call to the provider for one event, before the lease completes. A
+/// second run of the same group takes the claim over once the lease has
+/// expired, with a greater token, calls again and completes; every other
+/// event was called once.
+#[sqlx::test(migrations = false)]
+async fn a_consumer_killed_mid_effect_is_taken_over_with_a_greater_token(pool: PgPool) {
+    use std::os::unix::process::ExitStatusExt;
+
+    let topic = create_topic(1).await;
+    let group = unique("charges");
+    let producer = producer();
+    for i in 0..10 {
+        let payload = format!(r#"{{"event_id":"c{i}","account_id":"a","amount_cents":{i}}}"#);
+        producer
+            .send(
+                FutureRecord::to(&topic).key("a").payload(&payload),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produced");
+    }
+    let run = |crash: Option<&str>| {
+        let mut cmd = std::process::Command::new(common::example("charges"));
+        cmd.env("DATABASE_URL", common::database_url(&pool))
+            .env("KAFKA_BROKERS", brokers())
+            .env("TOPIC", &topic)
+            .env("GROUP_ID", &group)
+            .env("KAFKA_SESSION_TIMEOUT_MS", "6000")
+            .args(["--exit-when-idle", "8s"])
+            .env_remove("CRASH_MID_CHARGE");
+        if let Some(id) = crash {
+            cmd.env("CRASH_MID_CHARGE", id);
+        }
+        tokio::task::spawn_blocking(move || cmd.output().expect("run charges"))
+    };
+
+    let killed = run(Some("c4")).await.expect("join");
+    assert_eq!(
+        killed.status.signal(),
+        Some(9),
+        "SIGKILLed mid-charge: {}",
+        String::from_utf8_lossy(&killed.stderr)
+    );
+    let (in_progress, first_token): (bool, i64) = sqlx::query_as(
+        "SELECT in_progress, token FROM dedup_claims WHERE scope = 'charges::charge' AND key = 'c4'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("c4's claim");
+    assert!(in_progress, "the lease was left in progress");
+
+    let second = run(None).await.expect("join");
+    assert!(
+        second.status.success(),
+        "{}",
+        String::from_utf8_lossy(&second.stderr)
+    );
+    let calls: Vec<(String, i64, f64)> = sqlx::query_as(
+        "SELECT event_id, token, extract(epoch FROM called_at)::float8 FROM provider_calls \
+         ORDER BY called_at",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("calls");
+    let of = |id: &str| calls.iter().filter(|(e, ..)| e == id).collect::<Vec<_>>();
+    for i in (0..10).filter(|&i| i != 4) {
+        assert_eq!(of(&format!("c{i}")).len(), 1, "c{i}: {calls:?}");
+    }
+    let c4 = of("c4");
+    assert_eq!(
+        c4.len(),
+        2,
+        "called by the killed holder and the next: {calls:?}"
+    );
+    assert_eq!(c4[0].1, first_token);
+    assert!(c4[1].1 > c4[0].1, "a greater token: {calls:?}");
+    assert!(
+        c4[1].2 - c4[0].2 >= 4.5,
+        "taken over only once the 5 s lease expired: {calls:?}"
+    );
+    let (in_progress, token): (bool, i64) = sqlx::query_as(
+        "SELECT in_progress, token FROM dedup_claims WHERE scope = 'charges::charge' AND key = 'c4'",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("c4's claim");
+    assert!(
+        !in_progress && token == c4[1].1,
+        "done under the newer token"
+    );
+    let done: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM dedup_claims WHERE scope = 'charges::charge' AND NOT in_progress",
+    )
+    .fetch_one(&pool)
+    .await
+    .expect("claims");
+    assert_eq!(done, 10);
+}

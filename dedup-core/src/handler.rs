@@ -230,9 +230,6 @@ pub trait HandlerExt: Handler {
                 fingerprints.push(fingerprint);
                 events.push(event);
             }
-            if fingerprints.iter().all(Option::is_none) {
-                fingerprints.clear();
-            }
             let started = Instant::now();
             let mut tx = store.begin().await?;
             let claims = match store

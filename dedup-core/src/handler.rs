@@ -3,8 +3,6 @@
 use std::future::Future;
 use std::time::{Duration, Instant, SystemTime};
 
-use serde::de::DeserializeOwned;
-
 use crate::{Claim, DedupKey, DedupStore, Error, Fingerprint, HandlerError, KeyError, Ttl};
 
 /// Read access to a message's headers, so keys can come from a header.
@@ -79,8 +77,9 @@ pub trait Handler: Send + Sync + 'static {
     /// The transaction type the body writes through: the store's
     /// [`DedupStore::Tx`].
     type Tx: Send + 'static;
-    /// The decoded event.
-    type Event: DeserializeOwned + Send + 'static;
+    /// The decoded event: whatever [`decode`](Handler::decode) makes of a
+    /// payload.
+    type Event: Send + 'static;
 
     /// Which handler claims: two handlers of one event never share claims.
     fn scope(&self) -> &str;
@@ -124,10 +123,11 @@ pub trait Handler: Send + Sync + 'static {
         }
     }
 
-    /// Decodes a payload; JSON by default.
-    fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error> {
-        serde_json::from_slice(payload).map_err(|e| Error::Decode(Box::new(e)))
-    }
+    /// Decodes a payload into the event; a payload it refuses is
+    /// [`Error::Decode`]. `#[idempotent]` generates it from its `format`
+    /// (JSON by default: [`decode::json`](crate::decode::json)) or `decode`
+    /// option.
+    fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error>;
 }
 
 /// The claim -> apply -> commit protocol, built from a [`Handler`]'s parts and

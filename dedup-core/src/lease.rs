@@ -7,8 +7,6 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
-use serde::de::DeserializeOwned;
-
 use crate::{
     DedupKey, DedupStore, Error, Fingerprint, HandlerError, Headers, KeyError, Outcome, StoreError,
     Ttl,
@@ -267,8 +265,9 @@ impl fmt::Debug for Lease {
 /// takes a [`Lease`] instead of a transaction. [`LeaseHandlerExt`] builds
 /// the acquire -> effect -> complete protocol from these parts.
 pub trait LeaseHandler: Send + Sync + 'static {
-    /// The decoded event.
-    type Event: DeserializeOwned + Send + 'static;
+    /// The decoded event: whatever [`decode`](LeaseHandler::decode) makes
+    /// of a payload.
+    type Event: Send + 'static;
 
     /// Which handler claims: two handlers of one event never share claims.
     fn scope(&self) -> &str;
@@ -297,10 +296,9 @@ pub trait LeaseHandler: Send + Sync + 'static {
         event: Self::Event,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 
-    /// Decodes a payload; JSON by default.
-    fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error> {
-        serde_json::from_slice(payload).map_err(|e| Error::Decode(Box::new(e)))
-    }
+    /// Decodes a payload into the event (see
+    /// [`Handler::decode`](crate::Handler::decode)).
+    fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error>;
 }
 
 /// The acquire -> effect -> complete protocol, the same for every

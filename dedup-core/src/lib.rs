@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+pub mod decode;
 mod error;
 mod fingerprint;
 mod handler;
@@ -33,7 +34,8 @@ pub use dedup_macros::idempotent;
 #[doc(hidden)]
 pub mod __private {
     pub use crate::{
-        DedupKey, Fingerprint, Handler, HandlerError, Headers, KeyError, Lease, LeaseHandler, Ttl,
+        DedupKey, Error, Fingerprint, Handler, HandlerError, Headers, KeyError, Lease,
+        LeaseHandler, Ttl,
     };
     pub use std::concat;
     pub use std::module_path;
@@ -42,6 +44,39 @@ pub mod __private {
     pub use std::string::String;
     pub use std::vec;
     pub use std::vec::Vec;
+
+    /// `format = "json"`, the default.
+    pub use crate::decode::json as decode_json;
+
+    /// `decode = path`: the function's error becomes a decode error.
+    pub fn decode_with<T, E: Into<crate::BoxError>>(
+        payload: &[u8],
+        decode: impl FnOnce(&[u8]) -> Result<T, E>,
+    ) -> Result<T, crate::Error> {
+        crate::decode::with(payload, decode)
+    }
+
+    /// `format = "protobuf"`.
+    #[cfg(feature = "protobuf")]
+    pub use crate::decode::protobuf as decode_protobuf;
+
+    /// What `format = "protobuf"` asks of an event when dedup-core is built
+    /// without the feature: never implemented, so the handler does not
+    /// compile, with this message.
+    #[cfg(not(feature = "protobuf"))]
+    #[diagnostic::on_unimplemented(
+        message = "`format = \"protobuf\"` needs dedup-core's `protobuf` feature",
+        label = "decoded as Protobuf",
+        note = "enable it: dedup-core = {{ version = \"0.1\", features = [\"protobuf\"] }}"
+    )]
+    pub trait ProtobufFeatureDisabled {}
+
+    /// `format = "protobuf"` without the feature: see
+    /// [`ProtobufFeatureDisabled`].
+    #[cfg(not(feature = "protobuf"))]
+    pub fn decode_protobuf<T: ProtobufFeatureDisabled>(_payload: &[u8]) -> Result<T, crate::Error> {
+        unreachable!("ProtobufFeatureDisabled has no implementation")
+    }
 
     /// Turns a key field into the event id: anything `Display`, or an
     /// `Option` of it (`None` is a missing key). Chosen by autoref

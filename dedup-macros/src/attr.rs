@@ -1,4 +1,4 @@
-//! Parsing `#[idempotent(key = "...", ttl = "...", scope = "...", crate = "...", batch)]`;
+//! Parsing `#[idempotent(key = "...", ttl = "...", scope = "...", crate = "...", batch, ...)]`;
 //! `key` may name several parts, separated by `,`.
 
 use proc_macro2::{Span, TokenStream};
@@ -7,8 +7,7 @@ use syn::meta::ParseNestedMeta;
 
 use crate::errors::Errors;
 
-const VALID: &str =
-    "valid options: `key`, `ttl`, `scope`, `crate`, `batch`, `fingerprint`, `lease`";
+const VALID: &str = "valid options: `key`, `ttl`, `scope`, `crate`, `batch`, `fingerprint`, `lease`, `format`, `decode`";
 const EXAMPLE: &str = r#"#[idempotent(key = "event_id", ttl = "4h")]"#;
 
 /// Where one part of the event id comes from.
@@ -35,6 +34,16 @@ pub(crate) enum FingerprintSource {
     Fields(Vec<(String, Vec<syn::Member>)>, Span),
 }
 
+/// How a payload becomes the event.
+pub(crate) enum Decode {
+    /// `format = "json"`, and the default.
+    Json,
+    /// `format = "protobuf"`: prost, through dedup-core's `protobuf` feature.
+    Protobuf,
+    /// `decode = path::to::fn`: `fn(&[u8]) -> Result<Event, E>`.
+    With(syn::Path),
+}
+
 /// The parsed, validated options.
 pub(crate) struct Args {
     /// One part, or several for a composite key.
@@ -50,6 +59,7 @@ pub(crate) struct Args {
     /// Lease mode: the lease's length in seconds; the body takes
     /// `&Lease` instead of a transaction.
     pub(crate) lease_secs: Option<u64>,
+    pub(crate) decode: Decode,
 }
 
 /// Stores `value` in `slot` unless the option was given before: the one
@@ -71,6 +81,8 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
     let mut batch = None;
     let mut fingerprint: Option<Option<LitStr>> = None;
     let mut lease = None;
+    let mut format: Option<LitStr> = None;
+    let mut decode: Option<syn::Path> = None;
     let parser = syn::meta::parser(|meta| {
         if meta.path.is_ident("key") {
             let lit: LitStr = meta.value()?.parse()?;
@@ -98,6 +110,20 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
         } else if meta.path.is_ident("lease") {
             let lit: LitStr = meta.value()?.parse()?;
             set_once(&mut lease, &meta, lit)
+        } else if meta.path.is_ident("format") {
+            let lit: LitStr = meta.value()?.parse()?;
+            set_once(&mut format, &meta, lit)
+        } else if meta.path.is_ident("decode") {
+            let value = meta.value()?;
+            if value.peek(LitStr) {
+                let lit: LitStr = value.parse()?;
+                return Err(syn::Error::new(
+                    lit.span(),
+                    "`decode` names a function, not a string: #[idempotent(decode = my_crate::decode_event, ...)]",
+                ));
+            }
+            let path: syn::Path = value.parse()?;
+            set_once(&mut decode, &meta, path)
         } else if meta.path.is_ident("crate") {
             let lit: LitStr = meta.value()?.parse()?;
             set_once(&mut krate, &meta, lit)
@@ -148,6 +174,30 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
         }
         errors.ok(dedup_ttl::parse_secs(&lit.value()).map_err(|e| syn::Error::new(lit.span(), e)))
     });
+    let decode = match (format, decode) {
+        (Some(lit), Some(_)) => {
+            errors.push(syn::Error::new(
+                lit.span(),
+                "`format` and `decode` do not combine: `decode` is the whole decoding",
+            ));
+            None
+        }
+        (None, Some(path)) => Some(Decode::With(path)),
+        (None, None) => Some(Decode::Json),
+        (Some(lit), None) => match lit.value().as_str() {
+            "json" => Some(Decode::Json),
+            "protobuf" => Some(Decode::Protobuf),
+            other => {
+                errors.push(syn::Error::new(
+                    lit.span(),
+                    format!(
+                        "unknown format {other:?}: `format` is \"json\" (the default) or \"protobuf\"; for anything else, `decode = path::to::fn`"
+                    ),
+                ));
+                None
+            }
+        },
+    };
     errors.finish()?;
     Ok(Args {
         key: key_parsed.expect("checked above"),
@@ -158,6 +208,7 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
         batch: batch.is_some(),
         fingerprint,
         lease_secs,
+        decode: decode.expect("checked above"),
     })
 }
 
@@ -343,6 +394,31 @@ mod tests {
         assert!(
             err(quote!(key = "id", ttl = "4h", lease = "30s", batch)).contains("do not combine")
         );
+    }
+
+    #[test]
+    fn format_or_decode_chooses_the_decoding() {
+        let args = parse(quote!(key = "id", ttl = "1h")).unwrap();
+        assert!(matches!(args.decode, Decode::Json));
+        let args = parse(quote!(key = "id", ttl = "1h", format = "json")).unwrap();
+        assert!(matches!(args.decode, Decode::Json));
+        let args = parse(quote!(key = "id", ttl = "1h", format = "protobuf")).unwrap();
+        assert!(matches!(args.decode, Decode::Protobuf));
+        let args = parse(quote!(key = "id", ttl = "1h", decode = wire::decode_paid)).unwrap();
+        let Decode::With(path) = args.decode else {
+            panic!("decode")
+        };
+        assert_eq!(quote!(#path).to_string(), "wire :: decode_paid");
+        assert!(
+            err(quote!(key = "id", ttl = "1h", format = "avro"))
+                .contains("unknown format \"avro\"")
+        );
+        assert!(
+            err(quote!(key = "id", ttl = "1h", format = "json", decode = f))
+                .contains("do not combine")
+        );
+        assert!(err(quote!(key = "id", ttl = "1h", decode = "f")).contains("not a string"));
+        assert!(err(quote!(key = "id", ttl = "1h", decode = f, decode = g)).contains("twice"));
     }
 
     #[test]

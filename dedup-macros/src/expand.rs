@@ -5,7 +5,7 @@ use quote::{ToTokens, format_ident, quote, quote_spanned};
 use syn::spanned::Spanned;
 use syn::{FnArg, ItemFn, Type};
 
-use crate::attr::{self, Args, FingerprintSource, KeyPart, KeySource};
+use crate::attr::{self, Args, Decode, FingerprintSource, KeyPart, KeySource};
 use crate::errors::Errors;
 
 pub(crate) fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
@@ -261,6 +261,29 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
             }
         }
     });
+    // The decoder is spanned where it was named, so an event type it
+    // cannot make (no prost::Message, a function returning another type)
+    // is reported on the option.
+    let decode_body = match &args.decode {
+        Decode::Json => quote!(#private::decode_json(payload)),
+        Decode::Protobuf => quote!(#private::decode_protobuf(payload)),
+        Decode::With(path) => {
+            // Through a function pointer of the event type, so a function
+            // that makes another type is reported on its name.
+            quote_spanned! {path.span()=> {
+                let decode: fn(&[u8]) -> #private::Result<Self::Event, _> = #path;
+                #private::decode_with(payload, decode)
+            }}
+        }
+    };
+    let decode_fn = quote! {
+        fn decode(
+            &self,
+            payload: &[u8],
+        ) -> #private::Result<Self::Event, #private::Error> {
+            #decode_body
+        }
+    };
     let call = format_ident!("call", span = Span::call_site());
     let output_span = output.span();
     let into = quote_spanned! {output_span=> #private::Result::map_err(result, ::core::convert::Into::<#private::HandlerError>::into) };
@@ -316,6 +339,8 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
         }
 
         #fingerprint_fn
+
+        #decode_fn
     };
     let handler_impl = match args.lease_secs {
         None => quote! {

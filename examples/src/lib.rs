@@ -169,3 +169,10 @@ pub async fn until_idle(
         () = signal => {}
     }
 }
+
+/// The protobuf example's events, generated from `proto/payments.proto` by
+/// prost-build at build time.
+#[allow(missing_docs, unreachable_pub, clippy::all)]
+pub mod proto {
+    include!(concat!(env!("OUT_DIR"), "/dedup.examples.rs"));
+}

@@ -15,6 +15,8 @@ mod ttl;
 
 #[cfg(feature = "test-util")]
 pub mod conformance;
+#[cfg(feature = "test-util")]
+pub mod testing;
 
 pub use error::{BoxError, Classification, Error, HandlerError, Result, StoreError};
 pub use fingerprint::Fingerprint;

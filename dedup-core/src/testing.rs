@@ -1,0 +1,677 @@
+//! "What if this runs twice?": a test kit that proves a handler's effect
+//! happens once under the deliveries Kafka really makes (feature
+//! `test-util`).
+//!
+//! [`assert_idempotent`] applies your events once and reads the effect with
+//! your `snapshot` closure (balances, rows, calls made). Then it starts
+//! over, from an empty effect (your `reset` closure) and fresh claims, under
+//! each [`Pattern`] of redelivery: the events again in order, redeliveries
+//! interleaved with first deliveries, two consumers at once, a crash before
+//! the database commit, a crash between it and the offset commit, one batch
+//! transaction. After each, the snapshot must equal the first. A handler
+//! that writes anything outside its transaction, or whose batch body does
+//! not match its one-event body, fails with the pattern that broke it and
+//! both snapshots.
+//!
+//! It also delivers the events again after their TTL, which applies them
+//! again by design: [`Report::after_ttl`] shows what that does to your
+//! effect.
+//!
+//! It works with any [`DedupStore`]: [`MemoryStore`](crate::MemoryStore),
+//! and SQLite or PostgreSQL (a `#[sqlx::test]` database) through their
+//! stores. Each pattern claims in a scope of its own (`<scope>#test/<run>/<pattern>`),
+//! so the store's claims need no reset; `reset` empties your effect only.
+//!
+//! ```
+//! use std::collections::BTreeMap;
+//! use std::sync::{Arc, Mutex};
+//! use dedup_core::testing::{Delivery, assert_idempotent};
+//! use dedup_core::{HandlerError, MemoryStore, MemoryTx, idempotent};
+//!
+//! #[derive(serde::Deserialize)]
+//! struct Paid { event_id: String, account: String, cents: i64 }
+//!
+//! /// The "database" of this example: balances, changed only on commit.
+//! static BALANCES: Mutex<BTreeMap<String, i64>> = Mutex::new(BTreeMap::new());
+//!
+//! #[idempotent(key = "event_id", ttl = "4h")]
+//! async fn credit(tx: &mut MemoryTx, ev: Paid) -> Result<(), HandlerError> {
+//!     tx.on_commit(move || *BALANCES.lock().unwrap().entry(ev.account).or_default() += ev.cents);
+//!     Ok(())
+//! }
+//!
+//! # #[tokio::main(flavor = "current_thread")] async fn main() {
+//! let events: Vec<Delivery> = (0..4)
+//!     .map(|i| Delivery::json(&serde_json::json!({"event_id": format!("e{i}"), "account": "a", "cents": 10})))
+//!     .collect();
+//! let report = assert_idempotent(
+//!     &credit,
+//!     &MemoryStore::new(),
+//!     &events,
+//!     async |_store| BALANCES.lock().unwrap().clear(),
+//!     async |_store| BALANCES.lock().unwrap().clone(),
+//! )
+//! .await;
+//! assert_eq!(report.once["a"], 40);
+//! // A redelivery after the TTL is applied again: the trade-off of a TTL.
+//! assert_eq!(report.after_ttl["a"], 80);
+//! # }
+//! ```
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use crate::{
+    Classification, DedupKey, DedupStore, Error, Fingerprint, Handler, HandlerError, HandlerExt,
+    Headers, KeyError, Outcome, StoreError, Ttl,
+};
+
+/// One message as Kafka would deliver it: a payload and its headers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Delivery {
+    /// The record's value.
+    pub payload: Vec<u8>,
+    /// The record's headers, in order.
+    pub headers: Vec<(String, Vec<u8>)>,
+}
+
+impl Delivery {
+    /// A message whose payload is `event` as JSON.
+    pub fn json(event: &impl serde::Serialize) -> Self {
+        Delivery::bytes(serde_json::to_vec(event).expect("the event serializes to JSON"))
+    }
+
+    /// A message with this payload (Protobuf, a framed record, anything).
+    pub fn bytes(payload: impl Into<Vec<u8>>) -> Self {
+        Delivery {
+            payload: payload.into(),
+            headers: Vec::new(),
+        }
+    }
+
+    /// The message with one more header.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
+        self.headers.push((name.into(), value.into()));
+        self
+    }
+}
+
+/// A way Kafka and a crashing consumer deliver the same events again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Pattern {
+    /// Each event once, in order: the reference every other pattern must
+    /// match.
+    Once,
+    /// Every event, then every event again, in order (a consumer that
+    /// restarts from an old offset, a producer that retried).
+    AgainInOrder,
+    /// The first half once, then the second half's first deliveries
+    /// interleaved with redeliveries of the first half (a rebalance that
+    /// hands a partition over mid-way).
+    Interleaved,
+    /// Two consumers delivering every event at the same time (a zombie
+    /// member and its successor).
+    Concurrently,
+    /// Each event's first attempt reaches the end of its body, then its
+    /// transaction rolls back as if the process died before the database
+    /// commit; the event is delivered again. An effect written outside the
+    /// transaction shows twice.
+    CrashBeforeCommit,
+    /// Every event applied and committed, then the process dies before the
+    /// offset commit: everything after the last committed offset (the first
+    /// half) is delivered again.
+    CrashAfterCommit,
+    /// Every event delivered twice over inside one batch transaction, and
+    /// the batch again (the runtime's batched path, `handle_batch`).
+    Batch,
+}
+
+impl Pattern {
+    /// The patterns whose snapshot must equal [`Pattern::Once`]'s.
+    pub const REDELIVERIES: [Pattern; 6] = [
+        Pattern::AgainInOrder,
+        Pattern::Interleaved,
+        Pattern::Concurrently,
+        Pattern::CrashBeforeCommit,
+        Pattern::CrashAfterCommit,
+        Pattern::Batch,
+    ];
+
+    /// A short stable name: `again_in_order`, `crash_before_commit`, ...
+    pub fn name(self) -> &'static str {
+        match self {
+            Pattern::Once => "once",
+            Pattern::AgainInOrder => "again_in_order",
+            Pattern::Interleaved => "interleaved",
+            Pattern::Concurrently => "concurrently",
+            Pattern::CrashBeforeCommit => "crash_before_commit",
+            Pattern::CrashAfterCommit => "crash_after_commit",
+            Pattern::Batch => "batch",
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Pattern::Once => "each event once, in order",
+            Pattern::AgainInOrder => "every event, then every event again",
+            Pattern::Interleaved => {
+                "the second half's first deliveries interleaved with redeliveries of the first half"
+            }
+            Pattern::Concurrently => "two consumers delivering every event at the same time",
+            Pattern::CrashBeforeCommit => {
+                "each event's first transaction rolled back after its body (a crash before the commit), then delivered again"
+            }
+            Pattern::CrashAfterCommit => {
+                "a crash after the database commit, before the offset commit: the uncommitted half delivered again"
+            }
+            Pattern::Batch => {
+                "every event twice inside one batch transaction, then the batch again"
+            }
+        }
+    }
+}
+
+impl fmt::Display for Pattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What [`check_idempotent`] saw when every pattern matched.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Report<T> {
+    /// The snapshot after each event once: what every pattern matched.
+    pub once: T,
+    /// The snapshot after each event once, then again after its TTL: applied
+    /// again, by design (a TTL bounds the table, and a redelivery later than
+    /// it is new to the store). Equal to [`once`](Report::once) only if the
+    /// effect itself is idempotent (an upsert, a version guard).
+    pub after_ttl: T,
+    /// The events that were not applied but dead-lettered (they do not
+    /// decode, have no key, or the handler failed them permanently): their
+    /// positions and why. They change nothing under any pattern.
+    pub dead_lettered: Vec<(usize, String)>,
+}
+
+impl<T: PartialEq> Report<T> {
+    /// Whether a redelivery after the TTL changed the effect.
+    pub fn applied_again_after_ttl(&self) -> bool {
+        self.after_ttl != self.once
+    }
+}
+
+/// Why [`check_idempotent`] failed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Failure<T> {
+    /// A pattern's snapshot differs from the reference: the effect did not
+    /// happen exactly once.
+    Differs {
+        /// The pattern that broke it.
+        pattern: Pattern,
+        /// The snapshot after each event once.
+        once: T,
+        /// The snapshot after the pattern.
+        got: T,
+    },
+    /// No event applied: every one was dead-lettered, so nothing was tested
+    /// (often an event type that does not match the payloads).
+    NothingApplied {
+        /// Why the first event was dead-lettered; `None`: there were no
+        /// events.
+        first: Option<String>,
+    },
+    /// An event kept failing with a retryable error.
+    KeptFailing {
+        /// The pattern it was delivered under.
+        pattern: Pattern,
+        /// Its position in the events.
+        event: usize,
+        /// The last error.
+        error: Error,
+    },
+}
+
+impl<T: fmt::Debug> fmt::Display for Failure<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Differs { pattern, once, got } => write!(
+                f,
+                "not idempotent under `{pattern}` ({}):\n  each event once: {once:?}\n  {pattern}: {got:?}",
+                pattern.describe()
+            ),
+            Failure::NothingApplied { first: None } => {
+                f.write_str("no events to deliver: nothing was tested")
+            }
+            Failure::NothingApplied { first: Some(why) } => write!(
+                f,
+                "no event applied, every one was dead-lettered, so nothing was tested; the first: {why}"
+            ),
+            Failure::KeptFailing {
+                pattern,
+                event,
+                error,
+            } => write!(
+                f,
+                "under `{pattern}`, event {event} kept failing with a retryable error: {error}"
+            ),
+        }
+    }
+}
+
+impl<T: fmt::Debug> StdError for Failure<T> {}
+
+/// Checks that `handler`'s effect happens once under every [`Pattern`] and
+/// panics with the pattern and both snapshots if not; see the
+/// [module docs](self). Returns the [`Report`].
+///
+/// `reset` empties the effect (not the claims: each pattern claims in a
+/// scope of its own); `snapshot` reads it. The handler and the store are
+/// cloned (a generated handler is a unit struct; a store is a handle on its
+/// pool).
+pub async fn assert_idempotent<H, S, T>(
+    handler: &H,
+    store: &S,
+    events: &[Delivery],
+    reset: impl AsyncFn(&S),
+    snapshot: impl AsyncFn(&S) -> T,
+) -> Report<T>
+where
+    H: Handler + Clone,
+    S: DedupStore<Tx = H::Tx> + Clone,
+    T: PartialEq + fmt::Debug,
+{
+    match check_idempotent(handler, store, events, reset, snapshot).await {
+        Ok(report) => report,
+        Err(failure) => panic!("{failure}"),
+    }
+}
+
+/// [`assert_idempotent`] without the panic.
+pub async fn check_idempotent<H, S, T>(
+    handler: &H,
+    store: &S,
+    events: &[Delivery],
+    reset: impl AsyncFn(&S),
+    snapshot: impl AsyncFn(&S) -> T,
+) -> Result<Report<T>, Failure<T>>
+where
+    H: Handler + Clone,
+    S: DedupStore<Tx = H::Tx> + Clone,
+    T: PartialEq + fmt::Debug,
+{
+    let run = run_id();
+    let kit = Kit {
+        store: CrashingStore {
+            inner: store.clone(),
+            crash_next_commit: Arc::new(Mutex::new(false)),
+        },
+        events,
+        dead_letters: Mutex::new(Vec::new()),
+    };
+
+    reset(store).await;
+    kit.deliver(
+        &Scoped::new(handler, &run, Pattern::Once.name(), None),
+        Pattern::Once,
+    )
+    .await?;
+    let once = snapshot(store).await;
+    let dead_lettered = std::mem::take(&mut *kit.dead_letters.lock().expect("lock"));
+    if dead_lettered.len() == events.len() {
+        return Err(Failure::NothingApplied {
+            first: dead_lettered.into_iter().next().map(|(_, why)| why),
+        });
+    }
+    for pattern in Pattern::REDELIVERIES {
+        reset(store).await;
+        kit.deliver(&Scoped::new(handler, &run, pattern.name(), None), pattern)
+            .await?;
+        let got = snapshot(store).await;
+        if got != once {
+            return Err(Failure::Differs { pattern, once, got });
+        }
+    }
+
+    // After the TTL: the shortest TTL there is, waited out on the store's
+    // clock (the next transaction's).
+    reset(store).await;
+    let ttl = Ttl::from_secs(1).expect("1 s is a TTL");
+    let scoped = Scoped::new(handler, &run, "after_ttl", Some(ttl));
+    kit.deliver(&scoped, Pattern::Once).await?;
+    tokio::time::sleep(ttl.as_duration() + Duration::from_millis(200)).await;
+    kit.deliver(&scoped, Pattern::Once).await?;
+    let after_ttl = snapshot(store).await;
+    Ok(Report {
+        once,
+        after_ttl,
+        dead_lettered,
+    })
+}
+
+/// A run's own scopes: unique per process and call, so the claims of an
+/// earlier run (in a database that outlives the test) never match.
+fn run_id() -> String {
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    format!(
+        "{nanos:x}.{}.{}",
+        std::process::id(),
+        CALLS.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// How many times an event whose attempts fail with a retryable error is
+/// tried before the kit gives up on it.
+const ATTEMPTS: usize = 20;
+
+struct Kit<'a, S> {
+    store: CrashingStore<S>,
+    events: &'a [Delivery],
+    /// The events [`Pattern::Once`] dead-lettered, with why.
+    dead_letters: Mutex<Vec<(usize, String)>>,
+}
+
+impl<S: DedupStore> Kit<'_, S> {
+    async fn deliver<H>(&self, handler: &H, pattern: Pattern) -> Result<(), KeptFailing>
+    where
+        H: Handler<Tx = S::Tx>,
+    {
+        let n = self.events.len();
+        let half = n / 2;
+        let all: Vec<usize> = (0..n).collect();
+        match pattern {
+            Pattern::Once => self.each(handler, pattern, &all, false).await,
+            Pattern::AgainInOrder => {
+                self.each(handler, pattern, &all, false).await?;
+                self.each(handler, pattern, &all, false).await
+            }
+            Pattern::Interleaved => {
+                self.each(handler, pattern, &all[..half], false).await?;
+                let mut order = Vec::with_capacity(n + half);
+                let mut redeliveries = all[..half].iter();
+                for &i in &all[half..] {
+                    order.extend(redeliveries.next());
+                    order.push(i);
+                }
+                order.extend(redeliveries);
+                self.each(handler, pattern, &order, false).await
+            }
+            Pattern::Concurrently => {
+                let (a, b) = tokio::join!(
+                    self.each(handler, pattern, &all, false),
+                    self.each(handler, pattern, &all, false)
+                );
+                a.and(b)
+            }
+            Pattern::CrashBeforeCommit => self.each(handler, pattern, &all, true).await,
+            Pattern::CrashAfterCommit => {
+                self.each(handler, pattern, &all, false).await?;
+                self.each(handler, pattern, &all[half..], false).await
+            }
+            Pattern::Batch => {
+                let twice: Vec<usize> = all.iter().flat_map(|&i| [i, i]).collect();
+                self.batch(handler, pattern, &twice).await?;
+                self.batch(handler, pattern, &all).await
+            }
+        }
+    }
+
+    /// Delivers `order` one message at a time, retrying what fails with a
+    /// retryable error as the runtime would. With `crash`, each event's
+    /// first commit becomes a rollback.
+    async fn each<H>(
+        &self,
+        handler: &H,
+        pattern: Pattern,
+        order: &[usize],
+        crash: bool,
+    ) -> Result<(), KeptFailing>
+    where
+        H: Handler<Tx = S::Tx>,
+    {
+        for &i in order {
+            let event = &self.events[i];
+            if crash {
+                *self.store.crash_next_commit.lock().expect("lock") = true;
+            }
+            let mut attempt = 0;
+            loop {
+                attempt += 1;
+                let outcome = handler
+                    .apply(&self.store, &event.payload, &event.headers)
+                    .await;
+                match outcome {
+                    Outcome::Failed(error) if error.is_retryable() => {
+                        if attempt >= ATTEMPTS {
+                            return Err(KeptFailing {
+                                pattern,
+                                event: i,
+                                error,
+                            });
+                        }
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    // The event's own fault: the runtime dead-letters it.
+                    Outcome::Failed(error) => {
+                        if pattern == Pattern::Once {
+                            let mut dead = self.dead_letters.lock().expect("lock");
+                            dead.push((i, error.to_string()));
+                        }
+                        break;
+                    }
+                    Outcome::Applied { .. } | Outcome::Skipped { .. } => break,
+                }
+            }
+            *self.store.crash_next_commit.lock().expect("lock") = false;
+        }
+        Ok(())
+    }
+
+    /// Delivers `order` as one batch transaction, as the batched runtime
+    /// does; if the batch fails, message by message, as the runtime replays
+    /// it.
+    async fn batch<H>(
+        &self,
+        handler: &H,
+        pattern: Pattern,
+        order: &[usize],
+    ) -> Result<(), KeptFailing>
+    where
+        H: Handler<Tx = S::Tx>,
+    {
+        let mut batch = Vec::with_capacity(order.len());
+        let mut prepared = Vec::with_capacity(order.len());
+        for &i in order {
+            let event = &self.events[i];
+            let decoded = handler.decode(&event.payload).and_then(|decoded| {
+                let key = handler.dedup_key(&decoded, &event.headers)?;
+                Ok((key, decoded))
+            });
+            // An event that does not decode or has no key never enters a
+            // batch: the runtime dead-letters it before.
+            if let Ok((key, decoded)) = decoded {
+                let fingerprint = handler.fingerprint(&decoded, &event.payload);
+                batch.push((key, fingerprint, decoded));
+                prepared.push(i);
+            }
+        }
+        if handler.apply_batch(&self.store, batch).await.is_err() {
+            return self.each(handler, pattern, &prepared, false).await;
+        }
+        Ok(())
+    }
+}
+
+/// An event that kept failing: [`Failure::KeptFailing`] before a snapshot
+/// type is in sight.
+struct KeptFailing {
+    pattern: Pattern,
+    event: usize,
+    error: Error,
+}
+
+impl<T> From<KeptFailing> for Failure<T> {
+    fn from(
+        KeptFailing {
+            pattern,
+            event,
+            error,
+        }: KeptFailing,
+    ) -> Self {
+        Failure::KeptFailing {
+            pattern,
+            event,
+            error,
+        }
+    }
+}
+
+/// The user's store, whose next commit can be turned into a rollback: a
+/// process that died after the handler's body, before the database commit.
+#[derive(Clone)]
+struct CrashingStore<S> {
+    inner: S,
+    crash_next_commit: Arc<Mutex<bool>>,
+}
+
+/// What a crashed commit reports: the runtime retries it as the
+/// environment's fault, as it would after a restart.
+#[derive(Debug)]
+struct SimulatedCrash;
+
+impl fmt::Display for SimulatedCrash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("the test kit rolled the transaction back: a crash before the commit")
+    }
+}
+
+impl StdError for SimulatedCrash {}
+
+impl<S: DedupStore> DedupStore for CrashingStore<S> {
+    type Tx = S::Tx;
+
+    async fn begin(&self) -> Result<Self::Tx, StoreError> {
+        self.inner.begin().await
+    }
+
+    async fn claim(
+        &self,
+        tx: &mut Self::Tx,
+        key: &DedupKey,
+        fingerprint: Option<Fingerprint>,
+        ttl: Ttl,
+    ) -> Result<crate::Claim, StoreError> {
+        self.inner.claim(tx, key, fingerprint, ttl).await
+    }
+
+    async fn claim_many(
+        &self,
+        tx: &mut Self::Tx,
+        keys: &[DedupKey],
+        fingerprints: &[Option<Fingerprint>],
+        ttl: Ttl,
+    ) -> Result<Vec<crate::Claim>, StoreError> {
+        self.inner.claim_many(tx, keys, fingerprints, ttl).await
+    }
+
+    async fn refresh_claims(
+        &self,
+        tx: &mut Self::Tx,
+        keys: &[DedupKey],
+        ttl: Ttl,
+    ) -> Result<(), StoreError> {
+        self.inner.refresh_claims(tx, keys, ttl).await
+    }
+
+    async fn live_ids_from(&self, from: &DedupKey) -> Result<Vec<String>, StoreError> {
+        self.inner.live_ids_from(from).await
+    }
+
+    fn connections(&self) -> Option<usize> {
+        self.inner.connections()
+    }
+
+    async fn commit(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        let crash = std::mem::take(&mut *self.crash_next_commit.lock().expect("lock"));
+        if crash {
+            self.inner.rollback(tx).await?;
+            return Err(StoreError::environment(SimulatedCrash));
+        }
+        self.inner.commit(tx).await
+    }
+
+    async fn rollback(&self, tx: Self::Tx) -> Result<(), StoreError> {
+        self.inner.rollback(tx).await
+    }
+
+    fn classify(&self, error: &(dyn StdError + 'static)) -> Classification {
+        self.inner.classify(error)
+    }
+
+    fn error_code(&self, error: &(dyn StdError + 'static)) -> Option<String> {
+        self.inner.error_code(error)
+    }
+}
+
+/// The user's handler claiming in a scope of the run's and pattern's own,
+/// optionally with another TTL.
+struct Scoped<H> {
+    inner: H,
+    scope: String,
+    ttl: Option<Ttl>,
+}
+
+impl<H: Handler + Clone> Scoped<H> {
+    fn new(inner: &H, run: &str, pattern: &str, ttl: Option<Ttl>) -> Self {
+        Scoped {
+            scope: format!("{}#test/{run}/{pattern}", inner.scope()),
+            inner: inner.clone(),
+            ttl,
+        }
+    }
+}
+
+impl<H: Handler> Handler for Scoped<H> {
+    type Tx = H::Tx;
+    type Event = H::Event;
+
+    fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    fn ttl(&self) -> Ttl {
+        self.ttl.unwrap_or_else(|| self.inner.ttl())
+    }
+
+    fn key(&self, event: &Self::Event, headers: &dyn Headers) -> Result<String, KeyError> {
+        self.inner.key(event, headers)
+    }
+
+    fn fingerprint(&self, event: &Self::Event, payload: &[u8]) -> Option<Fingerprint> {
+        self.inner.fingerprint(event, payload)
+    }
+
+    async fn handle(&self, tx: &mut Self::Tx, event: Self::Event) -> Result<(), HandlerError> {
+        self.inner.handle(tx, event).await
+    }
+
+    async fn handle_batch(
+        &self,
+        tx: &mut Self::Tx,
+        events: Vec<Self::Event>,
+    ) -> Result<(), HandlerError> {
+        self.inner.handle_batch(tx, events).await
+    }
+
+    fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error> {
+        self.inner.decode(payload)
+    }
+}

@@ -115,3 +115,68 @@ async fn a_write_through_another_connection_is_caught(pool: PgPool) {
     assert_eq!(pattern, Pattern::CrashBeforeCommit);
     assert_eq!(got["a"], 2 * once["a"]);
 }
+
+#[derive(serde::Deserialize)]
+struct StatusChanged {
+    event_id: String,
+    status: String,
+    version: i64,
+}
+
+/// The orders example's guarded upsert: writes only over an older version.
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn set_status(tx: &mut PgTx, ev: StatusChanged) -> Result<(), HandlerError> {
+    sqlx::query(
+        "INSERT INTO orders (id, status, version, updates) VALUES ('o-1', $1, $2, 1) \
+         ON CONFLICT (id) DO UPDATE \
+         SET status = EXCLUDED.status, version = EXCLUDED.version, updates = orders.updates + 1 \
+         WHERE orders.version < EXCLUDED.version",
+    )
+    .bind(&ev.status)
+    .bind(ev.version)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// With a version guard, a redelivery after the TTL changes nothing: the
+/// kit's `after_ttl` equals `once`.
+#[sqlx::test(migrations = false)]
+async fn a_version_guarded_effect_survives_a_redelivery_after_the_ttl(pool: PgPool) {
+    let store = PgStore::from_pool(pool);
+    store.migrate().await.expect("migrate");
+    sqlx::query(
+        "CREATE TABLE orders (id text PRIMARY KEY, status text NOT NULL, \
+         version bigint NOT NULL, updates int NOT NULL)",
+    )
+    .execute(store.pool())
+    .await
+    .expect("orders");
+    let events: Vec<Delivery> = ["created", "paid", "shipped", "delivered"]
+        .iter()
+        .zip(1..)
+        .map(|(status, version)| {
+            Delivery::json(&serde_json::json!({ "event_id": format!("s{version}"), "status": status, "version": version }))
+        })
+        .collect();
+    let report = assert_idempotent(
+        &set_status,
+        &store,
+        &events,
+        async |store| {
+            sqlx::query("TRUNCATE orders")
+                .execute(store.pool())
+                .await
+                .expect("truncate");
+        },
+        async |store| -> (String, i64, i32) {
+            sqlx::query_as("SELECT status, version, updates FROM orders")
+                .fetch_one(store.pool())
+                .await
+                .expect("the order")
+        },
+    )
+    .await;
+    assert_eq!(report.once, ("delivered".into(), 4, 4));
+    assert!(!report.applied_again_after_ttl(), "{report:?}");
+}

@@ -1,18 +1,26 @@
-//! Order status events `{event_id, order_id, status}` upserted into `orders`.
-//! The upsert alone is idempotent for one event, but not across events: a
-//! late duplicate of an old status would overwrite a newer one. The dedup
-//! claim makes each status event count once.
+//! Order status events `{event_id, order_id, status, version}` written into
+//! `orders`: the effect must not go backwards.
+//!
+//! The dedup claim makes each status event count once within its TTL. It
+//! cannot order two different events of one order, and it forgets an event
+//! after the TTL: a status that arrives after a newer one (a producer that
+//! sent them out of order, a replay of the topic past the TTL, a partition
+//! handed over mid-way) would overwrite the newer state. So the upsert is
+//! guarded by the order's version too: it writes only over an older one.
+//! See "Effects that must not go backwards" in the README.
 //!
 //! Environment: `DATABASE_URL` (required), `KAFKA_BROKERS` (default
 //! `localhost:9092`), `TOPIC` (default `orders`), `GROUP_ID` (default
-//! `orders-v1`). Runs until SIGINT or SIGTERM, then finishes in-flight work,
+//! `orders-v1`), `DEDUP_TTL` (default `4h`). Flag: `--exit-when-idle <ttl>`.
+//! Runs until SIGINT or SIGTERM (or idle), then finishes in-flight work,
 //! commits and prints `applied=N skipped=N dead_lettered=N`.
 //!
 //! `DATABASE_URL=... cargo run -p dedup-examples --example orders` (Ctrl-C to stop)
 
 #![allow(clippy::print_stdout)]
 
-use dedup_core::{HandlerError, idempotent};
+use dedup_core::{HandlerError, HandlerExt, Ttl, idempotent};
+use dedup_examples::{env_or, exit_when_idle, until_idle};
 use dedup_kafka::Consumer;
 use dedup_postgres::{PgStore, PgTx};
 
@@ -21,42 +29,65 @@ struct OrderStatusChanged {
     event_id: uuid::Uuid,
     order_id: String,
     status: String,
+    /// The order's version this status belongs to: the producer's sequence
+    /// per order (a counter, or the source row's version column).
+    version: i64,
 }
 
+/// Writes the status only over an older version: a late event, however it
+/// came, leaves newer state alone. `updates` counts the writes that
+/// happened.
 #[idempotent(key = "event_id", ttl = "4h")]
 async fn update_order(tx: &mut PgTx, ev: OrderStatusChanged) -> Result<(), HandlerError> {
-    sqlx::query(
-        "INSERT INTO orders (id, status, updates) VALUES ($1, $2, 1) \
-         ON CONFLICT (id) DO UPDATE SET status = EXCLUDED.status, updates = orders.updates + 1",
+    let written = sqlx::query(
+        "INSERT INTO orders (id, status, version, updates) VALUES ($1, $2, $3, 1) \
+         ON CONFLICT (id) DO UPDATE \
+         SET status = EXCLUDED.status, version = EXCLUDED.version, updates = orders.updates + 1 \
+         WHERE orders.version < EXCLUDED.version",
     )
     .bind(&ev.order_id)
     .bind(&ev.status)
+    .bind(ev.version)
     .execute(&mut **tx)
-    .await?;
+    .await?
+    .rows_affected();
+    if written == 0 {
+        tracing::info!(order = %ev.order_id, version = ev.version, "an older status than the order's: left as it is");
+    }
     Ok(())
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     dedup_examples::init_logging();
-    let store = PgStore::connect(&std::env::var("DATABASE_URL")?).await?;
+    let idle_limit = exit_when_idle("orders")?;
+    let database_url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL must be set")?;
+    let ttl: Ttl = env_or("DEDUP_TTL", "4h").parse()?;
+    let store = PgStore::connect(&database_url).await?;
     store.migrate().await?;
-    sqlx::query("CREATE TABLE IF NOT EXISTS orders (id text PRIMARY KEY, status text NOT NULL, updates int NOT NULL)")
-        .execute(store.pool())
-        .await?;
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS orders (id text PRIMARY KEY, status text NOT NULL, \
+         version bigint NOT NULL, updates int NOT NULL)",
+    )
+    .execute(store.pool())
+    .await?;
     let purger = store.spawn_purger(Default::default());
     let consumer = Consumer::builder(store)
         .set_from_env("KAFKA_CFG_")
-        .brokers(std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "localhost:9092".into()))
-        .group_id(std::env::var("GROUP_ID").unwrap_or_else(|_| "orders-v1".into()))
-        .handle(
-            std::env::var("TOPIC").unwrap_or_else(|_| "orders".into()),
-            update_order,
-        )
+        .brokers(env_or("KAFKA_BROKERS", "localhost:9092"))
+        .group_id(env_or("GROUP_ID", "orders-v1"))
+        .handle(env_or("TOPIC", "orders"), update_order.with_ttl(ttl))
         .build()?;
+    let stats = consumer.stats();
     // With METRICS_ADDR set: /metrics and /healthz.
-    dedup_examples::serve_metrics(Some(consumer.stats()))?;
-    let summary = consumer.run().await?;
+    dedup_examples::serve_metrics(Some(stats.clone()))?;
+    let summary = consumer
+        .run_until(until_idle(
+            stats,
+            idle_limit,
+            dedup_kafka::shutdown_signal(),
+        ))
+        .await?;
     purger.stop().await;
     println!("{summary}");
     Ok(())

@@ -923,13 +923,13 @@ async fn the_orders_example_shuts_down_gracefully_on_sigterm(pool: PgPool) {
     let producer = producer();
     let ids: Vec<String> = (0..3).map(|_| uuid::Uuid::new_v4().to_string()).collect();
     let events = [
-        (&ids[0], "created"),
-        (&ids[1], "paid"),
-        (&ids[1], "paid"),
-        (&ids[2], "shipped"),
+        (&ids[0], "created", 1),
+        (&ids[1], "paid", 2),
+        (&ids[1], "paid", 2),
+        (&ids[2], "shipped", 3),
     ];
-    for (id, status) in events {
-        let event = serde_json::json!({ "event_id": id, "order_id": "o-1", "status": status });
+    for (id, status, version) in events {
+        let event = serde_json::json!({ "event_id": id, "order_id": "o-1", "status": status, "version": version });
         produce(&producer, &topic, "o-1", event.to_string().as_bytes(), None).await;
     }
 

@@ -124,9 +124,13 @@ pub trait Handler: Send + Sync + 'static {
     }
 
     /// Decodes a payload into the event; a payload it refuses is
-    /// [`Error::Decode`]. `#[idempotent]` generates it from its `format`
-    /// (JSON by default: [`decode::json`](crate::decode::json)) or `decode`
-    /// option.
+    /// [`Error::Decode`], the event's own fault (dead-lettered, never
+    /// retried). `#[idempotent]` generates it from its `format` (JSON by
+    /// default: [`decode::json`](crate::decode::json)) or `decode` option; a
+    /// hand-written handler writes
+    /// `fn decode(&self, p: &[u8]) -> Result<Self::Event, Error> { dedup_core::decode::json(p) }`.
+    /// It runs synchronously on the consumer's worker: it must not block or
+    /// depend on the environment.
     fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error>;
 }
 

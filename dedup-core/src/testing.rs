@@ -5,17 +5,27 @@
 //! [`assert_idempotent`] applies your events once and reads the effect with
 //! your `snapshot` closure (balances, rows, calls made). Then it starts
 //! over, from an empty effect (your `reset` closure) and fresh claims, under
-//! each [`Pattern`] of redelivery: the events again in order, redeliveries
-//! interleaved with first deliveries, two consumers at once, a crash before
-//! the database commit, a crash between it and the offset commit, one batch
-//! transaction. After each, the snapshot must equal the first. A handler
-//! that writes anything outside its transaction, or whose batch body does
-//! not match its one-event body, fails with the pattern that broke it and
-//! both snapshots.
+//! each [`Pattern`] of redelivery, and after each the snapshot must equal
+//! the first; if not, it fails with the pattern and both snapshots.
 //!
-//! It also delivers the events again after their TTL, which applies them
-//! again by design: [`Report::after_ttl`] shows what that does to your
-//! effect.
+//! - Two patterns find the handler bugs a claim cannot cover.
+//!   [`Pattern::CrashBeforeCommit`] catches an effect written outside the
+//!   transaction (another connection, a service, process memory): the body
+//!   ran, the transaction rolled back, and the retry runs it again.
+//!   [`Pattern::Batch`] catches a batch body that does not do what the
+//!   one-event body does.
+//! - The others (the events again in order, redeliveries interleaved with
+//!   first deliveries, two consumers at once, a crash between the database
+//!   commit and the offset commit) check what the handler gets from the
+//!   claim and its store: each redelivery is skipped before the body runs,
+//!   whatever its timing. They pass for any handler on a correct store.
+//!
+//! It also delivers the events again after their TTL (1 s, waited out in
+//! real time), which applies them again by design:
+//! [`Report::after_ttl`] shows what that does to your effect. It fails if
+//! the claims do not expire, so a guarded effect's unchanged `after_ttl`
+//! means the guard held. Give it a few events: with one, "interleaved" is
+//! just "once".
 //!
 //! It works with any [`DedupStore`]: [`MemoryStore`](crate::MemoryStore),
 //! and SQLite or PostgreSQL (a `#[sqlx::test]` database) through their
@@ -122,12 +132,16 @@ pub enum Pattern {
     /// transaction shows twice.
     CrashBeforeCommit,
     /// Every event applied and committed, then the process dies before the
-    /// offset commit: everything after the last committed offset (the first
+    /// offset commit: everything after the last committed offset (the second
     /// half) is delivered again.
     CrashAfterCommit,
     /// Every event delivered twice over inside one batch transaction, and
     /// the batch again (the runtime's batched path, `handle_batch`).
     Batch,
+    /// Each event once with a 1 s TTL, then again once the claims expired:
+    /// applied again, by design. Reported in [`Report::after_ttl`], never
+    /// compared.
+    AfterTtl,
 }
 
 impl Pattern {
@@ -151,6 +165,7 @@ impl Pattern {
             Pattern::CrashBeforeCommit => "crash_before_commit",
             Pattern::CrashAfterCommit => "crash_after_commit",
             Pattern::Batch => "batch",
+            Pattern::AfterTtl => "after_ttl",
         }
     }
 
@@ -171,6 +186,7 @@ impl Pattern {
             Pattern::Batch => {
                 "every event twice inside one batch transaction, then the batch again"
             }
+            Pattern::AfterTtl => "each event again after its claim expired",
         }
     }
 }
@@ -225,6 +241,13 @@ pub enum Failure<T> {
         /// events.
         first: Option<String>,
     },
+    /// Events delivered again after their 1 s TTL were still skipped 30 s
+    /// later: the store's clock did not move (a store that does not expire
+    /// claims on the wall clock), so `after_ttl` would say nothing.
+    NotExpired {
+        /// Their positions.
+        events: Vec<usize>,
+    },
     /// An event kept failing with a retryable error.
     KeptFailing {
         /// The pattern it was delivered under.
@@ -250,6 +273,10 @@ impl<T: fmt::Debug> fmt::Display for Failure<T> {
             Failure::NothingApplied { first: Some(why) } => write!(
                 f,
                 "no event applied, every one was dead-lettered, so nothing was tested; the first: {why}"
+            ),
+            Failure::NotExpired { events } => write!(
+                f,
+                "events {events:?} were still skipped as duplicates 30 s after their 1 s TTL: the store's claims did not expire"
             ),
             Failure::KeptFailing {
                 pattern,
@@ -337,20 +364,47 @@ where
         }
     }
 
-    // After the TTL: the shortest TTL there is, waited out on the store's
-    // clock (the next transaction's).
+    // After the TTL: the shortest TTL there is, waited out in real time
+    // (not tokio's clock, which a paused test runtime would jump) until the
+    // store's clock says every claim expired: each event must apply again.
     reset(store).await;
     let ttl = Ttl::from_secs(1).expect("1 s is a TTL");
-    let scoped = Scoped::new(handler, &run, "after_ttl", Some(ttl));
-    kit.deliver(&scoped, Pattern::Once).await?;
-    tokio::time::sleep(ttl.as_duration() + Duration::from_millis(200)).await;
-    kit.deliver(&scoped, Pattern::Once).await?;
+    let scoped = Scoped::new(handler, &run, Pattern::AfterTtl.name(), Some(ttl));
+    kit.each(&scoped, Pattern::AfterTtl, &all(events.len()), false)
+        .await?;
+    let dead: Vec<usize> = dead_lettered.iter().map(|(i, _)| *i).collect();
+    let mut pending: Vec<usize> = all(events.len())
+        .into_iter()
+        .filter(|i| !dead.contains(i))
+        .collect();
+    let mut wait = ttl.as_duration() + Duration::from_millis(200);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !pending.is_empty() {
+        if std::time::Instant::now() > deadline {
+            return Err(Failure::NotExpired { events: pending });
+        }
+        real_sleep(wait).await;
+        wait = Duration::from_millis(200);
+        pending = kit
+            .each(&scoped, Pattern::AfterTtl, &pending, false)
+            .await?;
+    }
     let after_ttl = snapshot(store).await;
     Ok(Report {
         once,
         after_ttl,
         dead_lettered,
     })
+}
+
+fn all(n: usize) -> Vec<usize> {
+    (0..n).collect()
+}
+
+/// Sleeps on the wall clock, which the stores' clocks follow.
+async fn real_sleep(duration: Duration) {
+    let slept = tokio::task::spawn_blocking(move || std::thread::sleep(duration)).await;
+    slept.expect("a sleeping thread does not panic");
 }
 
 /// A run's own scopes: unique per process and call, so the claims of an
@@ -388,10 +442,10 @@ impl<S: DedupStore> Kit<'_, S> {
         let half = n / 2;
         let all: Vec<usize> = (0..n).collect();
         match pattern {
-            Pattern::Once => self.each(handler, pattern, &all, false).await,
+            Pattern::Once => self.each(handler, pattern, &all, false).await.map(drop),
             Pattern::AgainInOrder => {
                 self.each(handler, pattern, &all, false).await?;
-                self.each(handler, pattern, &all, false).await
+                self.each(handler, pattern, &all, false).await.map(drop)
             }
             Pattern::Interleaved => {
                 self.each(handler, pattern, &all[..half], false).await?;
@@ -402,25 +456,28 @@ impl<S: DedupStore> Kit<'_, S> {
                     order.push(i);
                 }
                 order.extend(redeliveries);
-                self.each(handler, pattern, &order, false).await
+                self.each(handler, pattern, &order, false).await.map(drop)
             }
             Pattern::Concurrently => {
                 let (a, b) = tokio::join!(
                     self.each(handler, pattern, &all, false),
                     self.each(handler, pattern, &all, false)
                 );
-                a.and(b)
+                a.and(b).map(drop)
             }
-            Pattern::CrashBeforeCommit => self.each(handler, pattern, &all, true).await,
+            Pattern::CrashBeforeCommit => self.each(handler, pattern, &all, true).await.map(drop),
             Pattern::CrashAfterCommit => {
                 self.each(handler, pattern, &all, false).await?;
-                self.each(handler, pattern, &all[half..], false).await
+                self.each(handler, pattern, &all[half..], false)
+                    .await
+                    .map(drop)
             }
             Pattern::Batch => {
                 let twice: Vec<usize> = all.iter().flat_map(|&i| [i, i]).collect();
                 self.batch(handler, pattern, &twice).await?;
                 self.batch(handler, pattern, &all).await
             }
+            Pattern::AfterTtl => unreachable!("delivered by check_idempotent itself"),
         }
     }
 
@@ -433,10 +490,11 @@ impl<S: DedupStore> Kit<'_, S> {
         pattern: Pattern,
         order: &[usize],
         crash: bool,
-    ) -> Result<(), KeptFailing>
+    ) -> Result<Vec<usize>, KeptFailing>
     where
         H: Handler<Tx = S::Tx>,
     {
+        let mut skipped = Vec::new();
         for &i in order {
             let event = &self.events[i];
             if crash {
@@ -467,12 +525,16 @@ impl<S: DedupStore> Kit<'_, S> {
                         }
                         break;
                     }
-                    Outcome::Applied { .. } | Outcome::Skipped { .. } => break,
+                    Outcome::Applied { .. } => break,
+                    Outcome::Skipped { .. } => {
+                        skipped.push(i);
+                        break;
+                    }
                 }
             }
             *self.store.crash_next_commit.lock().expect("lock") = false;
         }
-        Ok(())
+        Ok(skipped)
     }
 
     /// Delivers `order` as one batch transaction, as the batched runtime
@@ -504,7 +566,10 @@ impl<S: DedupStore> Kit<'_, S> {
             }
         }
         if handler.apply_batch(&self.store, batch).await.is_err() {
-            return self.each(handler, pattern, &prepared, false).await;
+            return self
+                .each(handler, pattern, &prepared, false)
+                .await
+                .map(drop);
         }
         Ok(())
     }

@@ -61,6 +61,30 @@ async fn a_transactional_handler_passes_and_the_ttl_trade_off_shows() {
     assert!(report.applied_again_after_ttl());
 }
 
+static PAUSED: Mutex<Balances> = Mutex::new(BTreeMap::new());
+
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn transactional_paused(tx: &mut MemoryTx, ev: Paid) -> Result<(), HandlerError> {
+    tx.on_commit(move || add(&PAUSED, ev.account, ev.cents));
+    Ok(())
+}
+
+/// A test runtime with a paused clock jumps tokio's timers, not the
+/// store's clock: the kit waits for the TTL in real time all the same, so
+/// the redelivery after it is applied, not skipped and reported unchanged.
+#[tokio::test(start_paused = true)]
+async fn the_ttl_is_waited_out_in_real_time_under_a_paused_clock() {
+    let report = assert_idempotent(
+        &transactional_paused,
+        &MemoryStore::new(),
+        &payments(),
+        async |_| PAUSED.lock().unwrap().clear(),
+        async |_| PAUSED.lock().unwrap().clone(),
+    )
+    .await;
+    assert_eq!(report.after_ttl["a"], 2 * report.once["a"]);
+}
+
 static LEAKY: Mutex<Balances> = Mutex::new(BTreeMap::new());
 
 /// Writes the balance at once, outside its transaction, as a handler that

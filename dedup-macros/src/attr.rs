@@ -38,8 +38,9 @@ pub(crate) enum FingerprintSource {
 pub(crate) enum Decode {
     /// `format = "json"`, and the default.
     Json,
-    /// `format = "protobuf"`: prost, through dedup-core's `protobuf` feature.
-    Protobuf,
+    /// `format = "protobuf"`: prost, through dedup-core's `protobuf` feature;
+    /// where the literal is, for errors.
+    Protobuf(Span),
     /// `decode = path::to::fn`: `fn(&[u8]) -> Result<Event, E>`.
     With(syn::Path),
 }
@@ -186,7 +187,7 @@ pub(crate) fn parse(attr: TokenStream) -> syn::Result<Args> {
         (None, None) => Some(Decode::Json),
         (Some(lit), None) => match lit.value().as_str() {
             "json" => Some(Decode::Json),
-            "protobuf" => Some(Decode::Protobuf),
+            "protobuf" => Some(Decode::Protobuf(lit.span())),
             other => {
                 errors.push(syn::Error::new(
                     lit.span(),
@@ -403,7 +404,7 @@ mod tests {
         let args = parse(quote!(key = "id", ttl = "1h", format = "json")).unwrap();
         assert!(matches!(args.decode, Decode::Json));
         let args = parse(quote!(key = "id", ttl = "1h", format = "protobuf")).unwrap();
-        assert!(matches!(args.decode, Decode::Protobuf));
+        assert!(matches!(args.decode, Decode::Protobuf(_)));
         let args = parse(quote!(key = "id", ttl = "1h", decode = wire::decode_paid)).unwrap();
         let Decode::With(path) = args.decode else {
             panic!("decode")

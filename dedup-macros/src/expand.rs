@@ -261,20 +261,29 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
             }
         }
     });
-    // The decoder is spanned where it was named, so an event type it
-    // cannot make (no prost::Message, a function returning another type)
-    // is reported on the option.
-    let decode_body = match &args.decode {
-        Decode::Json => quote!(#private::decode_json(payload)),
-        Decode::Protobuf => quote!(#private::decode_protobuf(payload)),
-        Decode::With(path) => {
-            // Through a function pointer of the event type, so a function
-            // that makes another type is reported on its name.
-            quote_spanned! {path.span()=> {
-                let decode: fn(&[u8]) -> #private::Result<Self::Event, _> = #path;
-                #private::decode_with(payload, decode)
-            }}
+    // The decoder goes through a function pointer of the event type: a
+    // `decode` function that makes another type is reported on its name,
+    // and an event that Protobuf cannot make on the attribute, with a
+    // message naming the missing feature. Only the decoder's path carries
+    // the user's span; `payload` keeps the call site's, so it resolves even
+    // when a `macro_rules!` writes the attribute.
+    let decoder = match &args.decode {
+        Decode::Json => quote!(#private::decode_json),
+        Decode::Protobuf(span) => {
+            let function = syn::Ident::new("decode_protobuf", *span);
+            quote!(#private::#function)
         }
+        Decode::With(path) => quote!(#path),
+    };
+    let decode_body = match &args.decode {
+        Decode::With(_) => quote! {
+            let decode: fn(&[u8]) -> #private::Result<Self::Event, _> = #decoder;
+            #private::decode_with(payload, decode)
+        },
+        Decode::Json | Decode::Protobuf(_) => quote! {
+            let decode: fn(&[u8]) -> #private::Result<Self::Event, #private::Error> = #decoder;
+            decode(payload)
+        },
     };
     let decode_fn = quote! {
         fn decode(

@@ -60,5 +60,9 @@ async fn a_sqlite_handler_is_idempotent_under_every_pattern() {
     )
     .await;
     assert_eq!((report.once, report.after_ttl), (35, 70));
-    let _ = std::fs::remove_file(&path);
+    for suffix in ["", "-wal", "-shm"] {
+        let mut file = path.clone().into_os_string();
+        file.push(suffix);
+        let _ = std::fs::remove_file(file);
+    }
 }

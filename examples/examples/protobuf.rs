@@ -5,8 +5,8 @@
 //! - `record_registered` reads Confluent's schema-registry wire format
 //!   (magic byte, schema id, message indexes, record) through a function of
 //!   ours: `#[idempotent(decode = from_registry)]`. It accepts the one schema
-//!   id it was written for; a real service would look unknown ids up in its
-//!   registry client.
+//!   id it was written for; a service that follows schema evolution fetches
+//!   the ids it accepts from its registry at start-up, never inside `decode`.
 //!
 //! It produces its own events, each twice, to `TOPIC` (plain) and
 //! `TOPIC-registry` (framed), plus a payload that is not Protobuf and a framed

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{brokers, database_url, example, header, last_line, read, unique};
+use common::{brokers, database_url, example, header, last_line, read_exactly, unique};
 use rdkafka::Message as _;
 use sqlx::PgPool;
 
@@ -37,14 +37,14 @@ async fn protobuf_and_registry_framed_events_apply_once_and_bad_ones_are_dead_le
     );
     assert_eq!(last_line(&output), "applied=10 skipped=10 dead_lettered=2");
 
-    let plain = read(&format!("{topic}.dlq"), 1).await;
+    let plain = read_exactly(&brokers(), &format!("{topic}.dlq"), 1).await;
     assert_eq!(
         plain[0].payload(),
         Some(&[0x00, 0x01][..]),
         "kept as it came"
     );
     assert_eq!(header(&plain[0], "dedup.error.kind"), Some("decode"));
-    let framed = read(&format!("{topic}-registry.dlq"), 1).await;
+    let framed = read_exactly(&brokers(), &format!("{topic}-registry.dlq"), 1).await;
     assert_eq!(
         framed[0].payload().map(|p| &p[..6]),
         Some(&[0, 0, 0, 0, 7, 0][..])

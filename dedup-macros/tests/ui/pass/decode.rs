@@ -2,7 +2,7 @@
 //! user's, whose own error type becomes a decode error.
 
 use dedup_core::decode::ConfluentFrame;
-use dedup_core::{Error, Handler, HandlerError, MemoryTx, idempotent};
+use dedup_core::{Error, Handler, HandlerError, Lease, LeaseHandler, MemoryTx, idempotent};
 
 #[derive(serde::Deserialize)]
 struct Paid {
@@ -53,7 +53,33 @@ async fn registry(_tx: &mut MemoryTx, _ev: Paid) -> Result<(), HandlerError> {
     Ok(())
 }
 
+#[idempotent(key = "id", ttl = "4h", decode = plain, batch)]
+async fn custom_batch(_tx: &mut MemoryTx, _evs: Vec<Plain>) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+#[idempotent(key = "id", ttl = "4h", decode = plain, lease = "30s")]
+async fn custom_leased(_lease: &Lease, _ev: Plain) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+/// An attribute written by a `macro_rules!`: the generated decoder still
+/// finds its payload.
+macro_rules! decoded_with {
+    ($name:ident, $decode:path) => {
+        #[idempotent(key = "id", ttl = "4h", decode = $decode)]
+        async fn $name(_tx: &mut MemoryTx, _ev: Plain) -> Result<(), HandlerError> {
+            Ok(())
+        }
+    };
+}
+
+decoded_with!(from_a_macro, plain);
+
 fn main() {
+    assert_eq!(Handler::decode(&custom_batch, b"b").unwrap().id, "b");
+    assert_eq!(LeaseHandler::decode(&custom_leased, b"l").unwrap().id, "l");
+    assert_eq!(from_a_macro.decode(b"m").unwrap().id, "m");
     assert_eq!(by_name.decode(br#"{"event_id": "e"}"#).unwrap().event_id, "e");
     assert_eq!(custom.decode(b"e").unwrap().id, "e");
     assert!(matches!(custom.decode(&[0xff]), Err(Error::Decode(e)) if e.to_string() == "not UTF-8"));

@@ -145,6 +145,22 @@ pub trait HandlerExt: Handler {
         DedupKey::new(self.scope(), self.key(event, headers)?)
     }
 
+    /// Decodes a message and takes what its claim needs: the dedup key and
+    /// the [`fingerprint`](Handler::fingerprint). The first step of
+    /// [`apply`](HandlerExt::apply), and how a batch's events are made for
+    /// [`apply_batch`](HandlerExt::apply_batch).
+    #[allow(clippy::type_complexity)]
+    fn prepare(
+        &self,
+        payload: &[u8],
+        headers: &dyn Headers,
+    ) -> Result<(DedupKey, Option<Fingerprint>, Self::Event), Error> {
+        let event = self.decode(payload)?;
+        let key = self.dedup_key(&event, headers)?;
+        let fingerprint = self.fingerprint(&event, payload);
+        Ok((key, fingerprint, event))
+    }
+
     /// This handler with another TTL, chosen at run time (from config or an
     /// environment variable) instead of the macro's.
     ///
@@ -184,14 +200,10 @@ pub trait HandlerExt: Handler {
         S: DedupStore<Tx = Self::Tx>,
     {
         async move {
-            let prepared = self
-                .decode(payload)
-                .and_then(|event| Ok((self.dedup_key(&event, headers)?, event)));
-            let (key, event) = match prepared {
+            let (key, fingerprint, event) = match self.prepare(payload, headers) {
                 Ok(ok) => ok,
                 Err(e) => return Outcome::Failed(e),
             };
-            let fingerprint = self.fingerprint(&event, payload);
             match claim_and_run(self, store, &key, fingerprint, event).await {
                 Ok(outcome) => outcome,
                 Err(e) => Outcome::Failed(e),

@@ -440,7 +440,7 @@ impl<S: DedupStore> Kit<'_, S> {
     {
         let n = self.events.len();
         let half = n / 2;
-        let all: Vec<usize> = (0..n).collect();
+        let all = all(n);
         match pattern {
             Pattern::Once => self.each(handler, pattern, &all, false).await.map(drop),
             Pattern::AgainInOrder => {
@@ -553,15 +553,10 @@ impl<S: DedupStore> Kit<'_, S> {
         let mut prepared = Vec::with_capacity(order.len());
         for &i in order {
             let event = &self.events[i];
-            let decoded = handler.decode(&event.payload).and_then(|decoded| {
-                let key = handler.dedup_key(&decoded, &event.headers)?;
-                Ok((key, decoded))
-            });
             // An event that does not decode or has no key never enters a
             // batch: the runtime dead-letters it before.
-            if let Ok((key, decoded)) = decoded {
-                let fingerprint = handler.fingerprint(&decoded, &event.payload);
-                batch.push((key, fingerprint, decoded));
+            if let Ok(ready) = handler.prepare(&event.payload, &event.headers) {
+                batch.push(ready);
                 prepared.push(i);
             }
         }

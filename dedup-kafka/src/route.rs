@@ -163,9 +163,7 @@ where
     }
 
     fn prepare(&self, payload: &[u8], headers: &(dyn Headers + Sync)) -> Result<Prepared, Error> {
-        let event = Handler::decode(self, payload)?;
-        let key = self.dedup_key(&event, headers)?;
-        let fingerprint = Handler::fingerprint(self, &event, payload);
+        let (key, fingerprint, event) = HandlerExt::prepare(self, payload, headers)?;
         Ok((key, fingerprint, Box::new(event)))
     }
 

@@ -19,6 +19,41 @@ use crate::stats::StatsSnapshot;
 
 /// A librdkafka setting's name from an environment variable's suffix:
 /// `GROUP_PROTOCOL` -> `group.protocol`, `LOG__LEVEL` -> `log_level`.
+/// The environment variables `<prefix><NAME>`, in name order, as
+/// `(setting, variable, value)`; see `set_from_env`.
+pub(crate) fn settings_from_env(prefix: &str) -> Vec<(String, String, String)> {
+    let mut vars: Vec<(String, String)> = std::env::vars()
+        .filter(|(name, _)| name.len() > prefix.len() && name.starts_with(prefix))
+        .collect();
+    vars.sort();
+    vars.into_iter()
+        .map(|(name, value)| (setting_name(&name[prefix.len()..]), name, value))
+        .collect()
+}
+
+/// Checks each setting taken from the environment (`from_env`: setting,
+/// variable) with librdkafka at the value it ends with in `settings`, so
+/// that a refusal names its variable, never its value.
+pub(crate) fn check_env_settings(
+    from_env: &[(String, String)],
+    settings: &[(String, String)],
+) -> Result<(), Error> {
+    for (key, variable) in from_env {
+        let value = settings
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map_or("", |(_, v)| v.as_str());
+        if let Err(e) = ClientConfig::new().set(key, value).create_native_config() {
+            return Err(Error::Config(format!(
+                "environment variable {variable}: {}",
+                crate::redacted(&e)
+            )));
+        }
+    }
+    Ok(())
+}
+
 fn setting_name(suffix: &str) -> String {
     suffix
         .to_lowercase()
@@ -167,12 +202,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// names the variable of one it refuses (never its value, which may be a
     /// password).
     pub fn set_from_env(mut self, prefix: &str) -> Self {
-        let mut vars: Vec<(String, String)> = std::env::vars()
-            .filter(|(name, _)| name.len() > prefix.len() && name.starts_with(prefix))
-            .collect();
-        vars.sort();
-        for (name, value) in vars {
-            let key = setting_name(&name[prefix.len()..]);
+        for (key, name, value) in settings_from_env(prefix) {
             self.from_env.push((key.clone(), name));
             self.client_settings.push((key, value));
         }
@@ -433,21 +463,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// Checks each setting taken from the environment with librdkafka, so
     /// that a refusal names its variable.
     fn check_env_settings(&self) -> Result<(), Error> {
-        for (key, variable) in &self.from_env {
-            let value = self
-                .client_settings
-                .iter()
-                .rev()
-                .find(|(k, _)| k == key)
-                .map_or("", |(_, v)| v.as_str());
-            if let Err(e) = ClientConfig::new().set(key, value).create_native_config() {
-                return Err(Error::Config(format!(
-                    "environment variable {variable}: {}",
-                    crate::redacted(&e)
-                )));
-            }
-        }
-        Ok(())
+        check_env_settings(&self.from_env, &self.client_settings)
     }
 
     /// Builds and runs until SIGINT or SIGTERM; see [`Consumer::run`].

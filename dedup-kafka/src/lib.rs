@@ -14,6 +14,7 @@ mod retry;
 mod route;
 mod shutdown;
 mod stats;
+mod transactional;
 mod ttl_check;
 
 pub use builder::ConsumerBuilder;
@@ -27,6 +28,9 @@ pub use relay::{Relay, RelayBuilder, RelayStats, RelayStatsSnapshot};
 pub use retry::RetryPolicy;
 pub use shutdown::shutdown_signal;
 pub use stats::{Health, LIVE_POLL_LIMIT, Stats, StatsSnapshot};
+pub use transactional::{
+    OutputRecord, Outputs, TransactionalConsumer, TransactionalConsumerBuilder,
+};
 pub use ttl_check::{TopicRetention, TtlCheck, topic_retention};
 
 /// Errors that stop a consumer from starting or running.

@@ -412,7 +412,7 @@ fn message_span(msg: &OwnedMessage) -> tracing::Span {
 }
 
 /// A message's headers, owned, for the handler.
-fn headers_of(msg: &OwnedMessage) -> Vec<(String, Vec<u8>)> {
+pub(crate) fn headers_of(msg: &OwnedMessage) -> Vec<(String, Vec<u8>)> {
     msg.headers()
         .map(|hs| {
             hs.iter()

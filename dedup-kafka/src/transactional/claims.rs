@@ -1,0 +1,242 @@
+//! The claims of one input partition, kept in memory and in a compacted
+//! changelog topic: what was applied, on the input records' timestamps.
+//!
+//! A claim is keyed by a 16-byte digest of its scope and id (the changelog
+//! record's key too, so compaction keeps one record per claim). Its value
+//! holds when it was taken and when it expires, both on the timestamps of
+//! the input records (never the clock of one host), and the fingerprint.
+//! A null value (a tombstone) removes it.
+
+use std::collections::HashMap;
+
+use dedup_core::{DedupKey, Fingerprint};
+use sha2::{Digest as _, Sha256};
+
+/// A claim's key: the first 16 bytes of SHA-256 over scope, NUL, id.
+pub(crate) type ClaimDigest = [u8; 16];
+
+/// The digest of `key`.
+pub(crate) fn digest(key: &DedupKey) -> ClaimDigest {
+    let mut hasher = Sha256::new();
+    hasher.update(key.scope().as_bytes());
+    hasher.update([0]);
+    hasher.update(key.id().as_bytes());
+    let mut out = [0; 16];
+    out.copy_from_slice(&hasher.finalize()[..16]);
+    out
+}
+
+/// One claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Entry {
+    /// The timestamp (ms) of the input record that took it.
+    pub(crate) claimed_at: i64,
+    /// `claimed_at` + the handler's TTL: a record of the same key with a
+    /// timestamp before it is a duplicate.
+    pub(crate) expires_at: i64,
+    pub(crate) fingerprint: Option<Fingerprint>,
+}
+
+impl Entry {
+    /// Whether a record stamped `at` (ms) falls within this claim.
+    pub(crate) fn covers(&self, at: i64) -> bool {
+        at < self.expires_at
+    }
+}
+
+/// The changelog format's version, the value's first byte.
+const FORMAT: u8 = 1;
+
+/// A changelog value: format, claimed_at, expires_at (big-endian i64 ms),
+/// 0 or 1 then the fingerprint, then the readable key for an operator
+/// (`scope/id`; not read back).
+pub(crate) fn encode(entry: &Entry, key: &DedupKey) -> Vec<u8> {
+    let readable = key.to_string();
+    let mut out = Vec::with_capacity(1 + 16 + 17 + readable.len());
+    out.push(FORMAT);
+    out.extend_from_slice(&entry.claimed_at.to_be_bytes());
+    out.extend_from_slice(&entry.expires_at.to_be_bytes());
+    match entry.fingerprint {
+        Some(fp) => {
+            out.push(1);
+            out.extend_from_slice(fp.as_bytes());
+        }
+        None => out.push(0),
+    }
+    out.extend_from_slice(readable.as_bytes());
+    out
+}
+
+/// Reads a changelog value back; `Err` names what is wrong with it.
+pub(crate) fn decode(value: &[u8]) -> Result<Entry, String> {
+    let fixed = |at: usize| -> Result<i64, String> {
+        let bytes = value
+            .get(at..at + 8)
+            .ok_or_else(|| format!("a claim record of {} bytes is cut short", value.len()))?;
+        Ok(i64::from_be_bytes(bytes.try_into().expect("8 bytes")))
+    };
+    match value.first() {
+        Some(&FORMAT) => {}
+        Some(other) => return Err(format!("unknown claim record format {other}")),
+        None => return Err("an empty claim record".into()),
+    }
+    let claimed_at = fixed(1)?;
+    let expires_at = fixed(9)?;
+    let fingerprint = match value.get(17) {
+        Some(0) => None,
+        Some(1) => {
+            let bytes = value
+                .get(18..34)
+                .ok_or("a claim record's fingerprint is cut short")?;
+            Some(Fingerprint::from_bytes(bytes.try_into().expect("16 bytes")))
+        }
+        _ => return Err("a claim record without its fingerprint flag".into()),
+    };
+    Ok(Entry {
+        claimed_at,
+        expires_at,
+        fingerprint,
+    })
+}
+
+/// The claims of one input partition.
+#[derive(Debug, Default)]
+pub(crate) struct PartitionClaims {
+    claims: HashMap<ClaimDigest, Entry>,
+    /// The greatest input timestamp (ms) committed in this partition: its
+    /// stream time, which expires claims.
+    pub(crate) stream_time: i64,
+    /// The stream time at which expired claims are next looked for.
+    next_sweep: i64,
+}
+
+impl PartitionClaims {
+    /// The live claim of `digest` for a record stamped `at`, if any.
+    pub(crate) fn live(&self, digest: &ClaimDigest, at: i64) -> Option<&Entry> {
+        self.claims.get(digest).filter(|e| e.covers(at))
+    }
+
+    /// Applies a changelog record (restore), or a committed claim.
+    pub(crate) fn put(&mut self, digest: ClaimDigest, entry: Entry) {
+        self.stream_time = self.stream_time.max(entry.claimed_at);
+        self.claims.insert(digest, entry);
+    }
+
+    /// Applies a tombstone.
+    pub(crate) fn remove(&mut self, digest: &ClaimDigest) {
+        self.claims.remove(digest);
+    }
+
+    /// Moves stream time forward to `at` (a committed input timestamp).
+    pub(crate) fn advance(&mut self, at: i64) {
+        self.stream_time = self.stream_time.max(at);
+    }
+
+    /// How many claims are held.
+    pub(crate) fn len(&self) -> usize {
+        self.claims.len()
+    }
+
+    /// The claims expired at stream time `now`, if a sweep is due: one
+    /// sweep per `every` ms of stream time, so a large store is not scanned
+    /// for every batch. The caller tombstones them in its transaction and
+    /// [`remove`](Self::remove)s them once it commits.
+    pub(crate) fn expired(&mut self, now: i64, every: i64) -> Vec<ClaimDigest> {
+        if now < self.next_sweep {
+            return Vec::new();
+        }
+        self.next_sweep = now.saturating_add(every.max(1));
+        self.claims
+            .iter()
+            .filter(|(_, e)| e.expires_at <= now)
+            .map(|(d, _)| *d)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(id: &str) -> DedupKey {
+        DedupKey::new("enrich", id).unwrap()
+    }
+
+    #[test]
+    fn a_value_reads_back_with_and_without_a_fingerprint() {
+        for fingerprint in [None, Some(Fingerprint::of_payload(b"x"))] {
+            let entry = Entry {
+                claimed_at: 1_700_000_000_123,
+                expires_at: 1_700_086_400_123,
+                fingerprint,
+            };
+            let value = encode(&entry, &key("e-1"));
+            assert_eq!(decode(&value), Ok(entry));
+            assert!(String::from_utf8_lossy(&value).contains("e-1"), "readable");
+        }
+    }
+
+    #[test]
+    fn a_broken_value_is_refused_not_guessed() {
+        let value = encode(
+            &Entry {
+                claimed_at: 1,
+                expires_at: 2,
+                fingerprint: Some(Fingerprint::of_payload(b"x")),
+            },
+            &key("e"),
+        );
+        assert!(decode(&[]).is_err());
+        assert!(decode(&[9]).is_err());
+        assert!(decode(&value[..10]).is_err());
+        assert!(decode(&value[..25]).is_err());
+    }
+
+    #[test]
+    fn digests_keep_scope_and_id_apart() {
+        let a = DedupKey::new("ab", "c").unwrap();
+        let b = DedupKey::new("a", "bc").unwrap();
+        assert_ne!(digest(&a), digest(&b));
+        assert_eq!(digest(&a), digest(&DedupKey::new("ab", "c").unwrap()));
+    }
+
+    #[test]
+    fn a_claim_covers_records_stamped_before_its_expiry() {
+        let mut claims = PartitionClaims::default();
+        let d = digest(&key("e"));
+        claims.put(
+            d,
+            Entry {
+                claimed_at: 1_000,
+                expires_at: 5_000,
+                fingerprint: None,
+            },
+        );
+        assert!(claims.live(&d, 4_999).is_some());
+        assert!(claims.live(&d, 5_000).is_none(), "expired at its expiry");
+        assert_eq!(claims.stream_time, 1_000);
+    }
+
+    #[test]
+    fn sweeps_find_expired_claims_once_per_interval_of_stream_time() {
+        let mut claims = PartitionClaims::default();
+        for (i, expires_at) in [(1, 2_000), (2, 3_000), (3, 9_000)] {
+            claims.put(
+                digest(&key(&i.to_string())),
+                Entry {
+                    claimed_at: 0,
+                    expires_at,
+                    fingerprint: None,
+                },
+            );
+        }
+        assert_eq!(claims.expired(2_500, 1_000).len(), 1);
+        assert!(claims.expired(3_000, 1_000).is_empty(), "not due yet");
+        let due = claims.expired(3_500, 1_000);
+        assert_eq!(due.len(), 2, "the first is still there until removed");
+        for d in due {
+            claims.remove(&d);
+        }
+        assert_eq!(claims.len(), 1);
+    }
+}

@@ -1,0 +1,1087 @@
+//! Kafka-to-Kafka handlers, exactly once with no database.
+//!
+//! A handler whose only effect is records to other topics takes
+//! [`Outputs`] as its transaction. The [`TransactionalConsumer`] runs it in
+//! batches; each batch is one Kafka transaction (KIP-447, fenced by the
+//! consumer group's generation) holding the batch's outputs, its dead
+//! letters, its claims (records of a compacted changelog topic,
+//! `<group>-dedup-claims`, co-partitioned with the input) and its input
+//! offsets. All of it becomes visible to `read_committed` consumers at
+//! once, or none of it does: a crash anywhere aborts the open transaction,
+//! and the batch runs again from the committed offsets.
+//!
+//! Claims are kept in memory per assigned input partition, restored from
+//! the changelog on assignment, and judged on the input records'
+//! timestamps: a record whose key was claimed by a record stamped less than
+//! the TTL before it is a duplicate, skipped. Once a partition's stream time
+//! (its greatest committed timestamp) passes a claim's expiry, the claim is
+//! tombstoned in the changelog so compaction removes it.
+
+mod claims;
+mod outputs;
+mod restore;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::future::Future;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dedup_core::{Classification, DedupKey, Handler, HandlerExt};
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer as _, ConsumerContext, Rebalance, StreamConsumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, Message as _, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer as _};
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+
+pub use outputs::{OutputRecord, Outputs};
+
+use self::claims::{ClaimDigest, Entry, PartitionClaims};
+use crate::Error;
+use crate::config::{self, OnFingerprintMismatch};
+use crate::dlq::{self, DeadLetter};
+use crate::retry::{Jitter, RetryPolicy};
+use crate::stats::{Stats, StatsSnapshot};
+
+/// Builds a [`TransactionalConsumer`]; see
+/// [`TransactionalConsumer::builder`].
+pub struct TransactionalConsumerBuilder<H> {
+    topic: String,
+    handler: H,
+    brokers: String,
+    group_id: Option<String>,
+    settings: Vec<(String, String)>,
+    /// Settings from the environment: (setting, variable).
+    from_env: Vec<(String, String)>,
+    producer_settings: Vec<(String, String)>,
+    dead_letter_topic: Option<String>,
+    changelog_topic: Option<String>,
+    changelog_replication: i32,
+    transactional_id: Option<String>,
+    transaction_timeout: Duration,
+    batch_size: usize,
+    batch_linger: Duration,
+    retry: RetryPolicy,
+    on_fingerprint_mismatch: OnFingerprintMismatch,
+}
+
+impl<H> fmt::Debug for TransactionalConsumerBuilder<H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TransactionalConsumerBuilder")
+            .field("topic", &self.topic)
+            .field("brokers", &self.brokers)
+            .field("group_id", &self.group_id)
+            .field("settings", &config::redacted(&self.settings))
+            .field(
+                "producer_settings",
+                &config::redacted(&self.producer_settings),
+            )
+            .field("transactional_id", &self.transactional_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
+    /// The bootstrap brokers (default `localhost:9092`).
+    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
+        self.brokers = brokers.into();
+        self
+    }
+
+    /// The consumer group (required). The changelog is `<group>-dedup-claims`.
+    pub fn group_id(mut self, group_id: impl Into<String>) -> Self {
+        self.group_id = Some(group_id.into());
+        self
+    }
+
+    /// A librdkafka setting for the consumer; connection and security
+    /// settings (`security.*`, `sasl.*`, `ssl.*`, ...) go to the producer
+    /// and the changelog readers too.
+    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.settings.push((key.into(), value.into()));
+        self
+    }
+
+    /// Every environment variable `<prefix><NAME>` as a setting, as
+    /// [`ConsumerBuilder::set_from_env`](crate::ConsumerBuilder::set_from_env)
+    /// reads them (`KAFKA_CFG_SESSION_TIMEOUT_MS=6000`).
+    pub fn set_from_env(mut self, prefix: &str) -> Self {
+        for (key, name, value) in crate::builder::settings_from_env(prefix) {
+            self.from_env.push((key.clone(), name));
+            self.settings.push((key, value));
+        }
+        self
+    }
+
+    /// A librdkafka setting for the transactional producer alone.
+    pub fn producer_set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.producer_settings.push((key.into(), value.into()));
+        self
+    }
+
+    /// Where poison messages go (default `<topic>.dlq`).
+    pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
+        self.dead_letter_topic = Some(topic.into());
+        self
+    }
+
+    /// The changelog topic's name (default `<group>-dedup-claims`).
+    pub fn changelog_topic(mut self, topic: impl Into<String>) -> Self {
+        self.changelog_topic = Some(topic.into());
+        self
+    }
+
+    /// The replication factor the changelog is created with (default -1:
+    /// the broker's `default.replication.factor`).
+    pub fn changelog_replication(mut self, replicas: i32) -> Self {
+        self.changelog_replication = replicas;
+        self
+    }
+
+    /// The producer's `transactional.id`. Default: `<group>-dedup-<random>`,
+    /// new on every start, so two instances never fence each other; a
+    /// crashed instance's open transaction then blocks `read_committed`
+    /// readers of its partitions until the transaction timeout. An id kept
+    /// across restarts (one per instance, never two live at once: a
+    /// StatefulSet's pod name) aborts it as soon as the instance is back.
+    pub fn transactional_id(mut self, id: impl Into<String>) -> Self {
+        self.transactional_id = Some(id.into());
+        self
+    }
+
+    /// How long a transaction may stay open before the broker aborts it
+    /// (default 10 s): after a crash, how long the partitions' readers wait.
+    pub fn transaction_timeout(mut self, timeout: Duration) -> Self {
+        self.transaction_timeout = timeout;
+        self
+    }
+
+    /// Most messages per transaction (default 500).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n.max(1);
+        self
+    }
+
+    /// How long a batch waits for more messages once it has one (default
+    /// 20 ms): each transaction costs a few round trips to the brokers.
+    pub fn batch_linger(mut self, linger: Duration) -> Self {
+        self.batch_linger = linger;
+        self
+    }
+
+    /// How retryable handler failures are retried before dead-lettering.
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+
+    /// What a duplicate whose fingerprint differs from its claim's gets.
+    pub fn on_fingerprint_mismatch(mut self, action: OnFingerprintMismatch) -> Self {
+        self.on_fingerprint_mismatch = action;
+        self
+    }
+
+    /// Checks the settings and creates the clients.
+    pub fn build(self) -> Result<TransactionalConsumer<H>, Error> {
+        let group = self.group_id.clone().ok_or_else(|| {
+            Error::Config("a group id is required: .group_id(\"enrich-v1\")".into())
+        })?;
+        let transactional_id = self.transactional_id.clone().unwrap_or_else(|| {
+            format!(
+                "{group}-dedup-{:016x}",
+                Jitter::new(std::process::id().into()).next().to_bits()
+            )
+        });
+        crate::builder::check_env_settings(&self.from_env, &self.settings)?;
+        let mut consumer = config::consumer_config(&self.brokers, Some(&group), &self.settings)?;
+        // Only what upstream committed, and offsets only through the
+        // transactions.
+        consumer.set("isolation.level", "read_committed");
+        let mut shared = ClientConfig::new();
+        shared.set("bootstrap.servers", &self.brokers);
+        for (k, v) in self
+            .settings
+            .iter()
+            .filter(|(k, _)| config::is_shared_setting(k))
+        {
+            shared.set(k, v);
+        }
+        let mut producer = shared.clone();
+        for (k, v) in &self.producer_settings {
+            producer.set(k, v);
+        }
+        producer
+            .set("transactional.id", &transactional_id)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set(
+                "transaction.timeout.ms",
+                self.transaction_timeout.as_millis().max(1000).to_string(),
+            )
+            // A record that just fitted its input topic still fits the
+            // dead-letter topic with dedup's headers.
+            .set("message.max.bytes", dlq::MAX_DEAD_LETTER_BYTES);
+        let producer: FutureProducer = producer.create()?;
+        Ok(TransactionalConsumer {
+            changelog: self
+                .changelog_topic
+                .unwrap_or_else(|| format!("{group}-dedup-claims")),
+            dead_letter_topic: self
+                .dead_letter_topic
+                .unwrap_or_else(|| format!("{}.dlq", self.topic)),
+            topic: self.topic,
+            handler: self.handler,
+            consumer_config: consumer,
+            shared_config: shared,
+            producer,
+            transactional_id,
+            changelog_replication: self.changelog_replication,
+            transaction_timeout: self.transaction_timeout,
+            batch_size: self.batch_size,
+            batch_linger: self.batch_linger,
+            retry: self.retry,
+            on_fingerprint_mismatch: self.on_fingerprint_mismatch,
+            stats: Arc::new(Stats::new()),
+        })
+    }
+
+    /// Builds and runs until `stop` resolves; see
+    /// [`TransactionalConsumer::run_until`].
+    pub async fn run_until(self, stop: impl Future<Output = ()>) -> Result<StatsSnapshot, Error> {
+        self.build()?.run_until(stop).await
+    }
+}
+
+/// Runs a Kafka-only handler exactly once per distinct event: outputs,
+/// claims, dead letters and input offsets of each batch in one Kafka
+/// transaction. See the [module docs](self) and the README's "Kafka-only
+/// handlers".
+///
+/// ```no_run
+/// # use dedup_core::{HandlerError, idempotent};
+/// # use dedup_kafka::{Outputs, TransactionalConsumer};
+/// # #[derive(serde::Deserialize, serde::Serialize)] struct OrderPlaced { event_id: String, order_id: String }
+/// #[idempotent(key = "event_id", ttl = "1d")]
+/// async fn enrich(out: &mut Outputs, ev: OrderPlaced) -> Result<(), HandlerError> {
+///     out.send("orders.enriched", &ev.order_id, &ev)?;
+///     Ok(())
+/// }
+///
+/// # async fn run() -> Result<(), dedup_kafka::Error> {
+/// let summary = TransactionalConsumer::builder("orders", enrich)
+///     .brokers("localhost:9092")
+///     .group_id("enrich-v1")
+///     .run_until(dedup_kafka::shutdown_signal())
+///     .await?;
+/// println!("{summary}");
+/// # Ok(()) }
+/// ```
+pub struct TransactionalConsumer<H> {
+    topic: String,
+    handler: H,
+    changelog: String,
+    dead_letter_topic: String,
+    consumer_config: ClientConfig,
+    shared_config: ClientConfig,
+    producer: FutureProducer,
+    transactional_id: String,
+    changelog_replication: i32,
+    transaction_timeout: Duration,
+    batch_size: usize,
+    batch_linger: Duration,
+    retry: RetryPolicy,
+    on_fingerprint_mismatch: OnFingerprintMismatch,
+    stats: Arc<Stats>,
+}
+
+impl<H> fmt::Debug for TransactionalConsumer<H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TransactionalConsumer")
+            .field("topic", &self.topic)
+            .field("changelog", &self.changelog)
+            .field("dead_letter_topic", &self.dead_letter_topic)
+            .field("transactional_id", &self.transactional_id)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the rebalance callbacks saw, in order, for the loop to act on.
+#[derive(Debug)]
+enum Change {
+    Assigned(Vec<i32>),
+    Revoked(Vec<i32>),
+}
+
+struct Context {
+    topic: String,
+    changes: Mutex<Vec<Change>>,
+}
+
+impl Context {
+    fn push(&self, change: Change) {
+        self.changes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(change);
+    }
+
+    fn take(&self) -> Vec<Change> {
+        std::mem::take(&mut *self.changes.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn partitions(&self, list: &TopicPartitionList) -> Vec<i32> {
+        list.elements()
+            .iter()
+            .filter(|e| e.topic() == self.topic)
+            .map(|e| e.partition())
+            .collect()
+    }
+}
+
+impl ClientContext for Context {}
+
+/// The callbacks run inside `recv`, which the loop calls only between
+/// transactions: no transaction is open when partitions are revoked.
+impl ConsumerContext for Context {
+    fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Revoke(list) = rebalance {
+            self.push(Change::Revoked(self.partitions(list)));
+        }
+    }
+
+    fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        if let Rebalance::Assign(list) = rebalance {
+            self.push(Change::Assigned(self.partitions(list)));
+        }
+    }
+}
+
+/// What became of one message of a batch.
+enum Fate {
+    Applied {
+        outputs: Vec<OutputRecord>,
+        digest: ClaimDigest,
+        entry: Entry,
+        key: DedupKey,
+    },
+    Skipped,
+    Dead {
+        kind: &'static str,
+        message: String,
+        attempts: u32,
+        /// How much of the payload to keep (`None`: all), once the broker
+        /// refused the whole.
+        keep: Option<usize>,
+    },
+}
+
+/// Where a record of the transaction came from, to tell whose fault its
+/// failure is.
+#[derive(Clone, Copy)]
+enum Source {
+    Output(usize),
+    DeadLetter(usize),
+    Changelog,
+}
+
+/// How a transaction attempt ended.
+enum Attempt {
+    Committed,
+    /// A record was refused for its own sake: its message's fate changed;
+    /// run the transaction again.
+    Refused,
+    /// The environment failed or the group moved on: the batch is dropped
+    /// and its partitions rewound to their committed offsets.
+    Rewind(String),
+}
+
+impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
+    /// A builder for `handler` on `topic`.
+    pub fn builder(topic: impl Into<String>, handler: H) -> TransactionalConsumerBuilder<H> {
+        TransactionalConsumerBuilder {
+            topic: topic.into(),
+            handler,
+            brokers: config::DEFAULT_BROKERS.to_owned(),
+            group_id: None,
+            settings: Vec::new(),
+            from_env: Vec::new(),
+            producer_settings: Vec::new(),
+            dead_letter_topic: None,
+            changelog_topic: None,
+            changelog_replication: -1,
+            transactional_id: None,
+            transaction_timeout: Duration::from_secs(10),
+            batch_size: 500,
+            batch_linger: Duration::from_millis(20),
+            retry: RetryPolicy::default(),
+            on_fingerprint_mismatch: OnFingerprintMismatch::default(),
+        }
+    }
+
+    /// The counters, live; [`Stats::idle_for`] tells an idle consumer.
+    pub fn stats(&self) -> Arc<Stats> {
+        self.stats.clone()
+    }
+
+    /// The changelog topic's name.
+    pub fn changelog_topic(&self) -> &str {
+        &self.changelog
+    }
+
+    /// Runs until `stop` resolves, then commits the batch in hand and
+    /// leaves the group. Needs a multi-thread Tokio runtime (the clients'
+    /// blocking calls run in `block_in_place`).
+    pub async fn run_until(self, stop: impl Future<Output = ()>) -> Result<StatsSnapshot, Error> {
+        self.stats.health.running.store(true, Ordering::Release);
+        let result = self.run(stop).await;
+        self.stats.health.running.store(false, Ordering::Release);
+        if let Err(e) = &result {
+            *self
+                .stats
+                .health
+                .fatal
+                .lock()
+                .unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+        }
+        result.map(|()| self.stats.snapshot())
+    }
+
+    async fn run(&self, stop: impl Future<Output = ()>) -> Result<(), Error> {
+        restore::ensure_changelog(
+            &self.shared_config,
+            &self.topic,
+            &self.changelog,
+            self.changelog_replication,
+        )
+        .await?;
+        self.init_transactions().await?;
+        let context = Context {
+            topic: self.topic.clone(),
+            changes: Mutex::new(Vec::new()),
+        };
+        let consumer: StreamConsumer<Context> =
+            self.consumer_config.create_with_context(context)?;
+        consumer.subscribe(&[&self.topic])?;
+        tracing::info!(topic = %self.topic, changelog = %self.changelog, transactional_id = %self.transactional_id, "transactional consumer started");
+        let mut states: HashMap<i32, PartitionClaims> = HashMap::new();
+        let mut jitter = Jitter::new(u64::from(std::process::id()));
+        let mut stopping = false;
+        tokio::pin!(stop);
+        while !stopping {
+            let mut batch: Vec<OwnedMessage> = Vec::new();
+            let mut deadline: Option<tokio::time::Instant> = None;
+            loop {
+                self.stats.polled();
+                let wait = match deadline {
+                    None => Duration::from_millis(500),
+                    Some(at) => match at.checked_duration_since(tokio::time::Instant::now()) {
+                        Some(left) => left,
+                        None => break,
+                    },
+                };
+                let received = tokio::select! {
+                    biased;
+                    () = &mut stop => { stopping = true; break }
+                    received = tokio::time::timeout(wait, consumer.recv()) => received,
+                };
+                self.apply_changes(consumer.context(), &mut states, &mut batch);
+                match received {
+                    Err(_) if batch.is_empty() => {}
+                    Err(_) => break,
+                    Ok(Ok(msg)) => {
+                        if batch.is_empty() {
+                            deadline = Some(tokio::time::Instant::now() + self.batch_linger);
+                        }
+                        batch.push(msg.detach());
+                        if batch.len() >= self.batch_size {
+                            break;
+                        }
+                    }
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, "consumer error");
+                    }
+                }
+            }
+            self.apply_changes(consumer.context(), &mut states, &mut batch);
+            self.restore_assigned(&mut states, &batch)?;
+            if batch.is_empty() {
+                continue;
+            }
+            self.stats.add_in_flight(batch.len() as i64);
+            let done = self
+                .process(&consumer, &mut states, &batch, &mut jitter)
+                .await;
+            self.stats.add_in_flight(-(batch.len() as i64));
+            self.stats.touch();
+            done?;
+        }
+        tracing::info!("transactional consumer stopping");
+        Ok(())
+    }
+
+    async fn init_transactions(&self) -> Result<(), Error> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let timeout = self.transaction_timeout.max(Duration::from_secs(10));
+            match tokio::task::block_in_place(|| self.producer.init_transactions(timeout)) {
+                Ok(()) => return Ok(()),
+                Err(e) if is_fatal(&e) || attempt >= 30 => {
+                    return Err(Error::Fatal(format!(
+                        "initializing transactions failed: {e}"
+                    )));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "initializing transactions; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }
+
+    /// Acts on the rebalance callbacks: a revoked partition's claims and
+    /// buffered messages are dropped (its next owner restores and reads
+    /// them from the committed offsets); an assigned one is restored before
+    /// its first message runs.
+    fn apply_changes(
+        &self,
+        context: &Context,
+        states: &mut HashMap<i32, PartitionClaims>,
+        batch: &mut Vec<OwnedMessage>,
+    ) {
+        for change in context.take() {
+            match change {
+                Change::Revoked(partitions) => {
+                    for p in &partitions {
+                        states.remove(p);
+                    }
+                    batch.retain(|m| !partitions.contains(&m.partition()));
+                    self.stats
+                        .revoked_partitions
+                        .fetch_add(partitions.len() as u64, Ordering::Relaxed);
+                }
+                Change::Assigned(partitions) => {
+                    self.stats.assignments.fetch_add(1, Ordering::Relaxed);
+                    self.stats.touch();
+                    // Restored before their first message runs.
+                    for p in partitions {
+                        states.remove(&p);
+                    }
+                }
+            }
+            self.stats
+                .health
+                .assigned
+                .store(states.len() as u64, Ordering::Release);
+        }
+    }
+
+    /// Restores the claims of every partition with a message in `batch`
+    /// that has none yet.
+    fn restore_assigned(
+        &self,
+        states: &mut HashMap<i32, PartitionClaims>,
+        batch: &[OwnedMessage],
+    ) -> Result<(), Error> {
+        let missing: HashSet<i32> = batch
+            .iter()
+            .map(|m| m.partition())
+            .filter(|p| !states.contains_key(p))
+            .collect();
+        for p in missing {
+            let claims = tokio::task::block_in_place(|| {
+                restore::restore(&self.shared_config, &self.changelog, p)
+            })?;
+            states.insert(p, claims);
+        }
+        Ok(())
+    }
+
+    /// Runs one batch: each message's fate, then one transaction with
+    /// everything the batch produces and its offsets.
+    async fn process(
+        &self,
+        consumer: &StreamConsumer<Context>,
+        states: &mut HashMap<i32, PartitionClaims>,
+        batch: &[OwnedMessage],
+        jitter: &mut Jitter,
+    ) -> Result<(), Error> {
+        let mut fates = Vec::with_capacity(batch.len());
+        // Claims taken in this batch, on top of the partitions' committed ones.
+        let mut staged: HashMap<(i32, ClaimDigest), Entry> = HashMap::new();
+        for msg in batch {
+            let fate = self.fate(msg, states, &mut staged, jitter).await;
+            if let Fate::Applied { digest, entry, .. } = &fate {
+                staged.insert((msg.partition(), *digest), *entry);
+            }
+            fates.push(fate);
+        }
+        let mut tombstones: BTreeMap<i32, Vec<ClaimDigest>> = BTreeMap::new();
+        let mut newest: BTreeMap<i32, i64> = BTreeMap::new();
+        for msg in batch {
+            let at = timestamp(msg);
+            let n = newest.entry(msg.partition()).or_insert(at);
+            *n = (*n).max(at);
+        }
+        let sweep_every = (self.handler.ttl().as_duration().as_millis() as i64 / 10).max(1_000);
+        for (&p, &at) in &newest {
+            if let Some(state) = states.get_mut(&p) {
+                let now = state.stream_time.max(at);
+                let expired: Vec<ClaimDigest> = state
+                    .expired(now, sweep_every)
+                    .into_iter()
+                    .filter(|d| !staged.contains_key(&(p, *d)))
+                    .collect();
+                if !expired.is_empty() {
+                    tombstones.insert(p, expired);
+                }
+            }
+        }
+        let mut offsets = TopicPartitionList::new();
+        let mut first: BTreeMap<i32, i64> = BTreeMap::new();
+        for msg in batch {
+            first.entry(msg.partition()).or_insert(msg.offset());
+        }
+        let mut last: BTreeMap<i32, i64> = BTreeMap::new();
+        for msg in batch {
+            last.insert(msg.partition(), msg.offset());
+        }
+        for (&p, &o) in &last {
+            offsets.add_partition_offset(&self.topic, p, Offset::Offset(o + 1))?;
+        }
+        let mut failures = 0u32;
+        loop {
+            match self
+                .transact(consumer, batch, &mut fates, &tombstones, &offsets)
+                .await?
+            {
+                Attempt::Committed => break,
+                Attempt::Refused => continue,
+                Attempt::Rewind(why) => {
+                    failures += 1;
+                    let wait = self.retry.outage_backoff(failures, jitter.next());
+                    tracing::warn!(
+                        why,
+                        ?wait,
+                        "transaction aborted; the batch runs again from its first offsets"
+                    );
+                    self.stats.retries.fetch_add(1, Ordering::Relaxed);
+                    // The group may have moved on (a rebalance fenced this
+                    // member): run the batch again from the consumer, whose
+                    // rebalance callbacks then say what is still ours.
+                    for (&p, &o) in &first {
+                        if let Err(e) =
+                            consumer.seek(&self.topic, p, Offset::Offset(o), Duration::from_secs(5))
+                        {
+                            tracing::debug!(partition = p, error = %e, "rewind: seek failed (partition revoked?)");
+                        }
+                    }
+                    tokio::time::sleep(wait).await;
+                    return Ok(());
+                }
+            }
+        }
+        // Committed: what the partitions now hold.
+        let (mut applied, mut skipped, mut dead) = (0, 0, 0);
+        for (msg, fate) in batch.iter().zip(fates) {
+            let Some(state) = states.get_mut(&msg.partition()) else {
+                continue;
+            };
+            match fate {
+                Fate::Applied { digest, entry, .. } => {
+                    applied += 1;
+                    state.put(digest, entry);
+                }
+                Fate::Skipped => skipped += 1,
+                Fate::Dead { .. } => dead += 1,
+            }
+        }
+        for (p, digests) in tombstones {
+            if let Some(state) = states.get_mut(&p) {
+                for d in digests {
+                    state.remove(&d);
+                }
+            }
+        }
+        for (p, at) in newest {
+            if let Some(state) = states.get_mut(&p) {
+                state.advance(at);
+            }
+        }
+        let s = &self.stats;
+        s.applied.fetch_add(applied, Ordering::Relaxed);
+        s.skipped.fetch_add(skipped, Ordering::Relaxed);
+        s.dead_lettered.fetch_add(dead, Ordering::Relaxed);
+        s.batches.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// What becomes of `msg`: decoded and keyed, claimed unless a live
+    /// claim covers it, and run (with retries) into its outputs.
+    async fn fate(
+        &self,
+        msg: &OwnedMessage,
+        states: &HashMap<i32, PartitionClaims>,
+        staged: &mut HashMap<(i32, ClaimDigest), Entry>,
+        jitter: &mut Jitter,
+    ) -> Fate {
+        let payload = msg.payload().unwrap_or_default();
+        let headers = crate::partition::headers_of(msg);
+        let (key, fingerprint, event) = match self.handler.prepare(payload, &headers) {
+            Ok(prepared) => prepared,
+            Err(e) => return dead(e.kind(), e.to_string(), 1),
+        };
+        let digest = claims::digest(&key);
+        let at = timestamp(msg);
+        let live = staged
+            .get(&(msg.partition(), digest))
+            .filter(|e| e.covers(at))
+            .or_else(|| {
+                states
+                    .get(&msg.partition())
+                    .and_then(|s| s.live(&digest, at))
+            });
+        if let Some(claim) = live {
+            if let (Some(kept), Some(ours)) = (claim.fingerprint, fingerprint)
+                && kept != ours
+            {
+                tracing::warn!(key = %key, "a duplicate's fingerprint differs from its claim's: the id was reused for other content");
+                if self.on_fingerprint_mismatch == OnFingerprintMismatch::DeadLetter {
+                    return dead(
+                        "fingerprint_mismatch",
+                        format!(
+                            "event id {key} was claimed with fingerprint {kept} and came again with {ours}"
+                        ),
+                        1,
+                    );
+                }
+            }
+            return Fate::Skipped;
+        }
+        let mut event = Some(event);
+        let mut attempt = 0u32;
+        loop {
+            attempt += 1;
+            let ev = match event.take() {
+                Some(ev) => ev,
+                // It decoded once; decoding is pure.
+                None => match self.handler.decode(payload) {
+                    Ok(ev) => ev,
+                    Err(e) => return dead(e.kind(), e.to_string(), attempt),
+                },
+            };
+            let mut out = Outputs::default();
+            let error = match self.handler.handle(&mut out, ev).await {
+                Ok(()) => {
+                    let ttl = i64::try_from(self.handler.ttl().as_duration().as_millis())
+                        .unwrap_or(i64::MAX);
+                    return Fate::Applied {
+                        outputs: out.into_records(),
+                        digest,
+                        entry: Entry {
+                            claimed_at: at,
+                            expires_at: at.saturating_add(ttl),
+                            fingerprint,
+                        },
+                        key,
+                    };
+                }
+                Err(e) => e,
+            };
+            let class = error.classification().or_else(|| Classification::Permanent);
+            let wait = match class {
+                Classification::Environment => self.retry.outage_backoff(attempt, jitter.next()),
+                Classification::Transient if attempt < self.retry.attempts() => {
+                    self.retry.backoff(attempt, jitter.next())
+                }
+                _ => return dead("handler", error.source().to_string(), attempt),
+            };
+            tracing::warn!(key = %key, attempt, error = %error.source(), ?wait, "handler failed; retrying");
+            self.stats.retries.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(wait).await;
+        }
+    }
+
+    /// One try at the batch's transaction.
+    async fn transact(
+        &self,
+        consumer: &StreamConsumer<Context>,
+        batch: &[OwnedMessage],
+        fates: &mut [Fate],
+        tombstones: &BTreeMap<i32, Vec<ClaimDigest>>,
+        offsets: &TopicPartitionList,
+    ) -> Result<Attempt, Error> {
+        let timeout = self.transaction_timeout;
+        if let Err(e) = self.producer.begin_transaction() {
+            return self.failed("begin", e).await;
+        }
+        crate::failpoint::failpoint("transaction-before-outputs");
+        let mut sent: Vec<(Source, DeliveryFuture)> = Vec::new();
+        // Outputs and dead letters in partition order, then the changelog:
+        // tombstones before the claims taken again.
+        for (i, (msg, fate)) in batch.iter().zip(fates.iter()).enumerate() {
+            let sent_one = match fate {
+                Fate::Applied { outputs, .. } => {
+                    let mut result = Ok(());
+                    for out in outputs {
+                        let mut record = FutureRecord::<[u8], [u8]>::to(&out.topic);
+                        if let Some(k) = &out.key {
+                            record = record.key(k);
+                        }
+                        if let Some(p) = &out.payload {
+                            record = record.payload(p);
+                        }
+                        if let Some(p) = out.partition {
+                            record = record.partition(p);
+                        }
+                        if !out.headers.is_empty() {
+                            let mut hs = OwnedHeaders::new();
+                            for (name, value) in &out.headers {
+                                hs = hs.insert(Header {
+                                    key: name,
+                                    value: Some(value),
+                                });
+                            }
+                            record = record.headers(hs);
+                        }
+                        result = self.send(record, Source::Output(i), &mut sent).await;
+                        if result.is_err() {
+                            break;
+                        }
+                    }
+                    result
+                }
+                Fate::Skipped => Ok(()),
+                Fate::Dead {
+                    kind,
+                    message,
+                    attempts,
+                    keep,
+                } => {
+                    let why = DeadLetter {
+                        topic: &self.dead_letter_topic,
+                        kind,
+                        message: message.clone(),
+                        attempts: *attempts,
+                        handler: self.handler.scope(),
+                    };
+                    let payload = msg.payload().unwrap_or_default();
+                    let kept = keep.map_or(payload, |n| &payload[..n.min(payload.len())]);
+                    let truncated = (kept.len() < payload.len()).then_some(payload.len());
+                    let mut record = FutureRecord::<[u8], [u8]>::to(&self.dead_letter_topic)
+                        .headers(dlq::headers(msg, &why, truncated));
+                    if let Some(k) = msg.key() {
+                        record = record.key(k);
+                    }
+                    if msg.payload().is_some() {
+                        record = record.payload(kept);
+                    }
+                    self.send(record, Source::DeadLetter(i), &mut sent).await
+                }
+            };
+            if let Err((source, e)) = sent_one {
+                self.abort().await?;
+                return self.refused(source, e, fates);
+            }
+        }
+        let mut values = Vec::new();
+        for (msg, fate) in batch.iter().zip(fates.iter()) {
+            if let Fate::Applied {
+                digest, entry, key, ..
+            } = fate
+            {
+                values.push((msg.partition(), *digest, claims::encode(entry, key)));
+            }
+        }
+        for (&p, digests) in tombstones {
+            for d in digests {
+                let record = FutureRecord::<[u8], [u8]>::to(&self.changelog)
+                    .partition(p)
+                    .key(&d[..]);
+                if let Err((_, e)) = self.send(record, Source::Changelog, &mut sent).await {
+                    return self.failed("changelog", e).await;
+                }
+            }
+        }
+        for (p, d, value) in &values {
+            let record = FutureRecord::<[u8], [u8]>::to(&self.changelog)
+                .partition(*p)
+                .key(&d[..])
+                .payload(&value[..]);
+            if let Err((_, e)) = self.send(record, Source::Changelog, &mut sent).await {
+                return self.failed("changelog", e).await;
+            }
+        }
+        crate::failpoint::failpoint("transaction-before-offsets");
+        let Some(group) = consumer.group_metadata() else {
+            return self
+                .failed(
+                    "offsets",
+                    KafkaError::Subscription("no group metadata".into()),
+                )
+                .await;
+        };
+        if let Err(e) = tokio::task::block_in_place(|| {
+            self.producer
+                .send_offsets_to_transaction(offsets, &group, timeout)
+        }) {
+            return self.failed("send offsets", e).await;
+        }
+        crate::failpoint::failpoint("transaction-before-commit");
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match tokio::task::block_in_place(|| self.producer.commit_transaction(timeout)) {
+                Ok(()) => break,
+                Err(KafkaError::Transaction(e)) if e.is_retriable() && tries < 5 => {
+                    tracing::warn!(error = %e, "commit: retrying");
+                }
+                Err(e) => {
+                    // Which record, if any, was refused for its own sake
+                    // (their reports are in once the commit has flushed).
+                    let reports = tokio::time::timeout(timeout, async {
+                        for (source, fut) in sent {
+                            if let Ok(Err((err, _))) = fut.await
+                                && is_records_fault(&err)
+                                && !matches!(source, Source::Changelog)
+                            {
+                                return Some((source, err));
+                            }
+                        }
+                        None
+                    });
+                    if let Ok(Some((source, err))) = reports.await {
+                        self.abort().await?;
+                        return self.refused(source, err, fates);
+                    }
+                    return self.failed("commit", e).await;
+                }
+            }
+        }
+        crate::failpoint::failpoint("transaction-after-commit");
+        Ok(Attempt::Committed)
+    }
+
+    /// Sends one record of the transaction, waiting while librdkafka's
+    /// queue is full; `Err` if the producer refused it outright.
+    async fn send<'a>(
+        &self,
+        mut record: FutureRecord<'a, [u8], [u8]>,
+        source: Source,
+        sent: &mut Vec<(Source, DeliveryFuture)>,
+    ) -> Result<(), (Source, KafkaError)> {
+        loop {
+            match self.producer.send_result(record) {
+                Ok(fut) => {
+                    sent.push((source, fut));
+                    return Ok(());
+                }
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                    record = back;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err((e, _)) => return Err((source, e)),
+            }
+        }
+    }
+
+    /// A record refused for its own sake changes its message's fate: an
+    /// output too large (or to an invalid topic) dead-letters its event, a
+    /// dead letter too large is cut. Anything else is the environment's.
+    fn refused(&self, source: Source, e: KafkaError, fates: &mut [Fate]) -> Result<Attempt, Error> {
+        match source {
+            Source::Output(i) if is_records_fault(&e) => {
+                tracing::warn!(error = %e, "an output of the handler was refused; the event is dead-lettered");
+                fates[i] = dead(
+                    "output",
+                    format!("the handler's output was refused: {e}"),
+                    1,
+                );
+                Ok(Attempt::Refused)
+            }
+            Source::DeadLetter(i) if dlq::is_too_large(&e) => {
+                let Fate::Dead { keep, .. } = &mut fates[i] else {
+                    unreachable!("a dead letter's source is dead");
+                };
+                *keep = match keep {
+                    None => Some(dlq::TRUNCATED_PAYLOAD_BYTES),
+                    Some(0) => {
+                        return Err(Error::Fatal(format!(
+                            "a dead letter for {:?} is too large even without its payload: raise the topic's max.message.bytes",
+                            self.dead_letter_topic
+                        )));
+                    }
+                    Some(_) => Some(0),
+                };
+                Ok(Attempt::Refused)
+            }
+            _ => Ok(Attempt::Rewind(format!("a record was refused: {e}"))),
+        }
+    }
+
+    async fn abort(&self) -> Result<(), Error> {
+        match tokio::task::block_in_place(|| {
+            self.producer.abort_transaction(self.transaction_timeout)
+        }) {
+            Ok(()) => Ok(()),
+            Err(e) if is_fatal(&e) => Err(Error::Fatal(format!(
+                "aborting the transaction failed: {e}"
+            ))),
+            Err(e) => {
+                tracing::warn!(error = %e, "aborting the transaction failed");
+                Ok(())
+            }
+        }
+    }
+
+    /// A step of the transaction failed: fatal errors stop the consumer,
+    /// anything else aborts and rewinds.
+    async fn failed(&self, step: &str, e: KafkaError) -> Result<Attempt, Error> {
+        if is_fatal(&e) {
+            return Err(Error::Fatal(format!(
+                "the transactional producer failed fatally at {step} (another instance with transactional.id {:?}?): {e}",
+                self.transactional_id
+            )));
+        }
+        self.abort().await?;
+        Ok(Attempt::Rewind(format!("{step}: {e}")))
+    }
+}
+
+fn dead(kind: &'static str, message: String, attempts: u32) -> Fate {
+    Fate::Dead {
+        kind,
+        message,
+        attempts,
+        keep: None,
+    }
+}
+
+/// The record's timestamp in ms; the wall clock for a record without one.
+fn timestamp(msg: &OwnedMessage) -> i64 {
+    msg.timestamp().to_millis().unwrap_or_else(|| {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as i64)
+    })
+}
+
+fn is_fatal(e: &KafkaError) -> bool {
+    matches!(e, KafkaError::Transaction(t) if t.is_fatal())
+}
+
+/// A produce error that no retry can help for this record.
+fn is_records_fault(e: &KafkaError) -> bool {
+    matches!(
+        e,
+        KafkaError::MessageProduction(
+            RDKafkaErrorCode::MessageSizeTooLarge
+                | RDKafkaErrorCode::InvalidMessageSize
+                | RDKafkaErrorCode::InvalidRecord
+                | RDKafkaErrorCode::InvalidTopic
+                | RDKafkaErrorCode::UnknownPartition
+        )
+    )
+}

@@ -1,0 +1,89 @@
+//! Kafka to Kafka, exactly once, no database: reads payment events
+//! `{event_id, account_id, amount_cents}` and writes each distinct event
+//! once, with `"enriched": true`, keyed by its account.
+//!
+//! Each batch is one Kafka transaction: the outputs, the claims (in the
+//! compacted changelog `<group>-dedup-claims`), the dead letters and the
+//! input offsets commit together. Duplicates produced upstream (the same
+//! `event_id` again within the TTL, on the same partition) are skipped
+//! through the claims, which Kafka's transactions alone would not do.
+//! Readers of the output must use `isolation.level=read_committed`.
+//!
+//! Environment: `KAFKA_BROKERS` (default `localhost:9092`), `TOPIC`
+//! (default `payments`), `OUTPUT_TOPIC` (default `payments.enriched`),
+//! `GROUP_ID` (default `enrich-v1`), `DEDUP_TTL` (default `1d`),
+//! `TRANSACTIONAL_ID` (default: a new one per start), `KAFKA_CFG_*`
+//! passed through. Poison goes to `<TOPIC>.dlq`. Flag:
+//! `--exit-when-idle <ttl>`. Runs until SIGINT or SIGTERM (or idle), then
+//! commits the batch in hand and prints `applied=N skipped=N dead_lettered=N`.
+//!
+//! `cargo run -p dedup-examples --example enrich` (Ctrl-C to stop)
+
+#![allow(clippy::print_stdout)]
+
+use dedup_core::{HandlerError, HandlerExt, Ttl, idempotent};
+use dedup_examples::{env_or, exit_when_idle, until_idle};
+use dedup_kafka::{Outputs, TransactionalConsumer};
+
+#[derive(serde::Deserialize, serde::Serialize)]
+struct Payment {
+    event_id: String,
+    account_id: String,
+    amount_cents: i64,
+}
+
+#[derive(serde::Serialize)]
+struct Enriched<'a> {
+    #[serde(flatten)]
+    payment: &'a Payment,
+    enriched: bool,
+}
+
+/// The output topic, read once at start (a handler has no arguments of its
+/// own beyond the outputs and the event).
+static OUTPUT_TOPIC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+#[idempotent(key = "event_id", ttl = "1d")]
+async fn enrich(out: &mut Outputs, ev: Payment) -> Result<(), HandlerError> {
+    let topic = OUTPUT_TOPIC
+        .get()
+        .map_or("payments.enriched", String::as_str);
+    out.send(
+        topic,
+        &ev.account_id,
+        &Enriched {
+            payment: &ev,
+            enriched: true,
+        },
+    )?;
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    dedup_examples::init_logging();
+    let idle_limit = exit_when_idle("enrich")?;
+    let ttl: Ttl = env_or("DEDUP_TTL", "1d").parse()?;
+    OUTPUT_TOPIC
+        .set(env_or("OUTPUT_TOPIC", "payments.enriched"))
+        .expect("set once");
+    let mut builder =
+        TransactionalConsumer::builder(env_or("TOPIC", "payments"), enrich.with_ttl(ttl))
+            .set_from_env("KAFKA_CFG_")
+            .brokers(env_or("KAFKA_BROKERS", "localhost:9092"))
+            .group_id(env_or("GROUP_ID", "enrich-v1"));
+    if let Ok(id) = std::env::var("TRANSACTIONAL_ID") {
+        builder = builder.transactional_id(id);
+    }
+    let consumer = builder.build()?;
+    let stats = consumer.stats();
+    let summary = consumer
+        .run_until(until_idle(
+            stats,
+            idle_limit,
+            dedup_kafka::shutdown_signal(),
+        ))
+        .await?;
+    println!("{summary}");
+    Ok(())
+}

@@ -1,0 +1,487 @@
+//! Kafka-only handlers through the transactional consumer, against a real
+//! broker: each distinct event's output exactly once for `read_committed`
+//! readers, duplicates skipped through claims restored from the changelog,
+//! poison dead-lettered inside the transaction, claims expiring on record
+//! timestamps, and crashes at each step of the transaction.
+
+mod common;
+
+use std::collections::{HashMap, HashSet};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{KillOnDrop, brokers, create_topic, header, unique};
+use dedup_core::{DedupKey, Error, Handler, HandlerError, Headers, KeyError, Ttl};
+use dedup_kafka::{OutputRecord, Outputs, StatsSnapshot, TransactionalConsumer};
+use rdkafka::ClientConfig;
+use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::message::{Message as _, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+
+/// Forwards `{event_id, n}` to `out` as `{event_id, n, forwarded: true}`;
+/// `"fail": true` fails permanently, `"big": N` makes an N-byte output.
+#[derive(Clone)]
+struct Forward {
+    out: String,
+    ttl: Ttl,
+}
+
+#[derive(serde::Deserialize)]
+struct Event {
+    event_id: Option<String>,
+    n: i64,
+    #[serde(default)]
+    fail: bool,
+    #[serde(default)]
+    big: usize,
+}
+
+impl Handler for Forward {
+    type Tx = Outputs;
+    type Event = Event;
+
+    fn scope(&self) -> &str {
+        "forward"
+    }
+
+    fn ttl(&self) -> Ttl {
+        self.ttl
+    }
+
+    fn key(&self, event: &Event, _: &dyn Headers) -> Result<String, KeyError> {
+        event
+            .event_id
+            .clone()
+            .ok_or(KeyError::MissingField { field: "event_id" })
+    }
+
+    async fn handle(&self, out: &mut Outputs, ev: Event) -> Result<(), HandlerError> {
+        if ev.fail {
+            return Err(HandlerError::permanent("the event says fail"));
+        }
+        let id = ev.event_id.unwrap_or_default();
+        if ev.big > 0 {
+            out.push(
+                OutputRecord::new(&self.out)
+                    .key(&id)
+                    .payload(vec![b'x'; ev.big]),
+            );
+            return Ok(());
+        }
+        out.send(
+            &self.out,
+            &id,
+            &serde_json::json!({"event_id": id, "n": ev.n, "forwarded": true}),
+        )
+    }
+
+    fn decode(&self, payload: &[u8]) -> Result<Event, Error> {
+        dedup_core::decode::json(payload)
+    }
+}
+
+fn producer() -> FutureProducer {
+    common::producer()
+}
+
+/// Produces `payload` keyed by `key` (the same key, the same partition),
+/// stamped `at` ms if given.
+async fn send(producer: &FutureProducer, topic: &str, key: &str, payload: &[u8], at: Option<i64>) {
+    let mut record = FutureRecord::to(topic).key(key).payload(payload);
+    if let Some(at) = at {
+        record = record.timestamp(at);
+    }
+    producer
+        .send(record, Duration::from_secs(10))
+        .await
+        .expect("produced");
+}
+
+fn event(id: &str, n: i64) -> Vec<u8> {
+    serde_json::json!({"event_id": id, "n": n})
+        .to_string()
+        .into_bytes()
+}
+
+/// Runs a transactional consumer of `topic` in `group` until it has been
+/// idle for 3 s after its assignment.
+async fn drain(topic: &str, group: &str, handler: Forward) -> StatsSnapshot {
+    drain_with(TransactionalConsumer::builder(topic, handler).group_id(group)).await
+}
+
+async fn drain_with(builder: dedup_kafka::TransactionalConsumerBuilder<Forward>) -> StatsSnapshot {
+    let consumer = builder.brokers(brokers()).build().expect("consumer");
+    let stats = consumer.stats();
+    let idle = async move {
+        while stats.idle_for() < Duration::from_secs(3) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), consumer.run_until(idle))
+        .await
+        .expect("drained within 2 min")
+        .expect("consumer ran")
+}
+
+/// Every committed record of `topic` once no more comes for 5 s
+/// (`read_committed`: what downstream consumers see).
+async fn read_all(topic: &str, isolation: &str) -> Vec<OwnedMessage> {
+    let consumer: StreamConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", unique("reader"))
+        .set("auto.offset.reset", "earliest")
+        .set("isolation.level", isolation)
+        .create()
+        .expect("reader");
+    consumer.subscribe(&[topic]).expect("subscribe");
+    let mut out = Vec::new();
+    while let Ok(msg) = tokio::time::timeout(Duration::from_secs(5), consumer.recv()).await {
+        out.push(msg.expect("record").detach());
+    }
+    out
+}
+
+fn ids(records: &[OwnedMessage]) -> Vec<String> {
+    records
+        .iter()
+        .map(|m| {
+            let v: serde_json::Value =
+                serde_json::from_slice(m.payload().expect("payload")).expect("json");
+            v["event_id"].as_str().expect("event_id").to_owned()
+        })
+        .collect()
+}
+
+fn forward(out: &str, ttl: &str) -> Forward {
+    Forward {
+        out: out.to_owned(),
+        ttl: ttl.parse().expect("ttl"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_distinct_event_is_output_once_and_poison_is_dead_lettered() {
+    let topic = create_topic(3).await;
+    let out = create_topic(3).await;
+    let group = unique("tx");
+    let p = producer();
+    let mut distinct = HashSet::new();
+    for i in 0..60 {
+        let id = format!("e{i}");
+        send(&p, &topic, &id, &event(&id, i), None).await;
+        distinct.insert(id.clone());
+        if i % 5 == 0 {
+            send(&p, &topic, &id, &event(&id, i), None).await;
+        }
+    }
+    send(&p, &topic, "bad", b"not json", None).await;
+    send(&p, &topic, "keyless", br#"{"n": 1}"#, None).await;
+    send(
+        &p,
+        &topic,
+        "failing",
+        br#"{"event_id": "f1", "n": 1, "fail": true}"#,
+        None,
+    )
+    .await;
+    let stats = drain(&topic, &group, forward(&out, "1h")).await;
+    assert_eq!(
+        (stats.applied, stats.skipped, stats.dead_lettered),
+        (60, 12, 3),
+        "{stats}"
+    );
+    let output = read_all(&out, "read_committed").await;
+    let seen = ids(&output);
+    assert_eq!(seen.len(), 60, "one output per distinct event");
+    assert_eq!(seen.iter().cloned().collect::<HashSet<_>>(), distinct);
+    let key_of_e3 = output
+        .iter()
+        .find(|m| m.key() == Some(&b"e3"[..]))
+        .expect("e3's output");
+    assert!(key_of_e3.payload().is_some());
+    let dead = read_all(&format!("{topic}.dlq"), "read_committed").await;
+    let kinds: HashMap<String, String> = dead
+        .iter()
+        .map(|m| {
+            (
+                String::from_utf8_lossy(m.key().unwrap_or_default()).into_owned(),
+                header(m, "dedup.error.kind").unwrap_or_default().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(kinds.len(), 3, "{kinds:?}");
+    assert_eq!(kinds["bad"], "decode");
+    assert_eq!(kinds["keyless"], "key");
+    assert_eq!(kinds["failing"], "handler");
+    let bad = dead
+        .iter()
+        .find(|m| m.key() == Some(&b"bad"[..]))
+        .expect("bad");
+    assert_eq!(bad.payload(), Some(&b"not json"[..]), "the original bytes");
+    assert_eq!(header(bad, "dedup.original.topic"), Some(topic.as_str()));
+    assert!(header(bad, "dedup.original.offset").is_some());
+    assert_eq!(header(bad, "dedup.handler"), Some("forward"));
+    // The claims are in the changelog: one per distinct event.
+    let changelog = read_all(&format!("{group}-dedup-claims"), "read_committed").await;
+    assert_eq!(changelog.len(), 60);
+    assert!(
+        changelog
+            .iter()
+            .all(|m| m.key().map(<[u8]>::len) == Some(16))
+    );
+    // Running again finds nothing new: the offsets committed with the outputs.
+    let again = drain(&topic, &group, forward(&out, "1h")).await;
+    assert_eq!(
+        (again.applied, again.skipped, again.dead_lettered),
+        (0, 0, 0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_owner_restores_the_claims_and_skips_a_late_duplicate() {
+    let topic = create_topic(2).await;
+    let out = create_topic(2).await;
+    let group = unique("tx");
+    let p = producer();
+    for i in 0..20 {
+        let id = format!("e{i}");
+        send(&p, &topic, &id, &event(&id, i), None).await;
+    }
+    let first = drain(&topic, &group, forward(&out, "1h")).await;
+    assert_eq!(first.applied, 20, "{first}");
+    // The same events again, upstream's retry minutes later, after the
+    // first consumer is gone: only the changelog remembers them.
+    for i in 0..20 {
+        let id = format!("e{i}");
+        send(&p, &topic, &id, &event(&id, i), None).await;
+    }
+    send(&p, &topic, "e20", &event("e20", 20), None).await;
+    let second = drain(&topic, &group, forward(&out, "1h")).await;
+    assert_eq!((second.applied, second.skipped), (1, 20), "{second}");
+    let seen = ids(&read_all(&out, "read_committed").await);
+    assert_eq!(seen.len(), 21, "{seen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_handed_over_in_a_rebalance_keep_their_claims() {
+    let topic = create_topic(4).await;
+    let out = create_topic(4).await;
+    let group = unique("tx");
+    let p = producer();
+    for i in 0..40 {
+        let id = format!("e{i}");
+        send(&p, &topic, &id, &event(&id, i), None).await;
+    }
+    // One member takes everything, then a second joins and takes half.
+    let a = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+        .brokers(brokers())
+        .group_id(&group)
+        .build()
+        .expect("a");
+    let a_stats = a.stats();
+    let (stop_a, stopped_a) = tokio::sync::oneshot::channel::<()>();
+    let a = tokio::spawn(a.run_until(async move {
+        let _ = stopped_a.await;
+    }));
+    while a_stats.snapshot().applied < 40 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let b = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+        .brokers(brokers())
+        .group_id(&group)
+        .build()
+        .expect("b");
+    let b_stats = b.stats();
+    let (stop_b, stopped_b) = tokio::sync::oneshot::channel::<()>();
+    let b = tokio::spawn(b.run_until(async move {
+        let _ = stopped_b.await;
+    }));
+    while b_stats.health().assigned_partitions == 0 && b_stats.snapshot().assignments == 0 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for i in 0..40 {
+        let id = format!("e{i}");
+        send(&p, &topic, &id, &event(&id, i), None).await;
+    }
+    let skipped = || a_stats.snapshot().skipped + b_stats.snapshot().skipped;
+    let started = std::time::Instant::now();
+    while skipped() < 40 && started.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = stop_a.send(());
+    let _ = stop_b.send(());
+    let a = a.await.expect("a joined").expect("a ran");
+    let b = b.await.expect("b joined").expect("b ran");
+    assert!(b.skipped > 0, "b took over partitions with claims: {b}");
+    assert_eq!(a.applied + b.applied, 40, "a {a}, b {b}");
+    assert_eq!(a.skipped + b.skipped, 40, "a {a}, b {b}");
+    assert_eq!(ids(&read_all(&out, "read_committed").await).len(), 40);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_expire_on_record_timestamps_and_are_tombstoned() {
+    let topic = create_topic(1).await;
+    let out = create_topic(1).await;
+    let group = unique("tx");
+    let p = producer();
+    let t0 = 1_700_000_000_000i64;
+    // ttl 10 s on the records' clock, whatever the wall clock does.
+    send(&p, &topic, "a", &event("a", 1), Some(t0)).await;
+    send(&p, &topic, "b", &event("b", 2), Some(t0 + 1_000)).await;
+    send(&p, &topic, "a", &event("a", 1), Some(t0 + 9_999)).await; // within: skipped
+    let first = drain(&topic, &group, forward(&out, "10s")).await;
+    assert_eq!((first.applied, first.skipped), (2, 1), "{first}");
+    // c moves the partition's stream time past a's and b's expiry: a new
+    // consumer, restored from the changelog, tombstones both.
+    send(&p, &topic, "c", &event("c", 3), Some(t0 + 30_000)).await;
+    let second = drain(&topic, &group, forward(&out, "10s")).await;
+    assert_eq!((second.applied, second.skipped), (1, 0), "{second}");
+    send(&p, &topic, "a", &event("a", 1), Some(t0 + 31_000)).await; // after the TTL: again
+    send(&p, &topic, "c", &event("c", 3), Some(t0 + 31_000)).await; // within c's: skipped
+    let third = drain(&topic, &group, forward(&out, "10s")).await;
+    assert_eq!((third.applied, third.skipped), (1, 1), "{third}");
+    let seen = ids(&read_all(&out, "read_committed").await);
+    assert_eq!(seen, ["a", "b", "c", "a"]);
+    let a = DedupKey::new("forward", "a").expect("key");
+    let b = DedupKey::new("forward", "b").expect("key");
+    let changelog = read_all(&format!("{group}-dedup-claims"), "read_committed").await;
+    let tombstoned: Vec<&[u8]> = changelog
+        .iter()
+        .filter(|m| m.payload().is_none())
+        .filter_map(|m| m.key())
+        .collect();
+    assert_eq!(tombstoned.len(), 2, "a and b expired once c came");
+    let digest_of = |key: &DedupKey| {
+        changelog
+            .iter()
+            .find(|m| {
+                m.payload()
+                    .is_some_and(|v| v.ends_with(key.to_string().as_bytes()))
+            })
+            .and_then(|m| m.key())
+            .expect("a claim record")
+    };
+    assert!(tombstoned.contains(&digest_of(&a)) && tombstoned.contains(&digest_of(&b)));
+    let readable: Vec<String> = changelog
+        .iter()
+        .filter_map(|m| m.payload())
+        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .collect();
+    assert_eq!(readable.len(), 4, "a, b, c, a again: {readable:?}");
+    assert!(readable[3].ends_with(&a.to_string()), "{readable:?}");
+    assert!(readable[1].ends_with(&b.to_string()), "{readable:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_output_too_large_dead_letters_its_event_and_the_rest_go_on() {
+    let topic = create_topic(1).await;
+    let out = create_topic(1).await;
+    let p = producer();
+    send(&p, &topic, "e1", &event("e1", 1), None).await;
+    send(
+        &p,
+        &topic,
+        "huge",
+        br#"{"event_id": "huge", "n": 2, "big": 2000000}"#,
+        None,
+    )
+    .await;
+    send(&p, &topic, "e3", &event("e3", 3), None).await;
+    let stats = drain(&topic, &unique("tx"), forward(&out, "1h")).await;
+    assert_eq!((stats.applied, stats.dead_lettered), (2, 1), "{stats}");
+    assert_eq!(ids(&read_all(&out, "read_committed").await), ["e1", "e3"]);
+    let dead = read_all(&format!("{topic}.dlq"), "read_committed").await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(header(&dead[0], "dedup.error.kind"), Some("output"));
+}
+
+/// The enrich example, killed at each step of its transaction and at random
+/// moments while a stream with 10% duplicates flows: the committed output
+/// holds each distinct event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enrich_killed_anywhere_outputs_each_distinct_event_once() {
+    let topic = create_topic(3).await;
+    let out = create_topic(3).await;
+    let group = unique("enrich");
+    let p = producer();
+    let mut distinct = HashSet::new();
+    for i in 0..3000 {
+        let id = format!("p{i}");
+        let payload = serde_json::json!({"event_id": id, "account_id": format!("acct-{}", i % 7), "amount_cents": i}).to_string();
+        send(&p, &topic, &id, payload.as_bytes(), None).await;
+        distinct.insert(id.clone());
+    }
+    // 10% duplicates, sent again after the whole stream (a producer's
+    // retry, late): by then their originals ran in an earlier process, and
+    // only the restored claims know them.
+    for i in (0..3000).step_by(10) {
+        let id = format!("p{i}");
+        let payload = serde_json::json!({"event_id": id, "account_id": format!("acct-{}", i % 7), "amount_cents": i}).to_string();
+        send(&p, &topic, &id, payload.as_bytes(), None).await;
+    }
+    let run = |failpoint: Option<&str>, transactional_id: &str| {
+        let mut cmd = Command::new(common::example("enrich"));
+        cmd.env("KAFKA_BROKERS", brokers())
+            .env("TOPIC", &topic)
+            .env("OUTPUT_TOPIC", &out)
+            .env("GROUP_ID", &group)
+            .env("TRANSACTIONAL_ID", transactional_id)
+            .env("KAFKA_CFG_SESSION_TIMEOUT_MS", "6000")
+            .env_remove("DEDUP_FAILPOINT")
+            .args(["--exit-when-idle", "5s"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null());
+        if let Some(point) = failpoint {
+            cmd.env("DEDUP_FAILPOINT", point);
+        }
+        cmd
+    };
+    let id = unique("enrich-tx");
+    // Each step of the transaction, on the 2nd batch of a run: the process
+    // aborts (SIGABRT, no clean-up) there.
+    for point in [
+        "transaction-before-outputs:2",
+        "transaction-before-offsets:2",
+        "transaction-before-commit:2",
+        "transaction-after-commit:2",
+    ] {
+        let status = run(Some(point), &id).status().expect("enrich ran");
+        assert!(!status.success(), "{point}: the failpoint must stop it");
+    }
+    // kill -9 at moments of the clock, with a new transactional id each
+    // time (its open transaction then ends by the broker's timeout).
+    for delay_ms in [700u64, 1_300, 2_100] {
+        let child = run(None, &unique("enrich-tx")).spawn().expect("spawned");
+        let mut child = KillOnDrop(Some(child));
+        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+        let pid = child.0.as_ref().map(|c| c.id()).expect("pid");
+        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        let _ = child.0.take().map(|mut c| c.wait());
+    }
+    let last = run(None, &id)
+        .stderr(Stdio::piped())
+        .output()
+        .expect("enrich ran");
+    let log = String::from_utf8_lossy(&last.stderr);
+    let tail: Vec<&str> = log.lines().rev().take(30).collect();
+    assert!(
+        last.status.success(),
+        "the last run ends by idleness: {:?}",
+        tail
+    );
+    let output = read_all(&out, "read_committed").await;
+    let seen = ids(&output);
+    let unique_seen: HashSet<String> = seen.iter().cloned().collect();
+    assert_eq!(unique_seen, distinct, "every distinct event came out");
+    assert_eq!(seen.len(), distinct.len(), "none twice");
+    for m in &output {
+        let v: serde_json::Value =
+            serde_json::from_slice(m.payload().expect("payload")).expect("json");
+        assert_eq!(v["enriched"], true);
+        assert_eq!(
+            m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+            v["account_id"].as_str().map(str::to_owned)
+        );
+    }
+}

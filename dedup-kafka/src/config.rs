@@ -71,6 +71,8 @@ fn is_secret(key: &str) -> bool {
         "token",
         "ssl.key.pem",
         "ssl.keystore",
+        "passphrase",
+        "private.key",
         // May hold a client secret or a token (`key=value ...`).
         "sasl.oauthbearer.config",
         "sasl.oauthbearer.client.secret",

@@ -24,3 +24,32 @@ pub(crate) fn failpoint(name: &str) {
     #[cfg(not(feature = "failpoints"))]
     let _ = name;
 }
+
+/// Test-only failures: with the `failpoints` feature and
+/// `DEDUP_FAILPOINT=<name>:<n>` set, `true` at the n-th pass (once), and
+/// the caller fails there as if the environment had; the process goes on.
+pub(crate) fn fails(name: &str) -> bool {
+    #[cfg(feature = "failpoints")]
+    {
+        use std::sync::atomic::{AtomicU64, Ordering};
+
+        static PASSES: AtomicU64 = AtomicU64::new(0);
+        let Ok(spec) = std::env::var("DEDUP_FAILPOINT") else {
+            return false;
+        };
+        let (point, nth) = match spec.split_once(':') {
+            Some((point, n)) => (point, n.parse::<u64>().unwrap_or(1)),
+            None => (spec.as_str(), 1),
+        };
+        if point == name && PASSES.fetch_add(1, Ordering::SeqCst) + 1 == nth {
+            tracing::error!(failpoint = name, "failpoint: failing here once");
+            return true;
+        }
+        false
+    }
+    #[cfg(not(feature = "failpoints"))]
+    {
+        let _ = name;
+        false
+    }
+}

@@ -14,9 +14,11 @@ use common::{KillOnDrop, brokers, create_topic, header, unique};
 use dedup_core::{DedupKey, Error, Handler, HandlerError, Headers, KeyError, Ttl};
 use dedup_kafka::{OutputRecord, Outputs, StatsSnapshot, TransactionalConsumer};
 use rdkafka::ClientConfig;
-use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::error::KafkaError;
 use rdkafka::message::{Message as _, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::{Offset, TopicPartitionList};
 
 /// Forwards `{event_id, n}` to `out` as `{event_id, n, forwarded: true}`;
 /// `"fail": true` fails permanently, `"big": N` makes an N-byte output.
@@ -110,6 +112,7 @@ async fn drain(topic: &str, group: &str, handler: Forward) -> StatsSnapshot {
 }
 
 async fn drain_with(builder: dedup_kafka::TransactionalConsumerBuilder<Forward>) -> StatsSnapshot {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
     let consumer = builder.brokers(brokers()).build().expect("consumer");
     let stats = consumer.stats();
     let idle = async move {
@@ -123,21 +126,59 @@ async fn drain_with(builder: dedup_kafka::TransactionalConsumerBuilder<Forward>)
         .expect("consumer ran")
 }
 
-/// Every committed record of `topic` once no more comes for 5 s
-/// (`read_committed`: what downstream consumers see).
+/// Every record of `topic` a reader with `isolation` sees: each partition
+/// read from its start to its end, and (`read_committed`) past every
+/// transaction still open (aborted by its timeout if its producer died).
 async fn read_all(topic: &str, isolation: &str) -> Vec<OwnedMessage> {
-    let consumer: StreamConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("group.id", unique("reader"))
-        .set("auto.offset.reset", "earliest")
-        .set("isolation.level", isolation)
-        .create()
-        .expect("reader");
-    consumer.subscribe(&[topic]).expect("subscribe");
-    let mut out = Vec::new();
-    while let Ok(msg) = tokio::time::timeout(Duration::from_secs(5), consumer.recv()).await {
-        out.push(msg.expect("record").detach());
+    let config = |isolation: &str| {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", brokers())
+            .set("group.id", unique("reader"))
+            .set("isolation.level", isolation)
+            .set("enable.partition.eof", "true")
+            .set("enable.auto.commit", "false");
+        c
+    };
+    let reader: BaseConsumer = config(isolation).create().expect("reader");
+    let probe: BaseConsumer = config("read_uncommitted").create().expect("probe");
+    let metadata = probe
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .expect("metadata");
+    let partitions = metadata.topics()[0].partitions().len() as i32;
+    let mut assignment = TopicPartitionList::new();
+    for p in 0..partitions {
+        assignment
+            .add_partition_offset(topic, p, Offset::Beginning)
+            .expect("partition");
     }
+    reader.assign(&assignment).expect("assign");
+    let mut out = Vec::new();
+    let mut done = HashSet::new();
+    let started = std::time::Instant::now();
+    while (done.len() as i32) < partitions {
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "{topic}: not read to its end in 90 s"
+        );
+        match reader.poll(Duration::from_millis(200)) {
+            Some(Ok(msg)) => out.push(msg.detach()),
+            Some(Err(KafkaError::PartitionEOF(p))) => {
+                // At the end, unless a transaction still holds it back.
+                let (_, high) = probe
+                    .fetch_watermarks(topic, p, Duration::from_secs(10))
+                    .expect("watermarks");
+                let (_, end) = reader
+                    .fetch_watermarks(topic, p, Duration::from_secs(10))
+                    .expect("watermarks");
+                if end >= high {
+                    done.insert(p);
+                }
+            }
+            Some(Err(e)) => panic!("reading {topic}: {e}"),
+            None => {}
+        }
+    }
+    out.sort_by_key(|m| (m.partition(), m.offset()));
     out
 }
 
@@ -283,7 +324,13 @@ async fn partitions_handed_over_in_a_rebalance_keep_their_claims() {
     let a = tokio::spawn(a.run_until(async move {
         let _ = stopped_a.await;
     }));
+    let started = std::time::Instant::now();
     while a_stats.snapshot().applied < 40 {
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "a applied {}",
+            a_stats.snapshot()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let b = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
@@ -296,7 +343,11 @@ async fn partitions_handed_over_in_a_rebalance_keep_their_claims() {
     let b = tokio::spawn(b.run_until(async move {
         let _ = stopped_b.await;
     }));
-    while b_stats.health().assigned_partitions == 0 && b_stats.snapshot().assignments == 0 {
+    while b_stats.health().assigned_partitions == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "b never got partitions"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -376,7 +427,9 @@ async fn claims_expire_on_record_timestamps_and_are_tombstoned() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_output_too_large_dead_letters_its_event_and_the_rest_go_on() {
     let topic = create_topic(1).await;
-    let out = create_topic(1).await;
+    // The broker takes records up to 20 kB on this topic; the producer
+    // refuses what exceeds its own limit (1 MB) before sending.
+    let out = common::create_topic_with(&brokers(), 1, &[("max.message.bytes", "20000")]).await;
     let p = producer();
     send(&p, &topic, "e1", &event("e1", 1), None).await;
     send(
@@ -388,38 +441,73 @@ async fn an_output_too_large_dead_letters_its_event_and_the_rest_go_on() {
     )
     .await;
     send(&p, &topic, "e3", &event("e3", 3), None).await;
+    send(
+        &p,
+        &topic,
+        "large",
+        br#"{"event_id": "large", "n": 4, "big": 50000}"#,
+        None,
+    )
+    .await;
+    send(&p, &topic, "e5", &event("e5", 5), None).await;
     let stats = drain(&topic, &unique("tx"), forward(&out, "1h")).await;
-    assert_eq!((stats.applied, stats.dead_lettered), (2, 1), "{stats}");
-    assert_eq!(ids(&read_all(&out, "read_committed").await), ["e1", "e3"]);
+    assert_eq!((stats.applied, stats.dead_lettered), (3, 2), "{stats}");
+    assert_eq!(
+        ids(&read_all(&out, "read_committed").await),
+        ["e1", "e3", "e5"]
+    );
     let dead = read_all(&format!("{topic}.dlq"), "read_committed").await;
-    assert_eq!(dead.len(), 1);
-    assert_eq!(header(&dead[0], "dedup.error.kind"), Some("output"));
+    let kinds: Vec<(&[u8], Option<&str>)> = dead
+        .iter()
+        .map(|m| (m.key().unwrap_or_default(), header(m, "dedup.error.kind")))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            (&b"huge"[..], Some("output")),
+            (&b"large"[..], Some("output"))
+        ]
+    );
 }
 
 /// The enrich example, killed at each step of its transaction and at random
-/// moments while a stream with 10% duplicates flows: the committed output
-/// holds each distinct event once.
+/// moments while a stream with 10% late duplicates flows, then failing a
+/// transaction in-process (abort and rewind) as it drains: the committed
+/// output holds each distinct event once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enrich_killed_anywhere_outputs_each_distinct_event_once() {
     let topic = create_topic(3).await;
     let out = create_topic(3).await;
     let group = unique("enrich");
-    let p = producer();
-    let mut distinct = HashSet::new();
-    for i in 0..3000 {
-        let id = format!("p{i}");
-        let payload = serde_json::json!({"event_id": id, "account_id": format!("acct-{}", i % 7), "amount_cents": i}).to_string();
-        send(&p, &topic, &id, payload.as_bytes(), None).await;
-        distinct.insert(id.clone());
-    }
-    // 10% duplicates, sent again after the whole stream (a producer's
-    // retry, late): by then their originals ran in an earlier process, and
-    // only the restored claims know them.
-    for i in (0..3000).step_by(10) {
-        let id = format!("p{i}");
-        let payload = serde_json::json!({"event_id": id, "account_id": format!("acct-{}", i % 7), "amount_cents": i}).to_string();
-        send(&p, &topic, &id, payload.as_bytes(), None).await;
-    }
+    // The stream: payments p0, p1, ... at ~400/s, each tenth sent again 200
+    // events later (a producer's retry, late: by then its original may have
+    // been applied by an earlier process, and only restored claims know it).
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stream = {
+        let (topic, stop) = (topic.clone(), stop.clone());
+        tokio::spawn(async move {
+            let p = producer();
+            let mut i = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                for _ in 0..4 {
+                    send(&p, &topic, &format!("p{i}"), &payment(i), None).await;
+                    if i >= 200 && (i - 200).is_multiple_of(10) {
+                        send(
+                            &p,
+                            &topic,
+                            &format!("p{}", i - 200),
+                            &payment(i - 200),
+                            None,
+                        )
+                        .await;
+                    }
+                    i += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            i
+        })
+    };
     let run = |failpoint: Option<&str>, transactional_id: &str| {
         let mut cmd = Command::new(common::example("enrich"));
         cmd.env("KAFKA_BROKERS", brokers())
@@ -446,20 +534,39 @@ async fn enrich_killed_anywhere_outputs_each_distinct_event_once() {
         "transaction-before-commit:2",
         "transaction-after-commit:2",
     ] {
-        let status = run(Some(point), &id).status().expect("enrich ran");
+        let child = run(Some(point), &id).spawn().expect("spawned");
+        let status = exit_within(child, Duration::from_secs(90));
         assert!(!status.success(), "{point}: the failpoint must stop it");
     }
-    // kill -9 at moments of the clock, with a new transactional id each
-    // time (its open transaction then ends by the broker's timeout).
-    for delay_ms in [700u64, 1_300, 2_100] {
-        let child = run(None, &unique("enrich-tx")).spawn().expect("spawned");
-        let mut child = KillOnDrop(Some(child));
-        tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+    // kill -9 once a run has written output, a moment later, with a new
+    // transactional id each time (its open transaction then ends by the
+    // broker's timeout).
+    for extra_ms in [0u64, 150, 400] {
+        let before = records_in(&out);
+        let mut child = KillOnDrop(Some(
+            run(None, &unique("enrich-tx")).spawn().expect("spawned"),
+        ));
+        let started = std::time::Instant::now();
+        while records_in(&out) == before {
+            assert!(
+                started.elapsed() < Duration::from_secs(90),
+                "the run wrote nothing"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(extra_ms)).await;
         let pid = child.0.as_ref().map(|c| c.id()).expect("pid");
         let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
         let _ = child.0.take().map(|mut c| c.wait());
     }
-    let last = run(None, &id)
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let sent = stream.await.expect("stream");
+    // A last burst, so the draining run has a batch to fail and run again.
+    let p = producer();
+    for i in sent..sent + 1_000 {
+        send(&p, &topic, &format!("p{i}"), &payment(i), None).await;
+    }
+    let last = run(Some("transaction-fails-before-commit:1"), &id)
         .stderr(Stdio::piped())
         .output()
         .expect("enrich ran");
@@ -467,13 +574,22 @@ async fn enrich_killed_anywhere_outputs_each_distinct_event_once() {
     let tail: Vec<&str> = log.lines().rev().take(30).collect();
     assert!(
         last.status.success(),
-        "the last run ends by idleness: {:?}",
-        tail
+        "the last run ends by idleness: {tail:?}"
     );
+    assert!(
+        log.contains("failpoint: failing here once") && log.contains("transaction aborted"),
+        "the draining run failed a transaction and ran it again: {tail:?}"
+    );
+    let distinct: HashSet<String> = (0..sent + 1_000).map(|i| format!("p{i}")).collect();
     let output = read_all(&out, "read_committed").await;
     let seen = ids(&output);
     let unique_seen: HashSet<String> = seen.iter().cloned().collect();
-    assert_eq!(unique_seen, distinct, "every distinct event came out");
+    assert_eq!(
+        unique_seen.len(),
+        distinct.len(),
+        "every distinct event came out"
+    );
+    assert_eq!(unique_seen, distinct);
     assert_eq!(seen.len(), distinct.len(), "none twice");
     for m in &output {
         let v: serde_json::Value =
@@ -483,5 +599,45 @@ async fn enrich_killed_anywhere_outputs_each_distinct_event_once() {
             m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
             v["account_id"].as_str().map(str::to_owned)
         );
+    }
+}
+
+fn payment(i: u64) -> Vec<u8> {
+    serde_json::json!({"event_id": format!("p{i}"), "account_id": format!("acct-{}", i % 7), "amount_cents": i})
+        .to_string()
+        .into_bytes()
+}
+
+/// Records in `topic` as its high watermarks count them (aborted ones
+/// and transaction markers too): grows as soon as anything is written.
+fn records_in(topic: &str) -> i64 {
+    let probe: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .create()
+        .expect("probe");
+    (0..3)
+        .map(|p| {
+            let (low, high) = probe
+                .fetch_watermarks(topic, p, Duration::from_secs(10))
+                .expect("watermarks");
+            high - low
+        })
+        .sum()
+}
+
+/// Waits for `child` to exit, killing it and failing after `limit`.
+fn exit_within(child: std::process::Child, limit: Duration) -> std::process::ExitStatus {
+    let mut child = KillOnDrop(Some(child));
+    let started = std::time::Instant::now();
+    loop {
+        if let Some(status) = child.0.as_mut().and_then(|c| c.try_wait().expect("wait")) {
+            child.0 = None;
+            return status;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "the run did not stop within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }

@@ -139,18 +139,26 @@ impl PartitionClaims {
 
     /// The claims expired at stream time `now`, if a sweep is due: one
     /// sweep per `every` ms of stream time, so a large store is not scanned
-    /// for every batch. The caller tombstones them in its transaction and
-    /// [`remove`](Self::remove)s them once it commits.
-    pub(crate) fn expired(&mut self, now: i64, every: i64) -> Vec<ClaimDigest> {
+    /// for every batch. The caller tombstones them in its transaction and,
+    /// once it commits, [`remove`](Self::remove)s them and says it
+    /// [`swept`](Self::swept).
+    pub(crate) fn expired(&self, now: i64) -> Vec<ClaimDigest> {
         if now < self.next_sweep {
             return Vec::new();
         }
-        self.next_sweep = now.saturating_add(every.max(1));
         self.claims
             .iter()
             .filter(|(_, e)| e.expires_at <= now)
             .map(|(d, _)| *d)
             .collect()
+    }
+
+    /// A sweep at stream time `now` committed (if one was due): the next
+    /// is due `every` ms later.
+    pub(crate) fn swept(&mut self, now: i64, every: i64) {
+        if now >= self.next_sweep {
+            self.next_sweep = now.saturating_add(every.max(1));
+        }
     }
 }
 
@@ -230,13 +238,17 @@ mod tests {
                 },
             );
         }
-        assert_eq!(claims.expired(2_500, 1_000).len(), 1);
-        assert!(claims.expired(3_000, 1_000).is_empty(), "not due yet");
-        let due = claims.expired(3_500, 1_000);
+        let due = claims.expired(2_500);
+        assert_eq!(due.len(), 1);
+        assert_eq!(claims.expired(2_500), due, "judging again is the same");
+        claims.swept(2_500, 1_000);
+        assert!(claims.expired(3_000).is_empty(), "not due yet");
+        let due = claims.expired(3_500);
         assert_eq!(due.len(), 2, "the first is still there until removed");
         for d in due {
             claims.remove(&d);
         }
+        claims.swept(3_500, 1_000);
         assert_eq!(claims.len(), 1);
     }
 }

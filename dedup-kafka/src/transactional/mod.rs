@@ -26,9 +26,9 @@ use std::fmt;
 use std::future::Future;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use dedup_core::{Classification, DedupKey, Handler, HandlerExt};
+use dedup_core::{Classification, DedupKey, Handler, HandlerError, HandlerExt};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer as _, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -65,6 +65,7 @@ pub struct TransactionalConsumerBuilder<H> {
     batch_linger: Duration,
     retry: RetryPolicy,
     on_fingerprint_mismatch: OnFingerprintMismatch,
+    attempt_timeout: Duration,
 }
 
 impl<H> fmt::Debug for TransactionalConsumerBuilder<H> {
@@ -158,7 +159,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         self
     }
 
-    /// Most messages per transaction (default 500).
+    /// Most messages per transaction (default 2,000).
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n.max(1);
         self
@@ -174,6 +175,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     /// How retryable handler failures are retried before dead-lettering.
     pub fn retry(mut self, policy: RetryPolicy) -> Self {
         self.retry = policy;
+        self
+    }
+
+    /// How long one handler attempt may take before it counts as a
+    /// transient failure (default 60 s).
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.attempt_timeout = timeout;
         self
     }
 
@@ -208,7 +216,19 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         {
             shared.set(k, v);
         }
+        // librdkafka's statistics are for the database runtime's lag
+        // metric; this consumer does not read them (unless asked to).
+        if !self
+            .settings
+            .iter()
+            .any(|(k, _)| k == "statistics.interval.ms")
+        {
+            consumer.set("statistics.interval.ms", "0");
+        }
         let mut producer = shared.clone();
+        // A record that just fitted its input topic still fits the
+        // dead-letter topic with dedup's headers (a user's setting wins).
+        producer.set("message.max.bytes", dlq::MAX_DEAD_LETTER_BYTES);
         for (k, v) in &self.producer_settings {
             producer.set(k, v);
         }
@@ -219,10 +239,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             .set(
                 "transaction.timeout.ms",
                 self.transaction_timeout.as_millis().max(1000).to_string(),
-            )
-            // A record that just fitted its input topic still fits the
-            // dead-letter topic with dedup's headers.
-            .set("message.max.bytes", dlq::MAX_DEAD_LETTER_BYTES);
+            );
         let producer: FutureProducer = producer.create()?;
         Ok(TransactionalConsumer {
             changelog: self
@@ -243,7 +260,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             batch_linger: self.batch_linger,
             retry: self.retry,
             on_fingerprint_mismatch: self.on_fingerprint_mismatch,
+            attempt_timeout: self.attempt_timeout,
             stats: Arc::new(Stats::new()),
+            unwritable_since: Mutex::new(None),
+            rewinds: std::sync::atomic::AtomicU32::new(0),
         })
     }
 
@@ -256,8 +276,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
 
 /// Runs a Kafka-only handler exactly once per distinct event: outputs,
 /// claims, dead letters and input offsets of each batch in one Kafka
-/// transaction. See the [module docs](self) and the README's "Kafka-only
-/// handlers".
+/// transaction. See the workspace README, "Kafka to Kafka: exactly once
+/// without a database".
 ///
 /// ```no_run
 /// # use dedup_core::{HandlerError, idempotent};
@@ -293,7 +313,13 @@ pub struct TransactionalConsumer<H> {
     batch_linger: Duration,
     retry: RetryPolicy,
     on_fingerprint_mismatch: OnFingerprintMismatch,
+    attempt_timeout: Duration,
     stats: Arc<Stats>,
+    /// Since when transactions have failed on a topic that cannot be
+    /// written, if they do.
+    unwritable_since: Mutex<Option<Instant>>,
+    /// Transactions aborted in a row (the back-off grows with them).
+    rewinds: std::sync::atomic::AtomicU32,
 }
 
 impl<H> fmt::Debug for TransactionalConsumer<H> {
@@ -389,13 +415,32 @@ enum Source {
 /// How a transaction attempt ended.
 enum Attempt {
     Committed,
-    /// A record was refused for its own sake: its message's fate changed;
-    /// run the transaction again.
-    Refused,
+    /// A record was refused for its own sake: message `.0` now has fate
+    /// `.1`; the batch is judged again around it and run in a new
+    /// transaction.
+    Refused(usize, Fate),
+    /// The broker refused a batch of records for a size no single record
+    /// may have caused: run again sending one record at a time, to find it.
+    Ambiguous,
     /// The environment failed or the group moved on: the batch is dropped
-    /// and its partitions rewound to their committed offsets.
-    Rewind(String),
+    /// and its partitions rewound to their committed offsets. With
+    /// `unwritable`, a topic of the transaction could not be written.
+    Rewind {
+        why: String,
+        unwritable: bool,
+        lost: bool,
+    },
 }
+
+/// How long a transaction's commit, offsets or abort may stay unresolved
+/// (librdkafka's retriable errors: the coordinator unreachable) before the
+/// consumer stops: a restart resumes from what Kafka committed, while
+/// another call on a producer with one in progress could only conflict.
+const UNRESOLVED_LIMIT: Duration = Duration::from_secs(120);
+
+/// Aborted transactions of a batch retried before its partitions are
+/// rewound (the consumer does not poll meanwhile).
+const IN_PLACE_RETRIES: u32 = 3;
 
 impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// A builder for `handler` on `topic`.
@@ -413,10 +458,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             changelog_replication: -1,
             transactional_id: None,
             transaction_timeout: Duration::from_secs(10),
-            batch_size: 500,
+            batch_size: 2000,
             batch_linger: Duration::from_millis(20),
             retry: RetryPolicy::default(),
             on_fingerprint_mismatch: OnFingerprintMismatch::default(),
+            attempt_timeout: Duration::from_secs(60),
         }
     }
 
@@ -466,6 +512,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         consumer.subscribe(&[&self.topic])?;
         tracing::info!(topic = %self.topic, changelog = %self.changelog, transactional_id = %self.transactional_id, "transactional consumer started");
         let mut states: HashMap<i32, PartitionClaims> = HashMap::new();
+        let mut assigned: HashSet<i32> = HashSet::new();
         let mut jitter = Jitter::new(u64::from(std::process::id()));
         let mut stopping = false;
         tokio::pin!(stop);
@@ -486,7 +533,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     () = &mut stop => { stopping = true; break }
                     received = tokio::time::timeout(wait, consumer.recv()) => received,
                 };
-                self.apply_changes(consumer.context(), &mut states, &mut batch);
+                self.apply_changes(consumer.context(), &mut states, &mut assigned, &mut batch);
                 match received {
                     Err(_) if batch.is_empty() => {}
                     Err(_) => break,
@@ -504,8 +551,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     }
                 }
             }
-            self.apply_changes(consumer.context(), &mut states, &mut batch);
-            self.restore_assigned(&mut states, &batch)?;
+            self.apply_changes(consumer.context(), &mut states, &mut assigned, &mut batch);
+            self.restore_assigned(&mut states, &batch).await?;
             if batch.is_empty() {
                 continue;
             }
@@ -549,6 +596,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         &self,
         context: &Context,
         states: &mut HashMap<i32, PartitionClaims>,
+        assigned: &mut HashSet<i32>,
         batch: &mut Vec<OwnedMessage>,
     ) {
         for change in context.take() {
@@ -556,6 +604,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 Change::Revoked(partitions) => {
                     for p in &partitions {
                         states.remove(p);
+                        assigned.remove(p);
                     }
                     batch.retain(|m| !partitions.contains(&m.partition()));
                     self.stats
@@ -568,19 +617,20 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     // Restored before their first message runs.
                     for p in partitions {
                         states.remove(&p);
+                        assigned.insert(p);
                     }
                 }
             }
             self.stats
                 .health
                 .assigned
-                .store(states.len() as u64, Ordering::Release);
+                .store(assigned.len() as u64, Ordering::Release);
         }
     }
 
     /// Restores the claims of every partition with a message in `batch`
     /// that has none yet.
-    fn restore_assigned(
+    async fn restore_assigned(
         &self,
         states: &mut HashMap<i32, PartitionClaims>,
         batch: &[OwnedMessage],
@@ -590,13 +640,30 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             .map(|m| m.partition())
             .filter(|p| !states.contains_key(p))
             .collect();
-        for p in missing {
-            let claims = tokio::task::block_in_place(|| {
-                restore::restore(&self.shared_config, &self.changelog, p)
-            })?;
-            states.insert(p, claims);
+        if missing.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        let missing: Vec<i32> = missing.into_iter().collect();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match tokio::task::block_in_place(|| {
+                restore::restore(&self.shared_config, &self.changelog, &missing)
+            }) {
+                Ok(restored) => {
+                    states.extend(restored);
+                    return Ok(());
+                }
+                // A changelog that cannot be read as claims.
+                Err(e @ Error::Fatal(_)) => return Err(e),
+                // The brokers, waited out.
+                Err(e) => {
+                    let wait = self.retry.outage_backoff(attempt, 0.5);
+                    tracing::warn!(partitions = ?missing, error = %e, ?wait, "restoring claims failed; retrying");
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
     }
 
     /// Runs one batch: each message's fate, then one transaction with
@@ -608,81 +675,86 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         batch: &[OwnedMessage],
         jitter: &mut Jitter,
     ) -> Result<(), Error> {
-        let mut fates = Vec::with_capacity(batch.len());
-        // Claims taken in this batch, on top of the partitions' committed ones.
-        let mut staged: HashMap<(i32, ClaimDigest), Entry> = HashMap::new();
+        let mut offsets = TopicPartitionList::new();
+        let mut first: BTreeMap<i32, i64> = BTreeMap::new();
+        let mut next: BTreeMap<i32, i64> = BTreeMap::new();
         for msg in batch {
-            let fate = self.fate(msg, states, &mut staged, jitter).await;
-            if let Fate::Applied { digest, entry, .. } = &fate {
-                staged.insert((msg.partition(), *digest), *entry);
+            let p = msg.partition();
+            let f = first.entry(p).or_insert(msg.offset());
+            *f = (*f).min(msg.offset());
+            let n = next.entry(p).or_insert(msg.offset() + 1);
+            *n = (*n).max(msg.offset() + 1);
+        }
+        for (&p, &o) in &next {
+            offsets.add_partition_offset(&self.topic, p, Offset::Offset(o))?;
+        }
+        // Fates that a refused record decided; the others are judged again
+        // around them (a later duplicate of a refused event is not one).
+        let mut forced: HashMap<usize, Fate> = HashMap::new();
+        let mut isolate = false;
+        // Aborted transactions retried with the batch in hand (what the
+        // refusals decided kept): a producer recovering from an aborted
+        // transaction (an epoch bump) fails the first records of the next.
+        let mut in_place = 0u32;
+        let (fates, tombstones, newest) = loop {
+            let (mut fates, staged) = self.fates(batch, states, &mut forced, jitter).await;
+            // Stream time moves with the records applied or skipped (a
+            // dead-lettered one may carry any timestamp).
+            let mut newest: BTreeMap<i32, i64> = BTreeMap::new();
+            for (msg, fate) in batch.iter().zip(&fates) {
+                if !matches!(fate, Fate::Dead { .. }) {
+                    let n = newest.entry(msg.partition()).or_insert(i64::MIN);
+                    *n = (*n).max(timestamp(msg));
+                }
             }
-            fates.push(fate);
-        }
-        let mut tombstones: BTreeMap<i32, Vec<ClaimDigest>> = BTreeMap::new();
-        let mut newest: BTreeMap<i32, i64> = BTreeMap::new();
-        for msg in batch {
-            let at = timestamp(msg);
-            let n = newest.entry(msg.partition()).or_insert(at);
-            *n = (*n).max(at);
-        }
-        let sweep_every = (self.handler.ttl().as_duration().as_millis() as i64 / 10).max(1_000);
-        for (&p, &at) in &newest {
-            if let Some(state) = states.get_mut(&p) {
-                let now = state.stream_time.max(at);
+            let mut tombstones: BTreeMap<i32, Vec<ClaimDigest>> = BTreeMap::new();
+            for (&p, state) in states.iter() {
+                let now = sweep_time(
+                    state
+                        .stream_time
+                        .max(newest.get(&p).copied().unwrap_or(i64::MIN)),
+                );
                 let expired: Vec<ClaimDigest> = state
-                    .expired(now, sweep_every)
+                    .expired(now)
                     .into_iter()
                     .filter(|d| !staged.contains_key(&(p, *d)))
                     .collect();
-                if !expired.is_empty() {
+                if !expired.is_empty() && first.contains_key(&p) {
                     tombstones.insert(p, expired);
                 }
             }
-        }
-        let mut offsets = TopicPartitionList::new();
-        let mut first: BTreeMap<i32, i64> = BTreeMap::new();
-        for msg in batch {
-            first.entry(msg.partition()).or_insert(msg.offset());
-        }
-        let mut last: BTreeMap<i32, i64> = BTreeMap::new();
-        for msg in batch {
-            last.insert(msg.partition(), msg.offset());
-        }
-        for (&p, &o) in &last {
-            offsets.add_partition_offset(&self.topic, p, Offset::Offset(o + 1))?;
-        }
-        let mut failures = 0u32;
-        loop {
             match self
-                .transact(consumer, batch, &mut fates, &tombstones, &offsets)
+                .transact(consumer, batch, &mut fates, &tombstones, &offsets, isolate)
                 .await?
             {
-                Attempt::Committed => break,
-                Attempt::Refused => continue,
-                Attempt::Rewind(why) => {
-                    failures += 1;
-                    let wait = self.retry.outage_backoff(failures, jitter.next());
-                    tracing::warn!(
-                        why,
-                        ?wait,
-                        "transaction aborted; the batch runs again from its first offsets"
-                    );
-                    self.stats.retries.fetch_add(1, Ordering::Relaxed);
-                    // The group may have moved on (a rebalance fenced this
-                    // member): run the batch again from the consumer, whose
-                    // rebalance callbacks then say what is still ours.
-                    for (&p, &o) in &first {
-                        if let Err(e) =
-                            consumer.seek(&self.topic, p, Offset::Offset(o), Duration::from_secs(5))
-                        {
-                            tracing::debug!(partition = p, error = %e, "rewind: seek failed (partition revoked?)");
-                        }
+                Attempt::Committed => break (fates, tombstones, newest),
+                Attempt::Refused(i, fate) => {
+                    forced.insert(i, fate);
+                }
+                Attempt::Ambiguous => isolate = true,
+                Attempt::Rewind {
+                    why,
+                    unwritable,
+                    lost,
+                } => {
+                    if lost || in_place >= IN_PLACE_RETRIES {
+                        return self
+                            .rewind(consumer, &first, &why, unwritable, jitter)
+                            .await;
                     }
+                    in_place += 1;
+                    self.stats.retries.fetch_add(1, Ordering::Relaxed);
+                    let wait = self.retry.backoff(in_place, jitter.next());
+                    tracing::warn!(why, ?wait, "transaction aborted; running the batch again");
                     tokio::time::sleep(wait).await;
-                    return Ok(());
                 }
             }
-        }
+        };
+        *self
+            .unwritable_since
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = None;
+        self.rewinds.store(0, Ordering::Relaxed);
         // Committed: what the partitions now hold.
         let (mut applied, mut skipped, mut dead) = (0, 0, 0);
         for (msg, fate) in batch.iter().zip(fates) {
@@ -698,16 +770,19 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 Fate::Dead { .. } => dead += 1,
             }
         }
+        for (&p, state) in states.iter_mut() {
+            if let Some(&at) = newest.get(&p) {
+                state.advance(at);
+            }
+            if first.contains_key(&p) {
+                state.swept(sweep_time(state.stream_time), self.sweep_every());
+            }
+        }
         for (p, digests) in tombstones {
             if let Some(state) = states.get_mut(&p) {
                 for d in digests {
                     state.remove(&d);
                 }
-            }
-        }
-        for (p, at) in newest {
-            if let Some(state) = states.get_mut(&p) {
-                state.advance(at);
             }
         }
         let s = &self.stats;
@@ -718,13 +793,106 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         Ok(())
     }
 
+    /// Stream time between sweeps for expired claims: a tenth of the TTL,
+    /// at least a second.
+    fn sweep_every(&self) -> i64 {
+        (self.handler.ttl().as_duration().as_millis() as i64 / 10).max(1_000)
+    }
+
+    /// Each message's fate, in order, and the claims they take: `forced`
+    /// fates stand, the rest are judged around them.
+    async fn fates(
+        &self,
+        batch: &[OwnedMessage],
+        states: &HashMap<i32, PartitionClaims>,
+        forced: &mut HashMap<usize, Fate>,
+        jitter: &mut Jitter,
+    ) -> (Vec<Fate>, HashMap<(i32, ClaimDigest), Entry>) {
+        let mut fates = Vec::with_capacity(batch.len());
+        // Claims taken in this batch, on top of the partitions' committed ones.
+        let mut staged: HashMap<(i32, ClaimDigest), Entry> = HashMap::new();
+        for (i, msg) in batch.iter().enumerate() {
+            let fate = match forced.get(&i) {
+                Some(Fate::Dead {
+                    kind,
+                    message,
+                    attempts,
+                    keep,
+                }) => Fate::Dead {
+                    kind,
+                    message: message.clone(),
+                    attempts: *attempts,
+                    keep: *keep,
+                },
+                _ => self.fate(msg, states, &staged, jitter).await,
+            };
+            if let Fate::Applied { digest, entry, .. } = &fate {
+                staged.insert((msg.partition(), *digest), *entry);
+            }
+            fates.push(fate);
+        }
+        (fates, staged)
+    }
+
+    /// After an aborted transaction: the batch's partitions go back to their
+    /// first offsets, so the batch runs again (or its partitions' next owner
+    /// runs it). A partition still assigned that cannot be rewound stops the
+    /// consumer: going on would commit past the batch.
+    async fn rewind(
+        &self,
+        consumer: &StreamConsumer<Context>,
+        first: &BTreeMap<i32, i64>,
+        why: &str,
+        unwritable: bool,
+        jitter: &mut Jitter,
+    ) -> Result<(), Error> {
+        let failures = self.rewinds.fetch_add(1, Ordering::Relaxed) + 1;
+        self.stats.retries.fetch_add(1, Ordering::Relaxed);
+        if unwritable {
+            let since = *self
+                .unwritable_since
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get_or_insert_with(Instant::now);
+            if since.elapsed() >= dlq::UNWRITABLE_FOR && failures >= 3 {
+                return Err(Error::Fatal(format!(
+                    "a topic of the transaction cannot be written ({why}) for {:?}: create it or \
+                     grant the producer's principal Write on it",
+                    since.elapsed()
+                )));
+            }
+        }
+        let wait = self.retry.outage_backoff(failures, jitter.next());
+        tracing::warn!(
+            why,
+            ?wait,
+            "transaction aborted; the batch runs again from its first offsets"
+        );
+        let assigned = consumer.assignment()?;
+        for (&p, &o) in first {
+            if assigned.find_partition(&self.topic, p).is_none() {
+                continue;
+            }
+            if let Err(e) =
+                consumer.seek(&self.topic, p, Offset::Offset(o), Duration::from_secs(10))
+            {
+                return Err(Error::Fatal(format!(
+                    "rewinding partition {p} to offset {o} after an aborted transaction failed \
+                     ({e}): stopping, so that a restart resumes from the committed offsets"
+                )));
+            }
+        }
+        tokio::time::sleep(wait).await;
+        Ok(())
+    }
+
     /// What becomes of `msg`: decoded and keyed, claimed unless a live
     /// claim covers it, and run (with retries) into its outputs.
     async fn fate(
         &self,
         msg: &OwnedMessage,
         states: &HashMap<i32, PartitionClaims>,
-        staged: &mut HashMap<(i32, ClaimDigest), Entry>,
+        staged: &HashMap<(i32, ClaimDigest), Entry>,
         jitter: &mut Jitter,
     ) -> Fate {
         let payload = msg.payload().unwrap_or_default();
@@ -773,7 +941,16 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 },
             };
             let mut out = Outputs::default();
-            let error = match self.handler.handle(&mut out, ev).await {
+            let attempt_result =
+                tokio::time::timeout(self.attempt_timeout, self.handler.handle(&mut out, ev))
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(HandlerError::transient(format!(
+                            "the handler did not finish within {:?}",
+                            self.attempt_timeout
+                        )))
+                    });
+            let error = match attempt_result {
                 Ok(()) => {
                     let ttl = i64::try_from(self.handler.ttl().as_duration().as_millis())
                         .unwrap_or(i64::MAX);
@@ -812,10 +989,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         fates: &mut [Fate],
         tombstones: &BTreeMap<i32, Vec<ClaimDigest>>,
         offsets: &TopicPartitionList,
+        isolate: bool,
     ) -> Result<Attempt, Error> {
         let timeout = self.transaction_timeout;
         if let Err(e) = self.producer.begin_transaction() {
-            return self.failed("begin", e).await;
+            return Err(Error::Fatal(format!("beginning a transaction failed: {e}")));
         }
         crate::failpoint::failpoint("transaction-before-outputs");
         let mut sent: Vec<(Source, DeliveryFuture)> = Vec::new();
@@ -846,7 +1024,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                             }
                             record = record.headers(hs);
                         }
-                        result = self.send(record, Source::Output(i), &mut sent).await;
+                        result = self
+                            .send(record, Source::Output(i), &mut sent, isolate)
+                            .await;
                         if result.is_err() {
                             break;
                         }
@@ -878,7 +1058,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     if msg.payload().is_some() {
                         record = record.payload(kept);
                     }
-                    self.send(record, Source::DeadLetter(i), &mut sent).await
+                    self.send(record, Source::DeadLetter(i), &mut sent, isolate)
+                        .await
                 }
             };
             if let Err((source, e)) = sent_one {
@@ -900,7 +1081,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 let record = FutureRecord::<[u8], [u8]>::to(&self.changelog)
                     .partition(p)
                     .key(&d[..]);
-                if let Err((_, e)) = self.send(record, Source::Changelog, &mut sent).await {
+                if let Err((_, e)) = self
+                    .send(record, Source::Changelog, &mut sent, isolate)
+                    .await
+                {
                     return self.failed("changelog", e).await;
                 }
             }
@@ -910,54 +1094,106 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 .partition(*p)
                 .key(&d[..])
                 .payload(&value[..]);
-            if let Err((_, e)) = self.send(record, Source::Changelog, &mut sent).await {
+            if let Err((_, e)) = self
+                .send(record, Source::Changelog, &mut sent, isolate)
+                .await
+            {
                 return self.failed("changelog", e).await;
             }
         }
+        // Every record acknowledged (or refused) before the offsets: a
+        // refusal names its record, and the commit has nothing left to
+        // flush (rust-rdkafka's flush would wait out a 100 ms poll for
+        // acknowledgements that its polling thread takes).
+        let acknowledged = tokio::time::timeout(timeout, async {
+            // A refused record makes the transaction fail the others too:
+            // the one refused for its own sake is the one to name.
+            let mut first_error = None;
+            for (source, fut) in sent {
+                let error = match fut.await {
+                    Ok(Ok(_)) => continue,
+                    Ok(Err((err, _))) => err,
+                    Err(_) => KafkaError::Canceled,
+                };
+                if is_records_fault(&error) && !matches!(source, Source::Changelog) {
+                    return Some((source, error));
+                }
+                first_error.get_or_insert((source, error));
+            }
+            first_error
+        })
+        .await;
+        match acknowledged {
+            Ok(None) => {}
+            // Refused by the broker with others of its request: which
+            // record is not known.
+            Ok(Some((_, e))) if is_records_fault(&e) && !isolate => {
+                tracing::warn!(error = %e, "the broker refused records of the transaction; sending them one at a time to find the one at fault");
+                self.abort().await?;
+                return Ok(Attempt::Ambiguous);
+            }
+            Ok(Some((source, e))) => {
+                self.abort().await?;
+                return self.refused(source, e, fates);
+            }
+            Err(_) => {
+                return self
+                    .failed(
+                        "produce",
+                        KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut),
+                    )
+                    .await;
+            }
+        }
         crate::failpoint::failpoint("transaction-before-offsets");
-        let Some(group) = consumer.group_metadata() else {
-            return self
-                .failed(
-                    "offsets",
-                    KafkaError::Subscription("no group metadata".into()),
-                )
-                .await;
+        // A member that lost partitions of the batch (it was dropped from
+        // its group) must not commit them: their new owner runs them.
+        let assigned = consumer.assignment()?;
+        let lost = consumer.assignment_lost()
+            || offsets
+                .elements()
+                .iter()
+                .any(|e| assigned.find_partition(e.topic(), e.partition()).is_none());
+        let group = consumer.group_metadata().filter(|_| !lost);
+        let Some(group) = group else {
+            self.abort().await?;
+            return Ok(Attempt::Rewind {
+                why: "partitions of the batch are no longer assigned".into(),
+                unwritable: false,
+                lost: true,
+            });
         };
-        if let Err(e) = tokio::task::block_in_place(|| {
-            self.producer
-                .send_offsets_to_transaction(offsets, &group, timeout)
-        }) {
-            return self.failed("send offsets", e).await;
+        let started = Instant::now();
+        loop {
+            match tokio::task::block_in_place(|| {
+                self.producer
+                    .send_offsets_to_transaction(offsets, &group, timeout)
+            }) {
+                Ok(()) => break,
+                Err(KafkaError::Transaction(e)) if e.is_retriable() && !e.is_fatal() => {
+                    self.unresolved("sending the offsets", &e, started)?;
+                }
+                Err(e) => return self.failed("send offsets", e).await,
+            }
         }
         crate::failpoint::failpoint("transaction-before-commit");
-        let mut tries = 0;
+        if crate::failpoint::fails("transaction-fails-before-commit") {
+            self.abort().await?;
+            return Ok(Attempt::Rewind {
+                why: "failpoint transaction-fails-before-commit".into(),
+                unwritable: false,
+                lost: false,
+            });
+        }
+        let started = Instant::now();
         loop {
-            tries += 1;
             match tokio::task::block_in_place(|| self.producer.commit_transaction(timeout)) {
                 Ok(()) => break,
-                Err(KafkaError::Transaction(e)) if e.is_retriable() && tries < 5 => {
-                    tracing::warn!(error = %e, "commit: retrying");
+                // Resumable: the same call again, until it resolves.
+                Err(KafkaError::Transaction(e)) if e.is_retriable() && !e.is_fatal() => {
+                    self.unresolved("committing", &e, started)?;
                 }
-                Err(e) => {
-                    // Which record, if any, was refused for its own sake
-                    // (their reports are in once the commit has flushed).
-                    let reports = tokio::time::timeout(timeout, async {
-                        for (source, fut) in sent {
-                            if let Ok(Err((err, _))) = fut.await
-                                && is_records_fault(&err)
-                                && !matches!(source, Source::Changelog)
-                            {
-                                return Some((source, err));
-                            }
-                        }
-                        None
-                    });
-                    if let Ok(Some((source, err))) = reports.await {
-                        self.abort().await?;
-                        return self.refused(source, err, fates);
-                    }
-                    return self.failed("commit", e).await;
-                }
+                Err(e) => return self.failed("commit", e).await,
             }
         }
         crate::failpoint::failpoint("transaction-after-commit");
@@ -971,9 +1207,19 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         mut record: FutureRecord<'a, [u8], [u8]>,
         source: Source,
         sent: &mut Vec<(Source, DeliveryFuture)>,
+        isolate: bool,
     ) -> Result<(), (Source, KafkaError)> {
         loop {
             match self.producer.send_result(record) {
+                // Alone in its request: its acknowledgement names it.
+                Ok(fut) if isolate => {
+                    let _ = self.producer.flush(Duration::ZERO);
+                    return match tokio::time::timeout(self.transaction_timeout, fut).await {
+                        Ok(Ok(Ok(_))) => Ok(()),
+                        Ok(Ok(Err((e, _)))) => Err((source, e)),
+                        _ => Err((source, KafkaError::Canceled)),
+                    };
+                }
                 Ok(fut) => {
                     sent.push((source, fut));
                     return Ok(());
@@ -990,22 +1236,30 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// A record refused for its own sake changes its message's fate: an
     /// output too large (or to an invalid topic) dead-letters its event, a
     /// dead letter too large is cut. Anything else is the environment's.
-    fn refused(&self, source: Source, e: KafkaError, fates: &mut [Fate]) -> Result<Attempt, Error> {
+    fn refused(&self, source: Source, e: KafkaError, fates: &[Fate]) -> Result<Attempt, Error> {
         match source {
             Source::Output(i) if is_records_fault(&e) => {
                 tracing::warn!(error = %e, "an output of the handler was refused; the event is dead-lettered");
-                fates[i] = dead(
-                    "output",
-                    format!("the handler's output was refused: {e}"),
-                    1,
-                );
-                Ok(Attempt::Refused)
+                Ok(Attempt::Refused(
+                    i,
+                    dead(
+                        "output",
+                        format!("the handler's output was refused: {e}"),
+                        1,
+                    ),
+                ))
             }
             Source::DeadLetter(i) if dlq::is_too_large(&e) => {
-                let Fate::Dead { keep, .. } = &mut fates[i] else {
+                let Fate::Dead {
+                    kind,
+                    message,
+                    attempts,
+                    keep,
+                } = &fates[i]
+                else {
                     unreachable!("a dead letter's source is dead");
                 };
-                *keep = match keep {
+                let keep = match keep {
                     None => Some(dlq::TRUNCATED_PAYLOAD_BYTES),
                     Some(0) => {
                         return Err(Error::Fatal(format!(
@@ -1015,23 +1269,61 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     }
                     Some(_) => Some(0),
                 };
-                Ok(Attempt::Refused)
+                tracing::warn!(error = %e, ?keep, "the dead letter is too large for the broker; sending it with its payload cut");
+                Ok(Attempt::Refused(
+                    i,
+                    Fate::Dead {
+                        kind,
+                        message: message.clone(),
+                        attempts: *attempts,
+                        keep,
+                    },
+                ))
             }
-            _ => Ok(Attempt::Rewind(format!("a record was refused: {e}"))),
+            _ => Ok(Attempt::Rewind {
+                why: format!("a record was refused: {e}"),
+                unwritable: dlq::is_unwritable(&e),
+                lost: false,
+            }),
         }
     }
 
+    /// A retriable error of a call librdkafka resumes: the same call goes
+    /// again, unless it has stayed unresolved for [`UNRESOLVED_LIMIT`].
+    fn unresolved(
+        &self,
+        step: &str,
+        e: &rdkafka::error::RDKafkaError,
+        since: Instant,
+    ) -> Result<(), Error> {
+        if since.elapsed() >= UNRESOLVED_LIMIT {
+            return Err(Error::Fatal(format!(
+                "{step} a transaction stayed unresolved for {:?} ({e}): stopping; a restart \
+                 resumes from what Kafka committed",
+                since.elapsed()
+            )));
+        }
+        tracing::warn!(error = %e, step, "transaction: retrying");
+        Ok(())
+    }
+
+    /// Aborts the open transaction; a retriable failure is retried (the
+    /// same call resumes), anything else stops the consumer.
     async fn abort(&self) -> Result<(), Error> {
-        match tokio::task::block_in_place(|| {
-            self.producer.abort_transaction(self.transaction_timeout)
-        }) {
-            Ok(()) => Ok(()),
-            Err(e) if is_fatal(&e) => Err(Error::Fatal(format!(
-                "aborting the transaction failed: {e}"
-            ))),
-            Err(e) => {
-                tracing::warn!(error = %e, "aborting the transaction failed");
-                Ok(())
+        let started = Instant::now();
+        loop {
+            match tokio::task::block_in_place(|| {
+                self.producer.abort_transaction(self.transaction_timeout)
+            }) {
+                Ok(()) => return Ok(()),
+                Err(KafkaError::Transaction(e)) if e.is_retriable() && !e.is_fatal() => {
+                    self.unresolved("aborting", &e, started)?;
+                }
+                Err(e) => {
+                    return Err(Error::Fatal(format!(
+                        "aborting the transaction failed: {e}"
+                    )));
+                }
             }
         }
     }
@@ -1041,13 +1333,31 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     async fn failed(&self, step: &str, e: KafkaError) -> Result<Attempt, Error> {
         if is_fatal(&e) {
             return Err(Error::Fatal(format!(
-                "the transactional producer failed fatally at {step} (another instance with transactional.id {:?}?): {e}",
+                "the transactional producer failed fatally at {step} (another instance with \
+                 transactional.id {:?}?): {e}",
                 self.transactional_id
             )));
         }
         self.abort().await?;
-        Ok(Attempt::Rewind(format!("{step}: {e}")))
+        Ok(Attempt::Rewind {
+            why: format!("{step}: {e}"),
+            unwritable: dlq::is_unwritable(&e),
+            lost: false,
+        })
     }
+}
+
+/// The stream time up to which claims may be tombstoned: never past the
+/// wall clock, so a record stamped in the future cannot expire the claims
+/// of everything before it.
+fn sweep_time(stream_time: i64) -> i64 {
+    stream_time.min(now_ms())
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
 }
 
 fn dead(kind: &'static str, message: String, attempts: u32) -> Fate {
@@ -1061,11 +1371,7 @@ fn dead(kind: &'static str, message: String, attempts: u32) -> Fate {
 
 /// The record's timestamp in ms; the wall clock for a record without one.
 fn timestamp(msg: &OwnedMessage) -> i64 {
-    msg.timestamp().to_millis().unwrap_or_else(|| {
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as i64)
-    })
+    msg.timestamp().to_millis().unwrap_or_else(now_ms)
 }
 
 fn is_fatal(e: &KafkaError) -> bool {

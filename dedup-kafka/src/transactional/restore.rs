@@ -1,9 +1,10 @@
 //! The changelog topic: created beside the input, and read back into a
 //! partition's claims when the partition is assigned.
 
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
@@ -63,6 +64,31 @@ pub(crate) async fn ensure_changelog(
             }
         }
     }
+    // An existing topic must be compacted only: retention would forget
+    // claims (and duplicates would be applied again).
+    let described = admin
+        .describe_configs(
+            [&ResourceSpecifier::Topic(changelog)],
+            &AdminOptions::new().request_timeout(Some(REQUEST_TIMEOUT)),
+        )
+        .await?;
+    for resource in described {
+        let resource = resource.map_err(|e| {
+            Error::Config(format!(
+                "the changelog topic {changelog:?} cannot be described: {e}"
+            ))
+        })?;
+        let policy = resource
+            .get("cleanup.policy")
+            .and_then(|entry| entry.value.clone())
+            .unwrap_or_default();
+        if policy != "compact" {
+            return Err(Error::Config(format!(
+                "the changelog topic {changelog:?} has cleanup.policy={policy:?}: it must be \
+                 \"compact\" alone (deletion by retention would forget claims)"
+            )));
+        }
+    }
     // Metadata can lag the creation by a moment.
     let started = Instant::now();
     loop {
@@ -86,100 +112,113 @@ pub(crate) async fn ensure_changelog(
     }
 }
 
-/// Reads partition `partition` of the changelog from its start into claims.
+/// Reads `partitions` of the changelog from their start into claims, one
+/// reader for all.
 ///
-/// It reads committed records only and stops at the end of the log as it
-/// was when it began, which it reaches once every transaction open then
-/// has ended: claims of a transaction still open (a previous owner's, about
-/// to be committed or aborted) are never missed. Blocking: call it off the
-/// async workers or inside `block_in_place`.
+/// It reads committed records only and stops at the end of each
+/// partition's log as it was when it began, which it reaches once every
+/// transaction open then has ended: claims of a transaction still open (a
+/// previous owner's, about to be committed or aborted) are never missed.
+/// Blocking: call it off the async workers or inside `block_in_place`.
 pub(crate) fn restore(
     base: &ClientConfig,
     changelog: &str,
-    partition: i32,
-) -> Result<PartitionClaims, Error> {
+    partitions: &[i32],
+) -> Result<HashMap<i32, PartitionClaims>, Error> {
     let started = Instant::now();
     let probe = |isolation: &str| -> Result<BaseConsumer, Error> {
         Ok(base.clone().set("isolation.level", isolation).create()?)
     };
-    let (low, high) =
-        probe("read_uncommitted")?.fetch_watermarks(changelog, partition, REQUEST_TIMEOUT)?;
-    let mut out = PartitionClaims::default();
-    if high <= low {
+    let mut out: HashMap<i32, PartitionClaims> = partitions
+        .iter()
+        .map(|&p| (p, PartitionClaims::default()))
+        .collect();
+    let uncommitted = probe("read_uncommitted")?;
+    let mut high = HashMap::new();
+    for &p in partitions {
+        let (low, h) = uncommitted.fetch_watermarks(changelog, p, REQUEST_TIMEOUT)?;
+        if h > low {
+            high.insert(p, h);
+        }
+    }
+    if high.is_empty() {
         return Ok(out);
     }
-    // First every transaction open on the partition now must end (a
-    // previous owner's, committed or aborted by its fencing or its
-    // timeout): then the committed log reaches `high`, and the first end of
-    // the log the reader meets lies at or past it.
+    // First every transaction open on a partition now must end (a previous
+    // owner's, committed or aborted by its fencing or its timeout): then its
+    // committed log reaches `high`, and the first end of the log the reader
+    // meets lies at or past it.
     let stable = probe("read_committed")?;
     let mut warned = Instant::now();
-    while stable
-        .fetch_watermarks(changelog, partition, REQUEST_TIMEOUT)?
-        .1
-        < high
-    {
-        if warned.elapsed() > Duration::from_secs(10) {
-            warned = Instant::now();
-            tracing::warn!(
-                changelog,
-                partition,
-                high,
-                "restoring claims: waiting for a transaction still open on the changelog (a previous owner's) to end"
-            );
+    for (&p, &h) in &high {
+        while stable.fetch_watermarks(changelog, p, REQUEST_TIMEOUT)?.1 < h {
+            if warned.elapsed() > Duration::from_secs(10) {
+                warned = Instant::now();
+                tracing::warn!(
+                    changelog,
+                    partition = p,
+                    high = h,
+                    "restoring claims: waiting for a transaction still open on the changelog (a previous owner's) to end"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(50));
         }
-        std::thread::sleep(Duration::from_millis(50));
     }
-    let reader: BaseConsumer = base
+    let reader: BaseConsumer<QuietEof> = base
         .clone()
         .set("isolation.level", "read_committed")
         .set("enable.partition.eof", "true")
+        // Offsets out of range (the log's start moved by retention) are an
+        // error, never a silent jump to the end.
+        .set("auto.offset.reset", "error")
         // librdkafka refuses an assignment without a group; this one never
         // joins (assign, not subscribe) nor commits.
         .set("group.id", format!("{changelog}-restore"))
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
-        .create()?;
+        .create_with_context(QuietEof)?;
     let mut assignment = TopicPartitionList::new();
-    assignment.add_partition_offset(changelog, partition, Offset::Beginning)?;
+    for &p in high.keys() {
+        assignment.add_partition_offset(changelog, p, Offset::Beginning)?;
+    }
     reader.assign(&assignment)?;
     let mut records = 0u64;
-    loop {
+    let mut left: std::collections::HashSet<i32> = high.keys().copied().collect();
+    while !left.is_empty() {
         match reader.poll(Duration::from_millis(500)) {
             Some(Ok(msg)) => {
                 records += 1;
+                let p = msg.partition();
                 let digest: claims::ClaimDigest =
                     msg.key().and_then(|k| k.try_into().ok()).ok_or_else(|| {
-                        corrupt(
-                            changelog,
-                            partition,
-                            msg.offset(),
-                            "its key is not 16 bytes",
-                        )
+                        corrupt(changelog, p, msg.offset(), "its key is not 16 bytes")
                     })?;
+                let claims = out.get_mut(&p).expect("an assigned partition");
                 match msg.payload() {
-                    None => out.remove(&digest),
+                    None => claims.remove(&digest),
                     Some(value) => {
                         let entry = claims::decode(value)
-                            .map_err(|why| corrupt(changelog, partition, msg.offset(), &why))?;
-                        out.put(digest, entry);
+                            .map_err(|why| corrupt(changelog, p, msg.offset(), &why))?;
+                        claims.put(digest, entry);
                     }
                 }
-                if msg.offset() + 1 >= high {
-                    break;
+                if msg.offset() + 1 >= high[&p] {
+                    left.remove(&p);
                 }
             }
-            // The end of the committed log, at or past `high`.
-            Some(Err(KafkaError::PartitionEOF(_))) => break,
+            // The end of a partition's committed log, at or past its `high`.
+            Some(Err(KafkaError::PartitionEOF(p))) => {
+                left.remove(&p);
+            }
             None => {}
             Some(Err(e)) => return Err(e.into()),
         }
     }
     tracing::info!(
         changelog,
-        partition,
+        partitions = ?partitions,
         records,
-        claims = out.len(),
+        claims = out.values().map(PartitionClaims::len).sum::<usize>(),
         took = ?started.elapsed(),
         "claims restored"
     );
@@ -192,3 +231,20 @@ fn corrupt(changelog: &str, partition: i32, offset: i64, why: &str) -> Error {
          {why} (is another application writing it?)"
     ))
 }
+
+/// The restore reader's context: the end of a partition is how a restore
+/// knows it is done, not an error to log.
+struct QuietEof;
+
+impl rdkafka::ClientContext for QuietEof {
+    fn error(&self, error: KafkaError, reason: &str) {
+        if !matches!(
+            error,
+            KafkaError::PartitionEOF(_) | KafkaError::Global(RDKafkaErrorCode::PartitionEOF)
+        ) {
+            tracing::error!(error = %error, reason, "librdkafka error (claims restore)");
+        }
+    }
+}
+
+impl rdkafka::consumer::ConsumerContext for QuietEof {}

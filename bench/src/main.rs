@@ -57,6 +57,14 @@
 //! event exactly once, and reports the outbox table's size (sent rows are
 //! kept an hour, the default retention).
 //!
+//! With `--kafka-only`, Kafka-to-Kafka pipelines beside `batched`:
+//! `kafka-transactional` (the `TransactionalConsumer`: each distinct event's
+//! output, its claim and its offset in one Kafka transaction),
+//! `kafka-plain` (consume, transform, produce, at least once, no dedup),
+//! and `kafka-restore` (the claims of `--events` events written, then the
+//! time a new owner takes to restore them and apply its first events,
+//! beside the same with no claims). See kafka_only.rs.
+//!
 //! Environment: `KAFKA_BROKERS` (default `127.0.0.1:9092`), `DATABASE_URL`.
 
 #![allow(clippy::print_stdout)]
@@ -78,6 +86,7 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::{Offset, TopicPartitionList};
 
+mod kafka_only;
 mod outbox;
 mod produce;
 mod steady;
@@ -227,6 +236,7 @@ struct Args {
     json: bool,
     purge: bool,
     outbox: bool,
+    kafka_only: bool,
     per_tx: usize,
     relay_batch: usize,
     mode: Option<String>,
@@ -254,6 +264,7 @@ fn args() -> Result<Args, String> {
         json: false,
         purge: false,
         outbox: false,
+        kafka_only: false,
         per_tx: 10,
         relay_batch: 500,
         mode: None,
@@ -280,6 +291,7 @@ fn args() -> Result<Args, String> {
             "--json" => a.json = true,
             "--purge" => a.purge = true,
             "--outbox" => a.outbox = true,
+            "--kafka-only" => a.kafka_only = true,
             "--relay-batch" => {
                 a.relay_batch = value()?
                     .parse()
@@ -313,7 +325,7 @@ fn args() -> Result<Args, String> {
             other => {
                 return Err(format!(
                     "unknown flag {other}; flags: --events --duplicates --partitions --json --purge \
-                     --outbox --per-tx --relay-batch --mode --rate --seconds --set key=value \
+                     --outbox --kafka-only --per-tx --relay-batch --mode --rate --seconds --set key=value \
                      --max-buffered --dump file (with --mode steady or steady-purge)"
                 ));
             }
@@ -459,6 +471,9 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
     if mode.starts_with("steady") {
         return steady::run_steady(args, mode == "steady-purge").await;
     }
+    if mode.starts_with("kafka-") {
+        return kafka_only::run(mode, args).await;
+    }
     if mode == "batched-metrics" {
         install_prometheus()?;
     }
@@ -554,14 +569,6 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
     // this process, whose peak RSS is the consumer's).
     let acks = Producer::spawn(&topic, args.events, args.duplicates, 0, None)?.finish()?;
 
-    // Poll the group's committed offsets: an event's latency ends when an
-    // offset past it is committed.
-    let watcher: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", &brokers)
-        .set("group.id", &group)
-        .create()?;
-    let mut committed_at: HashMap<i32, i64> = HashMap::new();
-    let mut latencies = Vec::with_capacity(events);
     eprintln!(
         "  {mode}: RSS before the consumer {:.1} MiB",
         rss_mib("VmRSS:")
@@ -589,32 +596,16 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
                 .handle(&topic, record_payments),
         ),
     };
-    let mut done = 0u64;
-    while done < total {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        let mut tpl = TopicPartitionList::new();
-        for p in 0..args.partitions {
-            tpl.add_partition(&topic, p);
-        }
-        let watcher_tpl =
-            tokio::task::block_in_place(|| watcher.committed_offsets(tpl, Duration::from_secs(5)))?;
-        let now = unix_micros();
-        for elem in watcher_tpl.elements() {
-            let Offset::Offset(next) = elem.offset() else {
-                continue;
-            };
-            let from = committed_at.insert(elem.partition(), next).unwrap_or(0);
-            for offset in from..next {
-                if let Some(t) = acks.at(elem.partition(), offset) {
-                    latencies.push(now.saturating_sub(t) as f64 / 1000.0);
-                }
-                done += 1;
-            }
-        }
-        if started.elapsed() > Duration::from_secs(3600) {
-            return Err("gave up after an hour".into());
-        }
-    }
+    let latencies = watch_commits(
+        &brokers,
+        &topic,
+        &group,
+        args.partitions,
+        total,
+        &acks,
+        started,
+    )
+    .await?;
     let seconds = started.elapsed().as_secs_f64();
     let stats = consumer.stats.snapshot();
     consumer.stop().await;
@@ -638,6 +629,57 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
         (applied, expected),
         stats.batches,
     ))
+}
+
+/// Polls `group`'s committed offsets of `topic` every 20 ms until `total`
+/// messages are behind them, and returns each message's latency (ms): from
+/// its produce acknowledgement to an offset past it being committed.
+async fn watch_commits(
+    brokers: &str,
+    topic: &str,
+    group: &str,
+    partitions: i32,
+    total: u64,
+    acks: &produce::Acks,
+    started: Instant,
+) -> Result<Vec<f64>, BoxError> {
+    let watcher: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        // Not waiting for offsets a transaction has yet to commit
+        // (read_committed asks for stable offsets, and a transactional
+        // consumer nearly always has some in flight).
+        .set("isolation.level", "read_uncommitted")
+        .create()?;
+    let mut committed_at: HashMap<i32, i64> = HashMap::new();
+    let mut latencies = Vec::with_capacity(total as usize);
+    let mut done = 0u64;
+    while done < total {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..partitions {
+            tpl.add_partition(topic, p);
+        }
+        let watcher_tpl =
+            tokio::task::block_in_place(|| watcher.committed_offsets(tpl, Duration::from_secs(5)))?;
+        let now = unix_micros();
+        for elem in watcher_tpl.elements() {
+            let Offset::Offset(next) = elem.offset() else {
+                continue;
+            };
+            let from = committed_at.insert(elem.partition(), next).unwrap_or(0);
+            for offset in from..next {
+                if let Some(t) = acks.at(elem.partition(), offset) {
+                    latencies.push(now.saturating_sub(t) as f64 / 1000.0);
+                }
+                done += 1;
+            }
+        }
+        if started.elapsed() > Duration::from_secs(3600) {
+            return Err("gave up after an hour".into());
+        }
+    }
+    Ok(latencies)
 }
 
 /// A fresh topic for `mode`.
@@ -759,6 +801,8 @@ async fn main() -> Result<(), BoxError> {
     let mut reports = Vec::new();
     let modes: Vec<&str> = if args.outbox {
         OUTBOX_MODES.to_vec()
+    } else if args.kafka_only {
+        kafka_only::KAFKA_MODES.to_vec()
     } else {
         MODES
             .iter()
@@ -846,7 +890,19 @@ async fn main() -> Result<(), BoxError> {
             .find(|r| r.mode == m)
             .map_or(0.0, |r| r.events_per_s)
     };
-    if args.outbox {
+    if args.kafka_only {
+        println!(
+            "ratios: kafka-transactional/kafka-plain {:.2}x (exactly once with claims vs at least once without), kafka-transactional/batched {:.2}x (the PostgreSQL path)",
+            rate("kafka-transactional") / rate("kafka-plain"),
+            rate("kafka-transactional") / rate("batched"),
+        );
+        if let Some(r) = reports.iter().find(|r| r.mode == "kafka-restore") {
+            println!(
+                "kafka-restore: a new owner of {} claims applied its first events {:.2} s after its start (see above for the part that is restoring)",
+                r.events, r.seconds
+            );
+        }
+    } else if args.outbox {
         for r in &reports {
             if let Some(mib) = r.table_mib {
                 println!("{}: outbox table {mib:.1} MiB at the end", r.mode);

@@ -26,8 +26,9 @@ pub(crate) fn failpoint(name: &str) {
 }
 
 /// Test-only failures: with the `failpoints` feature and
-/// `DEDUP_FAILPOINT=<name>:<n>` set, `true` at the n-th pass (once), and
-/// the caller fails there as if the environment had; the process goes on.
+/// `DEDUP_FAILPOINT=<name>:<n>[:<k>]` set, `true` at the n-th pass and the
+/// k - 1 after it (k = 1 by default), and the caller fails there as if the
+/// environment had; the process goes on.
 pub(crate) fn fails(name: &str) -> bool {
     #[cfg(feature = "failpoints")]
     {
@@ -37,11 +38,21 @@ pub(crate) fn fails(name: &str) -> bool {
         let Ok(spec) = std::env::var("DEDUP_FAILPOINT") else {
             return false;
         };
-        let (point, nth) = match spec.split_once(':') {
-            Some((point, n)) => (point, n.parse::<u64>().unwrap_or(1)),
-            None => (spec.as_str(), 1),
-        };
-        if point == name && PASSES.fetch_add(1, Ordering::SeqCst) + 1 == nth {
+        let mut parts = spec.split(':');
+        let point = parts.next().unwrap_or_default();
+        let nth = parts
+            .next()
+            .and_then(|n| n.parse::<u64>().ok())
+            .unwrap_or(1);
+        let times = parts
+            .next()
+            .and_then(|k| k.parse::<u64>().ok())
+            .unwrap_or(1);
+        if point != name {
+            return false;
+        }
+        let pass = PASSES.fetch_add(1, Ordering::SeqCst) + 1;
+        if pass >= nth && pass < nth + times {
             tracing::error!(failpoint = name, "failpoint: failing here once");
             return true;
         }

@@ -419,9 +419,10 @@ enum Attempt {
     /// `.1`; the batch is judged again around it and run in a new
     /// transaction.
     Refused(usize, Fate),
-    /// The broker refused a batch of records for a size no single record
-    /// may have caused: run again sending one record at a time, to find it.
-    Ambiguous,
+    /// The broker refused a request of records to topic `.0` for a
+    /// reason no single record may have caused (a size): run again sending
+    /// that topic's records one at a time, to find the one at fault.
+    Ambiguous(String),
     /// The environment failed or the group moved on: the batch is dropped
     /// and its partitions rewound to their committed offsets. With
     /// `unwritable`, a topic of the transaction could not be written.
@@ -437,6 +438,9 @@ enum Attempt {
 /// consumer stops: a restart resumes from what Kafka committed, while
 /// another call on a producer with one in progress could only conflict.
 const UNRESOLVED_LIMIT: Duration = Duration::from_secs(120);
+
+/// Most tombstones one transaction writes per partition.
+const MAX_TOMBSTONES: usize = 10_000;
 
 /// Aborted transactions of a batch retried before its partitions are
 /// rewound (the consumer does not poll meanwhile).
@@ -691,11 +695,12 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         // Fates that a refused record decided; the others are judged again
         // around them (a later duplicate of a refused event is not one).
         let mut forced: HashMap<usize, Fate> = HashMap::new();
-        let mut isolate = false;
+        let mut isolate: Option<String> = None;
         // Aborted transactions retried with the batch in hand (what the
         // refusals decided kept): a producer recovering from an aborted
         // transaction (an epoch bump) fails the first records of the next.
         let mut in_place = 0u32;
+        let mut sweeps: BTreeMap<i32, (i64, bool)> = BTreeMap::new();
         let (fates, tombstones, newest) = loop {
             let (mut fates, staged) = self.fates(batch, states, &mut forced, jitter).await;
             // Stream time moves with the records applied or skipped (a
@@ -708,30 +713,46 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 }
             }
             let mut tombstones: BTreeMap<i32, Vec<ClaimDigest>> = BTreeMap::new();
+            // Per partition of the batch: the sweep's stream time, and
+            // whether it tombstones all it found (at most MAX_TOMBSTONES per
+            // transaction; the rest in the next batches).
+            sweeps.clear();
             for (&p, state) in states.iter() {
+                if !first.contains_key(&p) {
+                    continue;
+                }
                 let now = sweep_time(
                     state
                         .stream_time
                         .max(newest.get(&p).copied().unwrap_or(i64::MIN)),
                 );
-                let expired: Vec<ClaimDigest> = state
+                let mut expired: Vec<ClaimDigest> = state
                     .expired(now)
                     .into_iter()
                     .filter(|d| !staged.contains_key(&(p, *d)))
                     .collect();
-                if !expired.is_empty() && first.contains_key(&p) {
+                sweeps.insert(p, (now, expired.len() <= MAX_TOMBSTONES));
+                expired.truncate(MAX_TOMBSTONES);
+                if !expired.is_empty() {
                     tombstones.insert(p, expired);
                 }
             }
             match self
-                .transact(consumer, batch, &mut fates, &tombstones, &offsets, isolate)
+                .transact(
+                    consumer,
+                    batch,
+                    &mut fates,
+                    &tombstones,
+                    &offsets,
+                    isolate.as_deref(),
+                )
                 .await?
             {
                 Attempt::Committed => break (fates, tombstones, newest),
                 Attempt::Refused(i, fate) => {
                     forced.insert(i, fate);
                 }
-                Attempt::Ambiguous => isolate = true,
+                Attempt::Ambiguous(topic) => isolate = Some(topic),
                 Attempt::Rewind {
                     why,
                     unwritable,
@@ -774,8 +795,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             if let Some(&at) = newest.get(&p) {
                 state.advance(at);
             }
-            if first.contains_key(&p) {
-                state.swept(sweep_time(state.stream_time), self.sweep_every());
+            if let Some(&(now, true)) = sweeps.get(&p) {
+                state.swept(now, self.sweep_every());
             }
         }
         for (p, digests) in tombstones {
@@ -989,7 +1010,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         fates: &mut [Fate],
         tombstones: &BTreeMap<i32, Vec<ClaimDigest>>,
         offsets: &TopicPartitionList,
-        isolate: bool,
+        isolate: Option<&str>,
     ) -> Result<Attempt, Error> {
         let timeout = self.transaction_timeout;
         if let Err(e) = self.producer.begin_transaction() {
@@ -1063,8 +1084,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 }
             };
             if let Err((source, e)) = sent_one {
-                self.abort().await?;
-                return self.refused(source, e, fates);
+                return self.send_failed(source, e, sent, isolate, fates).await;
             }
         }
         let mut values = Vec::new();
@@ -1081,11 +1101,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 let record = FutureRecord::<[u8], [u8]>::to(&self.changelog)
                     .partition(p)
                     .key(&d[..]);
-                if let Err((_, e)) = self
+                if let Err((source, e)) = self
                     .send(record, Source::Changelog, &mut sent, isolate)
                     .await
                 {
-                    return self.failed("changelog", e).await;
+                    return self.send_failed(source, e, sent, isolate, fates).await;
                 }
             }
         }
@@ -1094,47 +1114,22 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 .partition(*p)
                 .key(&d[..])
                 .payload(&value[..]);
-            if let Err((_, e)) = self
+            if let Err((source, e)) = self
                 .send(record, Source::Changelog, &mut sent, isolate)
                 .await
             {
-                return self.failed("changelog", e).await;
+                return self.send_failed(source, e, sent, isolate, fates).await;
             }
         }
         // Every record acknowledged (or refused) before the offsets: a
         // refusal names its record, and the commit has nothing left to
         // flush (rust-rdkafka's flush would wait out a 100 ms poll for
         // acknowledgements that its polling thread takes).
-        let acknowledged = tokio::time::timeout(timeout, async {
-            // A refused record makes the transaction fail the others too:
-            // the one refused for its own sake is the one to name.
-            let mut first_error = None;
-            for (source, fut) in sent {
-                let error = match fut.await {
-                    Ok(Ok(_)) => continue,
-                    Ok(Err((err, _))) => err,
-                    Err(_) => KafkaError::Canceled,
-                };
-                if is_records_fault(&error) && !matches!(source, Source::Changelog) {
-                    return Some((source, error));
-                }
-                first_error.get_or_insert((source, error));
-            }
-            first_error
-        })
-        .await;
-        match acknowledged {
+        match tokio::time::timeout(timeout, first_refusal(sent)).await {
             Ok(None) => {}
-            // Refused by the broker with others of its request: which
-            // record is not known.
-            Ok(Some((_, e))) if is_records_fault(&e) && !isolate => {
-                tracing::warn!(error = %e, "the broker refused records of the transaction; sending them one at a time to find the one at fault");
+            Ok(Some(refusal)) => {
                 self.abort().await?;
-                return Ok(Attempt::Ambiguous);
-            }
-            Ok(Some((source, e))) => {
-                self.abort().await?;
-                return self.refused(source, e, fates);
+                return self.refused_report(refusal, isolate, fates);
             }
             Err(_) => {
                 return self
@@ -1148,7 +1143,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         crate::failpoint::failpoint("transaction-before-offsets");
         // A member that lost partitions of the batch (it was dropped from
         // its group) must not commit them: their new owner runs them.
-        let assigned = consumer.assignment()?;
+        let assigned = match consumer.assignment() {
+            Ok(assigned) => assigned,
+            Err(e) => {
+                self.abort().await?;
+                return Err(e.into());
+            }
+        };
         let lost = consumer.assignment_lost()
             || offsets
                 .elements()
@@ -1207,12 +1208,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         mut record: FutureRecord<'a, [u8], [u8]>,
         source: Source,
         sent: &mut Vec<(Source, DeliveryFuture)>,
-        isolate: bool,
+        isolate: Option<&str>,
     ) -> Result<(), (Source, KafkaError)> {
+        let alone = isolate == Some(record.topic);
         loop {
             match self.producer.send_result(record) {
                 // Alone in its request: its acknowledgement names it.
-                Ok(fut) if isolate => {
+                Ok(fut) if alone => {
                     let _ = self.producer.flush(Duration::ZERO);
                     return match tokio::time::timeout(self.transaction_timeout, fut).await {
                         Ok(Ok(Ok(_))) => Ok(()),
@@ -1230,6 +1232,52 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 }
                 Err((e, _)) => return Err((source, e)),
             }
+        }
+    }
+
+    /// A send refused outright. Its own size or topic: its message's fate.
+    /// Anything else may follow from an earlier request's refusal (the
+    /// transaction, once failed, refuses every later record), so the earlier
+    /// records' reports are looked at first.
+    async fn send_failed(
+        &self,
+        source: Source,
+        e: KafkaError,
+        sent: Vec<(Source, DeliveryFuture)>,
+        isolate: Option<&str>,
+        fates: &[Fate],
+    ) -> Result<Attempt, Error> {
+        if is_records_fault(&e) {
+            self.abort().await?;
+            return self.refused(source, e, fates);
+        }
+        let earlier = tokio::time::timeout(self.transaction_timeout, first_refusal(sent))
+            .await
+            .ok()
+            .flatten();
+        self.abort().await?;
+        match earlier {
+            Some(refusal) if is_records_fault(&refusal.1) => {
+                self.refused_report(refusal, isolate, fates)
+            }
+            _ => self.refused(source, e, fates),
+        }
+    }
+
+    /// A refusal reported by the broker for a record of topic `.2`: named
+    /// for certain only if the record was alone in its request.
+    fn refused_report(
+        &self,
+        (source, e, topic): (Source, KafkaError, Option<String>),
+        isolate: Option<&str>,
+        fates: &[Fate],
+    ) -> Result<Attempt, Error> {
+        match topic {
+            Some(topic) if is_records_fault(&e) && isolate != Some(topic.as_str()) => {
+                tracing::warn!(error = %e, topic, "the broker refused records of the transaction; sending that topic's one at a time to find the one at fault");
+                Ok(Attempt::Ambiguous(topic))
+            }
+            _ => self.refused(source, e, fates),
         }
     }
 
@@ -1280,12 +1328,54 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     },
                 ))
             }
+            Source::Changelog
+                if matches!(
+                    e,
+                    KafkaError::MessageProduction(
+                        RDKafkaErrorCode::UnknownPartition
+                            | RDKafkaErrorCode::UnknownTopicOrPartition
+                    )
+                ) && self.partition_missing() =>
+            {
+                Err(Error::Fatal(format!(
+                    "the changelog {:?} has no partition for every input partition of {:?}: the \
+                     input gained partitions; add as many to the changelog",
+                    self.changelog, self.topic
+                )))
+            }
+            Source::DeadLetter(_)
+                if matches!(
+                    e,
+                    KafkaError::MessageProduction(RDKafkaErrorCode::InvalidRecord)
+                ) =>
+            {
+                Err(Error::Fatal(format!(
+                    "the dead-letter topic {:?} refuses dead letters ({e}): is it compacted? \
+                     Dead letters may have no key",
+                    self.dead_letter_topic
+                )))
+            }
             _ => Ok(Attempt::Rewind {
                 why: format!("a record was refused: {e}"),
                 unwritable: dlq::is_unwritable(&e),
                 lost: false,
             }),
         }
+    }
+
+    /// Whether the changelog has fewer partitions than the input now.
+    fn partition_missing(&self) -> bool {
+        let count = |topic: &str| -> Option<usize> {
+            let metadata = self
+                .producer
+                .client()
+                .fetch_metadata(Some(topic), Duration::from_secs(10))
+                .ok()?;
+            metadata.topics().first().map(|t| t.partitions().len())
+        };
+        tokio::task::block_in_place(
+            || matches!((count(&self.topic), count(&self.changelog)), (Some(i), Some(c)) if c < i),
+        )
     }
 
     /// A retriable error of a call librdkafka resumes: the same call goes
@@ -1345,6 +1435,28 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             lost: false,
         })
     }
+}
+
+/// The first record the broker refused, awaiting every report: one refused
+/// for its own sake (a size, an invalid record) if there is one, since a
+/// refusal makes the transaction fail the records after it too; with the
+/// topic it was sent to.
+async fn first_refusal(
+    sent: Vec<(Source, DeliveryFuture)>,
+) -> Option<(Source, KafkaError, Option<String>)> {
+    let mut first = None;
+    for (source, fut) in sent {
+        let (error, topic) = match fut.await {
+            Ok(Ok(_)) => continue,
+            Ok(Err((err, msg))) => (err, Some(msg.topic().to_owned())),
+            Err(_) => (KafkaError::Canceled, None),
+        };
+        if is_records_fault(&error) && !matches!(source, Source::Changelog) {
+            return Some((source, error, topic));
+        }
+        first.get_or_insert((source, error, topic));
+    }
+    first
 }
 
 /// The stream time up to which claims may be tombstoned: never past the

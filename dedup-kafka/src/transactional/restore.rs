@@ -164,8 +164,10 @@ pub(crate) fn restore(
             std::thread::sleep(Duration::from_millis(50));
         }
     }
-    let reader: BaseConsumer<QuietEof> = base
-        .clone()
+    let mut reader_config = base.clone();
+    // From the leader: a follower's end of the log can lag its leader's.
+    reader_config.remove("client.rack");
+    let reader: BaseConsumer<QuietEof> = reader_config
         .set("isolation.level", "read_committed")
         .set("enable.partition.eof", "true")
         // Offsets out of range (the log's start moved by retention) are an

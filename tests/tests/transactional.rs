@@ -350,6 +350,11 @@ async fn partitions_handed_over_in_a_rebalance_keep_their_claims() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    let health = b_stats.health();
+    assert!(
+        health.is_ready(),
+        "joined and its coordinator answered: {health:?}"
+    );
     tokio::time::sleep(Duration::from_secs(2)).await;
     for i in 0..40 {
         let id = format!("e{i}");

@@ -507,6 +507,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         )
         .await?;
         self.init_transactions().await?;
+        // Readiness: the transaction coordinator (this consumer's store) answered.
+        self.stats.store_answered();
         let context = Context {
             topic: self.topic.clone(),
             changes: Mutex::new(Vec::new()),

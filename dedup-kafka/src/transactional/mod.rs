@@ -384,7 +384,12 @@ impl ConsumerContext for Context {
     }
 }
 
+/// The claims a batch takes, by partition and digest, on top of the
+/// partitions' committed ones.
+type Staged = HashMap<(i32, ClaimDigest), Entry>;
+
 /// What became of one message of a batch.
+#[derive(Clone)]
 enum Fate {
     Applied {
         outputs: Vec<OutputRecord>,
@@ -703,12 +708,18 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         // transaction (an epoch bump) fails the first records of the next.
         let mut in_place = 0u32;
         let mut sweeps: BTreeMap<i32, (i64, bool)> = BTreeMap::new();
+        // The fates under the current `forced`: judged again only when a
+        // refusal changes it (retried transactions reuse them).
+        let mut judged: Option<(Vec<Fate>, Staged)> = None;
         let (fates, tombstones, newest) = loop {
-            let (mut fates, staged) = self.fates(batch, states, &mut forced, jitter).await;
+            if judged.is_none() {
+                judged = Some(self.fates(batch, states, &forced, jitter).await);
+            }
+            let (fates, staged) = judged.as_ref().expect("judged above");
             // Stream time moves with the records applied or skipped (a
             // dead-lettered one may carry any timestamp).
             let mut newest: BTreeMap<i32, i64> = BTreeMap::new();
-            for (msg, fate) in batch.iter().zip(&fates) {
+            for (msg, fate) in batch.iter().zip(fates) {
                 if !matches!(fate, Fate::Dead { .. }) {
                     let n = newest.entry(msg.partition()).or_insert(i64::MIN);
                     *n = (*n).max(timestamp(msg));
@@ -743,16 +754,20 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 .transact(
                     consumer,
                     batch,
-                    &mut fates,
+                    fates,
                     &tombstones,
                     &offsets,
                     isolate.as_deref(),
                 )
                 .await?
             {
-                Attempt::Committed => break (fates, tombstones, newest),
+                Attempt::Committed => {
+                    let (fates, _) = judged.take().expect("judged above");
+                    break (fates, tombstones, newest);
+                }
                 Attempt::Refused(i, fate) => {
                     forced.insert(i, fate);
+                    judged = None;
                 }
                 Attempt::Ambiguous(topic) => isolate = Some(topic),
                 Attempt::Rewind {
@@ -828,26 +843,16 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         &self,
         batch: &[OwnedMessage],
         states: &HashMap<i32, PartitionClaims>,
-        forced: &mut HashMap<usize, Fate>,
+        forced: &HashMap<usize, Fate>,
         jitter: &mut Jitter,
-    ) -> (Vec<Fate>, HashMap<(i32, ClaimDigest), Entry>) {
+    ) -> (Vec<Fate>, Staged) {
         let mut fates = Vec::with_capacity(batch.len());
         // Claims taken in this batch, on top of the partitions' committed ones.
-        let mut staged: HashMap<(i32, ClaimDigest), Entry> = HashMap::new();
+        let mut staged = Staged::new();
         for (i, msg) in batch.iter().enumerate() {
             let fate = match forced.get(&i) {
-                Some(Fate::Dead {
-                    kind,
-                    message,
-                    attempts,
-                    keep,
-                }) => Fate::Dead {
-                    kind,
-                    message: message.clone(),
-                    attempts: *attempts,
-                    keep: *keep,
-                },
-                _ => self.fate(msg, states, &staged, jitter).await,
+                Some(fate) => fate.clone(),
+                None => self.fate(msg, states, &staged, jitter).await,
             };
             if let Fate::Applied { digest, entry, .. } = &fate {
                 staged.insert((msg.partition(), *digest), *entry);
@@ -915,7 +920,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         &self,
         msg: &OwnedMessage,
         states: &HashMap<i32, PartitionClaims>,
-        staged: &HashMap<(i32, ClaimDigest), Entry>,
+        staged: &Staged,
         jitter: &mut Jitter,
     ) -> Fate {
         let payload = msg.payload().unwrap_or_default();
@@ -1009,7 +1014,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         &self,
         consumer: &StreamConsumer<Context>,
         batch: &[OwnedMessage],
-        fates: &mut [Fate],
+        fates: &[Fate],
         tombstones: &BTreeMap<i32, Vec<ClaimDigest>>,
         offsets: &TopicPartitionList,
         isolate: Option<&str>,

@@ -250,6 +250,8 @@ struct Args {
     settings: Vec<(String, String)>,
     /// `--max-buffered n`: the consumer's `max_buffered_per_partition`.
     max_buffered: Option<usize>,
+    /// `--linger ms`: the consumer's `batch_linger`.
+    linger: Option<u64>,
     /// `steady` modes: write each event's (ack, commit) times here.
     dump: Option<String>,
     /// Internal: produce the workload to this topic and report the acks.
@@ -273,6 +275,7 @@ fn args() -> Result<Args, String> {
         window: 0,
         settings: Vec::new(),
         max_buffered: None,
+        linger: None,
         produce_to: None,
         dump: None,
     };
@@ -313,6 +316,7 @@ fn args() -> Result<Args, String> {
                     .ok_or_else(|| format!("--set {kv}: expected key=value"))?;
                 a.settings.push((k.to_owned(), v.to_owned()));
             }
+            "--linger" => a.linger = Some(value()?.parse().map_err(|e| format!("--linger: {e}"))?),
             "--max-buffered" => {
                 a.max_buffered = Some(
                     value()?
@@ -326,7 +330,7 @@ fn args() -> Result<Args, String> {
                 return Err(format!(
                     "unknown flag {other}; flags: --events --duplicates --partitions --json --purge \
                      --outbox --kafka-only --per-tx --relay-batch --mode --rate --seconds --set key=value \
-                     --max-buffered --dump file (with --mode steady or steady-purge)"
+                     --max-buffered --linger ms --dump file (with --mode steady or steady-purge)"
                 ));
             }
         }
@@ -734,6 +738,9 @@ fn configure<S: DedupStore>(
     for (k, v) in &args.settings {
         builder = builder.set(k, v);
     }
+    if let Some(ms) = args.linger {
+        builder = builder.batch_linger(Duration::from_millis(ms));
+    }
     if let Some(n) = args.max_buffered {
         builder = builder.max_buffered_per_partition(n);
     }
@@ -822,6 +829,9 @@ async fn main() -> Result<(), BoxError> {
             .args(["--seconds", &args.seconds.to_string()]);
         for (k, v) in &args.settings {
             command.args(["--set", &format!("{k}={v}")]);
+        }
+        if let Some(ms) = args.linger {
+            command.args(["--linger", &ms.to_string()]);
         }
         if let Some(n) = args.max_buffered {
             command.args(["--max-buffered", &n.to_string()]);

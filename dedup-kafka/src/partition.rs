@@ -241,6 +241,10 @@ impl Inbox {
         msg
     }
 
+    fn is_empty(&self) -> bool {
+        self.receiver.is_empty()
+    }
+
     fn try_recv(&mut self) -> Result<OwnedMessage, mpsc::error::TryRecvError> {
         let msg = self.receiver.try_recv();
         self.held += i64::from(msg.is_ok());
@@ -376,19 +380,24 @@ fn was_dead_lettered<S: 'static>(
     !known.is_empty() && known.contains(route.dead_letter_record(msg).id())
 }
 
-/// Takes `first` and whatever else of the partition arrives within the
-/// linger time, up to the batch size.
+/// Takes `first` and what else of the partition is queued, up to the batch
+/// size. Only a partition that was idle (`first` alone in its queue) waits
+/// for more, up to the linger time: messages that queued behind a running
+/// batch are a batch already, and lingering would only add to their wait
+/// (at steady load every batch would wait the whole linger).
 async fn gather(
     receiver: &mut Inbox,
     first: OwnedMessage,
     settings: &Settings,
 ) -> Vec<OwnedMessage> {
+    let linger = receiver.is_empty();
     let mut batch = vec![first];
     let deadline = tokio::time::Instant::now() + settings.batch_linger;
     while batch.len() < settings.batch_size {
         match receiver.try_recv() {
             Ok(msg) => batch.push(msg),
             Err(mpsc::error::TryRecvError::Disconnected) => break,
+            Err(mpsc::error::TryRecvError::Empty) if !linger => break,
             Err(mpsc::error::TryRecvError::Empty) => {
                 match tokio::time::timeout_at(deadline, receiver.recv()).await {
                     Ok(Some(msg)) => batch.push(msg),
@@ -961,5 +970,79 @@ mod tests {
         drop(inbox);
         assert_eq!(stats.in_flight(), 0);
         assert!(sender.send(message(9)).is_err(), "closed on drop");
+    }
+
+    fn inbox_of(n: i64) -> (mpsc::UnboundedSender<OwnedMessage>, Inbox) {
+        let stats = Arc::new(Stats::new());
+        let (sender, receiver) = mpsc::unbounded_channel();
+        for offset in 0..n {
+            stats.add_in_flight(1);
+            sender.send(message(offset)).unwrap();
+        }
+        let inbox = Inbox {
+            receiver,
+            stats,
+            held: 0,
+        };
+        (sender, inbox)
+    }
+
+    fn lingering(linger: Duration) -> Settings {
+        Settings {
+            batch_linger: linger,
+            ..Settings::default()
+        }
+    }
+
+    /// Messages that queued behind a running batch are the next batch at
+    /// once: at steady load, lingering made every batch wait the whole
+    /// linger on top of the one before.
+    #[tokio::test]
+    async fn a_busy_partition_takes_what_is_queued_without_lingering() {
+        let (_sender, mut inbox) = inbox_of(3);
+        let first = inbox.recv().await.unwrap();
+        let settings = lingering(Duration::from_secs(30));
+        let batch =
+            tokio::time::timeout(Duration::from_secs(5), gather(&mut inbox, first, &settings))
+                .await
+                .expect("a busy partition's batch must not wait for the linger");
+        let offsets: Vec<i64> = batch.iter().map(|m| m.offset()).collect();
+        assert_eq!(offsets, [0, 1, 2]);
+    }
+
+    /// An idle partition's first message waits for company, up to the
+    /// linger: what arrives meanwhile joins its batch.
+    #[tokio::test]
+    async fn an_idle_partition_waits_the_linger_for_more() {
+        let (sender, mut inbox) = inbox_of(1);
+        let stats = inbox.stats.clone();
+        let first = inbox.recv().await.unwrap();
+        let settings = lingering(Duration::from_secs(30));
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            stats.add_in_flight(1);
+            sender.send(message(1)).unwrap();
+            // Held open until the linger would have ended, so the batch
+            // ends on the linger or the batch size, not on a closed queue.
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        });
+        let settings = Settings {
+            batch_size: 2,
+            ..settings
+        };
+        let batch =
+            tokio::time::timeout(Duration::from_secs(5), gather(&mut inbox, first, &settings))
+                .await
+                .expect("the second message arrives within the linger");
+        assert_eq!(batch.len(), 2);
+        let started = tokio::time::Instant::now();
+        let (_held, mut inbox) = inbox_of(1);
+        let first = inbox.recv().await.unwrap();
+        let batch = gather(&mut inbox, first, &lingering(Duration::from_millis(200))).await;
+        assert_eq!(batch.len(), 1);
+        assert!(
+            started.elapsed() >= Duration::from_millis(200),
+            "alone, it waited the linger out"
+        );
     }
 }

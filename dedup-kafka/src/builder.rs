@@ -288,8 +288,10 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self
     }
 
-    /// How long a partition waits for more messages to fill a batch
-    /// (default 5 ms); what is already fetched is taken at once.
+    /// How long an idle partition's first message waits for more to fill a
+    /// batch (default 5 ms). Messages that queued behind a running batch
+    /// are taken at once, without waiting: under load a batch forms while
+    /// the one before it runs.
     pub fn batch_linger(mut self, linger: Duration) -> Self {
         self.runtime.batch_linger = linger;
         self

@@ -324,6 +324,74 @@ pub async fn second_claimer_waits_for_the_first<S: DedupStore + Clone>(store: S)
     }
 }
 
+/// A batch claim meeting a key another transaction claimed and has not
+/// committed waits for it: the key is claimed if that transaction rolls
+/// back, and is a duplicate, with that claim's expiry, if it commits. The
+/// batch's other keys are answered as usual.
+pub async fn batch_claimer_waits_for_the_first<S: DedupStore + Clone>(store: S) {
+    for first_commits in [false, true] {
+        let outcome = if first_commits { "commit" } else { "rollback" };
+        let k = key("batch-wait", outcome);
+        let live = key("batch-wait", &format!("live-{outcome}"));
+        let new = key("batch-wait", &format!("new-{outcome}"));
+        claim_committed(&store, &live, ttl(HOUR)).await;
+        let mut first = store.begin().await.expect("begin");
+        assert_eq!(
+            store
+                .claim(&mut first, &k, None, ttl(HOUR))
+                .await
+                .expect("claim"),
+            Claim::Fresh
+        );
+
+        let second = tokio::spawn({
+            let store = store.clone();
+            let keys = [new.clone(), k.clone(), live.clone()];
+            async move {
+                let mut tx = store.begin().await.expect("begin");
+                let claims = store
+                    .claim_many(&mut tx, &keys, &[], ttl(HOUR))
+                    .await
+                    .expect("claim_many");
+                store.commit(tx).await.expect("commit");
+                claims
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !second.is_finished(),
+            "the batch must wait for the first transaction"
+        );
+        if first_commits {
+            store.commit(first).await.expect("commit");
+        } else {
+            store.rollback(first).await.expect("rollback");
+        }
+        let claims = second.await.expect("task");
+        assert_eq!(claims[0], Claim::Fresh, "{outcome}: {claims:?}");
+        let in_half_an_hour = SystemTime::now() + Duration::from_secs(HOUR / 2);
+        let live_claim = |claim: &Claim| {
+            matches!(claim, Claim::Duplicate { expires_at, .. } if *expires_at > in_half_an_hour)
+        };
+        assert!(
+            live_claim(&claims[2]),
+            "{outcome}: a live claim, with its expiry: {claims:?}"
+        );
+        if first_commits {
+            assert!(
+                live_claim(&claims[1]),
+                "first committed: a duplicate with the first's expiry, got {claims:?}"
+            );
+        } else {
+            assert_eq!(
+                claims[1],
+                Claim::Fresh,
+                "first rolled back, the batch must claim"
+            );
+        }
+    }
+}
+
 /// A batch claim: one outcome per key in order; a key given twice is claimed
 /// once; live and expired claims are reported as for single claims; the
 /// claims commit with the transaction.
@@ -765,6 +833,7 @@ macro_rules! conformance_tests {
             scope_isolation,
             rollback_releases_the_claim,
             second_claimer_waits_for_the_first,
+            batch_claimer_waits_for_the_first,
             batch_claims,
             batch_rollback_releases_every_claim,
             long_keys_are_digested,

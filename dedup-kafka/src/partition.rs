@@ -298,6 +298,9 @@ pub(crate) async fn worker<S: DedupStore>(
     // committed: read once, before the first message, and skipped.
     let mut dead_lettered = None;
     loop {
+        // Messages already waiting (they queued behind the batch before)
+        // make the next batch without lingering.
+        let idle = inbox.is_empty();
         // The partition entry (and with it the sender) may outlive this
         // worker's usefulness: stop on shutdown or revoke, not on a closed channel.
         let msg = tokio::select! {
@@ -311,7 +314,7 @@ pub(crate) async fn worker<S: DedupStore>(
             },
         };
         let batch = if route.handler.batches() {
-            gather(&mut inbox, msg, &shared.settings).await
+            gather(&mut inbox, msg, idle, &shared.settings).await
         } else {
             vec![msg]
         };
@@ -381,23 +384,24 @@ fn was_dead_lettered<S: 'static>(
 }
 
 /// Takes `first` and what else of the partition is queued, up to the batch
-/// size. Only a partition that was idle (`first` alone in its queue) waits
-/// for more, up to the linger time: messages that queued behind a running
-/// batch are a batch already, and lingering would only add to their wait
-/// (at steady load every batch would wait the whole linger).
+/// size. Only a partition that was `idle` (nothing queued when the worker
+/// began waiting for `first`) waits for more, up to the linger time:
+/// messages that queued behind a running batch are a batch already, even
+/// one alone, and lingering would only add to their wait (at steady load
+/// every batch would wait the whole linger).
 async fn gather(
     receiver: &mut Inbox,
     first: OwnedMessage,
+    idle: bool,
     settings: &Settings,
 ) -> Vec<OwnedMessage> {
-    let linger = receiver.is_empty();
     let mut batch = vec![first];
     let deadline = tokio::time::Instant::now() + settings.batch_linger;
     while batch.len() < settings.batch_size {
         match receiver.try_recv() {
             Ok(msg) => batch.push(msg),
             Err(mpsc::error::TryRecvError::Disconnected) => break,
-            Err(mpsc::error::TryRecvError::Empty) if !linger => break,
+            Err(mpsc::error::TryRecvError::Empty) if !idle => break,
             Err(mpsc::error::TryRecvError::Empty) => {
                 match tokio::time::timeout_at(deadline, receiver.recv()).await {
                     Ok(Some(msg)) => batch.push(msg),
@@ -995,29 +999,35 @@ mod tests {
     }
 
     /// Messages that queued behind a running batch are the next batch at
-    /// once: at steady load, lingering made every batch wait the whole
-    /// linger on top of the one before.
+    /// once, even one alone: at steady load, lingering made every batch
+    /// wait the whole linger on top of the one before.
     #[tokio::test]
     async fn a_busy_partition_takes_what_is_queued_without_lingering() {
-        let (_sender, mut inbox) = inbox_of(3);
-        let first = inbox.recv().await.unwrap();
         let settings = lingering(Duration::from_secs(30));
-        let batch =
-            tokio::time::timeout(Duration::from_secs(5), gather(&mut inbox, first, &settings))
+        for queued in [3, 1] {
+            let (_sender, mut inbox) = inbox_of(queued);
+            // As the worker sees it before waiting for its next message.
+            let idle = inbox.is_empty();
+            let first = inbox.recv().await.unwrap();
+            let gathering = gather(&mut inbox, first, idle, &settings);
+            let batch = tokio::time::timeout(Duration::from_secs(5), gathering)
                 .await
                 .expect("a busy partition's batch must not wait for the linger");
-        let offsets: Vec<i64> = batch.iter().map(|m| m.offset()).collect();
-        assert_eq!(offsets, [0, 1, 2]);
+            let offsets: Vec<i64> = batch.iter().map(|m| m.offset()).collect();
+            assert_eq!(offsets, (0..queued).collect::<Vec<_>>());
+        }
     }
 
     /// An idle partition's first message waits for company, up to the
     /// linger: what arrives meanwhile joins its batch.
     #[tokio::test]
     async fn an_idle_partition_waits_the_linger_for_more() {
-        let (sender, mut inbox) = inbox_of(1);
+        let (sender, mut inbox) = inbox_of(0);
         let stats = inbox.stats.clone();
+        let idle = inbox.is_empty();
+        stats.add_in_flight(1);
+        sender.send(message(0)).unwrap();
         let first = inbox.recv().await.unwrap();
-        let settings = lingering(Duration::from_secs(30));
         tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(50)).await;
             stats.add_in_flight(1);
@@ -1028,17 +1038,21 @@ mod tests {
         });
         let settings = Settings {
             batch_size: 2,
-            ..settings
+            ..lingering(Duration::from_secs(30))
         };
-        let batch =
-            tokio::time::timeout(Duration::from_secs(5), gather(&mut inbox, first, &settings))
-                .await
-                .expect("the second message arrives within the linger");
+        let gathering = gather(&mut inbox, first, idle, &settings);
+        let batch = tokio::time::timeout(Duration::from_secs(5), gathering)
+            .await
+            .expect("the second message arrives within the linger");
         assert_eq!(batch.len(), 2);
+
         let started = tokio::time::Instant::now();
-        let (_held, mut inbox) = inbox_of(1);
+        let (held, mut inbox) = inbox_of(0);
+        inbox.stats.add_in_flight(1);
+        held.send(message(0)).unwrap();
         let first = inbox.recv().await.unwrap();
-        let batch = gather(&mut inbox, first, &lingering(Duration::from_millis(200))).await;
+        let linger = lingering(Duration::from_millis(200));
+        let batch = gather(&mut inbox, first, true, &linger).await;
         assert_eq!(batch.len(), 1);
         assert!(
             started.elapsed() >= Duration::from_millis(200),

@@ -33,8 +33,8 @@
 //! - `steady`: events produced at a fixed rate (`--rate`, default half of
 //!   what `batched` reached in the same run) for `--seconds` (60) into a
 //!   consumer with default settings; latency from the produce
-//!   acknowledgement to the effect's commit (the handler's `pg_notify`,
-//!   delivered at commit), p50/p99/p99.9 after 2 s of warm-up;
+//!   acknowledgement to the effect's commit (when the runtime sees its
+//!   transaction's `COMMIT` return), p50/p99/p99.9 after 2 s of warm-up;
 //! - `steady-purge`: the same with a 10 s TTL and the purger running every
 //!   second; the claims table is counted every 500 ms once the first
 //!   claims could expire, and must stay within 1.1 x rate x (TTL + purge

@@ -94,6 +94,15 @@ impl DedupStore for Timed {
             .await
     }
 
+    async fn refresh_claims(
+        &self,
+        tx: &mut TimedTx,
+        keys: &[DedupKey],
+        ttl: Ttl,
+    ) -> Result<(), StoreError> {
+        self.store.refresh_claims(&mut tx.tx, keys, ttl).await
+    }
+
     async fn live_ids_from(&self, from: &DedupKey) -> Result<Vec<String>, StoreError> {
         self.store.live_ids_from(from).await
     }

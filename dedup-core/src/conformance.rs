@@ -263,6 +263,27 @@ pub async fn rollback_releases_the_claim<S: DedupStore>(store: S) {
     panic!("a dropped transaction must release its claim, last saw {last:?}");
 }
 
+/// Checks that `second` waits while `first` holds its claims, ends `first`
+/// (commit or rollback), and returns what `second` then got.
+async fn after_first_ends<S: DedupStore, T>(
+    store: &S,
+    first: S::Tx,
+    first_commits: bool,
+    second: tokio::task::JoinHandle<T>,
+) -> T {
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !second.is_finished(),
+        "the second claimer must wait for the first transaction"
+    );
+    if first_commits {
+        store.commit(first).await.expect("commit");
+    } else {
+        store.rollback(first).await.expect("rollback");
+    }
+    second.await.expect("task")
+}
+
 /// A second transaction claiming a key whose first claim is uncommitted
 /// waits for the first: it claims the key if the first rolls back, and sees a
 /// duplicate if the first commits.
@@ -297,18 +318,7 @@ pub async fn second_claimer_waits_for_the_first<S: DedupStore + Clone>(store: S)
                 claim
             }
         });
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        assert!(
-            !second.is_finished(),
-            "the second claimer must wait for the first transaction"
-        );
-
-        if first_commits {
-            store.commit(first).await.expect("commit");
-        } else {
-            store.rollback(first).await.expect("rollback");
-        }
-        let claim = second.await.expect("task");
+        let claim = after_first_ends(&store, first, first_commits, second).await;
         if first_commits {
             assert!(
                 matches!(claim, Claim::Duplicate { .. }),
@@ -357,17 +367,7 @@ pub async fn batch_claimer_waits_for_the_first<S: DedupStore + Clone>(store: S) 
                 claims
             }
         });
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        assert!(
-            !second.is_finished(),
-            "the batch must wait for the first transaction"
-        );
-        if first_commits {
-            store.commit(first).await.expect("commit");
-        } else {
-            store.rollback(first).await.expect("rollback");
-        }
-        let claims = second.await.expect("task");
+        let claims = after_first_ends(&store, first, first_commits, second).await;
         assert_eq!(claims[0], Claim::Fresh, "{outcome}: {claims:?}");
         let in_half_an_hour = SystemTime::now() + Duration::from_secs(HOUR / 2);
         let live_claim = |claim: &Claim| match claim {

@@ -131,11 +131,17 @@ pub struct StoreError {
 }
 
 impl StoreError {
-    /// An error that a retry may get past, caused by other transactions (a
-    /// deadlock, a serialization failure, a lock timeout): retried a bounded
-    /// number of times.
+    /// An error that a retry may get past: retried a bounded number of
+    /// times, then dead-lettered.
     pub fn transient(source: impl Into<BoxError>) -> Self {
         Self::classified(Classification::Transient, source)
+    }
+
+    /// Contention with another transaction (a deadlock, a serialization
+    /// failure, a lock timeout): retried as long as it lasts, never
+    /// dead-lettered for it.
+    pub fn contention(source: impl Into<BoxError>) -> Self {
+        Self::classified(Classification::Contention, source)
     }
 
     /// An error of the store's environment (unreachable, read-only, full,
@@ -193,11 +199,18 @@ pub enum Classification {
     /// said so, or the database rejected its data (a data exception, an
     /// integrity violation). Every attempt fails the same way: dead-letter.
     Permanent,
-    /// Contention, or a failure the handler called transient: a later
-    /// attempt may succeed (a serialization failure, a deadlock, a lock
-    /// timeout, a downstream timeout). Retried a bounded number of times,
+    /// A failure the handler called transient, or a store error no rule
+    /// knows to be contention or the environment's: a later attempt may
+    /// succeed (a downstream timeout). Retried a bounded number of times,
     /// then dead-lettered.
     Transient,
+    /// Contention with another transaction: a serialization failure, a
+    /// deadlock, a lock timeout on a row (a claim) another transaction
+    /// holds: another consumer, a handover, or an abandoned attempt of our
+    /// own whose backend has not yet noticed. The holder will commit or
+    /// roll back, so it is retried with capped back-off for as long as it
+    /// lasts, and a good event is never dead-lettered for it.
+    Contention,
     /// The environment's fault, never the event's: the database or broker is
     /// unreachable, read-only, full, timing out, or a permission or table is
     /// missing. The partition waits, retrying without limit, until it
@@ -217,12 +230,12 @@ impl Classification {
         }
     }
 
-    /// Whether a retry may succeed: contention and the environment's
-    /// failures.
+    /// Whether a retry may succeed: transient failures, contention and the
+    /// environment's failures.
     pub fn is_retryable(self) -> bool {
         matches!(
             self,
-            Classification::Transient | Classification::Environment
+            Classification::Transient | Classification::Contention | Classification::Environment
         )
     }
 }
@@ -299,6 +312,25 @@ impl HandlerError {
         Error::Handler {
             classification,
             code: store.error_code(&*self.source),
+            source: self.source,
+        }
+    }
+}
+
+impl HandlerError {
+    /// Resolves the classification where no store judges the error (a
+    /// Kafka-only handler): the handler's own if it gave one, else that of
+    /// a dedup [`StoreError`] in its chain, else permanent, as
+    /// [`into_error`](Self::into_error) would with a store that recognises
+    /// nothing.
+    pub fn into_unstored_error(self) -> Error {
+        let classification = self
+            .classification
+            .or_else(|| store_error_in(&*self.source))
+            .or_else(|| Classification::Permanent);
+        Error::Handler {
+            classification,
+            code: None,
             source: self.source,
         }
     }

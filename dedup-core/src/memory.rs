@@ -195,7 +195,7 @@ impl MemoryStore {
             }
             if tokio::time::timeout_at(deadline, released).await.is_err() {
                 return Err(
-                    StoreError::transient(LockTimeout(key.clone())).with_code("lock_timeout")
+                    StoreError::contention(LockTimeout(key.clone())).with_code("lock_timeout")
                 );
             }
         }

@@ -172,8 +172,10 @@ pub trait DedupStore: Send + Sync + 'static {
     fn rollback(&self, tx: Self::Tx) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Classifies an error that a handler body returned through `?`:
-    /// [`Transient`](Classification::Transient) if the store recognises it
-    /// as an error a retry can help (a database error whose code says so),
+    /// [`Contention`](Classification::Contention),
+    /// [`Transient`](Classification::Transient) or
+    /// [`Environment`](Classification::Environment) if the store recognises
+    /// it as an error a retry can help (a database error whose code says so),
     /// [`Permanent`](Classification::Permanent) if it recognises it
     /// otherwise, [`Unknown`](Classification::Unknown) if it is not the
     /// store's error at all.

@@ -20,5 +20,9 @@ async fn a_stuck_claim_times_out_as_a_retryable_error() {
 
     let mut tx = store.begin().await.unwrap();
     let err = store.claim(&mut tx, &key, None, ttl).await.unwrap_err();
-    assert!(err.is_retryable(), "{err}");
+    assert_eq!(
+        err.classification(),
+        dedup_core::Classification::Contention,
+        "{err}"
+    );
 }

@@ -56,14 +56,17 @@ impl Dialect for Pg {
     /// statement timeout or a shutdown (`57`), a system or I/O error (`58`),
     /// an internal error (`XX`).
     ///
-    /// Everything else (contention: serialization failure and deadlock in
-    /// class `40`, a lock timeout `55P03`; and any code not listed, such as
-    /// a trigger's `RAISE EXCEPTION`) is transient: retried a bounded number
-    /// of times, then dead-lettered, so that no event stalls its partition
-    /// for good.
+    /// Contention, retried as long as it lasts (the holder will commit or
+    /// roll back): a serialization failure (`40001`), a deadlock (`40P01`),
+    /// a lock timeout (`55P03`) on a row another transaction holds.
+    ///
+    /// Everything else (any code not listed, such as a trigger's `RAISE
+    /// EXCEPTION`) is transient: retried a bounded number of times, then
+    /// dead-lettered, so that no event stalls its partition for good.
     fn classify_code(code: &str) -> Classification {
         match code.get(..2) {
             Some("22" | "23") => Classification::Permanent,
+            _ if matches!(code, "40001" | "40P01" | "55P03") => Classification::Contention,
             Some("08" | "28" | "53" | "57" | "58" | "XX") => Classification::Environment,
             _ if matches!(code, "25006" | "3D000" | "42P01" | "42501") => {
                 Classification::Environment

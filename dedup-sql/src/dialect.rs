@@ -13,7 +13,8 @@ pub trait Dialect: Send + Sync + 'static {
 
     /// Whose fault an error with this database error `code` is: the
     /// event's data ([`Permanent`](Classification::Permanent)), contention
-    /// ([`Transient`](Classification::Transient)) or the environment
+    /// ([`Contention`](Classification::Contention)), an unknown failure a
+    /// retry may get past ([`Transient`](Classification::Transient)) or the environment
     /// ([`Environment`](Classification::Environment)). Decided from codes,
     /// never from message text.
     fn classify_code(code: &str) -> Classification;

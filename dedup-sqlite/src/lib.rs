@@ -43,13 +43,15 @@ impl Dialect for Sqlite {
     /// waited out: `SQLITE_PERM` (3), `SQLITE_NOMEM` (7), `SQLITE_READONLY`
     /// (8), `SQLITE_IOERR` (10), `SQLITE_CORRUPT` (11), `SQLITE_FULL` (13),
     /// `SQLITE_CANTOPEN` (14), `SQLITE_AUTH` (23), `SQLITE_NOTADB` (26).
-    /// Everything else, contention (`SQLITE_BUSY` 5, `SQLITE_LOCKED` 6)
-    /// included, and the generic `SQLITE_ERROR` (1: a missing table, but
-    /// also malformed JSON in the event), is transient: retried a bounded
-    /// number of times, then dead-lettered.
+    /// Contention, retried as long as it lasts: `SQLITE_BUSY` (5, the write
+    /// lock held past the busy timeout), `SQLITE_LOCKED` (6).
+    /// Everything else, the generic `SQLITE_ERROR` (1: a missing table, but
+    /// also malformed JSON in the event) included, is transient: retried a
+    /// bounded number of times, then dead-lettered.
     fn classify_code(code: &str) -> Classification {
         match code.parse::<i32>().map(|code| code & 0xff) {
             Ok(18 | 19 | 20 | 25) => Classification::Permanent,
+            Ok(5 | 6) => Classification::Contention,
             Ok(3 | 7 | 8 | 10 | 11 | 13 | 14 | 23 | 26) => Classification::Environment,
             _ => Classification::Transient,
         }

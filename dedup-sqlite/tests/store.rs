@@ -94,7 +94,11 @@ async fn a_held_write_lock_becomes_a_retryable_error() {
     let Outcome::Failed(Error::Store(e)) = out else {
         panic!("{out:?}")
     };
-    assert!(e.is_retryable(), "{e}");
+    assert_eq!(
+        e.classification(),
+        dedup_core::Classification::Contention,
+        "waited out, never dead-lettered: {e}"
+    );
     assert_eq!(e.code(), Some("SQLITE_5"), "SQLITE_BUSY");
     store.rollback(held).await.expect("rollback");
 }

@@ -222,7 +222,11 @@ async fn a_stuck_claim_becomes_a_retryable_lock_timeout(pool: PgPool) {
         panic!("{out:?}")
     };
     assert_eq!(e.code(), Some("55P03"), "{e}");
-    assert!(e.is_retryable());
+    assert_eq!(
+        e.classification(),
+        Classification::Contention,
+        "waited out, never dead-lettered: {e}"
+    );
     store.rollback(stuck).await.unwrap();
 }
 
@@ -253,12 +257,12 @@ async fn handler_database_errors_are_classified_by_sqlstate(pool: PgPool) {
     .execute(&pool)
     .await
     .unwrap();
-    use Classification::{Environment, Permanent, Transient};
+    use Classification::{Contention, Environment, Permanent, Transient};
     for (code, whose) in [
-        // Contention: retried a bounded number of times.
-        ("40001", Transient),
-        ("40P01", Transient),
-        ("55P03", Transient),
+        // Contention: retried as long as it lasts, never dead-lettered.
+        ("40001", Contention),
+        ("40P01", Contention),
+        ("55P03", Contention),
         // The event's data: dead-lettered at once.
         ("23505", Permanent),
         ("22P02", Permanent),

@@ -136,10 +136,11 @@ impl<S: LeaseStore> Extend for S {
 /// A held lease, as a lease-mode handler body receives it
 /// (`#[idempotent(lease = "30s")]`).
 ///
-/// Pass [`token`](Lease::token) (or [`idempotency_key`](Lease::idempotency_key))
-/// to the outside system: if it accepts an idempotency key or fences by
-/// token, the effect happens once; otherwise a holder that stalls past its
-/// lease may overlap with the next one.
+/// Pass [`idempotency_key`](Lease::idempotency_key) (stable for the event)
+/// and, where it fences, [`token`](Lease::token) to the outside system: if
+/// it accepts an idempotency key or fences by token, the effect happens
+/// once; otherwise a holder that stalls past its lease may overlap with the
+/// next one.
 pub struct Lease {
     key: DedupKey,
     token: Token,
@@ -195,11 +196,14 @@ impl Lease {
         &self.key
     }
 
-    /// `<event id>.<token>`: an idempotency key for the outside system that
-    /// differs per lease. Use the event id alone when the outside system
-    /// should treat a take-over as the same request.
+    /// An idempotency key for the outside system: `<scope>/<event id>`,
+    /// the same for every attempt, release and take-over of this event, so
+    /// a call that went through but whose reply was lost is recognised as
+    /// the same request when it is made again. (The fencing token, which
+    /// changes with each holder, is [`token`](Lease::token): pass it too
+    /// where the outside system fences stale holders.)
     pub fn idempotency_key(&self) -> String {
-        format!("{}.{}", self.key.id(), self.token)
+        format!("{}/{}", self.key.scope(), self.key.id())
     }
 
     /// How long the lease has left by this process's clock (zero once

@@ -220,3 +220,45 @@ async fn held_then_overtaken(account: &'static str) {
         "done by the newer holder: {out:?}"
     );
 }
+
+/// The idempotency keys and tokens a provider saw, in call order.
+static PROVIDER_CALLS: Mutex<Vec<(String, Token)>> = Mutex::new(Vec::new());
+
+/// A provider call whose reply is lost on the first attempt: the charge
+/// went through, but the body fails as if it had not.
+#[idempotent(key = "event_id", ttl = "1h", lease = "30s")]
+async fn charge_losing_the_first_reply(lease: &Lease, ev: Charge) -> Result<(), HandlerError> {
+    let first = {
+        let mut calls = PROVIDER_CALLS.lock().unwrap();
+        calls.push((lease.idempotency_key(), lease.token()));
+        calls.len() == 1
+    };
+    if first {
+        return Err(HandlerError::transient(format!(
+            "timed out waiting for the provider's reply to {}",
+            ev.event_id
+        )));
+    }
+    Ok(())
+}
+
+/// A provider call retried after a lost reply (the lease released, a new
+/// token taken) carries the same idempotency key, so the provider charges
+/// once; the token still grows, for fencing.
+#[tokio::test]
+async fn the_idempotency_key_is_the_same_for_every_attempt_of_an_event() {
+    let store = MemoryStore::new();
+    let first = charge_losing_the_first_reply
+        .apply_leased(&store, &payload("reply-lost", "c9", 5), &())
+        .await;
+    assert!(matches!(first, Outcome::Failed(_)), "{first:?}");
+    let retried = charge_losing_the_first_reply
+        .apply_leased(&store, &payload("reply-lost", "c9", 5), &())
+        .await;
+    assert!(matches!(retried, Outcome::Applied { .. }), "{retried:?}");
+    let calls = PROVIDER_CALLS.lock().unwrap().clone();
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert_eq!(calls[0].0, calls[1].0, "one key for both calls: {calls:?}");
+    assert!(calls[0].0.ends_with("/c9"), "scope and event id: {calls:?}");
+    assert!(calls[1].1 > calls[0].1, "a new holder, a greater token");
+}

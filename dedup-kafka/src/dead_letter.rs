@@ -15,12 +15,15 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use dedup_core::{Classification, DedupKey, DedupStore, StoreError};
+use dedup_core::{DedupKey, DedupStore, StoreError};
 use rdkafka::message::{Message as _, OwnedMessage};
 
 use crate::dlq::{self, DeadLetter};
 use crate::failpoint::failpoint;
-use crate::partition::{AttemptTimedOut, Outage, Partition, Shared, wait_unless_stopped};
+use crate::partition::{Partition, Shared, wait_unless_stopped};
+use crate::pipeline::attempt::AttemptTimedOut;
+use crate::pipeline::decision::{Decision, Fault, Tries};
+use crate::pipeline::outage::{self, Outage};
 use crate::retry::Jitter;
 use crate::route::Route;
 
@@ -105,7 +108,9 @@ async fn recorded_from<S: DedupStore>(
     jitter: &mut Jitter,
 ) -> Option<HashSet<String>> {
     let limit = shared.settings.attempt_timeout;
-    let mut outage = Outage::new(shared);
+    let policy = shared.settings.retry;
+    let mut tries = Tries::default();
+    let mut outage = Outage::new(&shared.stats);
     loop {
         let error = match tokio::time::timeout(limit, shared.store.live_ids_from(first)).await {
             Ok(Ok(ids)) => {
@@ -115,11 +120,16 @@ async fn recorded_from<S: DedupStore>(
             Ok(Err(e)) => e,
             Err(_) => timed_out(limit),
         };
-        let wait = outage.failed(
-            &dedup_core::Error::Store(error),
-            &shared.settings.retry,
-            jitter,
-        )?;
+        // A read no event can fail: whatever stops it is the environment's.
+        outage.enter(&error);
+        let wait = match tries.failed(Fault::Environment, &policy, jitter.next()) {
+            Decision::Stop { failing_for } => {
+                shared.fail(outage::outlasted(failing_for, policy.max_outage, &error));
+                return None;
+            }
+            Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
+            Decision::DeadLetter => unreachable!("the environment's fault is never the event's"),
+        };
         if !wait_unless_stopped(shared, partition, wait).await {
             return None;
         }
@@ -143,8 +153,8 @@ async fn record_it<S: DedupStore>(
     let policy = shared.settings.retry;
     let limit = shared.settings.attempt_timeout;
     let ttl = route.handler.ttl();
-    let mut outage = Outage::new(shared);
-    let mut contended = 0;
+    let mut tries = Tries::default();
+    let mut outage = Outage::new(&shared.stats);
     loop {
         let attempt = async {
             let mut tx = shared.store.begin().await?;
@@ -156,23 +166,24 @@ async fn record_it<S: DedupStore>(
                 }
             }
         };
-        let error = match tokio::time::timeout(limit, attempt).await {
+        let (error, fault) = match tokio::time::timeout(limit, attempt).await {
             Ok(Ok(())) => return,
-            Ok(Err(e)) => e,
-            Err(_) => timed_out(limit),
+            Ok(Err(e)) => {
+                let fault = Fault::from_class(e.classification());
+                (e, fault)
+            }
+            Err(_) => (timed_out(limit), Fault::TimedOut),
         };
-        let wait = match error.classification() {
-            Classification::Environment => {
-                match outage.failed(&dedup_core::Error::Store(error), &policy, jitter) {
-                    Some(wait) => wait,
-                    None => return,
-                }
+        if fault.is_outage() {
+            outage.enter(&error);
+        }
+        let wait = match tries.failed(fault, &policy, jitter.next()) {
+            Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
+            Decision::Stop { failing_for } => {
+                shared.fail(outage::outlasted(failing_for, policy.max_outage, &error));
+                return;
             }
-            Classification::Transient if contended + 1 < policy.attempts() => {
-                contended += 1;
-                policy.backoff(contended, jitter.next())
-            }
-            _ => {
+            Decision::DeadLetter => {
                 tracing::warn!(
                     %error,
                     "the dead letter cannot be recorded in the store; a redelivery of this \

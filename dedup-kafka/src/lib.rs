@@ -8,6 +8,7 @@ mod dlq;
 mod failpoint;
 mod metrics;
 mod partition;
+mod pipeline;
 mod rebalance;
 mod relay;
 mod retry;

@@ -8,21 +8,24 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use dedup_core::{Classification, DedupStore, Outcome, StoreError};
+use dedup_core::{DedupStore, Outcome, StoreError};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
-use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
+use rdkafka::message::{Message as _, OwnedMessage};
 use rdkafka::producer::FutureProducer;
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::{Semaphore, mpsc, watch};
-use tokio::task::JoinError;
 use tracing::Instrument;
 
 use crate::config::{OnFingerprintMismatch, Settings};
 use crate::dead_letter::{self as dead_letters, dead_letter};
 use crate::failpoint::failpoint;
 use crate::metrics::RetryReason;
+use crate::pipeline::attempt::{self, AttemptTimedOut, Ran};
+use crate::pipeline::decision::{Decision, Fault, Tries};
+use crate::pipeline::outage::{self, Outage};
+use crate::pipeline::{error_chain, headers_of};
 use crate::rebalance::RebalanceContext;
-use crate::retry::{Jitter, RetryPolicy};
+use crate::retry::Jitter;
 use crate::route::Route;
 use crate::stats::Stats;
 
@@ -163,14 +166,14 @@ impl<S> Shared<S> {
 
 impl<S: DedupStore> Shared<S> {
     /// Runs one handler call, `call(store)`, holding a permit until it is
-    /// done, and as its own task in `span`, so that a panicking handler
-    /// fails this call (an `Err`) instead of killing the partition.
+    /// done, as its own task in `span` (see [`attempt::run`]): a panicking
+    /// or hanging handler fails this call instead of the partition.
     async fn run_handler<Fut>(
         &self,
         span: tracing::Span,
         metrics: &crate::metrics::RouteMetrics,
         call: impl FnOnce(Arc<S>) -> Fut,
-    ) -> Result<Fut::Output, RunFailure>
+    ) -> Ran<Fut::Output>
     where
         Fut: Future + Send + 'static,
         Fut::Output: Send + 'static,
@@ -180,48 +183,16 @@ impl<S: DedupStore> Shared<S> {
         let _permit = self.permits.acquire().await.expect("never closed");
         // Timed from here: the wait for a permit is not the transaction's.
         let started = std::time::Instant::now();
-        let mut task = tokio::spawn(call(self.store.clone()).instrument(span));
-        let limit = self.settings.attempt_timeout;
-        let joined = tokio::time::timeout(limit, &mut task).await;
+        let ran = attempt::run(
+            span,
+            self.settings.attempt_timeout,
+            call(self.store.clone()),
+        )
+        .await;
         metrics.attempt(started.elapsed());
-        match joined {
-            Ok(joined) => joined.map_err(RunFailure::Panicked),
-            Err(_) => {
-                // Dropping the attempt's future rolls its transaction back.
-                task.abort();
-                // A handler that blocks without yielding cannot be stopped:
-                // go on without it (its claim lock keeps it from doubling).
-                if tokio::time::timeout(ABORT_GRACE, task).await.is_err() {
-                    tracing::warn!(
-                        ?limit,
-                        "an abandoned attempt did not stop (a handler that blocks its thread); going on without it"
-                    );
-                }
-                Err(RunFailure::TimedOut(limit))
-            }
-        }
+        ran
     }
 }
-
-/// How long an abandoned attempt gets to stop.
-const ABORT_GRACE: Duration = Duration::from_secs(5);
-
-/// Why a handler call gave no outcome.
-#[derive(Debug)]
-pub(crate) enum RunFailure {
-    /// It panicked.
-    Panicked(JoinError),
-    /// It outlived the attempt timeout and was abandoned.
-    TimedOut(Duration),
-}
-
-/// An attempt that outlived the attempt timeout.
-#[derive(Debug, thiserror::Error)]
-#[error(
-    "the attempt did not finish within {0:?} (a database or a downstream that hangs) and was \
-     abandoned; waiting it out: the claim tells whether its commit went through"
-)]
-pub(crate) struct AttemptTimedOut(pub(crate) Duration);
 
 /// A worker's end of its partition's queue. Every message the dispatcher
 /// counted in flight is counted out exactly once: when its batch is done,
@@ -424,17 +395,6 @@ fn message_span(msg: &OwnedMessage) -> tracing::Span {
     )
 }
 
-/// A message's headers, owned, for the handler.
-pub(crate) fn headers_of(msg: &OwnedMessage) -> Vec<(String, Vec<u8>)> {
-    msg.headers()
-        .map(|hs| {
-            hs.iter()
-                .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 /// Runs a batch of one partition's messages in one transaction (one claim
 /// statement, one commit). If a message cannot be decoded or keyed, or any
 /// handler or the store fails, nothing of the batch is committed and it is
@@ -476,16 +436,18 @@ async fn process_batch<S: DedupStore>(
         // a panic fails this message, never the worker, which would drop
         // everything it buffered.
         let payload = msg.payload().unwrap_or_default();
-        let ready = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            route.handler.prepare(payload, &headers)
-        }));
-        match ready {
+        match attempt::contained(|| route.handler.prepare(payload, &headers)) {
             Ok(Ok(ready)) => {
                 members.push(i);
                 prepared.push(ready);
             }
             Ok(Err(e)) => bad.push((i, Unprepared::Error(e))),
-            Err(panic) => bad.push((i, Unprepared::Panic(panic_message(&*panic)))),
+            Err(said) => bad.push((
+                i,
+                Unprepared::Panic(format!(
+                    "decoding the event or reading its key panicked: {said}"
+                )),
+            )),
         }
     }
     let committed = if prepared.is_empty() {
@@ -501,9 +463,9 @@ async fn process_batch<S: DedupStore>(
                 .await
         };
         match joined {
-            Ok(result) => result.map_err(|e| e.to_string()),
-            Err(RunFailure::Panicked(e)) => Err(format!("the handler panicked: {e}")),
-            Err(RunFailure::TimedOut(limit)) => Err(AttemptTimedOut(limit).to_string()),
+            Ran::Done(result) => result.map_err(|e| e.to_string()),
+            Ran::Panicked(said) => Err(format!("the handler panicked: {said}")),
+            Ran::TimedOut(limit) => Err(AttemptTimedOut(limit).to_string()),
         }
     };
     match committed {
@@ -597,16 +559,6 @@ enum Unprepared {
     DeadLettered,
 }
 
-/// What a panic said, if it said it with a string.
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
-    let said = panic
-        .downcast_ref::<&str>()
-        .map(|s| (*s).to_owned())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a non-string payload".to_owned());
-    format!("decoding the event or reading its key panicked: {said}")
-}
-
 /// Dead-letters a message that could not be prepared.
 async fn dead_letter_unprepared<S: DedupStore>(
     shared: &Shared<S>,
@@ -666,14 +618,9 @@ async fn process<S: DedupStore>(
     let policy = shared.settings.retry;
     // Every attempt, for logs and the dead letter's header.
     let mut attempt = 0;
-    // Failures that may be the event's (contention, a handler's transient
-    // error): bounded by the policy.
-    let mut failures = 0;
-    let mut outage = Outage::new(shared);
-    // An attempt of this message was abandoned: until its rollback reaches
-    // the database it holds the claim's lock, so the lock timeouts that
-    // follow are its doing, not contention, and must not use up attempts.
-    let mut abandoned = false;
+    // The failures so far, by whose fault: the pipeline's decision rules.
+    let mut tries = Tries::default();
+    let mut outage = Outage::new(&shared.stats);
     // Looks at another holder's lease (lease mode), for the back-off.
     let mut lease_waits = 0;
     loop {
@@ -693,22 +640,23 @@ async fn process<S: DedupStore>(
                 )
                 .await
         };
-        let mut timed_out = false;
-        let outcome = match joined {
-            Ok(outcome) => outcome,
-            Err(RunFailure::TimedOut(limit)) => {
-                // A frozen database makes attempts hang rather than fail: the
-                // environment's fault, waited out, never dead-lettered.
-                abandoned = true;
-                timed_out = true;
+        let (outcome, fault) = match joined {
+            Ran::Done(outcome) => (outcome, None),
+            // A frozen database makes attempts hang rather than fail: the
+            // environment's fault, waited out, never dead-lettered. Until
+            // the abandoned attempt's rollback reaches the database it holds
+            // the claim's lock: the lock timeouts that follow are contention,
+            // waited out too.
+            Ran::TimedOut(limit) => (
                 Outcome::Failed(dedup_core::Error::Store(
                     StoreError::environment(AttemptTimedOut(limit)).with_code("attempt_timeout"),
-                ))
-            }
-            Err(RunFailure::Panicked(e)) => {
-                let why = route.dead_letter("panic", format!("the handler panicked: {e}"), attempt);
-                return dead_letter(shared, route, partition, msg, why, jitter).await;
-            }
+                )),
+                Some(Fault::TimedOut),
+            ),
+            Ran::Panicked(said) => (
+                Outcome::Failed(attempt::panicked(&said)),
+                Some(Fault::Panic),
+            ),
         };
         match outcome {
             Outcome::Applied { reclaimed } => {
@@ -733,12 +681,10 @@ async fn process<S: DedupStore>(
                 expires_at,
                 token,
             }) => {
-                // Before the generic arms: a held lease is classified
-                // transient, but must neither use up attempts nor count as an
-                // outage. Lease mode: another holder's effect may be under way. Not
+                // Lease mode: another holder's effect may be under way. Not
                 // the event's fault and bounded by the lease: look again
                 // with back-off, never later than the lease's end, without
-                // using up attempts.
+                // using up attempts or counting as an outage.
                 lease_waits += 1;
                 shared.stats.retries.fetch_add(1, Ordering::Relaxed);
                 route.metrics().retried(RetryReason::LeaseHeld);
@@ -765,46 +711,6 @@ async fn process<S: DedupStore>(
                 tracing::warn!(outcome = "skipped", %key, token, "the lease was taken over before the effect completed: extend long effects (lease.extend()) or lengthen the lease");
                 return true;
             }
-            Outcome::Failed(e)
-                if e.classification() == Classification::Environment
-                    || (abandoned && e.classification() == Classification::Transient) =>
-            {
-                // Not the event's fault: wait it out, however long (the
-                // partition's buffer fills and its fetching pauses); logged
-                // once at the start and the end.
-                shared.stats.retries.fetch_add(1, Ordering::Relaxed);
-                route.metrics().retried(if timed_out {
-                    RetryReason::Timeout
-                } else {
-                    RetryReason::Environment
-                });
-                let Some(wait) = outage.failed(&e, &policy, jitter) else {
-                    // Waited longer than `max_outage`: the consumer stops;
-                    // this message stays uncommitted for the next run.
-                    return false;
-                };
-                tracing::debug!(outcome = "waiting", attempt, ?wait, kind = e.kind(), error = %e);
-                if !wait_unless_stopped(shared, partition, wait).await {
-                    return false;
-                }
-            }
-            Outcome::Failed(e)
-                if e.classification() == Classification::Transient
-                    && failures + 1 < policy.attempts() =>
-            {
-                failures += 1;
-                shared.stats.retries.fetch_add(1, Ordering::Relaxed);
-                route.metrics().retried(if e.kind() == "handler" {
-                    RetryReason::Handler
-                } else {
-                    RetryReason::Contention
-                });
-                let wait = policy.backoff(failures, jitter.next());
-                tracing::warn!(outcome = "retry", attempt, ?wait, kind = e.kind(), error = %e);
-                if !wait_unless_stopped(shared, partition, wait).await {
-                    return false;
-                }
-            }
             Outcome::Failed(e @ dedup_core::Error::FingerprintMismatch { .. })
                 if skips_mismatch(shared, route, &e) =>
             {
@@ -813,10 +719,45 @@ async fn process<S: DedupStore>(
                 return true;
             }
             Outcome::Failed(e) => {
-                let why = route.dead_letter(e.kind(), error_chain(&e), attempt);
-                return dead_letter(shared, route, partition, msg, why, jitter).await;
+                let fault = fault.unwrap_or_else(|| Fault::of(&e));
+                if fault.is_outage() {
+                    outage.enter(&e);
+                }
+                let wait = match tries.failed(fault, &policy, jitter.next()) {
+                    Decision::DeadLetter => {
+                        let why = route.dead_letter(fault.kind(&e), error_chain(&e), attempt);
+                        return dead_letter(shared, route, partition, msg, why, jitter).await;
+                    }
+                    Decision::Stop { failing_for } => {
+                        // This message stays uncommitted for the next run.
+                        shared.fail(outage::outlasted(failing_for, policy.max_outage, &e));
+                        return false;
+                    }
+                    Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
+                };
+                shared.stats.retries.fetch_add(1, Ordering::Relaxed);
+                route.metrics().retried(retry_reason(fault, &e));
+                if fault.is_outage() {
+                    // Logged once at the outage's start and end (Stats).
+                    tracing::debug!(outcome = "waiting", attempt, ?wait, kind = e.kind(), error = %e);
+                } else {
+                    tracing::warn!(outcome = "retry", attempt, ?wait, kind = e.kind(), error = %e);
+                }
+                if !wait_unless_stopped(shared, partition, wait).await {
+                    return false;
+                }
             }
         }
+    }
+}
+
+/// The metric label of a retry after `fault`.
+fn retry_reason(fault: Fault, error: &dedup_core::Error) -> RetryReason {
+    match fault {
+        Fault::TimedOut => RetryReason::Timeout,
+        Fault::Environment => RetryReason::Environment,
+        Fault::Transient if error.kind() == "handler" => RetryReason::Handler,
+        _ => RetryReason::Contention,
     }
 }
 
@@ -834,82 +775,6 @@ fn skips_mismatch<S: 'static>(
         tracing::warn!(outcome = "skipped", kind = error.kind(), error = %error, "skipped as on_fingerprint_mismatch says");
     }
     skip
-}
-
-/// One partition's part in an outage of the environment: entered at the
-/// first failure of the environment, left when the message gets through or
-/// the wait is abandoned. While it waits, the consumer keeps polling (it
-/// stays in its group) and the partition's buffer fills up to
-/// `max_buffered_per_partition`, where its fetching pauses. (Pausing here,
-/// from the worker, could race a rebalance and pause a partition's next
-/// assignment with nothing left to resume it.)
-pub(crate) struct Outage<'a, S> {
-    shared: &'a Shared<S>,
-    failures: u32,
-    since: Option<std::time::Instant>,
-}
-
-impl<'a, S> Outage<'a, S> {
-    pub(crate) fn new(shared: &'a Shared<S>) -> Self {
-        Outage {
-            shared,
-            failures: 0,
-            since: None,
-        }
-    }
-
-    /// Records a failure of the environment; returns how long to wait, or
-    /// `None` once it has lasted longer than the policy's `max_outage`
-    /// (then the consumer is stopping with an error).
-    pub(crate) fn failed(
-        &mut self,
-        error: &dedup_core::Error,
-        policy: &RetryPolicy,
-        jitter: &mut Jitter,
-    ) -> Option<Duration> {
-        let since = *self.since.get_or_insert_with(std::time::Instant::now);
-        if self.failures == 0 {
-            self.shared.stats.enter_outage(error);
-        }
-        self.failures += 1;
-        let wait = policy.outage_backoff(self.failures, jitter.next());
-        let Some(limit) = policy.max_outage else {
-            return Some(wait);
-        };
-        if since.elapsed() > limit {
-            self.shared.fail(format!(
-                "the environment has failed for {:?}, longer than max_outage ({limit:?}); \
-                 nothing was dead-lettered for it and the waiting message was not committed: \
-                 {error}",
-                since.elapsed()
-            ));
-            return None;
-        }
-        // The attempt after the limit is the last one.
-        let left = limit.saturating_sub(since.elapsed());
-        Some(wait.min(left + Duration::from_millis(1)))
-    }
-}
-
-impl<S> Drop for Outage<'_, S> {
-    fn drop(&mut self) {
-        if self.failures > 0 {
-            self.shared.stats.leave_outage();
-        }
-    }
-}
-
-/// The error and its sources, `: `-separated.
-fn error_chain(e: &dedup_core::Error) -> String {
-    let mut out = e.to_string();
-    for source in std::iter::successors(std::error::Error::source(e), |&s| s.source()) {
-        let s = source.to_string();
-        if !out.contains(&s) {
-            out.push_str(": ");
-            out.push_str(&s);
-        }
-    }
-    out
 }
 
 /// Sleeps `wait`; `false` if the consumer stops or the partition is being

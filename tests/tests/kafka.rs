@@ -1556,28 +1556,65 @@ async fn a_tiny_buffer_pauses_and_resumes_without_stalling(pool: PgPool) {
 /// The backend the first attempt ran on, frozen by that attempt itself.
 static FROZEN_BACKEND: std::sync::Mutex<Option<i32>> = std::sync::Mutex::new(None);
 
-/// Freezes its own database backend (`kill -STOP`) on the first attempt, as
-/// a database host that vanishes without closing its connections does; the
-/// statement after it hangs.
-#[idempotent(key = "event_id", ttl = "4h")]
-async fn record_payment_on_a_backend_that_hangs(
+/// Freezes the transaction's database backend (`kill -STOP`) unless
+/// `frozen` holds one already, as a database host that vanishes without
+/// closing its connections does: the transaction's next statement hangs.
+async fn freeze_backend_once(
     tx: &mut PgTx,
-    ev: PaymentReceived,
+    frozen: &std::sync::Mutex<Option<i32>>,
 ) -> Result<(), sqlx::Error> {
     let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut **tx)
         .await?;
     let first = {
-        let mut frozen = FROZEN_BACKEND.lock().unwrap();
+        let mut frozen = frozen.lock().unwrap();
         frozen.is_none().then(|| *frozen = Some(pid)).is_some()
     };
     if first {
-        let stopped = Command::new("kill")
-            .args(["-STOP", &pid.to_string()])
-            .status()
-            .expect("kill");
-        assert!(stopped.success(), "kill -STOP {pid}");
+        signal_backend("-STOP", pid);
     }
+    Ok(())
+}
+
+fn signal_backend(signal: &str, pid: i32) {
+    let sent = Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .expect("kill");
+    assert!(sent.success(), "kill {signal} {pid}");
+}
+
+/// Thaws the backend `.0` froze however the test ends, so that it never
+/// outlives the test holding its database.
+struct Thaw(&'static std::sync::Mutex<Option<i32>>);
+
+impl Thaw {
+    /// Thaws it now.
+    fn now(&self) {
+        let pid = self.0.lock().unwrap().expect("frozen");
+        signal_backend("-CONT", pid);
+    }
+}
+
+impl Drop for Thaw {
+    fn drop(&mut self) {
+        let frozen = *self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(pid) = frozen {
+            let _ = Command::new("kill")
+                .args(["-CONT", &pid.to_string()])
+                .status();
+        }
+    }
+}
+
+/// Freezes its own database backend on the first attempt; the statement
+/// after it hangs.
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn record_payment_on_a_backend_that_hangs(
+    tx: &mut PgTx,
+    ev: PaymentReceived,
+) -> Result<(), sqlx::Error> {
+    freeze_backend_once(tx, &FROZEN_BACKEND).await?;
     credit(tx, &ev).await
 }
 
@@ -1586,20 +1623,7 @@ async fn record_payment_on_a_backend_that_hangs(
 /// applied exactly once.
 #[sqlx::test(migrations = false)]
 async fn a_hanging_attempt_is_abandoned_and_retried(pool: PgPool) {
-    /// Thaws the frozen backend however the test ends, so that it never
-    /// outlives the test holding its database.
-    struct Thaw;
-    impl Drop for Thaw {
-        fn drop(&mut self) {
-            let frozen = *FROZEN_BACKEND.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(pid) = frozen {
-                let _ = Command::new("kill")
-                    .args(["-CONT", &pid.to_string()])
-                    .status();
-            }
-        }
-    }
-    let _thaw = Thaw;
+    let thaw = Thaw(&FROZEN_BACKEND);
     let store = store(&pool).await;
     let topic = create_topic(1).await;
     let producer = producer();
@@ -1631,16 +1655,96 @@ async fn a_hanging_attempt_is_abandoned_and_retried(pool: PgPool) {
     // two attempts: waited out, not dead-lettered.
     tokio::time::sleep(Duration::from_secs(8)).await;
     assert_eq!(running.stats.snapshot().dead_lettered, 0);
-    let pid = FROZEN_BACKEND.lock().unwrap().expect("frozen");
-    let thawed = Command::new("kill")
-        .args(["-CONT", &pid.to_string()])
-        .status()
-        .expect("kill");
-    assert!(thawed.success());
+    thaw.now();
     running.wait_for("applied", |s| s.applied == 1).await;
     let stats = running.stop().await;
     assert_eq!((stats.applied, stats.dead_lettered), (1, 0), "{stats}");
     assert_eq!(balance(&pool).await, 9, "applied exactly once");
+}
+
+/// The backend a batch's attempt ran on, frozen mid-batch by that attempt.
+static FROZEN_BATCH_BACKEND: std::sync::Mutex<Option<i32>> = std::sync::Mutex::new(None);
+
+/// Credits the payment; the first time it meets the account `freeze`, it
+/// freezes its own database backend (`kill -STOP`) after crediting: the
+/// batch's claims, taken before any body ran, stay locked by a backend that
+/// answers nothing, and the batch's next statement hangs.
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn record_payment_freezing_its_batch(
+    tx: &mut PgTx,
+    ev: PaymentReceived,
+) -> Result<(), sqlx::Error> {
+    credit(tx, &ev).await?;
+    if ev.account_id == "freeze" {
+        freeze_backend_once(tx, &FROZEN_BATCH_BACKEND).await?;
+    }
+    Ok(())
+}
+
+/// A database backend frozen while it holds a whole batch's claim locks,
+/// for much longer than the attempt timeout: the batch is abandoned and
+/// replayed message by message, and every replayed claim meets the frozen
+/// transaction's lock. That is contention, not the events' fault: nothing
+/// is dead-lettered however long it lasts (with a lock timeout of 200 ms
+/// and 3 attempts, the old rule dead-lettered the batch's events within a
+/// second), and once the backend thaws every event is applied exactly once.
+#[sqlx::test(migrations = false)]
+async fn a_frozen_backend_holding_a_batchs_claims_dead_letters_nothing(pool: PgPool) {
+    let thaw = Thaw(&FROZEN_BATCH_BACKEND);
+    const EVENTS: i64 = 20;
+    let store = dedup_tests::store_with(
+        &pool,
+        dedup_postgres::PgConfig::default().with_lock_timeout(Duration::from_millis(200)),
+    )
+    .await;
+    let topic = create_topic(1).await;
+    let records = (0..EVENTS).map(|i| {
+        let account = if i == 5 {
+            "freeze".to_owned()
+        } else {
+            format!("acct-{i}")
+        };
+        (account.clone(), payment(uuid::Uuid::new_v4(), &account, 1))
+    });
+    produce_all(&producer(), &topic, records).await;
+    let running = start(
+        consumer(&store, &unique("g"))
+            .attempt_timeout(Duration::from_secs(2))
+            // Few, short attempts: were lock timeouts counted against them,
+            // the replayed events would be dead-lettered at once.
+            .retry(
+                RetryPolicy::default()
+                    .with_max_attempts(3)
+                    .with_backoff(Duration::from_millis(50), Duration::from_millis(200))
+                    .with_outage_backoff(Duration::from_secs(1)),
+            )
+            .handle(&topic, record_payment_freezing_its_batch),
+    );
+    running
+        .wait_for("the frozen batch replayed and retried", |s| {
+            s.batch_replays >= 1 && s.retries >= 5
+        })
+        .await;
+    // Frozen for 10 s: five attempt timeouts, fifty lock timeouts.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let during = running.stats.snapshot();
+    assert_eq!(
+        during.dead_lettered, 0,
+        "contention is waited out: {during}"
+    );
+    thaw.now();
+    running
+        .wait_for("every event finished", |s| {
+            s.applied + s.skipped == EVENTS as u64
+        })
+        .await;
+    let stats = running.stop().await;
+    assert_eq!(stats.dead_lettered, 0, "{stats}");
+    assert_eq!(
+        balance(&pool).await,
+        EVENTS,
+        "each event applied exactly once: {stats}"
+    );
 }
 
 /// A broker killed with SIGKILL mid-stream and started again: the consumer

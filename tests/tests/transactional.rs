@@ -36,7 +36,20 @@ struct Event {
     fail: bool,
     #[serde(default)]
     big: usize,
+    /// Panics in the handler.
+    #[serde(default)]
+    panic: bool,
+    /// Hangs the first time any event says so.
+    #[serde(default)]
+    hang: bool,
+    /// Fails as the environment's fault (a store error of the
+    /// environment in its chain), every time.
+    #[serde(default)]
+    outage: bool,
 }
+
+/// Set by the first event that hung.
+static HUNG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 impl Handler for Forward {
     type Tx = Outputs;
@@ -60,6 +73,18 @@ impl Handler for Forward {
     async fn handle(&self, out: &mut Outputs, ev: Event) -> Result<(), HandlerError> {
         if ev.fail {
             return Err(HandlerError::permanent("the event says fail"));
+        }
+        if ev.panic {
+            panic!("the event says panic");
+        }
+        if ev.hang && !HUNG.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+        if ev.outage {
+            return Err(dedup_core::StoreError::environment(
+                "the enrichment service is unreachable",
+            )
+            .into());
         }
         let id = ev.event_id.unwrap_or_default();
         if ev.big > 0 {
@@ -653,4 +678,100 @@ fn exit_within(child: std::process::Child, limit: Duration) -> std::process::Exi
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// The failure rules of the database runtime hold here too (one pipeline):
+/// a panicking handler fails its own event (dead letter kind `panic`), not
+/// the consumer; an attempt that hangs past the attempt timeout is the
+/// environment's fault, abandoned and retried, never dead-lettered, even
+/// with a single attempt allowed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panic_fails_its_event_and_a_hang_is_waited_out() {
+    let topic = create_topic(1).await;
+    let out = create_topic(1).await;
+    let group = unique("tx");
+    let p = producer();
+    for i in 0..10 {
+        let id = format!("e{i}");
+        send(&p, &topic, &id, &event(&id, i), None).await;
+    }
+    send(
+        &p,
+        &topic,
+        "panicky",
+        br#"{"event_id": "p1", "n": 1, "panic": true}"#,
+        None,
+    )
+    .await;
+    send(
+        &p,
+        &topic,
+        "hanging",
+        br#"{"event_id": "h1", "n": 1, "hang": true}"#,
+        None,
+    )
+    .await;
+    let stats = drain_with(
+        TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+            .group_id(&group)
+            .attempt_timeout(Duration::from_secs(1))
+            .retry(dedup_kafka::RetryPolicy::default().with_max_attempts(1)),
+    )
+    .await;
+    assert_eq!((stats.applied, stats.dead_lettered), (11, 1), "{stats}");
+    assert!(stats.retries >= 1, "the hung attempt was retried: {stats}");
+    let dead = read_all(&format!("{topic}.dlq"), "read_committed").await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].key(), Some(&b"panicky"[..]));
+    assert_eq!(header(&dead[0], "dedup.error.kind"), Some("panic"));
+    assert!(
+        header(&dead[0], "dedup.error.message").is_some_and(|m| m.contains("the event says panic")),
+        "{:?}",
+        header(&dead[0], "dedup.error.message")
+    );
+    let seen = ids(&read_all(&out, "read_committed").await);
+    assert_eq!(seen.len(), 11, "{seen:?}");
+    assert!(seen.contains(&"h1".to_owned()));
+}
+
+/// An outage longer than `max_outage` stops the consumer with an error
+/// that says so, and dead-letters nothing: the event stays uncommitted for
+/// the next run, as in the database runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_longer_than_max_outage_stops_the_consumer() {
+    let topic = create_topic(1).await;
+    let out = create_topic(1).await;
+    let group = unique("tx");
+    send(
+        &producer(),
+        &topic,
+        "o",
+        br#"{"event_id": "o1", "n": 1, "outage": true}"#,
+        None,
+    )
+    .await;
+    let consumer = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+        .brokers(brokers())
+        .group_id(&group)
+        .retry(
+            dedup_kafka::RetryPolicy::default()
+                .with_outage_backoff(Duration::from_millis(200))
+                .with_max_outage(Duration::from_secs(2)),
+        )
+        .build()
+        .expect("consumer");
+    let stats = consumer.stats();
+    let ran = tokio::time::timeout(
+        Duration::from_secs(60),
+        consumer.run_until(std::future::pending::<()>()),
+    )
+    .await
+    .expect("stopped by max_outage within a minute");
+    let error = ran
+        .expect_err("the consumer stops with an error")
+        .to_string();
+    assert!(error.contains("max_outage"), "{error}");
+    let snapshot = stats.snapshot();
+    assert_eq!(snapshot.dead_lettered, 0, "{snapshot}");
+    assert!(snapshot.outages >= 1, "the outage is seen: {snapshot}");
 }

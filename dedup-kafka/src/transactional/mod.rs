@@ -28,7 +28,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use dedup_core::{Classification, DedupKey, Handler, HandlerError, HandlerExt};
+use dedup_core::{DedupKey, Handler, HandlerExt, StoreError};
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer as _, ConsumerContext, Rebalance, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -42,6 +42,10 @@ use self::claims::{ClaimDigest, Entry, PartitionClaims};
 use crate::Error;
 use crate::config::{self, OnFingerprintMismatch};
 use crate::dlq::{self, DeadLetter};
+use crate::pipeline::attempt::{self, AttemptTimedOut, Ran};
+use crate::pipeline::decision::{Decision, Fault, Tries};
+use crate::pipeline::outage::{self, Outage};
+use crate::pipeline::{error_chain, headers_of};
 use crate::retry::{Jitter, RetryPolicy};
 use crate::stats::{Stats, StatsSnapshot};
 
@@ -249,7 +253,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
                 .dead_letter_topic
                 .unwrap_or_else(|| format!("{}.dlq", self.topic)),
             topic: self.topic,
-            handler: self.handler,
+            handler: Arc::new(self.handler),
             consumer_config: consumer,
             shared_config: shared,
             producer,
@@ -300,7 +304,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
 /// ```
 pub struct TransactionalConsumer<H> {
     topic: String,
-    handler: H,
+    /// Shared with the tasks its attempts run in.
+    handler: Arc<H>,
     changelog: String,
     dead_letter_topic: String,
     consumer_config: ClientConfig,
@@ -713,7 +718,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let mut judged: Option<(Vec<Fate>, Staged)> = None;
         let (fates, tombstones, newest) = loop {
             if judged.is_none() {
-                judged = Some(self.fates(batch, states, &forced, jitter).await);
+                judged = Some(self.fates(batch, states, &forced, jitter).await?);
             }
             let (fates, staged) = judged.as_ref().expect("judged above");
             // Stream time moves with the records applied or skipped (a
@@ -845,21 +850,21 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         states: &HashMap<i32, PartitionClaims>,
         forced: &HashMap<usize, Fate>,
         jitter: &mut Jitter,
-    ) -> (Vec<Fate>, Staged) {
+    ) -> Result<(Vec<Fate>, Staged), Error> {
         let mut fates = Vec::with_capacity(batch.len());
         // Claims taken in this batch, on top of the partitions' committed ones.
         let mut staged = Staged::new();
         for (i, msg) in batch.iter().enumerate() {
             let fate = match forced.get(&i) {
                 Some(fate) => fate.clone(),
-                None => self.fate(msg, states, &staged, jitter).await,
+                None => self.fate(msg, states, &staged, jitter).await?,
             };
             if let Fate::Applied { digest, entry, .. } = &fate {
                 staged.insert((msg.partition(), *digest), *entry);
             }
             fates.push(fate);
         }
-        (fates, staged)
+        Ok((fates, staged))
     }
 
     /// After an aborted transaction: the batch's partitions go back to their
@@ -915,20 +920,25 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     }
 
     /// What becomes of `msg`: decoded and keyed, claimed unless a live
-    /// claim covers it, and run (with retries) into its outputs.
+    /// claim covers it, and run (with retries) into its outputs. Its
+    /// attempts run contained ([`attempt::run`]) and their failures are
+    /// judged as the database runtime's are ([`Tries`]); an error only when
+    /// an outage outlasted `max_outage` (the consumer stops).
     async fn fate(
         &self,
         msg: &OwnedMessage,
         states: &HashMap<i32, PartitionClaims>,
         staged: &Staged,
         jitter: &mut Jitter,
-    ) -> Fate {
+    ) -> Result<Fate, Error> {
         let payload = msg.payload().unwrap_or_default();
-        let headers = crate::partition::headers_of(msg);
-        let (key, fingerprint, event) = match self.handler.prepare(payload, &headers) {
-            Ok(prepared) => prepared,
-            Err(e) => return dead(e.kind(), e.to_string(), 1),
-        };
+        let headers = headers_of(msg);
+        let (key, fingerprint, event) =
+            match attempt::contained(|| self.handler.prepare(payload, &headers)) {
+                Ok(Ok(prepared)) => prepared,
+                Ok(Err(e)) => return Ok(dead(e.kind(), error_chain(&e), 1)),
+                Err(said) => return Ok(dead("panic", unprepared_panic(&said), 1)),
+            };
         let digest = claims::digest(&key);
         let at = timestamp(msg);
         let live = staged
@@ -945,44 +955,44 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             {
                 tracing::warn!(key = %key, "a duplicate's fingerprint differs from its claim's: the id was reused for other content");
                 if self.on_fingerprint_mismatch == OnFingerprintMismatch::DeadLetter {
-                    return dead(
+                    return Ok(dead(
                         "fingerprint_mismatch",
                         format!(
                             "event id {key} was claimed with fingerprint {kept} and came again with {ours}"
                         ),
                         1,
-                    );
+                    ));
                 }
             }
-            return Fate::Skipped;
+            return Ok(Fate::Skipped);
         }
         let mut event = Some(event);
         let mut attempt = 0u32;
+        let mut tries = Tries::default();
+        let mut outage = Outage::new(&self.stats);
         loop {
             attempt += 1;
             let ev = match event.take() {
                 Some(ev) => ev,
                 // It decoded once; decoding is pure.
-                None => match self.handler.decode(payload) {
-                    Ok(ev) => ev,
-                    Err(e) => return dead(e.kind(), e.to_string(), attempt),
+                None => match attempt::contained(|| self.handler.decode(payload)) {
+                    Ok(Ok(ev)) => ev,
+                    Ok(Err(e)) => return Ok(dead(e.kind(), error_chain(&e), attempt)),
+                    Err(said) => return Ok(dead("panic", unprepared_panic(&said), attempt)),
                 },
             };
-            let mut out = Outputs::default();
-            let attempt_result =
-                tokio::time::timeout(self.attempt_timeout, self.handler.handle(&mut out, ev))
-                    .await
-                    .unwrap_or_else(|_| {
-                        Err(HandlerError::transient(format!(
-                            "the handler did not finish within {:?}",
-                            self.attempt_timeout
-                        )))
-                    });
-            let error = match attempt_result {
-                Ok(()) => {
+            let handler = self.handler.clone();
+            let ran = attempt::run(tracing::Span::current(), self.attempt_timeout, async move {
+                let mut out = Outputs::default();
+                let result = handler.handle(&mut out, ev).await;
+                (out, result)
+            })
+            .await;
+            let (error, fault) = match ran {
+                Ran::Done((out, Ok(()))) => {
                     let ttl = i64::try_from(self.handler.ttl().as_duration().as_millis())
                         .unwrap_or(i64::MAX);
-                    return Fate::Applied {
+                    return Ok(Fate::Applied {
                         outputs: out.into_records(),
                         digest,
                         entry: Entry {
@@ -991,19 +1001,39 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                             fingerprint,
                         },
                         key,
-                    };
+                    });
                 }
-                Err(e) => e,
-            };
-            let class = error.classification().or_else(|| Classification::Permanent);
-            let wait = match class {
-                Classification::Environment => self.retry.outage_backoff(attempt, jitter.next()),
-                Classification::Transient if attempt < self.retry.attempts() => {
-                    self.retry.backoff(attempt, jitter.next())
+                Ran::Done((_, Err(e))) => {
+                    let e = e.into_unstored_error();
+                    let fault = Fault::of(&e);
+                    (e, fault)
                 }
-                _ => return dead("handler", error.source().to_string(), attempt),
+                Ran::Panicked(said) => (attempt::panicked(&said), Fault::Panic),
+                Ran::TimedOut(limit) => (
+                    dedup_core::Error::Store(
+                        StoreError::environment(AttemptTimedOut(limit))
+                            .with_code("attempt_timeout"),
+                    ),
+                    Fault::TimedOut,
+                ),
             };
-            tracing::warn!(key = %key, attempt, error = %error.source(), ?wait, "handler failed; retrying");
+            if fault.is_outage() {
+                outage.enter(&error);
+            }
+            let wait = match tries.failed(fault, &self.retry, jitter.next()) {
+                Decision::DeadLetter => {
+                    return Ok(dead(fault.kind(&error), error_chain(&error), attempt));
+                }
+                Decision::Stop { failing_for } => {
+                    return Err(Error::Fatal(outage::outlasted(
+                        failing_for,
+                        self.retry.max_outage,
+                        &error,
+                    )));
+                }
+                Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
+            };
+            tracing::warn!(key = %key, attempt, error = %error, ?wait, "handler failed; retrying");
             self.stats.retries.fetch_add(1, Ordering::Relaxed);
             tokio::time::sleep(wait).await;
         }
@@ -1477,6 +1507,11 @@ fn now_ms() -> i64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// Why a message that panicked before its handler ran is dead-lettered.
+fn unprepared_panic(said: &str) -> String {
+    format!("decoding the event or reading its key panicked: {said}")
 }
 
 fn dead(kind: &'static str, message: String, attempts: u32) -> Fate {

@@ -1,0 +1,39 @@
+//! What both runtimes share on a message's path, whatever commits it: the
+//! Kafka-only runtime (`transactional/`) and the database runtime
+//! (`partition.rs`) call these, so a panic, a hang, an unclassified error or
+//! an outage means the same thing in both.
+//!
+//! - [`attempt`]: runs user code where a panic or a hang is contained.
+//! - [`decision`]: whose fault a failure is, and what follows (retry, wait
+//!   out, dead-letter, stop): a pure function, table-tested.
+//! - [`outage`]: an event waiting out the environment, as health sees it.
+
+pub(crate) mod attempt;
+pub(crate) mod decision;
+pub(crate) mod outage;
+
+use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
+
+/// A message's headers, owned, for the handler.
+pub(crate) fn headers_of(msg: &OwnedMessage) -> Vec<(String, Vec<u8>)> {
+    msg.headers()
+        .map(|hs| {
+            hs.iter()
+                .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The error and its sources, `: `-separated.
+pub(crate) fn error_chain(e: &dedup_core::Error) -> String {
+    let mut out = e.to_string();
+    for source in std::iter::successors(std::error::Error::source(e), |&s| s.source()) {
+        let s = source.to_string();
+        if !out.contains(&s) {
+            out.push_str(": ");
+            out.push_str(&s);
+        }
+    }
+    out
+}

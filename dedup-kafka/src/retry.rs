@@ -7,13 +7,17 @@ use std::time::Duration;
 /// Attempt `n` (1-based) that fails with a retryable error waits about
 /// `initial * multiplier^(n-1)`, capped at `max_backoff`, with up to half of
 /// it taken off at random so that consumers that failed together do not
-/// retry together. After `max_attempts` attempts the event is dead-lettered.
+/// retry together. After `max_attempts` transient failures the event is
+/// dead-lettered; contention (another transaction's lock) is retried with
+/// the same back-off for as long as it lasts, and the environment's
+/// failures with `max_outage_backoff`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 #[non_exhaustive]
 pub struct RetryPolicy {
-    /// Attempts in all, the first included, for failures that may be the
-    /// event's (contention, a handler's transient error), before it is
-    /// dead-lettered (default 8; 0 counts as 1).
+    /// Attempts in all, the first included, for transient failures that
+    /// may be the event's (a handler's `transient(..)` error, a store code
+    /// no rule knows), before it is dead-lettered (default 8; 0 counts as
+    /// 1). Contention does not use them up.
     pub max_attempts: u32,
     /// Wait after the first failure (default 100 ms).
     pub initial_backoff: Duration,

@@ -182,8 +182,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         self
     }
 
-    /// How long one handler attempt may take before it counts as a
-    /// transient failure (default 60 s).
+    /// How long one handler attempt may take (default 60 s): past it the
+    /// attempt is abandoned and waited out as the environment's fault, as
+    /// in the database runtime (bounded only by `max_outage`).
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
         self.attempt_timeout = timeout;
         self

@@ -15,7 +15,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 ///
 /// [`classification`](Error::classification) tells the runtime what to do
 /// with it: dead-letter the event at once (its own fault), retry it a
-/// bounded number of times (contention), or wait the environment out.
+/// bounded number of times (transient), retry it as long as another
+/// transaction holds what it needs (contention), or wait the environment
+/// out.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -97,8 +99,8 @@ impl Error {
         }
     }
 
-    /// Whether running the same event again may succeed: contention and
-    /// the environment's failures.
+    /// Whether running the same event again may succeed: transient
+    /// failures, contention and the environment's failures.
     pub fn is_retryable(&self) -> bool {
         self.classification().is_retryable()
     }
@@ -320,9 +322,8 @@ impl HandlerError {
 impl HandlerError {
     /// Resolves the classification where no store judges the error (a
     /// Kafka-only handler): the handler's own if it gave one, else that of
-    /// a dedup [`StoreError`] in its chain, else permanent, as
-    /// [`into_error`](Self::into_error) would with a store that recognises
-    /// nothing.
+    /// a dedup [`StoreError`] in its chain, else permanent, as with a
+    /// store that recognises nothing.
     pub fn into_unstored_error(self) -> Error {
         let classification = self
             .classification

@@ -196,14 +196,16 @@ impl Lease {
         &self.key
     }
 
-    /// An idempotency key for the outside system: `<scope>/<event id>`,
-    /// the same for every attempt, release and take-over of this event, so
-    /// a call that went through but whose reply was lost is recognised as
-    /// the same request when it is made again. (The fencing token, which
-    /// changes with each holder, is [`token`](Lease::token): pass it too
-    /// where the outside system fences stale holders.)
+    /// An idempotency key for the outside system: `<scope>/<event id>`
+    /// (a `/` or `%` in the scope escaped as `%2F`, `%25`, so no two claims
+    /// share a key), the same for every attempt, release and take-over of
+    /// this event, so a call that went through but whose reply was lost is
+    /// recognised as the same request when it is made again. (The fencing
+    /// token, which changes with each holder, is [`token`](Lease::token):
+    /// pass it too where the outside system fences stale holders.)
     pub fn idempotency_key(&self) -> String {
-        format!("{}/{}", self.key.scope(), self.key.id())
+        let scope = self.key.scope().replace('%', "%25").replace('/', "%2F");
+        format!("{scope}/{}", self.key.id())
     }
 
     /// How long the lease has left by this process's clock (zero once

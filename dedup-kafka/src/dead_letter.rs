@@ -174,11 +174,12 @@ async fn record_it<S: DedupStore>(
             }
             Err(_) => (timed_out(limit), Fault::TimedOut),
         };
-        if fault.is_outage() {
-            outage.enter(&error);
-        }
         let wait = match tries.failed(fault, &policy, jitter.next()) {
-            Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
+            Decision::Retry(wait) => wait,
+            Decision::WaitOut(wait) => {
+                outage.enter(&error);
+                wait
+            }
             Decision::Stop { failing_for } => {
                 shared.fail(outage::outlasted(failing_for, policy.max_outage, &error));
                 return;

@@ -720,10 +720,8 @@ async fn process<S: DedupStore>(
             }
             Outcome::Failed(e) => {
                 let fault = fault.unwrap_or_else(|| Fault::of(&e));
-                if fault.is_outage() {
-                    outage.enter(&e);
-                }
-                let wait = match tries.failed(fault, &policy, jitter.next()) {
+                let decision = tries.failed(fault, &policy, jitter.next());
+                let wait = match decision {
                     Decision::DeadLetter => {
                         let why = route.dead_letter(fault.kind(&e), error_chain(&e), attempt);
                         return dead_letter(shared, route, partition, msg, why, jitter).await;
@@ -733,16 +731,19 @@ async fn process<S: DedupStore>(
                         shared.fail(outage::outlasted(failing_for, policy.max_outage, &e));
                         return false;
                     }
-                    Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
+                    Decision::Retry(wait) => {
+                        tracing::warn!(outcome = "retry", attempt, ?wait, kind = e.kind(), error = %e);
+                        wait
+                    }
+                    Decision::WaitOut(wait) => {
+                        // Logged once at the outage's start and end (Stats).
+                        outage.enter(&e);
+                        tracing::debug!(outcome = "waiting", attempt, ?wait, kind = e.kind(), error = %e);
+                        wait
+                    }
                 };
                 shared.stats.retries.fetch_add(1, Ordering::Relaxed);
                 route.metrics().retried(retry_reason(fault, &e));
-                if fault.is_outage() {
-                    // Logged once at the outage's start and end (Stats).
-                    tracing::debug!(outcome = "waiting", attempt, ?wait, kind = e.kind(), error = %e);
-                } else {
-                    tracing::warn!(outcome = "retry", attempt, ?wait, kind = e.kind(), error = %e);
-                }
                 if !wait_unless_stopped(shared, partition, wait).await {
                     return false;
                 }

@@ -1710,6 +1710,8 @@ async fn a_frozen_backend_holding_a_batchs_claims_dead_letters_nothing(pool: PgP
     let running = start(
         consumer(&store, &unique("g"))
             .attempt_timeout(Duration::from_secs(2))
+            // The idle partition's first batch waits for all 20.
+            .batch_linger(Duration::from_secs(2))
             // Few, short attempts: were lock timeouts counted against them,
             // the replayed events would be dead-lettered at once.
             .retry(

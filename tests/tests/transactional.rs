@@ -774,4 +774,79 @@ async fn an_outage_longer_than_max_outage_stops_the_consumer() {
     let snapshot = stats.snapshot();
     assert_eq!(snapshot.dead_lettered, 0, "{snapshot}");
     assert!(snapshot.outages >= 1, "the outage is seen: {snapshot}");
+    assert_nothing_committed(&topic, &out, &group).await;
+}
+
+/// Neither an output nor a dead letter nor an input offset of `group` on
+/// `topic` was committed.
+async fn assert_nothing_committed(topic: &str, out: &str, group: &str) {
+    assert!(read_all(out, "read_committed").await.is_empty());
+    assert!(
+        read_all(&format!("{topic}.dlq"), "read_committed")
+            .await
+            .is_empty()
+    );
+    let member: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .create()
+        .expect("member");
+    let mut partition = TopicPartitionList::new();
+    partition.add_partition(topic, 0);
+    let committed = member
+        .committed_offsets(partition, Duration::from_secs(10))
+        .expect("committed offsets");
+    assert_eq!(
+        committed.find_partition(topic, 0).map(|p| p.offset()),
+        Some(Offset::Invalid),
+        "no offset committed"
+    );
+}
+
+/// A stop while a message waits out an outage (no `max_outage`: for ever)
+/// ends the wait at once: the consumer returns, its batch uncommitted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stop_ends_the_wait_of_a_message_waiting_out_an_outage() {
+    let topic = create_topic(1).await;
+    let out = create_topic(1).await;
+    let group = unique("tx");
+    send(
+        &producer(),
+        &topic,
+        "o",
+        br#"{"event_id": "o1", "n": 1, "outage": true}"#,
+        None,
+    )
+    .await;
+    let consumer = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+        .brokers(brokers())
+        .group_id(&group)
+        .retry(dedup_kafka::RetryPolicy::default().with_outage_backoff(Duration::from_secs(30)))
+        .build()
+        .expect("consumer");
+    let stats = consumer.stats();
+    let waiting = stats.clone();
+    let stop = async move {
+        while waiting.snapshot().outages == 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // Well into a wait that would last up to 30 s.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    };
+    let stopped_at = std::time::Instant::now();
+    let ran = tokio::time::timeout(Duration::from_secs(60), consumer.run_until(stop))
+        .await
+        .expect("the stop ended the wait");
+    let snapshot = ran.expect("a clean stop");
+    assert!(
+        stopped_at.elapsed() < Duration::from_secs(45),
+        "prompt: {:?}",
+        stopped_at.elapsed()
+    );
+    assert_eq!(
+        (snapshot.applied, snapshot.dead_lettered),
+        (0, 0),
+        "{snapshot}"
+    );
+    assert_nothing_committed(&topic, &out, &group).await;
 }

@@ -40,11 +40,12 @@ where
     let mut task = tokio::spawn(attempt.instrument(span));
     match tokio::time::timeout(limit, &mut task).await {
         Ok(Ok(out)) => Ran::Done(out),
-        Ok(Err(joined)) => Ran::Panicked(match joined.try_into_panic() {
-            Ok(panic) => panic_message(&*panic),
-            // Aborted by nobody but us, and we did not: a cancelled runtime.
-            Err(e) => e.to_string(),
-        }),
+        Ok(Err(joined)) => match joined.try_into_panic() {
+            Ok(panic) => Ran::Panicked(panic_message(&*panic)),
+            // Cancelled, by the runtime shutting down (nobody else aborts
+            // it before the limit): not the event's fault.
+            Err(_) => Ran::TimedOut(limit),
+        },
         Err(_) => {
             task.abort();
             // A handler that blocks without yielding cannot be stopped: go on

@@ -6,9 +6,14 @@
 //! | the event's (decode, key, permanent, an unclassified error) | dead-letter at once |
 //! | a panic in user code | dead-letter at once (kind `panic`) |
 //! | transient (the handler said so, an unknown store code) | retry with back-off, dead-letter after `max_attempts` |
-//! | contention (a lock, a deadlock, a serialization failure) | retry with capped back-off as long as it lasts; never dead-letter |
+//! | contention (a lock, a deadlock, a serialization failure) | retry with back-off; never dead-letter: past `max_attempts` it is waited out as the environment's |
 //! | the environment's (unreachable, read-only, full, refusing) | wait out with capped back-off; stop once longer than `max_outage` |
 //! | the attempt outlived `attempt_timeout` | as the environment's |
+//!
+//! Contention that outlasts the attempts (a lock held by a backend that
+//! froze, a forgotten `idle in transaction` session, a handler that locks
+//! its own rows through a second connection) is an outage: health shows
+//! it, it is logged at its start and end, and `max_outage` bounds it.
 
 use std::time::{Duration, Instant};
 
@@ -56,11 +61,6 @@ impl Fault {
             _ => error.kind(),
         }
     }
-
-    /// Not the event's doing: counted as an outage (health, metrics).
-    pub(crate) fn is_outage(self) -> bool {
-        matches!(self, Fault::Environment | Fault::TimedOut)
-    }
 }
 
 /// What the runtime does after a failed attempt.
@@ -69,7 +69,8 @@ pub(crate) enum Decision {
     /// Try again after the wait (it may be the event's fault: bounded, or
     /// contention: unbounded).
     Retry(Duration),
-    /// Not the event's fault: wait, then try again, however long it lasts.
+    /// Not the event's fault: an outage (health shows it); wait, then try
+    /// again, however long it lasts.
     WaitOut(Duration),
     /// Dead-letter the event and move on.
     DeadLetter,
@@ -88,9 +89,10 @@ pub(crate) struct Tally {
     pub(crate) transient: u32,
     /// Attempts that met contention.
     pub(crate) contended: u32,
-    /// Attempts that met the environment's failure, in this outage.
+    /// Attempts waited out as an outage: the environment's failures, and
+    /// contention past `max_attempts`.
     pub(crate) outage: u32,
-    /// How long the environment has failed, from the first of them.
+    /// How long since the event's first attempt waited out as an outage.
     pub(crate) failing_for: Duration,
 }
 
@@ -103,8 +105,10 @@ pub(crate) fn decide(fault: Fault, tally: &Tally, policy: &RetryPolicy, random: 
             Decision::Retry(policy.backoff(tally.transient, random))
         }
         Fault::Transient => Decision::DeadLetter,
-        Fault::Contention => Decision::Retry(policy.backoff(tally.contended, random)),
-        Fault::Environment | Fault::TimedOut => {
+        Fault::Contention if tally.contended < policy.attempts() => {
+            Decision::Retry(policy.backoff(tally.contended, random))
+        }
+        Fault::Contention | Fault::Environment | Fault::TimedOut => {
             let wait = policy.outage_backoff(tally.outage, random);
             match policy.max_outage {
                 None => Decision::WaitOut(wait),
@@ -130,15 +134,22 @@ pub(crate) struct Tries {
 impl Tries {
     /// Counts a failure of `fault` and decides what follows.
     pub(crate) fn failed(&mut self, fault: Fault, policy: &RetryPolicy, random: f64) -> Decision {
-        match fault {
-            Fault::Transient => self.tally.transient += 1,
-            Fault::Contention => self.tally.contended += 1,
-            Fault::Environment | Fault::TimedOut => {
-                let since = *self.outage_since.get_or_insert_with(Instant::now);
-                self.tally.outage += 1;
-                self.tally.failing_for = since.elapsed();
+        let outage = match fault {
+            Fault::Transient => {
+                self.tally.transient += 1;
+                false
             }
-            Fault::Event | Fault::Panic => {}
+            Fault::Contention => {
+                self.tally.contended += 1;
+                self.tally.contended >= policy.attempts()
+            }
+            Fault::Environment | Fault::TimedOut => true,
+            Fault::Event | Fault::Panic => false,
+        };
+        if outage {
+            let since = *self.outage_since.get_or_insert_with(Instant::now);
+            self.tally.outage += 1;
+            self.tally.failing_for = since.elapsed();
         }
         decide(fault, &self.tally, policy, random)
     }
@@ -180,7 +191,7 @@ mod tests {
         use Decision::*;
         use Fault::*;
         #[rustfmt::skip]
-        let rows: [(&str, Fault, Tally, RetryPolicy, Decision); 16] = [
+        let rows: [(&str, Fault, Tally, RetryPolicy, Decision); 19] = [
             ("the event's fault: at once", Event, tally(0, 0, 0, 0), policy(), DeadLetter),
             ("the event's fault, even mid-outage", Event, tally(0, 0, 5, 9_000), bounded, DeadLetter),
             ("a panic: at once", Panic, tally(0, 0, 0, 0), policy(), DeadLetter),
@@ -189,8 +200,11 @@ mod tests {
             ("transient, out of attempts", Transient, tally(3, 0, 0, 0), policy(), DeadLetter),
             ("transient, contention does not use attempts up", Transient, tally(1, 50, 0, 0), policy(), Retry(MS(100))),
             ("contention, first", Contention, tally(0, 1, 0, 0), policy(), Retry(MS(100))),
-            ("contention, capped, never dead-lettered", Contention, tally(0, 1_000, 0, 0), policy(), Retry(MS(400))),
-            ("contention after transient failures ran out", Contention, tally(3, 9, 0, 0), policy(), Retry(MS(400))),
+            ("contention, second", Contention, tally(0, 2, 0, 0), policy(), Retry(MS(200))),
+            ("contention after transient failures ran out", Contention, tally(3, 1, 0, 0), policy(), Retry(MS(100))),
+            ("contention past the attempts: an outage, never dead-lettered", Contention, tally(0, 3, 1, 0), policy(), WaitOut(MS(100))),
+            ("lasting contention, capped at the outage back-off", Contention, tally(0, 1_000, 998, 600_000), policy(), WaitOut(MS(1_000))),
+            ("lasting contention, past max_outage: stop", Contention, tally(0, 40, 38, 10_001), bounded, Stop { failing_for: MS(10_001) }),
             ("environment, first", Environment, tally(0, 0, 1, 0), policy(), WaitOut(MS(100))),
             ("environment, capped at the outage back-off", Environment, tally(0, 0, 100, 600_000), policy(), WaitOut(MS(1_000))),
             ("environment, the last wait ends at max_outage", Environment, tally(0, 0, 9, 9_500), bounded, WaitOut(MS(501))),
@@ -217,11 +231,16 @@ mod tests {
     fn tries_count_each_kind_apart() {
         let policy = policy();
         let mut tries = Tries::default();
-        for _ in 0..20 {
-            assert!(matches!(
-                tries.failed(Fault::Contention, &policy, 0.0),
-                Decision::Retry(_)
-            ));
+        for n in 1..=20 {
+            let decision = tries.failed(Fault::Contention, &policy, 0.0);
+            if n < policy.attempts() {
+                assert!(matches!(decision, Decision::Retry(_)), "{n}: {decision:?}");
+            } else {
+                assert!(
+                    matches!(decision, Decision::WaitOut(_)),
+                    "{n}: {decision:?}"
+                );
+            }
         }
         assert!(matches!(
             tries.failed(Fault::Transient, &policy, 0.0),
@@ -237,7 +256,8 @@ mod tests {
                 tries.tally().contended,
                 tries.tally().outage
             ),
-            (1, 20, 1)
+            // Contention from the third on, and the timeout, waited out.
+            (1, 20, 19)
         );
     }
 }

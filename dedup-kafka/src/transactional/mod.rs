@@ -35,6 +35,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, Message as _, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer as _};
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use tokio::sync::watch;
 
 pub use outputs::{OutputRecord, Outputs};
 
@@ -176,7 +177,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         self
     }
 
-    /// How retryable handler failures are retried before dead-lettering.
+    /// How failures are retried: transient ones `max_attempts` times before
+    /// dead-lettering, outages until `max_outage` (the failure table).
     pub fn retry(mut self, policy: RetryPolicy) -> Self {
         self.retry = policy;
         self
@@ -423,6 +425,14 @@ enum Source {
     Changelog,
 }
 
+/// Why a batch's judging ended before its transaction.
+enum Halt {
+    /// The consumer cannot go on.
+    Fatal(Error),
+    /// The consumer stops: the batch is left uncommitted.
+    Stopped,
+}
+
 /// How a transaction attempt ended.
 enum Attempt {
     Committed,
@@ -532,6 +542,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let mut assigned: HashSet<i32> = HashSet::new();
         let mut jitter = Jitter::new(u64::from(std::process::id()));
         let mut stopping = false;
+        let (stop_tx, stop_rx) = watch::channel(false);
         tokio::pin!(stop);
         while !stopping {
             let mut batch: Vec<OwnedMessage> = Vec::new();
@@ -574,9 +585,20 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 continue;
             }
             self.stats.add_in_flight(batch.len() as i64);
-            let done = self
-                .process(&consumer, &mut states, &batch, &mut jitter)
-                .await;
+            // A stop while the batch runs ends the waits of its retries (a
+            // hung handler or an outage would hold the shutdown for ever);
+            // the batch's transaction itself is finished.
+            let work = self.process(&consumer, &mut states, &batch, &mut jitter, &stop_rx);
+            tokio::pin!(work);
+            let done = loop {
+                tokio::select! {
+                    done = &mut work => break done,
+                    () = &mut stop, if !stopping => {
+                        stopping = true;
+                        let _ = stop_tx.send(true);
+                    }
+                }
+            };
             self.stats.add_in_flight(-(batch.len() as i64));
             self.stats.touch();
             done?;
@@ -691,6 +713,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         states: &mut HashMap<i32, PartitionClaims>,
         batch: &[OwnedMessage],
         jitter: &mut Jitter,
+        stopping: &watch::Receiver<bool>,
     ) -> Result<(), Error> {
         let mut offsets = TopicPartitionList::new();
         let mut first: BTreeMap<i32, i64> = BTreeMap::new();
@@ -719,7 +742,18 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let mut judged: Option<(Vec<Fate>, Staged)> = None;
         let (fates, tombstones, newest) = loop {
             if judged.is_none() {
-                judged = Some(self.fates(batch, states, &forced, jitter).await?);
+                judged = match self.fates(batch, states, &forced, jitter, stopping).await {
+                    Ok(judged) => Some(judged),
+                    Err(Halt::Fatal(e)) => return Err(e),
+                    // Nothing of the batch was sent: it runs again from the
+                    // committed offsets after the restart.
+                    Err(Halt::Stopped) => {
+                        tracing::info!(
+                            "stopping while a message waits to be retried; its batch is left uncommitted"
+                        );
+                        return Ok(());
+                    }
+                };
             }
             let (fates, staged) = judged.as_ref().expect("judged above");
             // Stream time moves with the records applied or skipped (a
@@ -851,14 +885,15 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         states: &HashMap<i32, PartitionClaims>,
         forced: &HashMap<usize, Fate>,
         jitter: &mut Jitter,
-    ) -> Result<(Vec<Fate>, Staged), Error> {
+        stopping: &watch::Receiver<bool>,
+    ) -> Result<(Vec<Fate>, Staged), Halt> {
         let mut fates = Vec::with_capacity(batch.len());
         // Claims taken in this batch, on top of the partitions' committed ones.
         let mut staged = Staged::new();
         for (i, msg) in batch.iter().enumerate() {
             let fate = match forced.get(&i) {
                 Some(fate) => fate.clone(),
-                None => self.fate(msg, states, &staged, jitter).await?,
+                None => self.fate(msg, states, &staged, jitter, stopping).await?,
             };
             if let Fate::Applied { digest, entry, .. } = &fate {
                 staged.insert((msg.partition(), *digest), *entry);
@@ -923,15 +958,17 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// What becomes of `msg`: decoded and keyed, claimed unless a live
     /// claim covers it, and run (with retries) into its outputs. Its
     /// attempts run contained ([`attempt::run`]) and their failures are
-    /// judged as the database runtime's are ([`Tries`]); an error only when
-    /// an outage outlasted `max_outage` (the consumer stops).
+    /// judged as the database runtime's are ([`Tries`]). It halts when an
+    /// outage outlasted `max_outage` (the consumer stops with an error), or
+    /// when the consumer stops while it waits to retry.
     async fn fate(
         &self,
         msg: &OwnedMessage,
         states: &HashMap<i32, PartitionClaims>,
         staged: &Staged,
         jitter: &mut Jitter,
-    ) -> Result<Fate, Error> {
+        stopping: &watch::Receiver<bool>,
+    ) -> Result<Fate, Halt> {
         let payload = msg.payload().unwrap_or_default();
         let headers = headers_of(msg);
         let (key, fingerprint, event) =
@@ -1018,25 +1055,30 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     Fault::TimedOut,
                 ),
             };
-            if fault.is_outage() {
-                outage.enter(&error);
-            }
             let wait = match tries.failed(fault, &self.retry, jitter.next()) {
                 Decision::DeadLetter => {
                     return Ok(dead(fault.kind(&error), error_chain(&error), attempt));
                 }
                 Decision::Stop { failing_for } => {
-                    return Err(Error::Fatal(outage::outlasted(
+                    return Err(Halt::Fatal(Error::Fatal(outage::outlasted(
                         failing_for,
                         self.retry.max_outage,
                         &error,
-                    )));
+                    ))));
                 }
-                Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
+                Decision::Retry(wait) => wait,
+                Decision::WaitOut(wait) => {
+                    outage.enter(&error);
+                    wait
+                }
             };
             tracing::warn!(key = %key, attempt, error = %error, ?wait, "handler failed; retrying");
             self.stats.retries.fetch_add(1, Ordering::Relaxed);
-            tokio::time::sleep(wait).await;
+            let mut stopping = stopping.clone();
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                _ = stopping.wait_for(|s| *s) => return Err(Halt::Stopped),
+            }
         }
     }
 

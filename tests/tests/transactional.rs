@@ -734,14 +734,11 @@ async fn a_panic_fails_its_event_and_a_hang_is_waited_out() {
     assert!(seen.contains(&"h1".to_owned()));
 }
 
-/// An outage longer than `max_outage` stops the consumer with an error
-/// that says so, and dead-letters nothing: the event stays uncommitted for
-/// the next run, as in the database runtime.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_outage_longer_than_max_outage_stops_the_consumer() {
+/// A topic holding one event whose handler meets an outage every time, an
+/// output topic, and a group: `(topic, out, group)`.
+async fn one_event_in_an_outage() -> (String, String, String) {
     let topic = create_topic(1).await;
     let out = create_topic(1).await;
-    let group = unique("tx");
     send(
         &producer(),
         &topic,
@@ -750,6 +747,15 @@ async fn an_outage_longer_than_max_outage_stops_the_consumer() {
         None,
     )
     .await;
+    (topic, out, unique("tx"))
+}
+
+/// An outage longer than `max_outage` stops the consumer with an error
+/// that says so, and dead-letters nothing: the event stays uncommitted for
+/// the next run, as in the database runtime.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_longer_than_max_outage_stops_the_consumer() {
+    let (topic, out, group) = one_event_in_an_outage().await;
     let consumer = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
         .brokers(brokers())
         .group_id(&group)
@@ -807,17 +813,7 @@ async fn assert_nothing_committed(topic: &str, out: &str, group: &str) {
 /// ends the wait at once: the consumer returns, its batch uncommitted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stop_ends_the_wait_of_a_message_waiting_out_an_outage() {
-    let topic = create_topic(1).await;
-    let out = create_topic(1).await;
-    let group = unique("tx");
-    send(
-        &producer(),
-        &topic,
-        "o",
-        br#"{"event_id": "o1", "n": 1, "outage": true}"#,
-        None,
-    )
-    .await;
+    let (topic, out, group) = one_event_in_an_outage().await;
     let consumer = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
         .brokers(brokers())
         .group_id(&group)

@@ -22,8 +22,8 @@ use crate::dlq::{self, DeadLetter};
 use crate::failpoint::failpoint;
 use crate::partition::{Partition, Shared, wait_unless_stopped};
 use crate::pipeline::attempt::AttemptTimedOut;
-use crate::pipeline::decision::{Decision, Fault, Tries};
-use crate::pipeline::outage::{self, Outage};
+use crate::pipeline::decision::{Decision, Fault};
+use crate::pipeline::outage::Retrying;
 use crate::retry::Jitter;
 use crate::route::Route;
 
@@ -108,9 +108,7 @@ async fn recorded_from<S: DedupStore>(
     jitter: &mut Jitter,
 ) -> Option<HashSet<String>> {
     let limit = shared.settings.attempt_timeout;
-    let policy = shared.settings.retry;
-    let mut tries = Tries::default();
-    let mut outage = Outage::new(&shared.stats);
+    let mut retrying = Retrying::new(&shared.stats, shared.settings.retry);
     loop {
         let error = match tokio::time::timeout(limit, shared.store.live_ids_from(first)).await {
             Ok(Ok(ids)) => {
@@ -121,10 +119,9 @@ async fn recorded_from<S: DedupStore>(
             Err(_) => timed_out(limit),
         };
         // A read no event can fail: whatever stops it is the environment's.
-        outage.enter(&error);
-        let wait = match tries.failed(Fault::Environment, &policy, jitter.next()) {
+        let wait = match retrying.failed(Fault::Environment, &error, jitter.next()) {
             Decision::Stop { failing_for } => {
-                shared.fail(outage::outlasted(failing_for, policy.max_outage, &error));
+                shared.fail(retrying.outlasted(failing_for, &error));
                 return None;
             }
             Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
@@ -153,8 +150,7 @@ async fn record_it<S: DedupStore>(
     let policy = shared.settings.retry;
     let limit = shared.settings.attempt_timeout;
     let ttl = route.handler.ttl();
-    let mut tries = Tries::default();
-    let mut outage = Outage::new(&shared.stats);
+    let mut retrying = Retrying::new(&shared.stats, policy);
     loop {
         let attempt = async {
             let mut tx = shared.store.begin().await?;
@@ -174,14 +170,10 @@ async fn record_it<S: DedupStore>(
             }
             Err(_) => (timed_out(limit), Fault::TimedOut),
         };
-        let wait = match tries.failed(fault, &policy, jitter.next()) {
-            Decision::Retry(wait) => wait,
-            Decision::WaitOut(wait) => {
-                outage.enter(&error);
-                wait
-            }
+        let wait = match retrying.failed(fault, &error, jitter.next()) {
+            Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
             Decision::Stop { failing_for } => {
-                shared.fail(outage::outlasted(failing_for, policy.max_outage, &error));
+                shared.fail(retrying.outlasted(failing_for, &error));
                 return;
             }
             Decision::DeadLetter => {

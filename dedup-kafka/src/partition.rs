@@ -21,8 +21,8 @@ use crate::dead_letter::{self as dead_letters, dead_letter};
 use crate::failpoint::failpoint;
 use crate::metrics::RetryReason;
 use crate::pipeline::attempt::{self, AttemptTimedOut, Ran};
-use crate::pipeline::decision::{Decision, Fault, Tries};
-use crate::pipeline::outage::{self, Outage};
+use crate::pipeline::decision::{Decision, Fault};
+use crate::pipeline::outage::Retrying;
 use crate::pipeline::{error_chain, headers_of};
 use crate::rebalance::RebalanceContext;
 use crate::retry::Jitter;
@@ -619,8 +619,7 @@ async fn process<S: DedupStore>(
     // Every attempt, for logs and the dead letter's header.
     let mut attempt = 0;
     // The failures so far, by whose fault: the pipeline's decision rules.
-    let mut tries = Tries::default();
-    let mut outage = Outage::new(&shared.stats);
+    let mut retrying = Retrying::new(&shared.stats, policy);
     // Looks at another holder's lease (lease mode), for the back-off.
     let mut lease_waits = 0;
     loop {
@@ -720,15 +719,14 @@ async fn process<S: DedupStore>(
             }
             Outcome::Failed(e) => {
                 let fault = fault.unwrap_or_else(|| Fault::of(&e));
-                let decision = tries.failed(fault, &policy, jitter.next());
-                let wait = match decision {
+                let wait = match retrying.failed(fault, &e, jitter.next()) {
                     Decision::DeadLetter => {
                         let why = route.dead_letter(fault.kind(&e), error_chain(&e), attempt);
                         return dead_letter(shared, route, partition, msg, why, jitter).await;
                     }
                     Decision::Stop { failing_for } => {
                         // This message stays uncommitted for the next run.
-                        shared.fail(outage::outlasted(failing_for, policy.max_outage, &e));
+                        shared.fail(retrying.outlasted(failing_for, &e));
                         return false;
                     }
                     Decision::Retry(wait) => {
@@ -737,7 +735,6 @@ async fn process<S: DedupStore>(
                     }
                     Decision::WaitOut(wait) => {
                         // Logged once at the outage's start and end (Stats).
-                        outage.enter(&e);
                         tracing::debug!(outcome = "waiting", attempt, ?wait, kind = e.kind(), error = %e);
                         wait
                     }

@@ -6,7 +6,8 @@
 //! - [`attempt`]: runs user code where a panic or a hang is contained.
 //! - [`decision`]: whose fault a failure is, and what follows (retry, wait
 //!   out, dead-letter, stop): a pure function, table-tested.
-//! - [`outage`]: an event waiting out the environment, as health sees it.
+//! - [`outage`]: an event's retries: the decision applied, and its wait
+//!   out of an outage as health sees it.
 
 pub(crate) mod attempt;
 pub(crate) mod decision;

@@ -1,24 +1,71 @@
-//! One event's part in an outage of the environment, as health and logs
-//! see it: entered at the event's first failure of the environment, left
-//! when it gets through or its wait is abandoned. While it waits the
-//! consumer keeps polling (it stays in its group) and, in the database
-//! runtime, the partition's buffer fills up to `max_buffered_per_partition`,
-//! where its fetching pauses. (Pausing from a worker could race a rebalance
-//! and pause a partition's next assignment with nothing left to resume it.)
+//! An event's retries as the runtime lives them: its failures judged by
+//! the pipeline's decision, and its part in an outage as health and logs
+//! see it (entered at the first wait that is an outage, left when the
+//! event gets through or its wait is abandoned). While it waits, the
+//! database runtime keeps polling (it stays in its group) and the
+//! partition's buffer fills up to `max_buffered_per_partition`, where its
+//! fetching pauses (pausing from a worker could race a rebalance and pause
+//! a partition's next assignment with nothing left to resume it); the
+//! Kafka-only runtime does not poll meanwhile yet.
 
 use std::fmt;
 use std::time::Duration;
 
+use super::decision::{Decision, Fault, Tries};
+use crate::retry::RetryPolicy;
 use crate::stats::Stats;
 
+/// One event's failures, judged by the pipeline's decision, and its part
+/// in an outage: every runtime path that retries an event goes through one,
+/// so "waited out" always shows in health the same way.
+pub(crate) struct Retrying<'a> {
+    tries: Tries,
+    outage: Outage<'a>,
+    policy: RetryPolicy,
+}
+
+impl<'a> Retrying<'a> {
+    pub(crate) fn new(stats: &'a Stats, policy: RetryPolicy) -> Self {
+        Retrying {
+            tries: Tries::default(),
+            outage: Outage::new(stats),
+            policy,
+        }
+    }
+
+    /// Counts a failure of `fault` (`error`) and decides what follows; a
+    /// wait that is an outage marks the event as waiting it out.
+    pub(crate) fn failed(
+        &mut self,
+        fault: Fault,
+        error: &dyn fmt::Display,
+        random: f64,
+    ) -> Decision {
+        let decision = self.tries.failed(fault, &self.policy, random);
+        if matches!(decision, Decision::WaitOut(_)) {
+            self.outage.enter(error);
+        }
+        decision
+    }
+
+    /// Why the consumer stops after [`Decision::Stop`].
+    pub(crate) fn outlasted(&self, failing_for: Duration, error: &dyn fmt::Display) -> String {
+        format!(
+            "the environment has failed for {failing_for:?}, longer than max_outage ({:?}); \
+             nothing was dead-lettered for it and the waiting message was not committed: {error}",
+            self.policy.max_outage.unwrap_or_default()
+        )
+    }
+}
+
 /// Marks an event waiting out the environment in [`Stats`] until dropped.
-pub(crate) struct Outage<'a> {
+struct Outage<'a> {
     stats: &'a Stats,
     entered: bool,
 }
 
 impl<'a> Outage<'a> {
-    pub(crate) fn new(stats: &'a Stats) -> Self {
+    fn new(stats: &'a Stats) -> Self {
         Outage {
             stats,
             entered: false,
@@ -27,7 +74,7 @@ impl<'a> Outage<'a> {
 
     /// The environment failed this event (logged once for the consumer, at
     /// the outage's start).
-    pub(crate) fn enter(&mut self, error: &dyn fmt::Display) {
+    fn enter(&mut self, error: &dyn fmt::Display) {
         if !self.entered {
             self.entered = true;
             self.stats.enter_outage(error);
@@ -41,17 +88,4 @@ impl Drop for Outage<'_> {
             self.stats.leave_outage();
         }
     }
-}
-
-/// Why the consumer stops once an outage outlasted `max_outage`.
-pub(crate) fn outlasted(
-    failing_for: Duration,
-    limit: Option<Duration>,
-    error: &dyn fmt::Display,
-) -> String {
-    format!(
-        "the environment has failed for {failing_for:?}, longer than max_outage ({:?}); nothing \
-         was dead-lettered for it and the waiting message was not committed: {error}",
-        limit.unwrap_or_default()
-    )
 }

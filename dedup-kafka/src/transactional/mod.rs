@@ -44,8 +44,8 @@ use crate::Error;
 use crate::config::{self, OnFingerprintMismatch};
 use crate::dlq::{self, DeadLetter};
 use crate::pipeline::attempt::{self, AttemptTimedOut, Ran};
-use crate::pipeline::decision::{Decision, Fault, Tries};
-use crate::pipeline::outage::{self, Outage};
+use crate::pipeline::decision::{Decision, Fault};
+use crate::pipeline::outage::Retrying;
 use crate::pipeline::{error_chain, headers_of};
 use crate::retry::{Jitter, RetryPolicy};
 use crate::stats::{Stats, StatsSnapshot};
@@ -958,7 +958,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// What becomes of `msg`: decoded and keyed, claimed unless a live
     /// claim covers it, and run (with retries) into its outputs. Its
     /// attempts run contained ([`attempt::run`]) and their failures are
-    /// judged as the database runtime's are ([`Tries`]). It halts when an
+    /// judged as the database runtime's are ([`Retrying`]). It halts when an
     /// outage outlasted `max_outage` (the consumer stops with an error), or
     /// when the consumer stops while it waits to retry.
     async fn fate(
@@ -1006,8 +1006,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         }
         let mut event = Some(event);
         let mut attempt = 0u32;
-        let mut tries = Tries::default();
-        let mut outage = Outage::new(&self.stats);
+        let mut retrying = Retrying::new(&self.stats, self.retry);
         loop {
             attempt += 1;
             let ev = match event.take() {
@@ -1055,22 +1054,16 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     Fault::TimedOut,
                 ),
             };
-            let wait = match tries.failed(fault, &self.retry, jitter.next()) {
+            let wait = match retrying.failed(fault, &error, jitter.next()) {
                 Decision::DeadLetter => {
                     return Ok(dead(fault.kind(&error), error_chain(&error), attempt));
                 }
                 Decision::Stop { failing_for } => {
-                    return Err(Halt::Fatal(Error::Fatal(outage::outlasted(
-                        failing_for,
-                        self.retry.max_outage,
-                        &error,
-                    ))));
+                    return Err(Halt::Fatal(Error::Fatal(
+                        retrying.outlasted(failing_for, &error),
+                    )));
                 }
-                Decision::Retry(wait) => wait,
-                Decision::WaitOut(wait) => {
-                    outage.enter(&error);
-                    wait
-                }
+                Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
             };
             tracing::warn!(key = %key, attempt, error = %error, ?wait, "handler failed; retrying");
             self.stats.retries.fetch_add(1, Ordering::Relaxed);

@@ -65,28 +65,28 @@ pub(crate) async fn ensure_changelog(
         }
     }
     // An existing topic must be compacted only: retention would forget
-    // claims (and duplicates would be applied again).
-    let described = admin
-        .describe_configs(
-            [&ResourceSpecifier::Topic(changelog)],
-            &AdminOptions::new().request_timeout(Some(REQUEST_TIMEOUT)),
-        )
-        .await?;
-    for resource in described {
-        let resource = resource.map_err(|e| {
-            Error::Config(format!(
-                "the changelog topic {changelog:?} cannot be described: {e}"
-            ))
-        })?;
-        let policy = resource
-            .get("cleanup.policy")
-            .and_then(|entry| entry.value.clone())
-            .unwrap_or_default();
-        if policy != "compact" {
-            return Err(Error::Config(format!(
-                "the changelog topic {changelog:?} has cleanup.policy={policy:?}: it must be \
-                 \"compact\" alone (deletion by retention would forget claims)"
-            )));
+    // claims (and duplicates would be applied again). A topic just created
+    // may be described before its configuration is (no entries): asked
+    // again for a moment.
+    let started = Instant::now();
+    loop {
+        match cleanup_policy(&admin, changelog).await? {
+            Some(policy) if policy == "compact" => break,
+            Some(policy) => {
+                return Err(Error::Config(format!(
+                    "the changelog topic {changelog:?} has cleanup.policy={policy:?}: it must be \
+                     \"compact\" alone (deletion by retention would forget claims)"
+                )));
+            }
+            None if started.elapsed() < REQUEST_TIMEOUT => {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            None => {
+                return Err(Error::Config(format!(
+                    "the changelog topic {changelog:?} shows no cleanup.policy: it cannot be \
+                     checked to be \"compact\""
+                )));
+            }
         }
     }
     // Metadata can lag the creation by a moment.
@@ -110,6 +110,35 @@ pub(crate) async fn ensure_changelog(
             }
         }
     }
+}
+
+/// The changelog topic's `cleanup.policy`, or `None` when the broker
+/// describes it without one (a topic it has only just created).
+async fn cleanup_policy(
+    admin: &AdminClient<DefaultClientContext>,
+    changelog: &str,
+) -> Result<Option<String>, Error> {
+    let described = admin
+        .describe_configs(
+            [&ResourceSpecifier::Topic(changelog)],
+            &AdminOptions::new().request_timeout(Some(REQUEST_TIMEOUT)),
+        )
+        .await?;
+    let mut policy = None;
+    for resource in described {
+        let resource = resource.map_err(|e| {
+            Error::Config(format!(
+                "the changelog topic {changelog:?} cannot be described: {e}"
+            ))
+        })?;
+        policy = policy.or_else(|| {
+            resource
+                .get("cleanup.policy")
+                .and_then(|entry| entry.value.clone())
+                .filter(|value| !value.is_empty())
+        });
+    }
+    Ok(policy)
 }
 
 /// Reads `partitions` of the changelog from their start into claims, one

@@ -46,6 +46,24 @@ struct Event {
     /// environment in its chain), every time.
     #[serde(default)]
     outage: bool,
+    /// Fails as the environment's fault for this many seconds after the
+    /// event's first attempt.
+    #[serde(default)]
+    outage_secs: u64,
+}
+
+/// When each event with `outage_secs` was first tried, by id.
+static OUTAGE_FROM: std::sync::Mutex<Vec<(String, std::time::Instant)>> =
+    std::sync::Mutex::new(Vec::new());
+
+/// How long ago the event `id` was first tried.
+fn first_tried(id: &str) -> Duration {
+    let mut from = OUTAGE_FROM.lock().expect("lock");
+    if let Some((_, at)) = from.iter().find(|(seen, _)| seen == id) {
+        return at.elapsed();
+    }
+    from.push((id.to_owned(), std::time::Instant::now()));
+    Duration::ZERO
 }
 
 /// Set by the first event that hung.
@@ -79,6 +97,14 @@ impl Handler for Forward {
         }
         if ev.hang && !HUNG.swap(true, std::sync::atomic::Ordering::SeqCst) {
             tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+        if ev.outage_secs > 0
+            && first_tried(ev.event_id.as_deref().unwrap_or_default())
+                < Duration::from_secs(ev.outage_secs)
+        {
+            return Err(
+                dedup_core::StoreError::environment("the enrichment service is down").into(),
+            );
         }
         if ev.outage {
             return Err(dedup_core::StoreError::environment(
@@ -122,6 +148,92 @@ async fn send(producer: &FutureProducer, topic: &str, key: &str, payload: &[u8],
         .send(record, Duration::from_secs(10))
         .await
         .expect("produced");
+}
+
+/// Produces `payload` keyed by `key`, as is.
+async fn send_raw(producer: &FutureProducer, topic: &str, key: &str, payload: &[u8]) {
+    send(producer, topic, key, payload, None).await;
+}
+
+/// A transactional consumer running in the background until stopped.
+struct Member {
+    stats: std::sync::Arc<dedup_kafka::Stats>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<StatsSnapshot, dedup_kafka::Error>>,
+}
+
+impl Member {
+    fn start(consumer: TransactionalConsumer<Forward>) -> Self {
+        let stats = consumer.stats();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(consumer.run_until(async move {
+            let _ = stopped.await;
+        }));
+        Member { stats, stop, task }
+    }
+
+    /// Stops it; what it did.
+    async fn stop(self) -> StatsSnapshot {
+        let _ = self.stop.send(());
+        self.task.await.expect("joined").expect("ran")
+    }
+}
+
+/// Waits until `done` holds; fails the test after `secs` seconds.
+async fn wait_until(what: &str, secs: u64, done: impl Fn() -> bool) {
+    let started = std::time::Instant::now();
+    while !done() {
+        assert!(
+            started.elapsed() < Duration::from_secs(secs),
+            "not within {secs} s: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// An input and an output topic of `partitions` partitions each, and a
+/// group: `(topic, out, group)`.
+async fn topics(partitions: i32) -> (String, String, String) {
+    (
+        create_topic(partitions).await,
+        create_topic(partitions).await,
+        unique("tx"),
+    )
+}
+
+/// [`topics`] holding the events `e0..e<n>`, then `extra` (key, payload).
+async fn events_and(partitions: i32, n: i64, extra: &[(&str, &[u8])]) -> (String, String, String) {
+    let (topic, out, group) = topics(partitions).await;
+    let p = producer();
+    send_events(&p, &topic, 0..n).await;
+    for (key, payload) in extra {
+        send_raw(&p, &topic, key, payload).await;
+    }
+    (topic, out, group)
+}
+
+/// Produces the events `e<i>` for each `i` of `range`, keyed by their ids.
+async fn send_events(producer: &FutureProducer, topic: &str, range: std::ops::Range<i64>) {
+    for i in range {
+        let id = format!("e{i}");
+        send(producer, topic, &id, &event(&id, i), None).await;
+    }
+}
+
+/// The ids `e0..e<n>` and `extra`, sorted: what `out` holds, each once, when
+/// every event was output once ([`outputs`]).
+fn each_once(n: i64, extra: &[&str]) -> Vec<String> {
+    let mut ids: Vec<String> = (0..n).map(|i| format!("e{i}")).collect();
+    ids.extend(extra.iter().map(|id| (*id).to_owned()));
+    ids.sort();
+    ids
+}
+
+/// The event ids output to `out` (committed), sorted.
+async fn outputs(out: &str) -> Vec<String> {
+    let mut seen = ids(&read_all(out, "read_committed").await);
+    seen.sort();
+    seen
 }
 
 fn event(id: &str, n: i64) -> Vec<u8> {
@@ -227,9 +339,7 @@ fn forward(out: &str, ttl: &str) -> Forward {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_distinct_event_is_output_once_and_poison_is_dead_lettered() {
-    let topic = create_topic(3).await;
-    let out = create_topic(3).await;
-    let group = unique("tx");
+    let (topic, out, group) = topics(3).await;
     let p = producer();
     let mut distinct = HashSet::new();
     for i in 0..60 {
@@ -242,12 +352,11 @@ async fn each_distinct_event_is_output_once_and_poison_is_dead_lettered() {
     }
     send(&p, &topic, "bad", b"not json", None).await;
     send(&p, &topic, "keyless", br#"{"n": 1}"#, None).await;
-    send(
+    send_raw(
         &p,
         &topic,
         "failing",
         br#"{"event_id": "f1", "n": 1, "fail": true}"#,
-        None,
     )
     .await;
     let stats = drain(&topic, &group, forward(&out, "1h")).await;
@@ -305,22 +414,14 @@ async fn each_distinct_event_is_output_once_and_poison_is_dead_lettered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_owner_restores_the_claims_and_skips_a_late_duplicate() {
-    let topic = create_topic(2).await;
-    let out = create_topic(2).await;
-    let group = unique("tx");
+    let (topic, out, group) = topics(2).await;
     let p = producer();
-    for i in 0..20 {
-        let id = format!("e{i}");
-        send(&p, &topic, &id, &event(&id, i), None).await;
-    }
+    send_events(&p, &topic, 0..20).await;
     let first = drain(&topic, &group, forward(&out, "1h")).await;
     assert_eq!(first.applied, 20, "{first}");
     // The same events again, upstream's retry minutes later, after the
     // first consumer is gone: only the changelog remembers them.
-    for i in 0..20 {
-        let id = format!("e{i}");
-        send(&p, &topic, &id, &event(&id, i), None).await;
-    }
+    send_events(&p, &topic, 0..20).await;
     send(&p, &topic, "e20", &event("e20", 20), None).await;
     let second = drain(&topic, &group, forward(&out, "1h")).await;
     assert_eq!((second.applied, second.skipped), (1, 20), "{second}");
@@ -330,70 +431,40 @@ async fn a_new_owner_restores_the_claims_and_skips_a_late_duplicate() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn partitions_handed_over_in_a_rebalance_keep_their_claims() {
-    let topic = create_topic(4).await;
-    let out = create_topic(4).await;
-    let group = unique("tx");
+    let (topic, out, group) = topics(4).await;
     let p = producer();
-    for i in 0..40 {
-        let id = format!("e{i}");
-        send(&p, &topic, &id, &event(&id, i), None).await;
-    }
+    send_events(&p, &topic, 0..40).await;
     // One member takes everything, then a second joins and takes half.
     let a = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
         .brokers(brokers())
         .group_id(&group)
         .build()
         .expect("a");
-    let a_stats = a.stats();
-    let (stop_a, stopped_a) = tokio::sync::oneshot::channel::<()>();
-    let a = tokio::spawn(a.run_until(async move {
-        let _ = stopped_a.await;
-    }));
-    let started = std::time::Instant::now();
-    while a_stats.snapshot().applied < 40 {
-        assert!(
-            started.elapsed() < Duration::from_secs(60),
-            "a applied {}",
-            a_stats.snapshot()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let a = Member::start(a);
+    wait_until("a applied 40", 60, || a.stats.snapshot().applied >= 40).await;
     let b = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
         .brokers(brokers())
         .group_id(&group)
         .build()
         .expect("b");
-    let b_stats = b.stats();
-    let (stop_b, stopped_b) = tokio::sync::oneshot::channel::<()>();
-    let b = tokio::spawn(b.run_until(async move {
-        let _ = stopped_b.await;
-    }));
-    while b_stats.health().assigned_partitions == 0 {
-        assert!(
-            started.elapsed() < Duration::from_secs(120),
-            "b never got partitions"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    let health = b_stats.health();
+    let b = Member::start(b);
+    wait_until("b got partitions", 120, || {
+        b.stats.health().assigned_partitions > 0
+    })
+    .await;
+    let health = b.stats.health();
     assert!(
         health.is_ready(),
         "joined and its coordinator answered: {health:?}"
     );
     tokio::time::sleep(Duration::from_secs(2)).await;
-    for i in 0..40 {
-        let id = format!("e{i}");
-        send(&p, &topic, &id, &event(&id, i), None).await;
-    }
-    let skipped = || a_stats.snapshot().skipped + b_stats.snapshot().skipped;
+    send_events(&p, &topic, 0..40).await;
+    let skipped = || a.stats.snapshot().skipped + b.stats.snapshot().skipped;
     let started = std::time::Instant::now();
     while skipped() < 40 && started.elapsed() < Duration::from_secs(60) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let _ = stop_a.send(());
-    let _ = stop_b.send(());
-    let a = a.await.expect("a joined").expect("a ran");
-    let b = b.await.expect("b joined").expect("b ran");
+    let (a, b) = (a.stop().await, b.stop().await);
     assert!(b.skipped > 0, "b took over partitions with claims: {b}");
     assert_eq!(a.applied + b.applied, 40, "a {a}, b {b}");
     assert_eq!(a.skipped + b.skipped, 40, "a {a}, b {b}");
@@ -402,9 +473,7 @@ async fn partitions_handed_over_in_a_rebalance_keep_their_claims() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_expire_on_record_timestamps_and_are_tombstoned() {
-    let topic = create_topic(1).await;
-    let out = create_topic(1).await;
-    let group = unique("tx");
+    let (topic, out, group) = topics(1).await;
     let p = producer();
     let t0 = 1_700_000_000_000i64;
     // ttl 10 s on the records' clock, whatever the wall clock does.
@@ -462,12 +531,11 @@ async fn an_output_too_large_dead_letters_its_event_and_the_rest_go_on() {
     let out = common::create_topic_with(&brokers(), 1, &[("max.message.bytes", "20000")]).await;
     let p = producer();
     send(&p, &topic, "e1", &event("e1", 1), None).await;
-    send(
+    send_raw(
         &p,
         &topic,
         "huge",
         br#"{"event_id": "huge", "n": 2, "big": 2000000}"#,
-        None,
     )
     .await;
     // Many small outputs beside the large one: the broker refuses the
@@ -478,12 +546,11 @@ async fn an_output_too_large_dead_letters_its_event_and_the_rest_go_on() {
         send(&p, &topic, &id, &event(&id, i), None).await;
         expected.push(id);
     }
-    send(
+    send_raw(
         &p,
         &topic,
         "large",
         br#"{"event_id": "large", "n": 4, "big": 50000}"#,
-        None,
     )
     .await;
     send(&p, &topic, "e5", &event("e5", 5), None).await;
@@ -687,28 +754,13 @@ fn exit_within(child: std::process::Child, limit: Duration) -> std::process::Exi
 /// with a single attempt allowed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_panic_fails_its_event_and_a_hang_is_waited_out() {
-    let topic = create_topic(1).await;
-    let out = create_topic(1).await;
-    let group = unique("tx");
-    let p = producer();
-    for i in 0..10 {
-        let id = format!("e{i}");
-        send(&p, &topic, &id, &event(&id, i), None).await;
-    }
-    send(
-        &p,
-        &topic,
-        "panicky",
-        br#"{"event_id": "p1", "n": 1, "panic": true}"#,
-        None,
-    )
-    .await;
-    send(
-        &p,
-        &topic,
-        "hanging",
-        br#"{"event_id": "h1", "n": 1, "hang": true}"#,
-        None,
+    let (topic, out, group) = events_and(
+        1,
+        10,
+        &[
+            ("panicky", br#"{"event_id": "p1", "n": 1, "panic": true}"#),
+            ("hanging", br#"{"event_id": "h1", "n": 1, "hang": true}"#),
+        ],
     )
     .await;
     let stats = drain_with(
@@ -845,4 +897,114 @@ async fn a_stop_ends_the_wait_of_a_message_waiting_out_an_outage() {
         "{snapshot}"
     );
     assert_nothing_committed(&topic, &out, &group).await;
+}
+
+/// A handler waiting out an outage longer than `max.poll.interval.ms`
+/// (retries of one event, the batch's transaction not yet open) keeps its
+/// consumer in the group: it goes on polling, so it is neither expelled nor
+/// handed its partitions again, and the batch commits once, with every
+/// event in it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_waiting_out_an_outage_stays_in_its_group() {
+    let slow: &[u8] = br#"{"event_id": "s1", "n": 1, "outage_secs": 15}"#;
+    let (topic, out, group) = events_and(2, 10, &[("slow", slow)]).await;
+    let stats = drain_with(
+        TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+            .group_id(&group)
+            .set("session.timeout.ms", "6000")
+            .set("max.poll.interval.ms", "6000")
+            .retry(
+                dedup_kafka::RetryPolicy::default().with_outage_backoff(Duration::from_millis(500)),
+            ),
+    )
+    .await;
+    assert_eq!((stats.applied, stats.dead_lettered), (11, 0), "{stats}");
+    assert!(stats.outages >= 1, "the outage was waited out: {stats}");
+    assert_eq!(
+        (stats.assignments, stats.revoked_partitions),
+        (1, 0),
+        "assigned once, never revoked: {stats}"
+    );
+    assert_eq!(
+        outputs(&out).await,
+        each_once(10, &["s1"]),
+        "each event output once"
+    );
+}
+
+/// A changelog topic that deletes by retention would forget claims: the
+/// consumer refuses it before it reads anything, and says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changelog_deleting_by_retention_is_refused() {
+    let topic = create_topic(1).await;
+    let out = create_topic(1).await;
+    let changelog = common::create_topic_with(&brokers(), 1, &[("cleanup.policy", "delete")]).await;
+    send(&producer(), &topic, "e", &event("e1", 1), None).await;
+    let consumer = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+        .brokers(brokers())
+        .group_id(unique("tx"))
+        .changelog_topic(&changelog)
+        .build()
+        .expect("consumer");
+    let ran = tokio::time::timeout(
+        Duration::from_secs(60),
+        consumer.run_until(std::future::pending::<()>()),
+    )
+    .await
+    .expect("refused within a minute");
+    let error = ran.expect_err("refused").to_string();
+    assert!(error.contains("cleanup.policy=\"delete\""), "{error}");
+    assert!(read_all(&out, "read_committed").await.is_empty());
+}
+
+/// A member joining while another waits out an outage gets its partitions
+/// at once: the waiting member goes on polling, so it sees the rebalance,
+/// drops its batch before its transaction (the partitions may now be
+/// another's) and runs what it keeps again. Each event is output once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebalance_while_a_batch_waits_drops_it_and_outputs_each_event_once() {
+    let slow: &[u8] = br#"{"event_id": "r1", "n": 1, "outage_secs": 20}"#;
+    let (topic, out, group) = events_and(4, 40, &[("slow", slow)]).await;
+    let member = |name: &str| {
+        TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+            .brokers(brokers())
+            .group_id(&group)
+            .transactional_id(format!("{group}-{name}"))
+            .retry(
+                dedup_kafka::RetryPolicy::default().with_outage_backoff(Duration::from_millis(500)),
+            )
+            .build()
+            .expect("member")
+    };
+    let a = Member::start(member("a"));
+    wait_until("a met the outage", 60, || a.stats.health().outage).await;
+    let outage_from = std::time::Instant::now();
+    let b = Member::start(member("b"));
+    wait_until("b got partitions", 60, || {
+        b.stats.health().assigned_partitions > 0
+    })
+    .await;
+    // Not after a's batch: the outage lasts 20 s.
+    assert!(
+        outage_from.elapsed() < Duration::from_secs(15),
+        "b got its partitions {:?} into a's wait",
+        outage_from.elapsed()
+    );
+    let health = a.stats.health();
+    assert!(
+        health.is_live() && health.since_last_poll < Duration::from_secs(5),
+        "a waiting is alive: {health:?}"
+    );
+    wait_until("41 applied", 120, || {
+        a.stats.snapshot().applied + b.stats.snapshot().applied >= 41
+    })
+    .await;
+    let (a, b) = (a.stop().await, b.stop().await);
+    assert!(a.revoked_partitions > 0, "a lost partitions mid-batch: {a}");
+    assert_eq!(a.applied + b.applied, 41, "a {a}, b {b}");
+    assert_eq!(
+        outputs(&out).await,
+        each_once(40, &["r1"]),
+        "each event output once"
+    );
 }

@@ -1,12 +1,13 @@
 //! An event's retries as the runtime lives them: its failures judged by
 //! the pipeline's decision, and its part in an outage as health and logs
 //! see it (entered at the first wait that is an outage, left when the
-//! event gets through or its wait is abandoned). While it waits, the
-//! database runtime keeps polling (it stays in its group) and the
-//! partition's buffer fills up to `max_buffered_per_partition`, where its
-//! fetching pauses (pausing from a worker could race a rebalance and pause
-//! a partition's next assignment with nothing left to resume it); the
-//! Kafka-only runtime does not poll meanwhile yet.
+//! event gets through or its wait is abandoned). While it waits, both
+//! runtimes keep polling, so they stay in their groups: the database
+//! runtime's partition buffer fills up to `max_buffered_per_partition`,
+//! where its fetching pauses (pausing from a worker could race a rebalance
+//! and pause a partition's next assignment with nothing left to resume
+//! it); the Kafka-only runtime pauses each partition that delivers while
+//! its batch runs (`transactional/busy.rs`).
 
 use std::fmt;
 use std::time::Duration;

@@ -17,6 +17,7 @@
 //! (its greatest committed timestamp) passes a claim's expiry, the claim is
 //! tombstoned in the changelog so compaction removes it.
 
+mod busy;
 mod claims;
 mod outputs;
 mod restore;
@@ -39,6 +40,7 @@ use tokio::sync::watch;
 
 pub use outputs::{OutputRecord, Outputs};
 
+use self::busy::Busy;
 use self::claims::{ClaimDigest, Entry, PartitionClaims};
 use crate::Error;
 use crate::config::{self, OnFingerprintMismatch};
@@ -361,6 +363,15 @@ impl Context {
             .push(change);
     }
 
+    /// Whether a rebalance happened that the loop has not acted on.
+    fn pending(&self) -> bool {
+        !self
+            .changes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
+    }
+
     fn take(&self) -> Vec<Change> {
         std::mem::take(&mut *self.changes.lock().unwrap_or_else(|p| p.into_inner()))
     }
@@ -376,8 +387,8 @@ impl Context {
 
 impl ClientContext for Context {}
 
-/// The callbacks run inside `recv`, which the loop calls only between
-/// transactions: no transaction is open when partitions are revoked.
+/// The callbacks run inside `recv`, which the loop calls only while no
+/// transaction is open (see [`busy`]): none is when partitions are revoked.
 impl ConsumerContext for Context {
     fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(list) = rebalance {
@@ -431,6 +442,8 @@ enum Halt {
     Fatal(Error),
     /// The consumer stops: the batch is left uncommitted.
     Stopped,
+    /// The group rebalanced: the batch is dropped and runs again.
+    Rebalanced,
 }
 
 /// How a transaction attempt ended.
@@ -464,7 +477,7 @@ const UNRESOLVED_LIMIT: Duration = Duration::from_secs(120);
 const MAX_TOMBSTONES: usize = 10_000;
 
 /// Aborted transactions of a batch retried before its partitions are
-/// rewound (the consumer does not poll meanwhile).
+/// rewound.
 const IN_PLACE_RETRIES: u32 = 3;
 
 impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
@@ -543,10 +556,14 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let mut jitter = Jitter::new(u64::from(std::process::id()));
         let mut stopping = false;
         let (stop_tx, stop_rx) = watch::channel(false);
+        let busy = Busy::new();
+        // What came in while the last batch ran.
+        let mut carried: Vec<OwnedMessage> = Vec::new();
         tokio::pin!(stop);
         while !stopping {
-            let mut batch: Vec<OwnedMessage> = Vec::new();
-            let mut deadline: Option<tokio::time::Instant> = None;
+            let mut batch: Vec<OwnedMessage> = std::mem::take(&mut carried);
+            let mut deadline: Option<tokio::time::Instant> =
+                (!batch.is_empty()).then(|| tokio::time::Instant::now() + self.batch_linger);
             loop {
                 self.stats.polled();
                 let wait = match deadline {
@@ -558,7 +575,12 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 };
                 let received = tokio::select! {
                     biased;
-                    () = &mut stop => { stopping = true; break }
+                    () = &mut stop => {
+                        // The batch in hand still runs; its waits end.
+                        stopping = true;
+                        let _ = stop_tx.send(true);
+                        break
+                    }
                     received = tokio::time::timeout(wait, consumer.recv()) => received,
                 };
                 self.apply_changes(consumer.context(), &mut states, &mut assigned, &mut batch);
@@ -580,16 +602,25 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 }
             }
             self.apply_changes(consumer.context(), &mut states, &mut assigned, &mut batch);
-            self.restore_assigned(&mut states, &batch).await?;
+            if !self
+                .restore_assigned(&mut states, &batch, &mut jitter, &stop_rx)
+                .await?
+            {
+                tracing::info!("stopping while restoring claims; the batch is left uncommitted");
+                break;
+            }
             if batch.is_empty() {
                 continue;
             }
             self.stats.add_in_flight(batch.len() as i64);
             // A stop while the batch runs ends the waits of its retries (a
             // hung handler or an outage would hold the shutdown for ever);
-            // the batch's transaction itself is finished.
-            let work = self.process(&consumer, &mut states, &batch, &mut jitter, &stop_rx);
+            // the batch's transaction itself is finished. Meanwhile the
+            // consumer polls, to stay in its group.
+            let work = self.process(&consumer, &mut states, &batch, &mut jitter, &stop_rx, &busy);
             tokio::pin!(work);
+            let mut poll = tokio::time::interval(busy::POLL_EVERY);
+            poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let done = loop {
                 tokio::select! {
                     done = &mut work => break done,
@@ -597,8 +628,14 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         stopping = true;
                         let _ = stop_tx.send(true);
                     }
+                    _ = poll.tick() => {
+                        // The loop turns: liveness.
+                        self.stats.polled();
+                        busy.poll(&consumer, &self.topic).await;
+                    }
                 }
             };
+            carried = busy.finish(&consumer, &self.topic);
             self.stats.add_in_flight(-(batch.len() as i64));
             self.stats.touch();
             done?;
@@ -668,38 +705,51 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     }
 
     /// Restores the claims of every partition with a message in `batch`
-    /// that has none yet.
+    /// that has none yet. A broker that fails it is waited out as an
+    /// outage (bounded by `max_outage`); `false` when the consumer stops
+    /// meanwhile.
     async fn restore_assigned(
         &self,
         states: &mut HashMap<i32, PartitionClaims>,
         batch: &[OwnedMessage],
-    ) -> Result<(), Error> {
+        jitter: &mut Jitter,
+        stopping: &watch::Receiver<bool>,
+    ) -> Result<bool, Error> {
         let missing: HashSet<i32> = batch
             .iter()
             .map(|m| m.partition())
             .filter(|p| !states.contains_key(p))
             .collect();
         if missing.is_empty() {
-            return Ok(());
+            return Ok(true);
         }
         let missing: Vec<i32> = missing.into_iter().collect();
-        let mut attempt = 0;
+        let mut retrying = Retrying::new(&self.stats, self.retry);
         loop {
-            attempt += 1;
             match tokio::task::block_in_place(|| {
                 restore::restore(&self.shared_config, &self.changelog, &missing)
             }) {
                 Ok(restored) => {
                     states.extend(restored);
-                    return Ok(());
+                    return Ok(true);
                 }
                 // A changelog that cannot be read as claims.
                 Err(e @ Error::Fatal(_)) => return Err(e),
-                // The brokers, waited out.
+                // The brokers, waited out as an outage (health, max_outage).
                 Err(e) => {
-                    let wait = self.retry.outage_backoff(attempt, 0.5);
+                    let wait = match retrying.failed(Fault::Environment, &e, jitter.next()) {
+                        Decision::Stop { failing_for } => {
+                            return Err(Error::Fatal(retrying.outlasted(failing_for, &e)));
+                        }
+                        Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
+                        Decision::DeadLetter => unreachable!("the environment's fault"),
+                    };
                     tracing::warn!(partitions = ?missing, error = %e, ?wait, "restoring claims failed; retrying");
-                    tokio::time::sleep(wait).await;
+                    let mut stopping = stopping.clone();
+                    tokio::select! {
+                        () = tokio::time::sleep(wait) => {}
+                        _ = stopping.wait_for(|s| *s) => return Ok(false),
+                    }
                 }
             }
         }
@@ -714,6 +764,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         batch: &[OwnedMessage],
         jitter: &mut Jitter,
         stopping: &watch::Receiver<bool>,
+        busy: &Busy,
     ) -> Result<(), Error> {
         let mut offsets = TopicPartitionList::new();
         let mut first: BTreeMap<i32, i64> = BTreeMap::new();
@@ -741,8 +792,12 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         // refusal changes it (retried transactions reuse them).
         let mut judged: Option<(Vec<Fate>, Staged)> = None;
         let (fates, tombstones, newest) = loop {
+            busy.open();
             if judged.is_none() {
-                judged = match self.fates(batch, states, &forced, jitter, stopping).await {
+                judged = match self
+                    .fates(batch, states, &forced, jitter, stopping, busy)
+                    .await
+                {
                     Ok(judged) => Some(judged),
                     Err(Halt::Fatal(e)) => return Err(e),
                     // Nothing of the batch was sent: it runs again from the
@@ -752,6 +807,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                             "stopping while a message waits to be retried; its batch is left uncommitted"
                         );
                         return Ok(());
+                    }
+                    Err(Halt::Rebalanced) => {
+                        busy.close();
+                        tracing::info!(
+                            "the group rebalanced while a message waited to be retried: the batch is dropped and runs again from its first offsets"
+                        );
+                        return busy.rewind(consumer, &self.topic, &first);
                     }
                 };
             }
@@ -790,6 +852,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     tombstones.insert(p, expired);
                 }
             }
+            busy.close();
+            if busy.rebalanced(consumer.context()) {
+                tracing::info!(
+                    "the group rebalanced while the batch ran: it is dropped before its transaction and runs again from its first offsets"
+                );
+                return busy.rewind(consumer, &self.topic, &first);
+            }
             match self
                 .transact(
                     consumer,
@@ -817,13 +886,14 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 } => {
                     if lost || in_place >= IN_PLACE_RETRIES {
                         return self
-                            .rewind(consumer, &first, &why, unwritable, jitter)
+                            .rewind(consumer, busy, &first, &why, unwritable, jitter)
                             .await;
                     }
                     in_place += 1;
                     self.stats.retries.fetch_add(1, Ordering::Relaxed);
                     let wait = self.retry.backoff(in_place, jitter.next());
                     tracing::warn!(why, ?wait, "transaction aborted; running the batch again");
+                    busy.open();
                     tokio::time::sleep(wait).await;
                 }
             }
@@ -886,6 +956,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         forced: &HashMap<usize, Fate>,
         jitter: &mut Jitter,
         stopping: &watch::Receiver<bool>,
+        busy: &Busy,
     ) -> Result<(Vec<Fate>, Staged), Halt> {
         let mut fates = Vec::with_capacity(batch.len());
         // Claims taken in this batch, on top of the partitions' committed ones.
@@ -893,7 +964,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         for (i, msg) in batch.iter().enumerate() {
             let fate = match forced.get(&i) {
                 Some(fate) => fate.clone(),
-                None => self.fate(msg, states, &staged, jitter, stopping).await?,
+                None => {
+                    self.fate(msg, states, &staged, jitter, stopping, busy)
+                        .await?
+                }
             };
             if let Fate::Applied { digest, entry, .. } = &fate {
                 staged.insert((msg.partition(), *digest), *entry);
@@ -910,6 +984,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     async fn rewind(
         &self,
         consumer: &StreamConsumer<Context>,
+        busy: &Busy,
         first: &BTreeMap<i32, i64>,
         why: &str,
         unwritable: bool,
@@ -937,20 +1012,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             ?wait,
             "transaction aborted; the batch runs again from its first offsets"
         );
-        let assigned = consumer.assignment()?;
-        for (&p, &o) in first {
-            if assigned.find_partition(&self.topic, p).is_none() {
-                continue;
-            }
-            if let Err(e) =
-                consumer.seek(&self.topic, p, Offset::Offset(o), Duration::from_secs(10))
-            {
-                return Err(Error::Fatal(format!(
-                    "rewinding partition {p} to offset {o} after an aborted transaction failed \
-                     ({e}): stopping, so that a restart resumes from the committed offsets"
-                )));
-            }
-        }
+        busy.rewind(consumer, &self.topic, first)?;
+        busy.open();
         tokio::time::sleep(wait).await;
         Ok(())
     }
@@ -968,6 +1031,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         staged: &Staged,
         jitter: &mut Jitter,
         stopping: &watch::Receiver<bool>,
+        busy: &Busy,
     ) -> Result<Fate, Halt> {
         let payload = msg.payload().unwrap_or_default();
         let headers = headers_of(msg);
@@ -1071,6 +1135,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
                 _ = stopping.wait_for(|s| *s) => return Err(Halt::Stopped),
+                () = busy.rebalance() => return Err(Halt::Rebalanced),
             }
         }
     }

@@ -50,6 +50,9 @@ struct Event {
     /// event's first attempt.
     #[serde(default)]
     outage_secs: u64,
+    /// The output topic, if not the handler's.
+    #[serde(default)]
+    to: Option<String>,
 }
 
 /// When each event with `outage_secs` was first tried, by id.
@@ -122,7 +125,7 @@ impl Handler for Forward {
             return Ok(());
         }
         out.send(
-            &self.out,
+            ev.to.as_deref().unwrap_or(&self.out),
             &id,
             &serde_json::json!({"event_id": id, "n": ev.n, "forwarded": true}),
         )
@@ -1007,4 +1010,37 @@ async fn a_rebalance_while_a_batch_waits_drops_it_and_outputs_each_event_once() 
         each_once(40, &["r1"]),
         "each event output once"
     );
+}
+
+/// Two output topics whose `max.message.bytes` is below what the producer
+/// puts in one request: each topic's requests are refused though no record
+/// is at fault. Both topics' records go one at a time (finding a topic at
+/// fault must not forget the other's, or the two would take turns for
+/// ever), in as many transactions as keep those sends within the
+/// transaction's timeout; every event is output once, none dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_refused_together_on_two_topics_go_one_at_a_time() {
+    let topic = create_topic(1).await;
+    let small = [("max.message.bytes", "1000")];
+    let a = common::create_topic_with(&brokers(), 1, &small).await;
+    let b = common::create_topic_with(&brokers(), 1, &small).await;
+    let p = producer();
+    let mut want = Vec::new();
+    // One topic's records after the other's: each topic's fill requests
+    // while the other's go one at a time.
+    for (prefix, to) in [("b", &b), ("a", &a)] {
+        for i in 0..300 {
+            let id = format!("{prefix}{i}");
+            let payload = serde_json::json!({"event_id": id, "n": i, "to": to});
+            send_raw(&p, &topic, &id, payload.to_string().as_bytes()).await;
+            want.push(id);
+        }
+    }
+    want.sort();
+    let stats = drain(&topic, &unique("tx"), forward(&a, "1h")).await;
+    assert_eq!((stats.applied, stats.dead_lettered), (600, 0), "{stats}");
+    let mut seen = outputs(&a).await;
+    seen.extend(outputs(&b).await);
+    seen.sort();
+    assert_eq!(seen, want, "each event output once");
 }

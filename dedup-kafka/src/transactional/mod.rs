@@ -22,7 +22,7 @@ mod claims;
 mod outputs;
 mod restore;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::Ordering;
@@ -446,6 +446,30 @@ enum Halt {
     Rebalanced,
 }
 
+/// What a batch runs with: the consumer, the stop signal, and what it
+/// shares with the run loop while it runs.
+#[derive(Clone, Copy)]
+struct With<'a> {
+    consumer: &'a StreamConsumer<Context>,
+    stopping: &'a watch::Receiver<bool>,
+    busy: &'a Busy,
+}
+
+/// What became of the messages a batch's transaction was given.
+enum Processed {
+    /// The first `taken` committed; the rest, with the fates judged for
+    /// them, go in the next transaction.
+    Committed { taken: usize, rest: Piece },
+    /// None committed: the batch was dropped (rewound to its first
+    /// offsets), or the consumer stops.
+    Dropped,
+}
+
+/// Fates judged for a batch's messages by an earlier transaction of the
+/// batch, by index in what is left of it (no handler runs twice).
+#[derive(Default)]
+struct Piece(HashMap<usize, Fate>);
+
 /// How a transaction attempt ended.
 enum Attempt {
     Committed,
@@ -472,6 +496,11 @@ enum Attempt {
 /// consumer stops: a restart resumes from what Kafka committed, while
 /// another call on a producer with one in progress could only conflict.
 const UNRESOLVED_LIMIT: Duration = Duration::from_secs(120);
+
+/// Most records one transaction sends one at a time (to find the one a
+/// broker refuses): each waits for its acknowledgement, so a few thousand
+/// would outlast the transaction's timeout.
+const ALONE_PER_TRANSACTION: usize = 200;
 
 /// Most tombstones one transaction writes per partition.
 const MAX_TOMBSTONES: usize = 10_000;
@@ -559,6 +588,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let busy = Busy::new();
         // What came in while the last batch ran.
         let mut carried: Vec<OwnedMessage> = Vec::new();
+        // Topics whose records go one at a time, to find the one a broker
+        // refuses: kept while a batch is rewound and runs again.
+        let mut isolate: BTreeSet<String> = BTreeSet::new();
         tokio::pin!(stop);
         while !stopping {
             let mut batch: Vec<OwnedMessage> = std::mem::take(&mut carried);
@@ -617,7 +649,12 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             // hung handler or an outage would hold the shutdown for ever);
             // the batch's transaction itself is finished. Meanwhile the
             // consumer polls, to stay in its group.
-            let work = self.process(&consumer, &mut states, &batch, &mut jitter, &stop_rx, &busy);
+            let with = With {
+                consumer: &consumer,
+                stopping: &stop_rx,
+                busy: &busy,
+            };
+            let work = self.run_batch(&with, &mut states, &batch, &mut jitter, &mut isolate);
             tokio::pin!(work);
             let mut poll = tokio::time::interval(busy::POLL_EVERY);
             poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -755,34 +792,63 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         }
     }
 
-    /// Runs one batch: each message's fate, then one transaction with
-    /// everything the batch produces and its offsets.
-    async fn process(
+    /// Runs one batch in as few transactions as it takes (one, unless
+    /// records go one at a time: see [`split_at`](Self::split_at)).
+    async fn run_batch(
         &self,
-        consumer: &StreamConsumer<Context>,
+        with: &With<'_>,
         states: &mut HashMap<i32, PartitionClaims>,
         batch: &[OwnedMessage],
         jitter: &mut Jitter,
-        stopping: &watch::Receiver<bool>,
-        busy: &Busy,
+        isolate: &mut BTreeSet<String>,
     ) -> Result<(), Error> {
-        let mut offsets = TopicPartitionList::new();
+        let mut rest = batch;
+        let mut piece = Piece::default();
+        while !rest.is_empty() {
+            match self
+                .process(with, states, rest, jitter, piece, isolate)
+                .await?
+            {
+                Processed::Committed { taken, rest: left } => {
+                    rest = &rest[taken..];
+                    piece = left;
+                }
+                Processed::Dropped => return Ok(()),
+            }
+        }
+        isolate.clear();
+        Ok(())
+    }
+
+    /// Runs the batch's first transaction: each message's fate, then one
+    /// transaction with everything the messages it takes produce and their
+    /// offsets. A drop (a rewind, a rebalance) takes all of `batch` back.
+    async fn process(
+        &self,
+        with: &With<'_>,
+        states: &mut HashMap<i32, PartitionClaims>,
+        batch: &[OwnedMessage],
+        jitter: &mut Jitter,
+        piece: Piece,
+        isolate: &mut BTreeSet<String>,
+    ) -> Result<Processed, Error> {
+        let With {
+            consumer,
+            stopping,
+            busy,
+        } = *with;
         let mut first: BTreeMap<i32, i64> = BTreeMap::new();
-        let mut next: BTreeMap<i32, i64> = BTreeMap::new();
         for msg in batch {
-            let p = msg.partition();
-            let f = first.entry(p).or_insert(msg.offset());
+            let f = first.entry(msg.partition()).or_insert(msg.offset());
             *f = (*f).min(msg.offset());
-            let n = next.entry(p).or_insert(msg.offset() + 1);
-            *n = (*n).max(msg.offset() + 1);
         }
-        for (&p, &o) in &next {
-            offsets.add_partition_offset(&self.topic, p, Offset::Offset(o))?;
-        }
-        // Fates that a refused record decided; the others are judged again
-        // around them (a later duplicate of a refused event is not one).
+        // Fates that a refused record decided, or that the batch's earlier
+        // transaction judged; the others are judged again around them (a
+        // later duplicate of a refused event is not one).
         let mut forced: HashMap<usize, Fate> = HashMap::new();
-        let mut isolate: Option<String> = None;
+        // Fates the batch's earlier transaction judged: kept until a
+        // refusal changes what the claims around them are.
+        let Piece(mut reused) = piece;
         // Aborted transactions retried with the batch in hand (what the
         // refusals decided kept): a producer recovering from an aborted
         // transaction (an epoch bump) fails the first records of the next.
@@ -791,11 +857,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         // The fates under the current `forced`: judged again only when a
         // refusal changes it (retried transactions reuse them).
         let mut judged: Option<(Vec<Fate>, Staged)> = None;
-        let (fates, tombstones, newest) = loop {
+        let (fates, tombstones, newest, rest) = loop {
             busy.open();
             if judged.is_none() {
+                let mut given = reused.clone();
+                given.extend(forced.clone());
                 judged = match self
-                    .fates(batch, states, &forced, jitter, stopping, busy)
+                    .fates(batch, states, &given, jitter, stopping, busy)
                     .await
                 {
                     Ok(judged) => Some(judged),
@@ -806,18 +874,24 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         tracing::info!(
                             "stopping while a message waits to be retried; its batch is left uncommitted"
                         );
-                        return Ok(());
+                        return Ok(Processed::Dropped);
                     }
                     Err(Halt::Rebalanced) => {
                         busy.close();
                         tracing::info!(
                             "the group rebalanced while a message waited to be retried: the batch is dropped and runs again from its first offsets"
                         );
-                        return busy.rewind(consumer, &self.topic, &first);
+                        busy.rewind(consumer, &self.topic, &first)?;
+                        return Ok(Processed::Dropped);
                     }
                 };
             }
-            let (fates, staged) = judged.as_ref().expect("judged above");
+            let (all, staged) = judged.as_ref().expect("judged above");
+            // The messages this transaction takes: all, unless records go
+            // one at a time (then as many as fit in its timeout).
+            let take = self.split_at(all, isolate).unwrap_or(all.len());
+            let fates = &all[..take];
+            let offsets = next_offsets(&self.topic, &batch[..take])?;
             // Stream time moves with the records applied or skipped (a
             // dead-lettered one may carry any timestamp).
             let mut newest: BTreeMap<i32, i64> = BTreeMap::new();
@@ -857,37 +931,35 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 tracing::info!(
                     "the group rebalanced while the batch ran: it is dropped before its transaction and runs again from its first offsets"
                 );
-                return busy.rewind(consumer, &self.topic, &first);
+                busy.rewind(consumer, &self.topic, &first)?;
+                return Ok(Processed::Dropped);
             }
             match self
-                .transact(
-                    consumer,
-                    batch,
-                    fates,
-                    &tombstones,
-                    &offsets,
-                    isolate.as_deref(),
-                )
+                .transact(consumer, batch, fates, &tombstones, &offsets, isolate)
                 .await?
             {
                 Attempt::Committed => {
-                    let (fates, _) = judged.take().expect("judged above");
-                    break (fates, tombstones, newest);
+                    let (mut fates, _) = judged.take().expect("judged above");
+                    let rest = fates.split_off(take);
+                    break (fates, tombstones, newest, rest);
                 }
                 Attempt::Refused(i, fate) => {
                     forced.insert(i, fate);
+                    reused.clear();
                     judged = None;
                 }
-                Attempt::Ambiguous(topic) => isolate = Some(topic),
+                Attempt::Ambiguous(topic) => {
+                    isolate.insert(topic);
+                }
                 Attempt::Rewind {
                     why,
                     unwritable,
                     lost,
                 } => {
                     if lost || in_place >= IN_PLACE_RETRIES {
-                        return self
-                            .rewind(consumer, busy, &first, &why, unwritable, jitter)
-                            .await;
+                        self.rewind(consumer, busy, &first, &why, unwritable, jitter)
+                            .await?;
+                        return Ok(Processed::Dropped);
                     }
                     in_place += 1;
                     self.stats.retries.fetch_add(1, Ordering::Relaxed);
@@ -938,7 +1010,40 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         s.skipped.fetch_add(skipped, Ordering::Relaxed);
         s.dead_lettered.fetch_add(dead, Ordering::Relaxed);
         s.batches.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+        Ok(Processed::Committed {
+            taken: batch.len() - rest.len(),
+            rest: Piece(rest.into_iter().enumerate().collect()),
+        })
+    }
+
+    /// How many of the batch's first messages one transaction takes while
+    /// records to `isolate` topics go one at a time (each waits for its
+    /// acknowledgement): as many as send at most [`ALONE_PER_TRANSACTION`]
+    /// such records, at least one message, so the transaction ends within
+    /// its timeout. `None`: all of them.
+    fn split_at(&self, fates: &[Fate], isolate: &BTreeSet<String>) -> Option<usize> {
+        if isolate.is_empty() {
+            return None;
+        }
+        let changelog = usize::from(isolate.contains(&self.changelog));
+        let mut alone = 0;
+        for (i, fate) in fates.iter().enumerate() {
+            alone += match fate {
+                Fate::Applied { outputs, .. } => {
+                    outputs
+                        .iter()
+                        .filter(|o| isolate.contains(&o.topic))
+                        .count()
+                        + changelog
+                }
+                Fate::Dead { .. } => usize::from(isolate.contains(&self.dead_letter_topic)),
+                Fate::Skipped => 0,
+            };
+            if alone > ALONE_PER_TRANSACTION && i > 0 {
+                return Some(i);
+            }
+        }
+        None
     }
 
     /// Stream time between sweeps for expired claims: a tenth of the TTL,
@@ -1148,7 +1253,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         fates: &[Fate],
         tombstones: &BTreeMap<i32, Vec<ClaimDigest>>,
         offsets: &TopicPartitionList,
-        isolate: Option<&str>,
+        isolate: &BTreeSet<String>,
     ) -> Result<Attempt, Error> {
         let timeout = self.transaction_timeout;
         if let Err(e) = self.producer.begin_transaction() {
@@ -1346,9 +1451,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         mut record: FutureRecord<'a, [u8], [u8]>,
         source: Source,
         sent: &mut Vec<(Source, DeliveryFuture)>,
-        isolate: Option<&str>,
+        isolate: &BTreeSet<String>,
     ) -> Result<(), (Source, KafkaError)> {
-        let alone = isolate == Some(record.topic);
+        let alone = isolate.contains(record.topic);
         loop {
             match self.producer.send_result(record) {
                 // Alone in its request: its acknowledgement names it.
@@ -1382,7 +1487,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         source: Source,
         e: KafkaError,
         sent: Vec<(Source, DeliveryFuture)>,
-        isolate: Option<&str>,
+        isolate: &BTreeSet<String>,
         fates: &[Fate],
     ) -> Result<Attempt, Error> {
         if is_records_fault(&e) {
@@ -1407,11 +1512,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     fn refused_report(
         &self,
         (source, e, topic): (Source, KafkaError, Option<String>),
-        isolate: Option<&str>,
+        isolate: &BTreeSet<String>,
         fates: &[Fate],
     ) -> Result<Attempt, Error> {
         match topic {
-            Some(topic) if is_records_fault(&e) && isolate != Some(topic.as_str()) => {
+            Some(topic) if is_records_fault(&e) && !isolate.contains(&topic) => {
                 tracing::warn!(error = %e, topic, "the broker refused records of the transaction; sending that topic's one at a time to find the one at fault");
                 Ok(Attempt::Ambiguous(topic))
             }
@@ -1600,6 +1705,20 @@ async fn first_refusal(
 /// The stream time up to which claims may be tombstoned: never past the
 /// wall clock, so a record stamped in the future cannot expire the claims
 /// of everything before it.
+/// The offsets to commit after `messages`: each partition's next.
+fn next_offsets(topic: &str, messages: &[OwnedMessage]) -> Result<TopicPartitionList, Error> {
+    let mut next: BTreeMap<i32, i64> = BTreeMap::new();
+    for msg in messages {
+        let n = next.entry(msg.partition()).or_insert(msg.offset() + 1);
+        *n = (*n).max(msg.offset() + 1);
+    }
+    let mut offsets = TopicPartitionList::new();
+    for (p, o) in next {
+        offsets.add_partition_offset(topic, p, Offset::Offset(o))?;
+    }
+    Ok(offsets)
+}
+
 fn sweep_time(stream_time: i64) -> i64 {
     stream_time.min(now_ms())
 }

@@ -13,9 +13,12 @@
 //! partition). A rebalance seen while the batch was judged abandons the
 //! batch before its transaction ([`Busy::rebalanced`]).
 //!
-//! A message that comes in meanwhile is kept for the next batch and its
-//! partition paused (librdkafka drops what it had fetched for it and, on
-//! resume, fetches from the message after the last one it delivered).
+//! A message that comes in meanwhile is not kept: its partition is paused
+//! (librdkafka drops what it had fetched for it) and, when the batch ends,
+//! resumed and sought back to the first offset that came in, so it is
+//! fetched again in order. A partition revoked during the batch is never
+//! sought: its next assignment starts from its committed offset, and a
+//! seek could only move it behind what another member committed meanwhile.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
@@ -23,11 +26,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
-use rdkafka::message::{Message as _, OwnedMessage};
+use rdkafka::message::Message as _;
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::watch;
 
-use super::Context;
+use super::{Change, Context};
 use crate::Error;
 
 /// How often the run loop polls while a batch runs: well inside any
@@ -40,10 +43,21 @@ pub(super) struct Busy {
     open: AtomicBool,
     /// A poll saw the group rebalance: the batch's waits end.
     rebalanced: watch::Sender<bool>,
+    seen: Mutex<Seen>,
+}
+
+/// What the polls of one batch saw.
+#[derive(Default)]
+struct Seen {
     /// Partitions paused because a message of theirs came in.
-    paused: Mutex<BTreeSet<i32>>,
-    /// Those messages, in the order they came, for the next batch.
-    carried: Mutex<Vec<OwnedMessage>>,
+    paused: BTreeSet<i32>,
+    /// Per partition, the first offset that came in (since its last
+    /// revoke): where it goes back to.
+    unread: BTreeMap<i32, i64>,
+    /// Partitions revoked while the batch ran (possibly assigned again).
+    moved: BTreeSet<i32>,
+    /// Rebalance changes already looked at.
+    changes: usize,
 }
 
 impl Busy {
@@ -51,8 +65,7 @@ impl Busy {
         Self {
             open: AtomicBool::new(false),
             rebalanced: watch::Sender::new(false),
-            paused: Mutex::default(),
-            carried: Mutex::default(),
+            seen: Mutex::default(),
         }
     }
 
@@ -67,7 +80,8 @@ impl Busy {
     }
 
     /// Polls once if no transaction is open: the group sees the consumer
-    /// alive, the rebalance callbacks run. What comes in is kept.
+    /// alive, the rebalance callbacks run. A message that comes in pauses
+    /// its partition.
     pub(super) async fn poll(&self, consumer: &StreamConsumer<Context>, topic: &str) {
         // Bounded: each message pauses its partition.
         for _ in 0..64 {
@@ -75,30 +89,47 @@ impl Busy {
                 return;
             }
             let received = tokio::time::timeout(Duration::ZERO, consumer.recv()).await;
-            if consumer.context().pending() {
-                self.rebalanced.send_replace(true);
-            }
+            // The callbacks a poll serves come before the message it returns.
+            self.look_at_changes(consumer.context());
             match received {
                 Err(_) => return,
                 Ok(Err(e)) => tracing::warn!(error = %e, "consumer error"),
                 Ok(Ok(msg)) => {
                     let p = msg.partition();
-                    let mut paused = lock(&self.paused);
-                    if !paused.contains(&p) {
+                    let mut seen = lock(&self.seen);
+                    let at = seen.unread.entry(p).or_insert(msg.offset());
+                    *at = (*at).min(msg.offset());
+                    if !seen.paused.contains(&p) {
                         let mut list = TopicPartitionList::new();
                         list.add_partition(topic, p);
-                        match consumer.pause(&list) {
-                            Ok(()) => {
-                                paused.insert(p);
-                            }
-                            Err(e) => {
-                                tracing::warn!(partition = p, error = %e, "pausing a partition while a batch runs failed");
-                            }
+                        // Paused even if this fails: resumed all the same.
+                        seen.paused.insert(p);
+                        if let Err(e) = consumer.pause(&list) {
+                            tracing::warn!(partition = p, error = %e, "pausing a partition while a batch runs failed");
                         }
                     }
-                    lock(&self.carried).push(msg.detach());
                 }
             }
+        }
+    }
+
+    /// Records the rebalances the callbacks pushed since the last look.
+    fn look_at_changes(&self, context: &Context) {
+        let mut seen = lock(&self.seen);
+        let from = seen.changes;
+        let mut rebalanced = false;
+        context.each_change_from(from, |change| {
+            rebalanced = true;
+            seen.changes += 1;
+            if let Change::Revoked(partitions) = change {
+                for p in partitions {
+                    seen.unread.remove(p);
+                    seen.moved.insert(*p);
+                }
+            }
+        });
+        if rebalanced {
+            self.rebalanced.send_replace(true);
         }
     }
 
@@ -116,36 +147,56 @@ impl Busy {
         let _ = self.rebalanced.subscribe().wait_for(|r| *r).await;
     }
 
-    /// Resumes the partitions paused while the batch ran (those still
-    /// assigned); returns the messages kept, for the next batch.
+    /// The batch ended: what came in meanwhile is fetched again.
     pub(super) fn finish(
         &self,
         consumer: &StreamConsumer<Context>,
         topic: &str,
-    ) -> Vec<OwnedMessage> {
+    ) -> Result<(), Error> {
         self.close();
+        self.rewind(consumer, topic, &BTreeMap::new())?;
         self.rebalanced.send_replace(false);
-        self.resume(consumer, topic);
-        std::mem::take(&mut *lock(&self.carried))
+        *lock(&self.seen) = Seen::default();
+        Ok(())
     }
 
-    /// Drops the batch and what came in meanwhile: every assigned partition
-    /// that delivered any of it goes back to the first offset it delivered
-    /// (the committed one), so all of it is fetched again, in order.
+    /// Drops the batch (its messages from `first`, by partition) and what
+    /// came in meanwhile: every partition still assigned that delivered
+    /// any of it, and was not revoked since, goes back to the first offset
+    /// it delivered, so all of it is fetched again, in order.
     pub(super) fn rewind(
         &self,
         consumer: &StreamConsumer<Context>,
         topic: &str,
         first: &BTreeMap<i32, i64>,
     ) -> Result<(), Error> {
-        self.resume(consumer, topic);
-        let mut back = first.clone();
-        for msg in lock(&self.carried).drain(..) {
-            let o = back.entry(msg.partition()).or_insert(msg.offset());
-            *o = (*o).min(msg.offset());
+        self.look_at_changes(consumer.context());
+        let mut seen = lock(&self.seen);
+        // Every partition paused, assigned or not: librdkafka keeps a
+        // partition paused across its revoke and its next assignment.
+        let paused = std::mem::take(&mut seen.paused);
+        if !paused.is_empty() {
+            let mut list = TopicPartitionList::new();
+            for &p in &paused {
+                list.add_partition(topic, p);
+            }
+            if let Err(e) = consumer.resume(&list) {
+                tracing::warn!(error = %e, "resuming partitions paused while a batch ran failed");
+                seen.paused = paused;
+            }
+        }
+        let mut back = std::mem::take(&mut seen.unread);
+        for (&p, &o) in first {
+            if !seen.moved.contains(&p) {
+                let at = back.entry(p).or_insert(o);
+                *at = (*at).min(o);
+            }
+        }
+        if back.is_empty() {
+            return Ok(());
         }
         let assigned = consumer.assignment()?;
-        for (&p, &o) in &back {
+        for (p, o) in back {
             if assigned.find_partition(topic, p).is_none() {
                 continue;
             }
@@ -157,33 +208,6 @@ impl Busy {
             }
         }
         Ok(())
-    }
-
-    fn resume(&self, consumer: &StreamConsumer<Context>, topic: &str) {
-        let paused = std::mem::take(&mut *lock(&self.paused));
-        if paused.is_empty() {
-            return;
-        }
-        let assigned = match consumer.assignment() {
-            Ok(assigned) => assigned,
-            Err(e) => {
-                tracing::warn!(error = %e, "reading the assignment to resume partitions failed");
-                return;
-            }
-        };
-        let mut list = TopicPartitionList::new();
-        for p in paused {
-            if assigned.find_partition(topic, p).is_some() {
-                list.add_partition(topic, p);
-            }
-        }
-        if list.count() > 0
-            && let Err(e) = consumer.resume(&list)
-        {
-            // Tried again when the next batch finishes.
-            tracing::warn!(error = %e, "resuming partitions paused while a batch ran failed");
-            lock(&self.paused).extend(list.elements().iter().map(|e| e.partition()));
-        }
     }
 }
 

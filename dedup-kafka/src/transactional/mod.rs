@@ -372,6 +372,12 @@ impl Context {
             .is_empty()
     }
 
+    /// Calls `f` with each change from the `from`th on, in order.
+    fn each_change_from(&self, from: usize, mut f: impl FnMut(&Change)) {
+        let changes = self.changes.lock().unwrap_or_else(|p| p.into_inner());
+        changes.iter().skip(from).for_each(&mut f);
+    }
+
     fn take(&self) -> Vec<Change> {
         std::mem::take(&mut *self.changes.lock().unwrap_or_else(|p| p.into_inner()))
     }
@@ -586,16 +592,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let mut stopping = false;
         let (stop_tx, stop_rx) = watch::channel(false);
         let busy = Busy::new();
-        // What came in while the last batch ran.
-        let mut carried: Vec<OwnedMessage> = Vec::new();
         // Topics whose records go one at a time, to find the one a broker
         // refuses: kept while a batch is rewound and runs again.
         let mut isolate: BTreeSet<String> = BTreeSet::new();
         tokio::pin!(stop);
         while !stopping {
-            let mut batch: Vec<OwnedMessage> = std::mem::take(&mut carried);
-            let mut deadline: Option<tokio::time::Instant> =
-                (!batch.is_empty()).then(|| tokio::time::Instant::now() + self.batch_linger);
+            let mut batch: Vec<OwnedMessage> = Vec::new();
+            let mut deadline: Option<tokio::time::Instant> = None;
             loop {
                 self.stats.polled();
                 let wait = match deadline {
@@ -634,10 +637,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 }
             }
             self.apply_changes(consumer.context(), &mut states, &mut assigned, &mut batch);
-            if !self
-                .restore_assigned(&mut states, &batch, &mut jitter, &stop_rx)
-                .await?
-            {
+            let restored = tokio::select! {
+                restored = self.restore_assigned(&mut states, &batch, &mut jitter, &stop_rx) => restored?,
+                () = &mut stop, if !stopping => false,
+            };
+            if !restored {
                 tracing::info!("stopping while restoring claims; the batch is left uncommitted");
                 break;
             }
@@ -672,10 +676,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     }
                 }
             };
-            carried = busy.finish(&consumer, &self.topic);
+            let finished = busy.finish(&consumer, &self.topic);
             self.stats.add_in_flight(-(batch.len() as i64));
             self.stats.touch();
             done?;
+            finished?;
         }
         tracing::info!("transactional consumer stopping");
         Ok(())

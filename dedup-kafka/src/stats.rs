@@ -107,7 +107,9 @@ pub struct StatsSnapshot {
     pub dead_lettered: u64,
     /// Retries of transient failures.
     pub retries: u64,
-    /// Batches committed as one transaction.
+    /// Batches committed as one transaction (the Kafka-only consumer
+    /// counts each transaction of a batch it splits because its records go
+    /// one at a time).
     pub batches: u64,
     /// Batches rolled back and replayed message by message.
     pub batch_replays: u64,

@@ -119,8 +119,8 @@ impl Busy {
         let from = seen.changes;
         let mut rebalanced = false;
         context.each_change_from(from, |change| {
-            rebalanced = true;
             seen.changes += 1;
+            rebalanced |= !change.partitions().is_empty();
             if let Change::Revoked(partitions) = change {
                 for p in partitions {
                     seen.unread.remove(p);
@@ -156,7 +156,12 @@ impl Busy {
         self.close();
         self.rewind(consumer, topic, &BTreeMap::new())?;
         self.rebalanced.send_replace(false);
-        *lock(&self.seen) = Seen::default();
+        let mut seen = lock(&self.seen);
+        // A resume that failed is tried again at the next batch's end.
+        *seen = Seen {
+            paused: std::mem::take(&mut seen.paused),
+            ..Seen::default()
+        };
         Ok(())
     }
 
@@ -200,7 +205,10 @@ impl Busy {
             if assigned.find_partition(topic, p).is_none() {
                 continue;
             }
-            if let Err(e) = consumer.seek(topic, p, Offset::Offset(o), Duration::from_secs(10)) {
+            let sought = tokio::task::block_in_place(|| {
+                consumer.seek(topic, p, Offset::Offset(o), Duration::from_secs(10))
+            });
+            if let Err(e) = sought {
                 return Err(Error::Fatal(format!(
                     "rewinding partition {p} to offset {o} failed ({e}): stopping, so that a \
                      restart resumes from the committed offsets"

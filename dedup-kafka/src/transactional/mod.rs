@@ -350,6 +350,16 @@ enum Change {
     Revoked(Vec<i32>),
 }
 
+impl Change {
+    /// The partitions that moved (none: an incremental rebalance that
+    /// left this member as it was).
+    fn partitions(&self) -> &[i32] {
+        match self {
+            Change::Assigned(partitions) | Change::Revoked(partitions) => partitions,
+        }
+    }
+}
+
 struct Context {
     topic: String,
     changes: Mutex<Vec<Change>>,
@@ -365,11 +375,11 @@ impl Context {
 
     /// Whether a rebalance happened that the loop has not acted on.
     fn pending(&self) -> bool {
-        !self
-            .changes
+        self.changes
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .is_empty()
+            .iter()
+            .any(|change| !change.partitions().is_empty())
     }
 
     /// Calls `f` with each change from the `from`th on, in order.
@@ -422,7 +432,8 @@ enum Fate {
         entry: Entry,
         key: DedupKey,
     },
-    Skipped,
+    /// A duplicate of the claim `digest` (the batch's or a committed one).
+    Skipped { digest: ClaimDigest },
     Dead {
         kind: &'static str,
         message: String,
@@ -472,7 +483,7 @@ enum Processed {
 }
 
 /// Fates judged for a batch's messages by an earlier transaction of the
-/// batch, by index in what is left of it (no handler runs twice).
+/// batch, by index in what is left of it: no handler runs twice.
 #[derive(Default)]
 struct Piece(HashMap<usize, Fate>);
 
@@ -817,6 +828,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 Processed::Committed { taken, rest: left } => {
                     rest = &rest[taken..];
                     piece = left;
+                    // No transaction is open: the group sees the member.
+                    with.busy.open();
+                    self.stats.polled();
+                    with.busy.poll(with.consumer, &self.topic).await;
                 }
                 Processed::Dropped => return Ok(()),
             }
@@ -825,9 +840,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         Ok(())
     }
 
-    /// Runs the batch's first transaction: each message's fate, then one
-    /// transaction with everything the messages it takes produce and their
-    /// offsets. A drop (a rewind, a rebalance) takes all of `batch` back.
+    /// Runs one transaction of a batch (`batch` is what is left of it):
+    /// each message's fate, then one transaction with everything the
+    /// messages it takes produce and their offsets. A drop (a rewind, a
+    /// rebalance) takes all of `batch` back.
     async fn process(
         &self,
         with: &With<'_>,
@@ -851,8 +867,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         // transaction judged; the others are judged again around them (a
         // later duplicate of a refused event is not one).
         let mut forced: HashMap<usize, Fate> = HashMap::new();
-        // Fates the batch's earlier transaction judged: kept until a
-        // refusal changes what the claims around them are.
+        // Fates judged before (by the batch's earlier transaction, or before
+        // a refusal): kept unless a refusal changed the claim they relied on.
         let Piece(mut reused) = piece;
         // Aborted transactions retried with the batch in hand (what the
         // refusals decided kept): a producer recovering from an aborted
@@ -925,8 +941,15 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     .into_iter()
                     .filter(|d| !staged.contains_key(&(p, *d)))
                     .collect();
-                sweeps.insert(p, (now, expired.len() <= MAX_TOMBSTONES));
-                expired.truncate(MAX_TOMBSTONES);
+                // Tombstones sent one at a time count against the
+                // transaction's timeout too.
+                let most = if isolate.contains(&self.changelog) {
+                    ALONE_PER_TRANSACTION
+                } else {
+                    MAX_TOMBSTONES
+                };
+                sweeps.insert(p, (now, expired.len() <= most));
+                expired.truncate(most);
                 if !expired.is_empty() {
                     tombstones.insert(p, expired);
                 }
@@ -949,9 +972,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     break (fates, tombstones, newest, rest);
                 }
                 Attempt::Refused(i, fate) => {
+                    let (all, _) = judged.take().expect("judged above");
+                    reused = independent_of(batch, all, i);
                     forced.insert(i, fate);
-                    reused.clear();
-                    judged = None;
                 }
                 Attempt::Ambiguous(topic) => {
                     isolate.insert(topic);
@@ -991,7 +1014,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     applied += 1;
                     state.put(digest, entry);
                 }
-                Fate::Skipped => skipped += 1,
+                Fate::Skipped { .. } => skipped += 1,
                 Fate::Dead { .. } => dead += 1,
             }
         }
@@ -1042,7 +1065,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         + changelog
                 }
                 Fate::Dead { .. } => usize::from(isolate.contains(&self.dead_letter_topic)),
-                Fate::Skipped => 0,
+                Fate::Skipped { .. } => 0,
             };
             if alone > ALONE_PER_TRANSACTION && i > 0 {
                 return Some(i);
@@ -1176,7 +1199,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     ));
                 }
             }
-            return Ok(Fate::Skipped);
+            return Ok(Fate::Skipped { digest });
         }
         let mut event = Some(event);
         let mut attempt = 0u32;
@@ -1302,7 +1325,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     }
                     result
                 }
-                Fate::Skipped => Ok(()),
+                Fate::Skipped { .. } => Ok(()),
                 Fate::Dead {
                     kind,
                     message,
@@ -1707,9 +1730,33 @@ async fn first_refusal(
     first
 }
 
-/// The stream time up to which claims may be tombstoned: never past the
-/// wall clock, so a record stamped in the future cannot expire the claims
-/// of everything before it.
+/// The fates of `all` that stand when message `refused`'s fate changes
+/// after a refusal: all but its own and, if it had taken a claim, those of
+/// the later messages of its partition that relied on that claim (skipped
+/// as its duplicates, or dead-lettered for a fingerprint that differs from
+/// it). Those are judged again; no handler runs twice for the others.
+fn independent_of(batch: &[OwnedMessage], all: Vec<Fate>, refused: usize) -> HashMap<usize, Fate> {
+    let claim = match &all[refused] {
+        Fate::Applied { digest, .. } => Some(*digest),
+        _ => None,
+    };
+    let partition = batch[refused].partition();
+    all.into_iter()
+        .enumerate()
+        .filter(|(j, fate)| {
+            let relied = claim.is_some()
+                && *j > refused
+                && batch[*j].partition() == partition
+                && match fate {
+                    Fate::Skipped { digest } => Some(*digest) == claim,
+                    Fate::Dead { kind, .. } => *kind == "fingerprint_mismatch",
+                    Fate::Applied { .. } => false,
+                };
+            *j != refused && !relied
+        })
+        .collect()
+}
+
 /// The offsets to commit after `messages`: each partition's next.
 fn next_offsets(topic: &str, messages: &[OwnedMessage]) -> Result<TopicPartitionList, Error> {
     let mut next: BTreeMap<i32, i64> = BTreeMap::new();
@@ -1724,6 +1771,9 @@ fn next_offsets(topic: &str, messages: &[OwnedMessage]) -> Result<TopicPartition
     Ok(offsets)
 }
 
+/// The stream time up to which claims may be tombstoned: never past the
+/// wall clock, so a record stamped in the future cannot expire the claims
+/// of everything before it.
 fn sweep_time(stream_time: i64) -> i64 {
     stream_time.min(now_ms())
 }
@@ -1769,4 +1819,74 @@ fn is_records_fault(e: &KafkaError) -> bool {
                 | RDKafkaErrorCode::UnknownPartition
         )
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::Timestamp;
+
+    use super::*;
+
+    fn message(partition: i32, offset: i64) -> OwnedMessage {
+        OwnedMessage::new(
+            None,
+            None,
+            "in".into(),
+            Timestamp::NotAvailable,
+            partition,
+            offset,
+            None,
+        )
+    }
+
+    fn applied(id: &str) -> Fate {
+        let key = DedupKey::new("t", id).expect("key");
+        Fate::Applied {
+            outputs: Vec::new(),
+            digest: claims::digest(&key),
+            entry: Entry {
+                claimed_at: 0,
+                expires_at: 1,
+                fingerprint: None,
+            },
+            key,
+        }
+    }
+
+    fn skipped(id: &str) -> Fate {
+        Fate::Skipped {
+            digest: claims::digest(&DedupKey::new("t", id).expect("key")),
+        }
+    }
+
+    /// An output refused dead-letters its event: what relied on its claim
+    /// (later duplicates in its partition, fingerprint mismatches) is
+    /// judged again, everything else stands (no handler runs twice).
+    #[test]
+    fn a_refusal_rejudges_only_what_relied_on_the_refused_claim() {
+        let batch: Vec<OwnedMessage> = [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 0), (0, 5)]
+            .into_iter()
+            .map(|(p, o)| message(p, o))
+            .collect();
+        let fates = vec![
+            skipped("a"),
+            applied("a"),
+            applied("b"),
+            skipped("a"),
+            dead("fingerprint_mismatch", String::new(), 1),
+            skipped("a"),
+            skipped("b"),
+        ];
+        let mut stand: Vec<usize> = independent_of(&batch, fates.clone(), 1)
+            .into_keys()
+            .collect();
+        stand.sort_unstable();
+        // 0 came before the refused one, 2 and 6 rely on "b", 5 is another
+        // partition's.
+        assert_eq!(stand, [0, 2, 5, 6]);
+        // A dead letter refused (cut) changes no claim: only its own fate.
+        let mut stand: Vec<usize> = independent_of(&batch, fates, 4).into_keys().collect();
+        stand.sort_unstable();
+        assert_eq!(stand, [0, 1, 2, 3, 5, 6]);
+    }
 }

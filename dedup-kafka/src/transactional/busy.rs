@@ -30,7 +30,7 @@ use rdkafka::message::Message as _;
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::watch;
 
-use super::{Change, Context};
+use super::rebalance::{Change, Context};
 use crate::Error;
 
 /// How often the run loop polls while a batch runs: well inside any

@@ -1,0 +1,272 @@
+//! Building a [`TransactionalConsumer`]: its settings and clients.
+use std::fmt;
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dedup_core::Handler;
+use rdkafka::config::ClientConfig;
+use rdkafka::producer::FutureProducer;
+
+use super::outputs::Outputs;
+
+use super::TransactionalConsumer;
+use crate::Error;
+use crate::config::{self, OnFingerprintMismatch};
+use crate::dlq;
+use crate::retry::{Jitter, RetryPolicy};
+use crate::stats::{Stats, StatsSnapshot};
+
+/// Builds a [`TransactionalConsumer`]; see
+/// [`TransactionalConsumer::builder`].
+pub struct TransactionalConsumerBuilder<H> {
+    topic: String,
+    handler: H,
+    brokers: String,
+    group_id: Option<String>,
+    settings: Vec<(String, String)>,
+    /// Settings from the environment: (setting, variable).
+    from_env: Vec<(String, String)>,
+    producer_settings: Vec<(String, String)>,
+    dead_letter_topic: Option<String>,
+    changelog_topic: Option<String>,
+    changelog_replication: i32,
+    transactional_id: Option<String>,
+    transaction_timeout: Duration,
+    batch_size: usize,
+    batch_linger: Duration,
+    retry: RetryPolicy,
+    on_fingerprint_mismatch: OnFingerprintMismatch,
+    attempt_timeout: Duration,
+}
+
+impl<H> fmt::Debug for TransactionalConsumerBuilder<H> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TransactionalConsumerBuilder")
+            .field("topic", &self.topic)
+            .field("brokers", &self.brokers)
+            .field("group_id", &self.group_id)
+            .field("settings", &config::redacted(&self.settings))
+            .field(
+                "producer_settings",
+                &config::redacted(&self.producer_settings),
+            )
+            .field("transactional_id", &self.transactional_id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
+    /// The defaults; see [`TransactionalConsumer::builder`].
+    pub(super) fn new(topic: String, handler: H) -> Self {
+        TransactionalConsumerBuilder {
+            topic,
+            handler,
+            brokers: config::DEFAULT_BROKERS.to_owned(),
+            group_id: None,
+            settings: Vec::new(),
+            from_env: Vec::new(),
+            producer_settings: Vec::new(),
+            dead_letter_topic: None,
+            changelog_topic: None,
+            changelog_replication: -1,
+            transactional_id: None,
+            transaction_timeout: Duration::from_secs(10),
+            batch_size: 2000,
+            batch_linger: Duration::from_millis(20),
+            retry: RetryPolicy::default(),
+            on_fingerprint_mismatch: OnFingerprintMismatch::default(),
+            attempt_timeout: Duration::from_secs(60),
+        }
+    }
+
+    /// The bootstrap brokers (default `localhost:9092`).
+    pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
+        self.brokers = brokers.into();
+        self
+    }
+
+    /// The consumer group (required). The changelog is `<group>-dedup-claims`.
+    pub fn group_id(mut self, group_id: impl Into<String>) -> Self {
+        self.group_id = Some(group_id.into());
+        self
+    }
+
+    /// A librdkafka setting for the consumer; connection and security
+    /// settings (`security.*`, `sasl.*`, `ssl.*`, ...) go to the producer
+    /// and the changelog readers too.
+    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.settings.push((key.into(), value.into()));
+        self
+    }
+
+    /// Every environment variable `<prefix><NAME>` as a setting, as
+    /// [`ConsumerBuilder::set_from_env`](crate::ConsumerBuilder::set_from_env)
+    /// reads them (`KAFKA_CFG_SESSION_TIMEOUT_MS=6000`).
+    pub fn set_from_env(mut self, prefix: &str) -> Self {
+        for (key, name, value) in crate::builder::settings_from_env(prefix) {
+            self.from_env.push((key.clone(), name));
+            self.settings.push((key, value));
+        }
+        self
+    }
+
+    /// A librdkafka setting for the transactional producer alone.
+    pub fn producer_set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.producer_settings.push((key.into(), value.into()));
+        self
+    }
+
+    /// Where poison messages go (default `<topic>.dlq`).
+    pub fn dead_letter_topic(mut self, topic: impl Into<String>) -> Self {
+        self.dead_letter_topic = Some(topic.into());
+        self
+    }
+
+    /// The changelog topic's name (default `<group>-dedup-claims`).
+    pub fn changelog_topic(mut self, topic: impl Into<String>) -> Self {
+        self.changelog_topic = Some(topic.into());
+        self
+    }
+
+    /// The replication factor the changelog is created with (default -1:
+    /// the broker's `default.replication.factor`).
+    pub fn changelog_replication(mut self, replicas: i32) -> Self {
+        self.changelog_replication = replicas;
+        self
+    }
+
+    /// The producer's `transactional.id`. Default: `<group>-dedup-<random>`,
+    /// new on every start, so two instances never fence each other; a
+    /// crashed instance's open transaction then blocks `read_committed`
+    /// readers of its partitions until the transaction timeout. An id kept
+    /// across restarts (one per instance, never two live at once: a
+    /// StatefulSet's pod name) aborts it as soon as the instance is back.
+    pub fn transactional_id(mut self, id: impl Into<String>) -> Self {
+        self.transactional_id = Some(id.into());
+        self
+    }
+
+    /// How long a transaction may stay open before the broker aborts it
+    /// (default 10 s): after a crash, how long the partitions' readers wait.
+    pub fn transaction_timeout(mut self, timeout: Duration) -> Self {
+        self.transaction_timeout = timeout;
+        self
+    }
+
+    /// Most messages per transaction (default 2,000).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n.max(1);
+        self
+    }
+
+    /// How long a batch waits for more messages once it has one (default
+    /// 20 ms): each transaction costs a few round trips to the brokers.
+    pub fn batch_linger(mut self, linger: Duration) -> Self {
+        self.batch_linger = linger;
+        self
+    }
+
+    /// How failures are retried: transient ones `max_attempts` times before
+    /// dead-lettering, outages until `max_outage` (the failure table).
+    pub fn retry(mut self, policy: RetryPolicy) -> Self {
+        self.retry = policy;
+        self
+    }
+
+    /// How long one handler attempt may take (default 60 s): past it the
+    /// attempt is abandoned and waited out as the environment's fault, as
+    /// in the database runtime (bounded only by `max_outage`).
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.attempt_timeout = timeout;
+        self
+    }
+
+    /// What a duplicate whose fingerprint differs from its claim's gets.
+    pub fn on_fingerprint_mismatch(mut self, action: OnFingerprintMismatch) -> Self {
+        self.on_fingerprint_mismatch = action;
+        self
+    }
+
+    /// Checks the settings and creates the clients.
+    pub fn build(self) -> Result<TransactionalConsumer<H>, Error> {
+        let group = self.group_id.clone().ok_or_else(|| {
+            Error::Config("a group id is required: .group_id(\"enrich-v1\")".into())
+        })?;
+        let transactional_id = self.transactional_id.clone().unwrap_or_else(|| {
+            format!(
+                "{group}-dedup-{:016x}",
+                Jitter::new(std::process::id().into()).next().to_bits()
+            )
+        });
+        crate::builder::check_env_settings(&self.from_env, &self.settings)?;
+        let mut consumer = config::consumer_config(&self.brokers, Some(&group), &self.settings)?;
+        // Only what upstream committed, and offsets only through the
+        // transactions.
+        consumer.set("isolation.level", "read_committed");
+        let mut shared = ClientConfig::new();
+        shared.set("bootstrap.servers", &self.brokers);
+        for (k, v) in self
+            .settings
+            .iter()
+            .filter(|(k, _)| config::is_shared_setting(k))
+        {
+            shared.set(k, v);
+        }
+        // librdkafka's statistics are for the database runtime's lag
+        // metric; this consumer does not read them (unless asked to).
+        if !self
+            .settings
+            .iter()
+            .any(|(k, _)| k == "statistics.interval.ms")
+        {
+            consumer.set("statistics.interval.ms", "0");
+        }
+        let mut producer = shared.clone();
+        // A record that just fitted its input topic still fits the
+        // dead-letter topic with dedup's headers (a user's setting wins).
+        producer.set("message.max.bytes", dlq::MAX_DEAD_LETTER_BYTES);
+        for (k, v) in &self.producer_settings {
+            producer.set(k, v);
+        }
+        producer
+            .set("transactional.id", &transactional_id)
+            .set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set(
+                "transaction.timeout.ms",
+                self.transaction_timeout.as_millis().max(1000).to_string(),
+            );
+        let producer: FutureProducer = producer.create()?;
+        Ok(TransactionalConsumer {
+            changelog: self
+                .changelog_topic
+                .unwrap_or_else(|| format!("{group}-dedup-claims")),
+            dead_letter_topic: self
+                .dead_letter_topic
+                .unwrap_or_else(|| format!("{}.dlq", self.topic)),
+            topic: self.topic,
+            handler: Arc::new(self.handler),
+            consumer_config: consumer,
+            shared_config: shared,
+            producer,
+            transactional_id,
+            changelog_replication: self.changelog_replication,
+            transaction_timeout: self.transaction_timeout,
+            batch_size: self.batch_size,
+            batch_linger: self.batch_linger,
+            retry: self.retry,
+            on_fingerprint_mismatch: self.on_fingerprint_mismatch,
+            attempt_timeout: self.attempt_timeout,
+            stats: Arc::new(Stats::new()),
+            unwritable_since: Mutex::new(None),
+            rewinds: std::sync::atomic::AtomicU32::new(0),
+        })
+    }
+
+    /// Builds and runs until `stop` resolves; see
+    /// [`TransactionalConsumer::run_until`].
+    pub async fn run_until(self, stop: impl Future<Output = ()>) -> Result<StatsSnapshot, Error> {
+        self.build()?.run_until(stop).await
+    }
+}

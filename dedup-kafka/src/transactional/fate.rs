@@ -1,0 +1,337 @@
+//! Each message's fate: decoded, keyed, judged against the claims, and run
+//! (contained, with retries) into its outputs.
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+use dedup_core::{DedupKey, Handler, HandlerExt, StoreError};
+use rdkafka::message::{Message as _, OwnedMessage};
+use tokio::sync::watch;
+
+use super::outputs::{OutputRecord, Outputs};
+
+use super::TransactionalConsumer;
+use super::busy::Busy;
+use super::claims::{self, ClaimDigest, Entry, PartitionClaims};
+use crate::Error;
+use crate::config::OnFingerprintMismatch;
+use crate::pipeline::attempt::{self, AttemptTimedOut, Ran};
+use crate::pipeline::decision::{Decision, Fault};
+use crate::pipeline::outage::Retrying;
+use crate::pipeline::{error_chain, headers_of};
+use crate::retry::Jitter;
+
+/// The claims a batch takes, by partition and digest, on top of the
+/// partitions' committed ones.
+pub(super) type Staged = HashMap<(i32, ClaimDigest), Entry>;
+
+/// What became of one message of a batch.
+#[derive(Clone)]
+pub(super) enum Fate {
+    Applied {
+        outputs: Vec<OutputRecord>,
+        digest: ClaimDigest,
+        entry: Entry,
+        key: DedupKey,
+    },
+    /// A duplicate of the claim `digest` (the batch's or a committed one).
+    Skipped { digest: ClaimDigest },
+    Dead {
+        kind: &'static str,
+        message: String,
+        attempts: u32,
+        /// How much of the payload to keep (`None`: all), once the broker
+        /// refused the whole.
+        keep: Option<usize>,
+    },
+}
+
+/// Why a batch's judging ended before its transaction.
+pub(super) enum Halt {
+    /// The consumer cannot go on.
+    Fatal(Error),
+    /// The consumer stops: the batch is left uncommitted.
+    Stopped,
+    /// The group rebalanced: the batch is dropped and runs again.
+    Rebalanced,
+}
+
+impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
+    /// Each message's fate, in order, and the claims they take: `forced`
+    /// fates stand, the rest are judged around them.
+    pub(super) async fn fates(
+        &self,
+        batch: &[OwnedMessage],
+        states: &HashMap<i32, PartitionClaims>,
+        forced: &HashMap<usize, Fate>,
+        jitter: &mut Jitter,
+        stopping: &watch::Receiver<bool>,
+        busy: &Busy,
+    ) -> Result<(Vec<Fate>, Staged), Halt> {
+        let mut fates = Vec::with_capacity(batch.len());
+        // Claims taken in this batch, on top of the partitions' committed ones.
+        let mut staged = Staged::new();
+        for (i, msg) in batch.iter().enumerate() {
+            let fate = match forced.get(&i) {
+                Some(fate) => fate.clone(),
+                None => {
+                    self.fate(msg, states, &staged, jitter, stopping, busy)
+                        .await?
+                }
+            };
+            if let Fate::Applied { digest, entry, .. } = &fate {
+                staged.insert((msg.partition(), *digest), *entry);
+            }
+            fates.push(fate);
+        }
+        Ok((fates, staged))
+    }
+
+    /// What becomes of `msg`: decoded and keyed, claimed unless a live
+    /// claim covers it, and run (with retries) into its outputs. Its
+    /// attempts run contained ([`attempt::run`]) and their failures are
+    /// judged as the database runtime's are ([`Retrying`]). It halts when an
+    /// outage outlasted `max_outage` (the consumer stops with an error), or
+    /// when the consumer stops while it waits to retry.
+    pub(super) async fn fate(
+        &self,
+        msg: &OwnedMessage,
+        states: &HashMap<i32, PartitionClaims>,
+        staged: &Staged,
+        jitter: &mut Jitter,
+        stopping: &watch::Receiver<bool>,
+        busy: &Busy,
+    ) -> Result<Fate, Halt> {
+        let payload = msg.payload().unwrap_or_default();
+        let headers = headers_of(msg);
+        let (key, fingerprint, event) =
+            match attempt::contained(|| self.handler.prepare(payload, &headers)) {
+                Ok(Ok(prepared)) => prepared,
+                Ok(Err(e)) => return Ok(dead(e.kind(), error_chain(&e), 1)),
+                Err(said) => return Ok(dead("panic", unprepared_panic(&said), 1)),
+            };
+        let digest = claims::digest(&key);
+        let at = timestamp(msg);
+        let live = staged
+            .get(&(msg.partition(), digest))
+            .filter(|e| e.covers(at))
+            .or_else(|| {
+                states
+                    .get(&msg.partition())
+                    .and_then(|s| s.live(&digest, at))
+            });
+        if let Some(claim) = live {
+            if let (Some(kept), Some(ours)) = (claim.fingerprint, fingerprint)
+                && kept != ours
+            {
+                tracing::warn!(key = %key, "a duplicate's fingerprint differs from its claim's: the id was reused for other content");
+                if self.on_fingerprint_mismatch == OnFingerprintMismatch::DeadLetter {
+                    return Ok(dead(
+                        "fingerprint_mismatch",
+                        format!(
+                            "event id {key} was claimed with fingerprint {kept} and came again with {ours}"
+                        ),
+                        1,
+                    ));
+                }
+            }
+            return Ok(Fate::Skipped { digest });
+        }
+        let mut event = Some(event);
+        let mut attempt = 0u32;
+        let mut retrying = Retrying::new(&self.stats, self.retry);
+        loop {
+            attempt += 1;
+            let ev = match event.take() {
+                Some(ev) => ev,
+                // It decoded once; decoding is pure.
+                None => match attempt::contained(|| self.handler.decode(payload)) {
+                    Ok(Ok(ev)) => ev,
+                    Ok(Err(e)) => return Ok(dead(e.kind(), error_chain(&e), attempt)),
+                    Err(said) => return Ok(dead("panic", unprepared_panic(&said), attempt)),
+                },
+            };
+            let handler = self.handler.clone();
+            let ran = attempt::run(tracing::Span::current(), self.attempt_timeout, async move {
+                let mut out = Outputs::default();
+                let result = handler.handle(&mut out, ev).await;
+                (out, result)
+            })
+            .await;
+            let (error, fault) = match ran {
+                Ran::Done((out, Ok(()))) => {
+                    let ttl = i64::try_from(self.handler.ttl().as_duration().as_millis())
+                        .unwrap_or(i64::MAX);
+                    return Ok(Fate::Applied {
+                        outputs: out.into_records(),
+                        digest,
+                        entry: Entry {
+                            claimed_at: at,
+                            expires_at: at.saturating_add(ttl),
+                            fingerprint,
+                        },
+                        key,
+                    });
+                }
+                Ran::Done((_, Err(e))) => {
+                    let e = e.into_unstored_error();
+                    let fault = Fault::of(&e);
+                    (e, fault)
+                }
+                Ran::Panicked(said) => (attempt::panicked(&said), Fault::Panic),
+                Ran::TimedOut(limit) => (
+                    dedup_core::Error::Store(
+                        StoreError::environment(AttemptTimedOut(limit))
+                            .with_code("attempt_timeout"),
+                    ),
+                    Fault::TimedOut,
+                ),
+            };
+            let wait = match retrying.failed(fault, &error, jitter.next()) {
+                Decision::DeadLetter => {
+                    return Ok(dead(fault.kind(&error), error_chain(&error), attempt));
+                }
+                Decision::Stop { failing_for } => {
+                    return Err(Halt::Fatal(Error::Fatal(
+                        retrying.outlasted(failing_for, &error),
+                    )));
+                }
+                Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
+            };
+            tracing::warn!(key = %key, attempt, error = %error, ?wait, "handler failed; retrying");
+            self.stats.retries.fetch_add(1, Ordering::Relaxed);
+            let mut stopping = stopping.clone();
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                _ = stopping.wait_for(|s| *s) => return Err(Halt::Stopped),
+                () = busy.rebalance() => return Err(Halt::Rebalanced),
+            }
+        }
+    }
+}
+
+/// The fates of `all` that stand when message `refused`'s fate changes
+/// after a refusal: all but its own and, if it had taken a claim, those of
+/// the later messages of its partition that relied on that claim (skipped
+/// as its duplicates, or dead-lettered for a fingerprint that differs from
+/// it). Those are judged again; no handler runs twice for the others.
+pub(super) fn independent_of(
+    batch: &[OwnedMessage],
+    all: Vec<Fate>,
+    refused: usize,
+) -> HashMap<usize, Fate> {
+    let claim = match &all[refused] {
+        Fate::Applied { digest, .. } => Some(*digest),
+        _ => None,
+    };
+    let partition = batch[refused].partition();
+    all.into_iter()
+        .enumerate()
+        .filter(|(j, fate)| {
+            let relied = claim.is_some()
+                && *j > refused
+                && batch[*j].partition() == partition
+                && match fate {
+                    Fate::Skipped { digest } => Some(*digest) == claim,
+                    Fate::Dead { kind, .. } => *kind == "fingerprint_mismatch",
+                    Fate::Applied { .. } => false,
+                };
+            *j != refused && !relied
+        })
+        .collect()
+}
+
+/// Why a message that panicked before its handler ran is dead-lettered.
+pub(super) fn unprepared_panic(said: &str) -> String {
+    format!("decoding the event or reading its key panicked: {said}")
+}
+
+pub(super) fn dead(kind: &'static str, message: String, attempts: u32) -> Fate {
+    Fate::Dead {
+        kind,
+        message,
+        attempts,
+        keep: None,
+    }
+}
+
+/// The record's timestamp in ms; the wall clock for a record without one.
+pub(super) fn timestamp(msg: &OwnedMessage) -> i64 {
+    msg.timestamp().to_millis().unwrap_or_else(now_ms)
+}
+
+/// The wall clock, in ms since the epoch.
+pub(super) fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+#[cfg(test)]
+mod tests {
+    use rdkafka::Timestamp;
+
+    use super::*;
+
+    fn message(partition: i32, offset: i64) -> OwnedMessage {
+        OwnedMessage::new(
+            None,
+            None,
+            "in".into(),
+            Timestamp::NotAvailable,
+            partition,
+            offset,
+            None,
+        )
+    }
+
+    fn applied(id: &str) -> Fate {
+        let key = DedupKey::new("t", id).expect("key");
+        Fate::Applied {
+            outputs: Vec::new(),
+            digest: claims::digest(&key),
+            entry: Entry {
+                claimed_at: 0,
+                expires_at: 1,
+                fingerprint: None,
+            },
+            key,
+        }
+    }
+
+    fn skipped(id: &str) -> Fate {
+        Fate::Skipped {
+            digest: claims::digest(&DedupKey::new("t", id).expect("key")),
+        }
+    }
+
+    /// An output refused dead-letters its event: what relied on its claim
+    /// (later duplicates in its partition, fingerprint mismatches) is
+    /// judged again, everything else stands (no handler runs twice).
+    #[test]
+    fn a_refusal_rejudges_only_what_relied_on_the_refused_claim() {
+        let batch: Vec<OwnedMessage> = [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4), (1, 0), (0, 5)]
+            .into_iter()
+            .map(|(p, o)| message(p, o))
+            .collect();
+        let fates = vec![
+            skipped("a"),
+            applied("a"),
+            applied("b"),
+            skipped("a"),
+            dead("fingerprint_mismatch", String::new(), 1),
+            skipped("a"),
+            skipped("b"),
+        ];
+        let mut stand: Vec<usize> = independent_of(&batch, fates.clone(), 1)
+            .into_keys()
+            .collect();
+        stand.sort_unstable();
+        // 0 came before the refused one, 2 and 6 rely on "b", 5 is another
+        // partition's.
+        assert_eq!(stand, [0, 2, 5, 6]);
+        // A dead letter refused (cut) changes no claim: only its own fate.
+        let mut stand: Vec<usize> = independent_of(&batch, fates, 4).into_keys().collect();
+        stand.sort_unstable();
+        assert_eq!(stand, [0, 1, 2, 3, 5, 6]);
+    }
+}

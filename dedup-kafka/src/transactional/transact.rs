@@ -1,0 +1,557 @@
+//! One try at a batch's transaction: its records, its offsets, its commit,
+//! and what a refusal by the broker says about whose fault it is.
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::{Duration, Instant};
+
+use dedup_core::Handler;
+use rdkafka::TopicPartitionList;
+use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, Message as _, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{DeliveryFuture, FutureRecord, Producer as _};
+
+use super::outputs::Outputs;
+
+use super::TransactionalConsumer;
+use super::claims::{self, ClaimDigest};
+use super::fate::{Fate, dead};
+use super::rebalance::Context;
+use crate::Error;
+use crate::dlq::{self, DeadLetter};
+
+/// Where a record of the transaction came from, to tell whose fault its
+/// failure is.
+#[derive(Clone, Copy)]
+pub(super) enum Source {
+    Output(usize),
+    DeadLetter(usize),
+    Changelog,
+}
+
+/// How a transaction attempt ended.
+pub(super) enum Attempt {
+    Committed,
+    /// A record was refused for its own sake: message `.0` now has fate
+    /// `.1`; the batch is judged again around it and run in a new
+    /// transaction.
+    Refused(usize, Fate),
+    /// The broker refused a request of records to topic `.0` for a
+    /// reason no single record may have caused (a size): run again sending
+    /// that topic's records one at a time, to find the one at fault.
+    Ambiguous(String),
+    /// The environment failed or the group moved on: the batch is dropped
+    /// and its partitions rewound to their committed offsets. With
+    /// `unwritable`, a topic of the transaction could not be written.
+    Rewind {
+        why: String,
+        unwritable: bool,
+        lost: bool,
+    },
+}
+
+/// How long a transaction's commit, offsets or abort may stay unresolved
+/// (librdkafka's retriable errors: the coordinator unreachable) before the
+/// consumer stops: a restart resumes from what Kafka committed, while
+/// another call on a producer with one in progress could only conflict.
+pub(super) const UNRESOLVED_LIMIT: Duration = Duration::from_secs(120);
+
+impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
+    pub(super) async fn init_transactions(&self) -> Result<(), Error> {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let timeout = self.transaction_timeout.max(Duration::from_secs(10));
+            match tokio::task::block_in_place(|| self.producer.init_transactions(timeout)) {
+                Ok(()) => return Ok(()),
+                Err(e) if is_fatal(&e) || attempt >= 30 => {
+                    return Err(Error::Fatal(format!(
+                        "initializing transactions failed: {e}"
+                    )));
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "initializing transactions; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }
+
+    /// One try at the batch's transaction.
+    pub(super) async fn transact(
+        &self,
+        consumer: &StreamConsumer<Context>,
+        batch: &[OwnedMessage],
+        fates: &[Fate],
+        tombstones: &BTreeMap<i32, Vec<ClaimDigest>>,
+        offsets: &TopicPartitionList,
+        isolate: &BTreeSet<String>,
+    ) -> Result<Attempt, Error> {
+        let timeout = self.transaction_timeout;
+        if let Err(e) = self.producer.begin_transaction() {
+            return Err(Error::Fatal(format!("beginning a transaction failed: {e}")));
+        }
+        crate::failpoint::failpoint("transaction-before-outputs");
+        let mut sent: Vec<(Source, DeliveryFuture)> = Vec::new();
+        // Outputs and dead letters in partition order, then the changelog:
+        // tombstones before the claims taken again.
+        for (i, (msg, fate)) in batch.iter().zip(fates.iter()).enumerate() {
+            let sent_one = match fate {
+                Fate::Applied { outputs, .. } => {
+                    let mut result = Ok(());
+                    for out in outputs {
+                        let mut record = FutureRecord::<[u8], [u8]>::to(&out.topic);
+                        if let Some(k) = &out.key {
+                            record = record.key(k);
+                        }
+                        if let Some(p) = &out.payload {
+                            record = record.payload(p);
+                        }
+                        if let Some(p) = out.partition {
+                            record = record.partition(p);
+                        }
+                        if !out.headers.is_empty() {
+                            let mut hs = OwnedHeaders::new();
+                            for (name, value) in &out.headers {
+                                hs = hs.insert(Header {
+                                    key: name,
+                                    value: Some(value),
+                                });
+                            }
+                            record = record.headers(hs);
+                        }
+                        result = self
+                            .send(record, Source::Output(i), &mut sent, isolate)
+                            .await;
+                        if result.is_err() {
+                            break;
+                        }
+                    }
+                    result
+                }
+                Fate::Skipped { .. } => Ok(()),
+                Fate::Dead {
+                    kind,
+                    message,
+                    attempts,
+                    keep,
+                } => {
+                    let why = DeadLetter {
+                        topic: &self.dead_letter_topic,
+                        kind,
+                        message: message.clone(),
+                        attempts: *attempts,
+                        handler: self.handler.scope(),
+                    };
+                    let payload = msg.payload().unwrap_or_default();
+                    let kept = keep.map_or(payload, |n| &payload[..n.min(payload.len())]);
+                    let truncated = (kept.len() < payload.len()).then_some(payload.len());
+                    let mut record = FutureRecord::<[u8], [u8]>::to(&self.dead_letter_topic)
+                        .headers(dlq::headers(msg, &why, truncated));
+                    if let Some(k) = msg.key() {
+                        record = record.key(k);
+                    }
+                    if msg.payload().is_some() {
+                        record = record.payload(kept);
+                    }
+                    self.send(record, Source::DeadLetter(i), &mut sent, isolate)
+                        .await
+                }
+            };
+            if let Err((source, e)) = sent_one {
+                return self.send_failed(source, e, sent, isolate, fates).await;
+            }
+        }
+        let mut values = Vec::new();
+        for (msg, fate) in batch.iter().zip(fates.iter()) {
+            if let Fate::Applied {
+                digest, entry, key, ..
+            } = fate
+            {
+                values.push((msg.partition(), *digest, claims::encode(entry, key)));
+            }
+        }
+        for (&p, digests) in tombstones {
+            for d in digests {
+                let record = FutureRecord::<[u8], [u8]>::to(&self.changelog)
+                    .partition(p)
+                    .key(&d[..]);
+                if let Err((source, e)) = self
+                    .send(record, Source::Changelog, &mut sent, isolate)
+                    .await
+                {
+                    return self.send_failed(source, e, sent, isolate, fates).await;
+                }
+            }
+        }
+        for (p, d, value) in &values {
+            let record = FutureRecord::<[u8], [u8]>::to(&self.changelog)
+                .partition(*p)
+                .key(&d[..])
+                .payload(&value[..]);
+            if let Err((source, e)) = self
+                .send(record, Source::Changelog, &mut sent, isolate)
+                .await
+            {
+                return self.send_failed(source, e, sent, isolate, fates).await;
+            }
+        }
+        // Every record acknowledged (or refused) before the offsets: a
+        // refusal names its record, and the commit has nothing left to
+        // flush (rust-rdkafka's flush would wait out a 100 ms poll for
+        // acknowledgements that its polling thread takes).
+        match tokio::time::timeout(timeout, first_refusal(sent)).await {
+            Ok(None) => {}
+            Ok(Some(refusal)) => {
+                self.abort().await?;
+                return self.refused_report(refusal, isolate, fates);
+            }
+            Err(_) => {
+                return self
+                    .failed(
+                        "produce",
+                        KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut),
+                    )
+                    .await;
+            }
+        }
+        crate::failpoint::failpoint("transaction-before-offsets");
+        // A member that lost partitions of the batch (it was dropped from
+        // its group) must not commit them: their new owner runs them.
+        let assigned = match consumer.assignment() {
+            Ok(assigned) => assigned,
+            Err(e) => {
+                self.abort().await?;
+                return Err(e.into());
+            }
+        };
+        let lost = consumer.assignment_lost()
+            || offsets
+                .elements()
+                .iter()
+                .any(|e| assigned.find_partition(e.topic(), e.partition()).is_none());
+        let group = consumer.group_metadata().filter(|_| !lost);
+        let Some(group) = group else {
+            self.abort().await?;
+            return Ok(Attempt::Rewind {
+                why: "partitions of the batch are no longer assigned".into(),
+                unwritable: false,
+                lost: true,
+            });
+        };
+        let started = Instant::now();
+        loop {
+            match tokio::task::block_in_place(|| {
+                self.producer
+                    .send_offsets_to_transaction(offsets, &group, timeout)
+            }) {
+                Ok(()) => break,
+                Err(KafkaError::Transaction(e)) if e.is_retriable() && !e.is_fatal() => {
+                    self.unresolved("sending the offsets", &e, started)?;
+                }
+                Err(e) => return self.failed("send offsets", e).await,
+            }
+        }
+        crate::failpoint::failpoint("transaction-before-commit");
+        if crate::failpoint::fails("transaction-fails-before-commit") {
+            self.abort().await?;
+            return Ok(Attempt::Rewind {
+                why: "failpoint transaction-fails-before-commit".into(),
+                unwritable: false,
+                lost: false,
+            });
+        }
+        let started = Instant::now();
+        loop {
+            match tokio::task::block_in_place(|| self.producer.commit_transaction(timeout)) {
+                Ok(()) => break,
+                // Resumable: the same call again, until it resolves.
+                Err(KafkaError::Transaction(e)) if e.is_retriable() && !e.is_fatal() => {
+                    self.unresolved("committing", &e, started)?;
+                }
+                Err(e) => return self.failed("commit", e).await,
+            }
+        }
+        crate::failpoint::failpoint("transaction-after-commit");
+        Ok(Attempt::Committed)
+    }
+
+    /// Sends one record of the transaction, waiting while librdkafka's
+    /// queue is full; `Err` if the producer refused it outright.
+    pub(super) async fn send<'a>(
+        &self,
+        mut record: FutureRecord<'a, [u8], [u8]>,
+        source: Source,
+        sent: &mut Vec<(Source, DeliveryFuture)>,
+        isolate: &BTreeSet<String>,
+    ) -> Result<(), (Source, KafkaError)> {
+        let alone = isolate.contains(record.topic);
+        loop {
+            match self.producer.send_result(record) {
+                // Alone in its request: its acknowledgement names it.
+                Ok(fut) if alone => {
+                    let _ = self.producer.flush(Duration::ZERO);
+                    return match tokio::time::timeout(self.transaction_timeout, fut).await {
+                        Ok(Ok(Ok(_))) => Ok(()),
+                        Ok(Ok(Err((e, _)))) => Err((source, e)),
+                        _ => Err((source, KafkaError::Canceled)),
+                    };
+                }
+                Ok(fut) => {
+                    sent.push((source, fut));
+                    return Ok(());
+                }
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                    record = back;
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                Err((e, _)) => return Err((source, e)),
+            }
+        }
+    }
+
+    /// A send refused outright. Its own size or topic: its message's fate.
+    /// Anything else may follow from an earlier request's refusal (the
+    /// transaction, once failed, refuses every later record), so the earlier
+    /// records' reports are looked at first.
+    pub(super) async fn send_failed(
+        &self,
+        source: Source,
+        e: KafkaError,
+        sent: Vec<(Source, DeliveryFuture)>,
+        isolate: &BTreeSet<String>,
+        fates: &[Fate],
+    ) -> Result<Attempt, Error> {
+        if is_records_fault(&e) {
+            self.abort().await?;
+            return self.refused(source, e, fates);
+        }
+        let earlier = tokio::time::timeout(self.transaction_timeout, first_refusal(sent))
+            .await
+            .ok()
+            .flatten();
+        self.abort().await?;
+        match earlier {
+            Some(refusal) if is_records_fault(&refusal.1) => {
+                self.refused_report(refusal, isolate, fates)
+            }
+            _ => self.refused(source, e, fates),
+        }
+    }
+
+    /// A refusal reported by the broker for a record of topic `.2`: named
+    /// for certain only if the record was alone in its request.
+    pub(super) fn refused_report(
+        &self,
+        (source, e, topic): (Source, KafkaError, Option<String>),
+        isolate: &BTreeSet<String>,
+        fates: &[Fate],
+    ) -> Result<Attempt, Error> {
+        match topic {
+            Some(topic) if is_records_fault(&e) && !isolate.contains(&topic) => {
+                tracing::warn!(error = %e, topic, "the broker refused records of the transaction; sending that topic's one at a time to find the one at fault");
+                Ok(Attempt::Ambiguous(topic))
+            }
+            _ => self.refused(source, e, fates),
+        }
+    }
+
+    /// A record refused for its own sake changes its message's fate: an
+    /// output too large (or to an invalid topic) dead-letters its event, a
+    /// dead letter too large is cut. Anything else is the environment's.
+    pub(super) fn refused(
+        &self,
+        source: Source,
+        e: KafkaError,
+        fates: &[Fate],
+    ) -> Result<Attempt, Error> {
+        match source {
+            Source::Output(i) if is_records_fault(&e) => {
+                tracing::warn!(error = %e, "an output of the handler was refused; the event is dead-lettered");
+                Ok(Attempt::Refused(
+                    i,
+                    dead(
+                        "output",
+                        format!("the handler's output was refused: {e}"),
+                        1,
+                    ),
+                ))
+            }
+            Source::DeadLetter(i) if dlq::is_too_large(&e) => {
+                let Fate::Dead {
+                    kind,
+                    message,
+                    attempts,
+                    keep,
+                } = &fates[i]
+                else {
+                    unreachable!("a dead letter's source is dead");
+                };
+                let keep = match keep {
+                    None => Some(dlq::TRUNCATED_PAYLOAD_BYTES),
+                    Some(0) => {
+                        return Err(Error::Fatal(format!(
+                            "a dead letter for {:?} is too large even without its payload: raise the topic's max.message.bytes",
+                            self.dead_letter_topic
+                        )));
+                    }
+                    Some(_) => Some(0),
+                };
+                tracing::warn!(error = %e, ?keep, "the dead letter is too large for the broker; sending it with its payload cut");
+                Ok(Attempt::Refused(
+                    i,
+                    Fate::Dead {
+                        kind,
+                        message: message.clone(),
+                        attempts: *attempts,
+                        keep,
+                    },
+                ))
+            }
+            Source::Changelog
+                if matches!(
+                    e,
+                    KafkaError::MessageProduction(
+                        RDKafkaErrorCode::UnknownPartition
+                            | RDKafkaErrorCode::UnknownTopicOrPartition
+                    )
+                ) && self.partition_missing() =>
+            {
+                Err(Error::Fatal(format!(
+                    "the changelog {:?} has no partition for every input partition of {:?}: the \
+                     input gained partitions; add as many to the changelog",
+                    self.changelog, self.topic
+                )))
+            }
+            Source::DeadLetter(_)
+                if matches!(
+                    e,
+                    KafkaError::MessageProduction(RDKafkaErrorCode::InvalidRecord)
+                ) =>
+            {
+                Err(Error::Fatal(format!(
+                    "the dead-letter topic {:?} refuses dead letters ({e}): is it compacted? \
+                     Dead letters may have no key",
+                    self.dead_letter_topic
+                )))
+            }
+            _ => Ok(Attempt::Rewind {
+                why: format!("a record was refused: {e}"),
+                unwritable: dlq::is_unwritable(&e),
+                lost: false,
+            }),
+        }
+    }
+
+    /// Whether the changelog has fewer partitions than the input now.
+    pub(super) fn partition_missing(&self) -> bool {
+        let count = |topic: &str| -> Option<usize> {
+            let metadata = self
+                .producer
+                .client()
+                .fetch_metadata(Some(topic), Duration::from_secs(10))
+                .ok()?;
+            metadata.topics().first().map(|t| t.partitions().len())
+        };
+        tokio::task::block_in_place(
+            || matches!((count(&self.topic), count(&self.changelog)), (Some(i), Some(c)) if c < i),
+        )
+    }
+
+    /// A retriable error of a call librdkafka resumes: the same call goes
+    /// again, unless it has stayed unresolved for [`UNRESOLVED_LIMIT`].
+    pub(super) fn unresolved(
+        &self,
+        step: &str,
+        e: &rdkafka::error::RDKafkaError,
+        since: Instant,
+    ) -> Result<(), Error> {
+        if since.elapsed() >= UNRESOLVED_LIMIT {
+            return Err(Error::Fatal(format!(
+                "{step} a transaction stayed unresolved for {:?} ({e}): stopping; a restart \
+                 resumes from what Kafka committed",
+                since.elapsed()
+            )));
+        }
+        tracing::warn!(error = %e, step, "transaction: retrying");
+        Ok(())
+    }
+
+    /// Aborts the open transaction; a retriable failure is retried (the
+    /// same call resumes), anything else stops the consumer.
+    pub(super) async fn abort(&self) -> Result<(), Error> {
+        let started = Instant::now();
+        loop {
+            match tokio::task::block_in_place(|| {
+                self.producer.abort_transaction(self.transaction_timeout)
+            }) {
+                Ok(()) => return Ok(()),
+                Err(KafkaError::Transaction(e)) if e.is_retriable() && !e.is_fatal() => {
+                    self.unresolved("aborting", &e, started)?;
+                }
+                Err(e) => {
+                    return Err(Error::Fatal(format!(
+                        "aborting the transaction failed: {e}"
+                    )));
+                }
+            }
+        }
+    }
+
+    /// A step of the transaction failed: fatal errors stop the consumer,
+    /// anything else aborts and rewinds.
+    pub(super) async fn failed(&self, step: &str, e: KafkaError) -> Result<Attempt, Error> {
+        if is_fatal(&e) {
+            return Err(Error::Fatal(format!(
+                "the transactional producer failed fatally at {step} (another instance with \
+                 transactional.id {:?}?): {e}",
+                self.transactional_id
+            )));
+        }
+        self.abort().await?;
+        Ok(Attempt::Rewind {
+            why: format!("{step}: {e}"),
+            unwritable: dlq::is_unwritable(&e),
+            lost: false,
+        })
+    }
+}
+
+/// The first record the broker refused, awaiting every report: one refused
+/// for its own sake (a size, an invalid record) if there is one, since a
+/// refusal makes the transaction fail the records after it too; with the
+/// topic it was sent to.
+pub(super) async fn first_refusal(
+    sent: Vec<(Source, DeliveryFuture)>,
+) -> Option<(Source, KafkaError, Option<String>)> {
+    let mut first = None;
+    for (source, fut) in sent {
+        let (error, topic) = match fut.await {
+            Ok(Ok(_)) => continue,
+            Ok(Err((err, msg))) => (err, Some(msg.topic().to_owned())),
+            Err(_) => (KafkaError::Canceled, None),
+        };
+        if is_records_fault(&error) && !matches!(source, Source::Changelog) {
+            return Some((source, error, topic));
+        }
+        first.get_or_insert((source, error, topic));
+    }
+    first
+}
+
+pub(super) fn is_fatal(e: &KafkaError) -> bool {
+    matches!(e, KafkaError::Transaction(t) if t.is_fatal())
+}
+
+/// A produce error that no retry can help for this record.
+pub(super) fn is_records_fault(e: &KafkaError) -> bool {
+    matches!(
+        e,
+        KafkaError::MessageProduction(
+            RDKafkaErrorCode::MessageSizeTooLarge
+                | RDKafkaErrorCode::InvalidMessageSize
+                | RDKafkaErrorCode::InvalidRecord
+                | RDKafkaErrorCode::InvalidTopic
+                | RDKafkaErrorCode::UnknownPartition
+        )
+    )
+}

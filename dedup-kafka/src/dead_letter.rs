@@ -13,15 +13,14 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
-use dedup_core::{DedupKey, DedupStore, StoreError};
+use dedup_core::{DedupKey, DedupStore};
 use rdkafka::message::{Message as _, OwnedMessage};
 
 use crate::dlq::{self, DeadLetter};
 use crate::failpoint::failpoint;
 use crate::partition::{Partition, Shared, wait_unless_stopped};
-use crate::pipeline::attempt::AttemptTimedOut;
+use crate::pipeline::attempt::timed_out;
 use crate::pipeline::decision::{Decision, Fault};
 use crate::pipeline::outage::Retrying;
 use crate::retry::Jitter;
@@ -131,10 +130,6 @@ async fn recorded_from<S: DedupStore>(
             return None;
         }
     }
-}
-
-fn timed_out(limit: Duration) -> StoreError {
-    StoreError::environment(AttemptTimedOut(limit)).with_code("attempt_timeout")
 }
 
 /// Records a dead letter the broker acknowledged, in a short transaction of

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use dedup_core::{DedupStore, Outcome, StoreError};
+use dedup_core::{DedupStore, Outcome};
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::{Message as _, OwnedMessage};
 use rdkafka::producer::FutureProducer;
@@ -647,9 +647,7 @@ async fn process<S: DedupStore>(
             // the claim's lock: the lock timeouts that follow are contention,
             // waited out too.
             Ran::TimedOut(limit) => (
-                Outcome::Failed(dedup_core::Error::Store(
-                    StoreError::environment(AttemptTimedOut(limit)).with_code("attempt_timeout"),
-                )),
+                Outcome::Failed(dedup_core::Error::Store(attempt::timed_out(limit))),
                 Some(Fault::TimedOut),
             ),
             Ran::Panicked(said) => (

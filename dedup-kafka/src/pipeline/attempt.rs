@@ -28,6 +28,12 @@ pub(crate) enum Ran<T> {
 )]
 pub(crate) struct AttemptTimedOut(pub(crate) Duration);
 
+/// An attempt that outlived `limit`, as the store error its retries and
+/// health report: the environment's fault, code `attempt_timeout`.
+pub(crate) fn timed_out(limit: Duration) -> dedup_core::StoreError {
+    dedup_core::StoreError::environment(AttemptTimedOut(limit)).with_code("attempt_timeout")
+}
+
 /// How long an abandoned attempt gets to stop.
 const ABORT_GRACE: Duration = Duration::from_secs(5);
 

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
-use dedup_core::{DedupKey, Handler, HandlerExt, StoreError};
+use dedup_core::{DedupKey, Handler, HandlerExt};
 use rdkafka::message::{Message as _, OwnedMessage};
 use tokio::sync::watch;
 
@@ -14,7 +14,7 @@ use super::busy::Busy;
 use super::claims::{self, ClaimDigest, Entry, PartitionClaims};
 use crate::Error;
 use crate::config::OnFingerprintMismatch;
-use crate::pipeline::attempt::{self, AttemptTimedOut, Ran};
+use crate::pipeline::attempt::{self, Ran};
 use crate::pipeline::decision::{Decision, Fault};
 use crate::pipeline::outage::Retrying;
 use crate::pipeline::{error_chain, headers_of};
@@ -179,10 +179,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 }
                 Ran::Panicked(said) => (attempt::panicked(&said), Fault::Panic),
                 Ran::TimedOut(limit) => (
-                    dedup_core::Error::Store(
-                        StoreError::environment(AttemptTimedOut(limit))
-                            .with_code("attempt_timeout"),
-                    ),
+                    dedup_core::Error::Store(attempt::timed_out(limit)),
                     Fault::TimedOut,
                 ),
             };

@@ -118,13 +118,12 @@ async fn recorded_from<S: DedupStore>(
             Err(_) => timed_out(limit),
         };
         // A read no event can fail: whatever stops it is the environment's.
-        let wait = match retrying.failed(Fault::Environment, &error, jitter.next()) {
-            Decision::Stop { failing_for } => {
-                shared.fail(retrying.outlasted(failing_for, &error));
+        let wait = match retrying.environment_failed(&error, jitter.next()) {
+            Ok(wait) => wait,
+            Err(why) => {
+                shared.fail(why);
                 return None;
             }
-            Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
-            Decision::DeadLetter => unreachable!("the environment's fault is never the event's"),
         };
         if !wait_unless_stopped(shared, partition, wait).await {
             return None;

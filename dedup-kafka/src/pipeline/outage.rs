@@ -49,6 +49,21 @@ impl<'a> Retrying<'a> {
         decision
     }
 
+    /// Counts a failure no event can cause (a read of the store, a restore
+    /// of claims): the wait before the next try, or why the consumer stops
+    /// (`max_outage` outlasted).
+    pub(crate) fn environment_failed(
+        &mut self,
+        error: &dyn fmt::Display,
+        random: f64,
+    ) -> Result<Duration, String> {
+        match self.failed(Fault::Environment, error, random) {
+            Decision::Stop { failing_for } => Err(self.outlasted(failing_for, error)),
+            Decision::Retry(wait) | Decision::WaitOut(wait) => Ok(wait),
+            Decision::DeadLetter => unreachable!("the environment's fault is never the event's"),
+        }
+    }
+
     /// Why the consumer stops after [`Decision::Stop`].
     pub(crate) fn outlasted(&self, failing_for: Duration, error: &dyn fmt::Display) -> String {
         format!(

@@ -50,7 +50,6 @@ use self::claims::PartitionClaims;
 use self::rebalance::{Change, Context};
 use crate::Error;
 use crate::config::OnFingerprintMismatch;
-use crate::pipeline::decision::{Decision, Fault};
 use crate::pipeline::outage::Retrying;
 use crate::retry::{Jitter, RetryPolicy};
 use crate::stats::{Stats, StatsSnapshot};
@@ -341,13 +340,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 Err(e @ Error::Fatal(_)) => return Err(e),
                 // The brokers, waited out as an outage (health, max_outage).
                 Err(e) => {
-                    let wait = match retrying.failed(Fault::Environment, &e, jitter.next()) {
-                        Decision::Stop { failing_for } => {
-                            return Err(Error::Fatal(retrying.outlasted(failing_for, &e)));
-                        }
-                        Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
-                        Decision::DeadLetter => unreachable!("the environment's fault"),
-                    };
+                    let wait = retrying
+                        .environment_failed(&e, jitter.next())
+                        .map_err(Error::Fatal)?;
                     tracing::warn!(partitions = ?missing, error = %e, ?wait, "restoring claims failed; retrying");
                     let mut stopping = stopping.clone();
                     tokio::select! {

@@ -526,6 +526,74 @@ async fn claims_expire_on_record_timestamps_and_are_tombstoned() {
     assert!(readable[1].ends_with(&b.to_string()), "{readable:?}");
 }
 
+/// Decisions depend on the input alone, not on where batches or restarts
+/// cut it: the same records, stamped out of order, run through one consumer
+/// at once and through three consumers one after another (each restored
+/// from the changelog and the committed offsets) apply the same events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_order_timestamps_get_the_same_decisions_however_the_input_is_cut() {
+    let t0 = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as i64
+        - 3_600_000;
+    let x1 = event("x", 1);
+    let y2 = event("y", 2);
+    let x3 = event("x", 3);
+    let z5 = event("z", 5);
+    let z6 = event("z", 6);
+    let y7 = event("y", 7);
+    // TTL 10 s on the records' clock.
+    let records: [(&str, &[u8], i64); 7] = [
+        ("x", &x1, t0),
+        // Stream time t0+20s: x's claim (to t0+10s) has expired.
+        ("y", &y2, t0 + 20_000),
+        // Stamped within x's TTL, but met after its expiry in stream time:
+        // applied, claimed to t0+30s.
+        ("x", &x3, t0 + 1_000),
+        // Dead-lettered, and still moves stream time on, to t0+40s.
+        ("p", b"not json", t0 + 40_000),
+        // Claimed at stream time t0+40s (not at its stamp), to t0+50s...
+        ("z", &z5, t0 + 5_000),
+        // ...so this duplicate is skipped.
+        ("z", &z6, t0 + 35_000),
+        // y's claim (to t0+30s) has expired in stream time: applied.
+        ("y", &y7, t0 + 21_000),
+    ];
+    let mut runs = Vec::new();
+    for cuts in [&[7][..], &[2, 4, 7][..]] {
+        let (topic, out, group) = topics(1).await;
+        let p = producer();
+        let mut from = 0;
+        for &to in cuts {
+            for &(key, payload, at) in &records[from..to] {
+                send(&p, &topic, key, payload, Some(at)).await;
+            }
+            from = to;
+            drain(&topic, &group, forward(&out, "10s")).await;
+        }
+        let applied: Vec<(String, i64)> = read_all(&out, "read_committed")
+            .await
+            .iter()
+            .map(|m| {
+                let v: serde_json::Value =
+                    serde_json::from_slice(m.payload().expect("payload")).expect("json");
+                (
+                    v["event_id"].as_str().expect("id").to_owned(),
+                    v["n"].as_i64().expect("n"),
+                )
+            })
+            .collect();
+        runs.push(applied);
+    }
+    let expected: Vec<(String, i64)> = [("x", 1), ("y", 2), ("x", 3), ("z", 5), ("y", 7)]
+        .iter()
+        .map(|(id, n)| ((*id).to_owned(), *n))
+        .collect();
+    assert_eq!(runs[0], expected, "in one run");
+    assert_eq!(runs[1], expected, "cut in three runs");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_output_too_large_dead_letters_its_event_and_the_rest_go_on() {
     let topic = create_topic(1).await;

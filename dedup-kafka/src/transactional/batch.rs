@@ -14,7 +14,7 @@ use super::outputs::Outputs;
 
 use super::TransactionalConsumer;
 use super::busy::Busy;
-use super::claims::{ClaimDigest, PartitionClaims};
+use super::claims::{self, ClaimDigest, PartitionClaims};
 use super::fate::{Fate, Halt, Staged, independent_of, now_ms, timestamp};
 use super::rebalance::Context;
 use super::transact::Attempt;
@@ -104,11 +104,15 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         piece: Piece,
         isolate: &mut BTreeSet<String>,
     ) -> Result<Processed, Error> {
-        let With {
-            consumer,
-            stopping,
-            busy,
-        } = *with;
+        let With { consumer, busy, .. } = *with;
+        // Each message's stream time, from its partition's committed one
+        // (a later transaction of the batch starts where the earlier ended).
+        let times = claims::stream_times(
+            batch.iter().map(|m| (m.partition(), timestamp(m))),
+            |p| states.get(&p).map_or(0, |s| s.stream_time),
+            now_ms(),
+        );
+        let times = &times[..];
         let mut first: BTreeMap<i32, i64> = BTreeMap::new();
         for msg in batch {
             let f = first.entry(msg.partition()).or_insert(msg.offset());
@@ -134,10 +138,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             if judged.is_none() {
                 let mut given = reused.clone();
                 given.extend(forced.clone());
-                judged = match self
-                    .fates(batch, states, &given, jitter, stopping, busy)
-                    .await
-                {
+                judged = match self.fates(batch, times, states, &given, jitter, with).await {
                     Ok(judged) => Some(judged),
                     Err(Halt::Fatal(e)) => return Err(e),
                     // Nothing of the batch was sent: it runs again from the
@@ -163,16 +164,14 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             // one at a time (then as many as fit in its timeout).
             let take = self.split_at(all, isolate).unwrap_or(all.len());
             let fates = &all[..take];
-            let offsets = next_offsets(&self.topic, &batch[..take])?;
-            // Stream time moves with the records applied or skipped (a
-            // dead-lettered one may carry any timestamp).
+            // Each partition's stream time after the messages taken,
+            // committed with its offset.
             let mut newest: BTreeMap<i32, i64> = BTreeMap::new();
-            for (msg, fate) in batch.iter().zip(fates) {
-                if !matches!(fate, Fate::Dead { .. }) {
-                    let n = newest.entry(msg.partition()).or_insert(i64::MIN);
-                    *n = (*n).max(timestamp(msg));
-                }
+            for (msg, &at) in batch[..take].iter().zip(times) {
+                let n = newest.entry(msg.partition()).or_insert(at);
+                *n = (*n).max(at);
             }
+            let offsets = next_offsets(&self.topic, &batch[..take], &newest)?;
             let mut tombstones: BTreeMap<i32, Vec<ClaimDigest>> = BTreeMap::new();
             // Per partition of the batch: the sweep's stream time, and
             // whether it tombstones all it found (at most MAX_TOMBSTONES per
@@ -373,10 +372,12 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     }
 }
 
-/// The offsets to commit after `messages`: each partition's next.
+/// The offsets to commit after `messages`: each partition's next, with
+/// its stream time (`stream_times`) in the offset's metadata.
 pub(super) fn next_offsets(
     topic: &str,
     messages: &[OwnedMessage],
+    stream_times: &BTreeMap<i32, i64>,
 ) -> Result<TopicPartitionList, Error> {
     let mut next: BTreeMap<i32, i64> = BTreeMap::new();
     for msg in messages {
@@ -385,7 +386,11 @@ pub(super) fn next_offsets(
     }
     let mut offsets = TopicPartitionList::new();
     for (p, o) in next {
-        offsets.add_partition_offset(topic, p, Offset::Offset(o))?;
+        let mut elem = offsets.add_partition(topic, p);
+        elem.set_offset(Offset::Offset(o))?;
+        if let Some(&at) = stream_times.get(&p) {
+            elem.set_metadata(claims::stream_time_metadata(at));
+        }
     }
     Ok(offsets)
 }

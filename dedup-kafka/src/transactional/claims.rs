@@ -1,11 +1,20 @@
 //! The claims of one input partition, kept in memory and in a compacted
-//! changelog topic: what was applied, on the input records' timestamps.
+//! changelog topic: what was applied, on the partition's stream time.
 //!
 //! A claim is keyed by a 16-byte digest of its scope and id (the changelog
 //! record's key too, so compaction keeps one record per claim). Its value
-//! holds when it was taken and when it expires, both on the timestamps of
-//! the input records (never the clock of one host), and the fingerprint.
-//! A null value (a tombstone) removes it.
+//! holds when it was taken and when it expires, both in the partition's
+//! stream time (never the clock of one host), and the fingerprint. A null
+//! value (a tombstone) removes it.
+//!
+//! A partition's stream time at a record is the greatest timestamp of the
+//! records up to and including it (a record stamped ahead of the wall clock
+//! counts as stamped now). Claims are judged on it, not on the record's own
+//! timestamp, so a record stamped out of order meets the same decision
+//! whatever batch it falls in: a claim the sweep tombstoned has expired for
+//! every later record too. Stream time is committed with each partition's
+//! offset (its metadata, as Kafka Streams keeps its partition time), so a
+//! restart or a new owner resumes it exactly.
 
 use std::collections::HashMap;
 
@@ -29,16 +38,17 @@ pub(crate) fn digest(key: &DedupKey) -> ClaimDigest {
 /// One claim.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Entry {
-    /// The timestamp (ms) of the input record that took it.
+    /// The stream time (ms) at the input record that took it.
     pub(crate) claimed_at: i64,
-    /// `claimed_at` + the handler's TTL: a record of the same key with a
-    /// timestamp before it is a duplicate.
+    /// `claimed_at` + the handler's TTL: a record of the same key met
+    /// before stream time reaches it is a duplicate.
     pub(crate) expires_at: i64,
     pub(crate) fingerprint: Option<Fingerprint>,
 }
 
 impl Entry {
-    /// Whether a record stamped `at` (ms) falls within this claim.
+    /// Whether a record met at stream time `at` (ms) falls within this
+    /// claim.
     pub(crate) fn covers(&self, at: i64) -> bool {
         at < self.expires_at
     }
@@ -99,12 +109,48 @@ pub(crate) fn decode(value: &[u8]) -> Result<Entry, String> {
     })
 }
 
+/// The prefix of the offset-commit metadata that carries a partition's
+/// stream time.
+const STREAM_TIME: &str = "dedup-stream-time:";
+
+/// The offset-commit metadata that carries stream time `at` (ms).
+pub(crate) fn stream_time_metadata(at: i64) -> String {
+    format!("{STREAM_TIME}{at}")
+}
+
+/// The stream time carried by offset-commit metadata, if it carries one
+/// (offsets committed by an earlier version, or reset by a tool, do not).
+pub(crate) fn stream_time_of(metadata: &str) -> Option<i64> {
+    metadata.strip_prefix(STREAM_TIME)?.parse().ok()
+}
+
+/// Each record's stream time in its partition, in order: `records` are
+/// (partition, timestamp ms), `start` a partition's stream time before them,
+/// and a timestamp past `wall` (the wall clock, read once for the batch)
+/// counts as `wall`. Every record counts, whatever becomes of it, so the
+/// times depend on the input alone.
+pub(crate) fn stream_times(
+    records: impl IntoIterator<Item = (i32, i64)>,
+    start: impl Fn(i32) -> i64,
+    wall: i64,
+) -> Vec<i64> {
+    let mut running: HashMap<i32, i64> = HashMap::new();
+    records
+        .into_iter()
+        .map(|(p, at)| {
+            let now = running.entry(p).or_insert_with(|| start(p));
+            *now = (*now).max(at.min(wall));
+            *now
+        })
+        .collect()
+}
+
 /// The claims of one input partition.
 #[derive(Debug, Default)]
 pub(crate) struct PartitionClaims {
     claims: HashMap<ClaimDigest, Entry>,
-    /// The greatest input timestamp (ms) committed in this partition: its
-    /// stream time, which expires claims.
+    /// The stream time (ms) at the last committed record of this
+    /// partition, which expires claims.
     pub(crate) stream_time: i64,
     /// The stream time at which expired claims are next looked for.
     next_sweep: i64,
@@ -127,7 +173,8 @@ impl PartitionClaims {
         self.claims.remove(digest);
     }
 
-    /// Moves stream time forward to `at` (a committed input timestamp).
+    /// Moves stream time forward to `at` (a committed record's stream time,
+    /// or the one its offset's metadata carries).
     pub(crate) fn advance(&mut self, at: i64) {
         self.stream_time = self.stream_time.max(at);
     }
@@ -223,6 +270,23 @@ mod tests {
         assert!(claims.live(&d, 4_999).is_some());
         assert!(claims.live(&d, 5_000).is_none(), "expired at its expiry");
         assert_eq!(claims.stream_time, 1_000);
+    }
+
+    #[test]
+    fn stream_time_is_the_greatest_timestamp_so_far_never_past_the_wall_clock() {
+        let records = [(0, 100), (1, 50), (0, 80), (0, 300), (1, 40), (0, 9_999)];
+        let start = |p| if p == 1 { 60 } else { 0 };
+        assert_eq!(
+            stream_times(records, start, 1_000),
+            [100, 60, 100, 300, 60, 1_000]
+        );
+        assert_eq!(stream_time_of(&stream_time_metadata(-5)), Some(-5));
+        assert_eq!(
+            stream_time_of(&stream_time_metadata(1_700_000_000_123)),
+            Some(1_700_000_000_123)
+        );
+        assert_eq!(stream_time_of(""), None, "an earlier version's commit");
+        assert_eq!(stream_time_of("other"), None);
     }
 
     #[test]

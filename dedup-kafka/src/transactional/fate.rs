@@ -5,12 +5,11 @@ use std::sync::atomic::Ordering;
 
 use dedup_core::{DedupKey, Handler, HandlerExt};
 use rdkafka::message::{Message as _, OwnedMessage};
-use tokio::sync::watch;
 
 use super::outputs::{OutputRecord, Outputs};
 
 use super::TransactionalConsumer;
-use super::busy::Busy;
+use super::batch::With;
 use super::claims::{self, ClaimDigest, Entry, PartitionClaims};
 use crate::Error;
 use crate::config::OnFingerprintMismatch;
@@ -57,26 +56,24 @@ pub(super) enum Halt {
 
 impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// Each message's fate, in order, and the claims they take: `forced`
-    /// fates stand, the rest are judged around them.
+    /// fates stand, the rest are judged around them, each at its stream
+    /// time (`times`, one per message).
     pub(super) async fn fates(
         &self,
         batch: &[OwnedMessage],
+        times: &[i64],
         states: &HashMap<i32, PartitionClaims>,
         forced: &HashMap<usize, Fate>,
         jitter: &mut Jitter,
-        stopping: &watch::Receiver<bool>,
-        busy: &Busy,
+        with: &With<'_>,
     ) -> Result<(Vec<Fate>, Staged), Halt> {
         let mut fates = Vec::with_capacity(batch.len());
         // Claims taken in this batch, on top of the partitions' committed ones.
         let mut staged = Staged::new();
-        for (i, msg) in batch.iter().enumerate() {
+        for (i, (msg, &at)) in batch.iter().zip(times).enumerate() {
             let fate = match forced.get(&i) {
                 Some(fate) => fate.clone(),
-                None => {
-                    self.fate(msg, states, &staged, jitter, stopping, busy)
-                        .await?
-                }
+                None => self.fate(msg, at, states, &staged, jitter, with).await?,
             };
             if let Fate::Applied { digest, entry, .. } = &fate {
                 staged.insert((msg.partition(), *digest), *entry);
@@ -86,8 +83,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         Ok((fates, staged))
     }
 
-    /// What becomes of `msg`: decoded and keyed, claimed unless a live
-    /// claim covers it, and run (with retries) into its outputs. Its
+    /// What becomes of `msg`, met at stream time `at`: decoded and keyed,
+    /// claimed unless a live claim covers it, and run (with retries) into
+    /// its outputs. Its
     /// attempts run contained ([`attempt::run`]) and their failures are
     /// judged as the database runtime's are ([`Retrying`]). It halts when an
     /// outage outlasted `max_outage` (the consumer stops with an error), or
@@ -95,11 +93,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     pub(super) async fn fate(
         &self,
         msg: &OwnedMessage,
+        at: i64,
         states: &HashMap<i32, PartitionClaims>,
         staged: &Staged,
         jitter: &mut Jitter,
-        stopping: &watch::Receiver<bool>,
-        busy: &Busy,
+        with: &With<'_>,
     ) -> Result<Fate, Halt> {
         let payload = msg.payload().unwrap_or_default();
         let headers = headers_of(msg);
@@ -110,7 +108,6 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 Err(said) => return Ok(dead("panic", unprepared_panic(&said), 1)),
             };
         let digest = claims::digest(&key);
-        let at = timestamp(msg);
         let live = staged
             .get(&(msg.partition(), digest))
             .filter(|e| e.covers(at))
@@ -196,11 +193,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             };
             tracing::warn!(key = %key, attempt, error = %error, ?wait, "handler failed; retrying");
             self.stats.retries.fetch_add(1, Ordering::Relaxed);
-            let mut stopping = stopping.clone();
+            let mut stopping = with.stopping.clone();
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
                 _ = stopping.wait_for(|s| *s) => return Err(Halt::Stopped),
-                () = busy.rebalance() => return Err(Halt::Rebalanced),
+                () = with.busy.rebalance() => return Err(Halt::Rebalanced),
             }
         }
     }

@@ -11,11 +11,11 @@
 //! and the batch runs again from the committed offsets.
 //!
 //! Claims are kept in memory per assigned input partition, restored from
-//! the changelog on assignment, and judged on the input records'
-//! timestamps: a record whose key was claimed by a record stamped less than
-//! the TTL before it is a duplicate, skipped. Once a partition's stream time
-//! (its greatest committed timestamp) passes a claim's expiry, the claim is
-//! tombstoned in the changelog so compaction removes it.
+//! the changelog on assignment, and judged on the partition's stream time
+//! (the greatest timestamp up to each record, committed with the offsets):
+//! a record whose key was claimed less than the TTL earlier in stream time
+//! is a duplicate, skipped. Once stream time passes a claim's expiry, the
+//! claim is tombstoned in the changelog so compaction removes it.
 
 mod batch;
 mod builder;
@@ -219,7 +219,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             }
             self.apply_changes(consumer.context(), &mut states, &mut assigned, &mut batch);
             let restored = tokio::select! {
-                restored = self.restore_assigned(&mut states, &batch, &mut jitter, &stop_rx) => restored?,
+                restored = self.restore_assigned(&consumer, &mut states, &batch, &mut jitter, &stop_rx) => restored?,
                 () = &mut stop, if !stopping => false,
             };
             if !restored {
@@ -308,11 +308,12 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     }
 
     /// Restores the claims of every partition with a message in `batch`
-    /// that has none yet. A broker that fails it is waited out as an
-    /// outage (bounded by `max_outage`); `false` when the consumer stops
-    /// meanwhile.
+    /// that has none yet, and the stream time committed with its offset. A
+    /// broker that fails it is waited out as an outage (bounded by
+    /// `max_outage`); `false` when the consumer stops meanwhile.
     async fn restore_assigned(
         &self,
+        consumer: &StreamConsumer<Context>,
         states: &mut HashMap<i32, PartitionClaims>,
         batch: &[OwnedMessage],
         jitter: &mut Jitter,
@@ -330,7 +331,15 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let mut retrying = Retrying::new(&self.stats, self.retry);
         loop {
             match tokio::task::block_in_place(|| {
-                restore::restore(&self.shared_config, &self.changelog, &missing)
+                let mut restored =
+                    restore::restore(&self.shared_config, &self.changelog, &missing)?;
+                let times = restore::committed_stream_times(consumer, &self.topic, &missing)?;
+                for (p, at) in times {
+                    if let Some(claims) = restored.get_mut(&p) {
+                        claims.advance(at);
+                    }
+                }
+                Ok::<_, Error>(restored)
             }) {
                 Ok(restored) => {
                     states.extend(restored);

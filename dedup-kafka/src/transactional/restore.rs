@@ -256,6 +256,27 @@ pub(crate) fn restore(
     Ok(out)
 }
 
+/// The stream time each of `partitions` of `topic` committed with its
+/// offset, where it did (see [`claims::stream_time_of`]). The committed
+/// offsets are read stable: a transaction still open on them has ended.
+/// Blocking, as [`restore`] is.
+pub(crate) fn committed_stream_times<C: rdkafka::consumer::ConsumerContext>(
+    consumer: &impl rdkafka::consumer::Consumer<C>,
+    topic: &str,
+    partitions: &[i32],
+) -> Result<HashMap<i32, i64>, Error> {
+    let mut asked = TopicPartitionList::new();
+    for &p in partitions {
+        asked.add_partition(topic, p);
+    }
+    let committed = consumer.committed_offsets(asked, REQUEST_TIMEOUT)?;
+    Ok(committed
+        .elements()
+        .iter()
+        .filter_map(|e| Some((e.partition(), claims::stream_time_of(e.metadata())?)))
+        .collect())
+}
+
 fn corrupt(changelog: &str, partition: i32, offset: i64, why: &str) -> Error {
     Error::Fatal(format!(
         "the claims changelog {changelog:?} partition {partition} offset {offset} cannot be read: \

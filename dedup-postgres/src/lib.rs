@@ -11,7 +11,7 @@ use dedup_core::{
     ORDERED_SCOPE_PREFIX, PurgeConfig, PurgeExpired, Purger, StoreError, Token, Ttl,
 };
 use dedup_sql::{
-    BatchClaims, Dialect, LeaseRow, SqlConfig, TableName, age_from_micros, fingerprint_from,
+    BatchClaims, Dialect, LeaseRow, SqlConfig, TableName, Taken, age_from_micros, fingerprint_from,
     held_or_done, live_claim, run_migrations, sql, time_from_unix_micros, ttl_seconds,
 };
 use sha2::{Digest, Sha256};
@@ -458,7 +458,11 @@ impl DedupStore for PgStore {
                 batch.claimed(
                     key.scope(),
                     key.id(),
-                    fresh,
+                    if fresh {
+                        Taken::Fresh
+                    } else {
+                        Taken::Reclaimed
+                    },
                     time_from_unix_micros(expires_us),
                 );
             }

@@ -6,6 +6,24 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use dedup_core::{Acquire, Claim, DedupKey, Fingerprint, Ttl};
 
+/// How the claim statement took a claim it returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Taken {
+    /// No claim existed.
+    Fresh,
+    /// An expired claim existed and was taken over.
+    Reclaimed,
+}
+
+impl From<Taken> for Claim {
+    fn from(taken: Taken) -> Claim {
+        match taken {
+            Taken::Fresh => Claim::Fresh,
+            Taken::Reclaimed => Claim::Reclaimed,
+        }
+    }
+}
+
 /// The bookkeeping of a batch claim, the same for every SQL backend: one
 /// row per distinct key goes into the claim statement (ON CONFLICT cannot
 /// touch a row twice in one statement), the rows it returns are the claims
@@ -14,7 +32,7 @@ use dedup_core::{Acquire, Claim, DedupKey, Fingerprint, Ttl};
 /// is answered at its repeats from its first position.
 ///
 /// ```
-/// use dedup_sql::BatchClaims;
+/// use dedup_sql::{BatchClaims, Taken};
 /// use dedup_core::{Claim, DedupKey, Fingerprint};
 /// use std::time::{Duration, SystemTime};
 ///
@@ -24,7 +42,7 @@ use dedup_core::{Acquire, Claim, DedupKey, Fingerprint, Ttl};
 /// assert_eq!(batch.distinct().len(), 2);
 /// assert_eq!(batch.fingerprint(batch.distinct()[0]), fingerprint);
 /// let t = SystemTime::now();
-/// batch.claimed("s", "a", true, t); // the statement returned a (fresh), not b
+/// batch.claimed("s", "a", Taken::Fresh, t); // the statement returned a, not b
 /// assert_eq!(batch.unclaimed().len(), 1);
 /// let age = Duration::from_secs(90);
 /// batch.live("s", "b", t, age, None); // b's live claim, read afterwards
@@ -41,8 +59,8 @@ pub struct BatchClaims<'k> {
     /// Index into `distinct` of each distinct (scope, id).
     index: HashMap<(&'k str, &'k str), usize>,
     distinct: Vec<&'k DedupKey>,
-    /// Per distinct key: `Some(true)` fresh, `Some(false)` reclaimed.
-    taken: Vec<Option<bool>>,
+    /// Per distinct key: how the statement took its claim, if it did.
+    taken: Vec<Option<Taken>>,
     expires_at: Vec<Option<SystemTime>>,
     /// Per distinct key read as live: its claim's age.
     ages: Vec<Option<Duration>>,
@@ -90,9 +108,9 @@ impl<'k> BatchClaims<'k> {
     }
 
     /// Records a row the claim statement returned: the claim was taken.
-    pub fn claimed(&mut self, scope: &str, id: &str, fresh: bool, expires_at: SystemTime) {
+    pub fn claimed(&mut self, scope: &str, id: &str, taken: Taken, expires_at: SystemTime) {
         if let Some(&i) = self.index.get(&(scope, id)) {
-            self.taken[i] = Some(fresh);
+            self.taken[i] = Some(taken);
             self.expires_at[i] = Some(expires_at);
         }
     }
@@ -137,8 +155,7 @@ impl<'k> BatchClaims<'k> {
                 // A repeat of a key this batch claimed: claimed just now.
                 let age = self.ages[i].unwrap_or_default();
                 match (self.taken[i], std::mem::replace(&mut answered[i], true)) {
-                    (Some(true), false) => Claim::Fresh,
-                    (Some(false), false) => Claim::Reclaimed,
+                    (Some(taken), false) => taken.into(),
                     _ => Claim::Duplicate {
                         expires_at,
                         age,

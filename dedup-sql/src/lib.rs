@@ -10,7 +10,7 @@ mod table;
 use std::sync::Arc;
 
 pub use batch::{
-    BatchClaims, LeaseRow, age_from_micros, fingerprint_from, held_or_done, live_claim,
+    BatchClaims, LeaseRow, Taken, age_from_micros, fingerprint_from, held_or_done, live_claim,
     time_from_unix_micros, ttl_seconds,
 };
 pub use config::SqlConfig;

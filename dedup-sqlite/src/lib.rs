@@ -11,7 +11,7 @@ use dedup_core::{
     PurgeExpired, Purger, StoreError, Token, Ttl,
 };
 use dedup_sql::{
-    BatchClaims, Dialect, LeaseRow, SqlConfig, TableName, age_from_micros, fingerprint_from,
+    BatchClaims, Dialect, LeaseRow, SqlConfig, TableName, Taken, age_from_micros, fingerprint_from,
     held_or_done, live_claim, run_migrations, sql, time_from_unix_micros, ttl_seconds,
 };
 use sqlx::SqlitePool;
@@ -350,7 +350,12 @@ impl DedupStore for SqliteStore {
         for row in rows {
             let (scope, id, claims, expires_us): (String, String, i64, i64) =
                 sqlx::FromRow::from_row(&row).map_err(store_error)?;
-            batch.claimed(&scope, &id, claims == 1, time_from_unix_micros(expires_us));
+            let taken = if claims == 1 {
+                Taken::Fresh
+            } else {
+                Taken::Reclaimed
+            };
+            batch.claimed(&scope, &id, taken, time_from_unix_micros(expires_us));
         }
         let unclaimed = batch.unclaimed();
         if !unclaimed.is_empty() {

@@ -360,6 +360,17 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self
     }
 
+    /// How long one dead letter's produce may take before it counts as
+    /// failed and is tried again (the dead-letter producer's
+    /// `message.timeout.ms`; default 30 s, at least 1 ms). A broker that
+    /// keeps failing it is waited out as an outage, bounded by the retry
+    /// policy's `max_outage`; the message's offset is not committed
+    /// meanwhile.
+    pub fn dead_letter_timeout(mut self, timeout: Duration) -> Self {
+        self.runtime.dead_letter_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
     /// How long a revoke waits for the revoked partitions' batches in flight
     /// to finish (default 5 s; zero: not at all), so their offsets are
     /// committed before the partitions go and the next owner receives

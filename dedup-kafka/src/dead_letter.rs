@@ -195,8 +195,10 @@ async fn record_it<S: DedupStore>(
 
 /// Produces the dead letter, retrying until the broker acknowledges it: a
 /// message is never dropped because its dead letter could not be written.
-/// `false` if the consumer stops, the partition is revoked, or the topic
-/// cannot be written at all (then the consumer is stopping with an error).
+/// A broker that cannot take it is an outage like any other (health shows
+/// it, `max_outage` bounds it). `false` if the consumer stops, the
+/// partition is revoked, or the topic cannot be written at all or for
+/// longer than `max_outage` (then the consumer is stopping with an error).
 async fn produce<S>(
     shared: &Shared<S>,
     partition: &Partition,
@@ -212,6 +214,7 @@ async fn produce<S>(
     // or unauthorized for a while (a broker restarted with an empty cache, a
     // grant still spreading), so only a lasting refusal stops the consumer.
     let mut unwritable_since: Option<std::time::Instant> = None;
+    let mut retrying = Retrying::new(&shared.stats, shared.settings.retry);
     loop {
         attempt += 1;
         match dlq::send(
@@ -259,19 +262,41 @@ async fn produce<S>(
                     ));
                     return false;
                 }
-                let wait = shared.settings.retry.backoff(attempt, jitter.next());
+                let Some(wait) = broker_failed(shared, &mut retrying, &e, jitter) else {
+                    return false;
+                };
                 tracing::error!(error = %e, ?wait, topic = why.topic, "the dead-letter topic cannot be written; retrying");
                 if !wait_unless_stopped(shared, partition, wait).await {
                     return false;
                 }
             }
             Err(e) => {
-                let wait = shared.settings.retry.backoff(attempt, jitter.next());
+                let Some(wait) = broker_failed(shared, &mut retrying, &e, jitter) else {
+                    return false;
+                };
                 tracing::error!(error = %e, ?wait, "producing the dead letter failed; retrying");
                 if !wait_unless_stopped(shared, partition, wait).await {
                     return false;
                 }
             }
+        }
+    }
+}
+
+/// A produce the broker failed, waited out as the environment's fault: the
+/// wait before the next try, or `None` once it outlasted `max_outage` (the
+/// consumer is then stopping with an error).
+fn broker_failed<S>(
+    shared: &Shared<S>,
+    retrying: &mut Retrying<'_>,
+    error: &rdkafka::error::KafkaError,
+    jitter: &mut Jitter,
+) -> Option<std::time::Duration> {
+    match retrying.environment_failed(error, jitter.next()) {
+        Ok(wait) => Some(wait),
+        Err(why) => {
+            shared.fail(why);
+            None
         }
     }
 }

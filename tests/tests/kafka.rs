@@ -1246,6 +1246,58 @@ async fn an_outage_longer_than_max_outage_stops_the_consumer_and_loses_nothing(p
     assert_eq!(balance(&pool).await, 5, "applied once");
 }
 
+/// A broker that cannot take a dead letter is an outage like the
+/// database's: with `max_outage` set the consumer stops with an error
+/// instead of retrying for ever, the poison message's offset is not
+/// committed, and the next run dead-letters it once.
+#[sqlx::test(migrations = false)]
+async fn a_dead_letter_the_broker_cannot_take_is_bounded_by_max_outage(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let group = unique("g");
+    produce(&producer(), &topic, "k", b"not json", None).await;
+    let impatient = consumer(&store, &group)
+        .retry(
+            RetryPolicy::default()
+                .with_outage_backoff(Duration::from_millis(300))
+                .with_max_outage(Duration::from_secs(3)),
+        )
+        // The dead-letter producer's broker is not there.
+        .dead_letter_producer_set("bootstrap.servers", "127.0.0.1:1")
+        .dead_letter_timeout(Duration::from_millis(500))
+        .handle(&topic, record_payment)
+        .build()
+        .expect("consumer");
+    let stats = impatient.stats();
+    let started = Instant::now();
+    let ran = tokio::time::timeout(
+        Duration::from_secs(60),
+        impatient.run_until(std::future::pending()),
+    )
+    .await
+    .expect("the consumer must stop once the dead letter's outage outlasts max_outage");
+    let err = ran.expect_err("an outage past max_outage is an error");
+    assert!(err.to_string().contains("max_outage"), "{err}");
+    assert!(
+        started.elapsed() >= Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(stats.snapshot().dead_lettered, 0);
+
+    let after = drain(
+        consumer(&store, &group).handle(&topic, record_payment),
+        Duration::from_secs(3),
+    )
+    .await;
+    assert_eq!(
+        after.dead_lettered, 1,
+        "the poison was not committed: {after:?}"
+    );
+    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 1).await;
+    assert_eq!(dead[0].payload(), Some(&b"not json"[..]));
+}
+
 /// Opens an account: a plain INSERT, so a second event for the same account
 /// violates the primary key (SQLSTATE 23505), which is that event's fault.
 #[idempotent(key = "event_id", ttl = "4h")]

@@ -151,7 +151,7 @@ pub(crate) async fn run_outbox(mode: &str, args: &Args) -> Result<Report, BoxErr
     let mut batches = 0;
     for (stats, stop, task) in running {
         let _ = stop.send(());
-        task.await?;
+        task.await??;
         let s = stats.snapshot();
         published += s.published;
         batches += s.batches;

@@ -22,6 +22,7 @@ use crate::builder::ConsumerBuilder;
 use crate::config::Settings;
 use crate::metrics::ConsumerGauges;
 use crate::partition::{Partition, PartitionMap, Shared, lock, worker};
+use crate::pipeline::fatal_error;
 use crate::rebalance::{RebalanceContext, commit};
 use crate::route::Route;
 use crate::shutdown::shutdown_signal;
@@ -229,18 +230,8 @@ impl<S: DedupStore> Consumer<S> {
     /// client cannot be used any more (librdkafka says so once; retrying
     /// cannot help), so the consumer stops instead of hanging.
     fn fatal_client_error(&self) -> Option<Error> {
-        let (client, (code, reason)) = [
-            ("consumer", self.shared.kafka.client().fatal_error()),
-            (
-                "dead-letter producer",
-                self.shared.producer.client().fatal_error(),
-            ),
-        ]
-        .into_iter()
-        .find_map(|(client, fatal)| Some((client, fatal?)))?;
-        Some(Error::Fatal(format!(
-            "fatal error of the {client}: {reason} ({code:?})"
-        )))
+        fatal_error("consumer", self.shared.kafka.client())
+            .or_else(|| fatal_error("dead-letter producer", self.shared.producer.client()))
     }
 
     /// Compares each handler's TTL with how long its topic keeps records

@@ -206,7 +206,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for (_, task) in consumers {
         summaries.push(task.await??);
     }
-    let relay_summary = relay_task.await?;
+    let relay_summary = relay_task.await??;
     match summaries.as_slice() {
         [payments, notices] => {
             println!("payments: {payments} | relay: {relay_summary} | notices: {notices}");

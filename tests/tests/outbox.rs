@@ -60,7 +60,7 @@ fn quick_retry() -> RetryPolicy {
 struct RunningRelay {
     stats: std::sync::Arc<RelayStats>,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<dedup_kafka::RelayStatsSnapshot>,
+    task: tokio::task::JoinHandle<Result<dedup_kafka::RelayStatsSnapshot, dedup_kafka::Error>>,
 }
 
 impl RunningRelay {
@@ -106,7 +106,10 @@ impl RunningRelay {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
-        (&mut self.task).await.expect("relay task")
+        (&mut self.task)
+            .await
+            .expect("relay task")
+            .expect("relay ran")
     }
 }
 

@@ -15,6 +15,19 @@ pub(crate) mod outage;
 
 use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
 
+/// The fatal error of the Kafka client `name`, if it had one: it cannot be
+/// used any more (librdkafka says so once; retrying cannot help), so what
+/// runs it stops instead of hanging.
+pub(crate) fn fatal_error<C: rdkafka::ClientContext>(
+    name: &str,
+    client: &rdkafka::client::Client<C>,
+) -> Option<crate::Error> {
+    let (code, reason) = client.fatal_error()?;
+    Some(crate::Error::Fatal(format!(
+        "fatal error of the {name}: {reason} ({code:?})"
+    )))
+}
+
 /// A message's headers, owned, for the handler.
 pub(crate) fn headers_of(msg: &OwnedMessage) -> Vec<(String, Vec<u8>)> {
     msg.headers()

@@ -8,12 +8,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use dedup_core::outbox::{OutboxSource, PublishFailure};
-use rdkafka::producer::FutureProducer;
+use rdkafka::producer::{FutureProducer, Producer as _};
 
 use crate::Error;
 use crate::config::{DEFAULT_BROKERS, idempotent_producer_config, redacted};
 use crate::failpoint::failpoint;
 use crate::metrics::RelayMetrics;
+use crate::pipeline::fatal_error;
 use crate::retry::{Jitter, RetryPolicy};
 
 mod publish;
@@ -58,6 +59,7 @@ pub struct RelayBuilder<S> {
     retry: RetryPolicy,
     purge_interval: Duration,
     lease_timeout: Option<Duration>,
+    store_timeout: Duration,
 }
 
 impl<S> fmt::Debug for RelayBuilder<S> {
@@ -70,6 +72,7 @@ impl<S> fmt::Debug for RelayBuilder<S> {
             .field("poll_interval", &self.poll_interval)
             .field("delivery_timeout", &self.delivery_timeout)
             .field("lease_timeout", &self.lease_timeout)
+            .field("store_timeout", &self.store_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -136,6 +139,18 @@ impl<S: OutboxSource> RelayBuilder<S> {
         self
     }
 
+    /// Longest one outbox statement may take (leasing a batch, marking it,
+    /// purging sent rows), default 30 s, at least 1 ms. A database that
+    /// stops answering without closing its connections (a frozen backend, a
+    /// network that drops packets) would otherwise hold the relay, and its
+    /// shutdown, for ever. A lease past it is given up and tried again
+    /// (rows it took stay leased until the lease expires, then go out); a
+    /// marking past it is retried while the batch's lease lasts.
+    pub fn store_timeout(mut self, timeout: Duration) -> Self {
+        self.store_timeout = timeout.max(Duration::from_millis(1));
+        self
+    }
+
     /// Builds the relay (creates its producer) without starting it.
     pub fn build(self) -> Result<Relay<S>, Error> {
         crate::config::check_features(&self.settings)?;
@@ -171,6 +186,7 @@ impl<S: OutboxSource> RelayBuilder<S> {
             poll_interval: self.poll_interval,
             retry: self.retry,
             purge_interval: self.purge_interval,
+            store_timeout: self.store_timeout,
             lease,
             // Each send may take the delivery timeout: one queued later
             // than this into a batch could still be in flight when the
@@ -190,7 +206,7 @@ impl<S: OutboxSource> RelayBuilder<S> {
         self,
         shutdown: impl Future<Output = ()>,
     ) -> Result<RelayStatsSnapshot, Error> {
-        Ok(self.build()?.run_until(shutdown).await)
+        self.build()?.run_until(shutdown).await
     }
 }
 
@@ -264,6 +280,7 @@ pub struct Relay<S> {
     poll_interval: Duration,
     retry: RetryPolicy,
     purge_interval: Duration,
+    store_timeout: Duration,
     lease: Duration,
     /// How long after leasing a batch its sends may be queued.
     send_window: Duration,
@@ -300,6 +317,7 @@ impl<S: OutboxSource> Relay<S> {
             retry: RetryPolicy::default(),
             purge_interval: Duration::from_secs(60),
             lease_timeout: None,
+            store_timeout: Duration::from_secs(30),
         }
     }
 
@@ -310,13 +328,20 @@ impl<S: OutboxSource> Relay<S> {
 
     /// Runs until SIGINT or SIGTERM.
     pub async fn run(self) -> Result<RelayStatsSnapshot, Error> {
-        Ok(self.run_until(crate::shutdown_signal()).await)
+        self.run_until(crate::shutdown_signal()).await
     }
 
     /// Runs until `shutdown` completes. A batch in flight is finished
-    /// first (bounded by the delivery timeout), so nothing is published
-    /// without being marked unless the process dies.
-    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> RelayStatsSnapshot {
+    /// first (bounded by the delivery and store timeouts), so nothing is
+    /// published without being marked unless the process dies. An error
+    /// when the producer failed fatally (librdkafka says it cannot be used
+    /// any more, e.g. fenced or out of sequence): every send would fail, so
+    /// the relay stops instead of retrying for ever; what it had not marked
+    /// stays pending for the next relay.
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<RelayStatsSnapshot, Error> {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let work = async {
             let mut jitter = Jitter::new(self.batch_size as u64);
@@ -345,15 +370,27 @@ impl<S: OutboxSource> Relay<S> {
                     if !purging {
                         last_purge = tokio::time::Instant::now();
                     }
-                    purging = match self.source.purge_sent(PURGE_BATCH).await {
-                        Ok(purged) => purged >= u64::from(PURGE_BATCH),
-                        Err(e) => {
+                    let purge = self.source.purge_sent(PURGE_BATCH);
+                    purging = match tokio::time::timeout(self.store_timeout, purge).await {
+                        Ok(Ok(purged)) => purged >= u64::from(PURGE_BATCH),
+                        Ok(Err(e)) => {
                             tracing::warn!(error = %e, "outbox relay: purging sent events failed");
+                            false
+                        }
+                        Err(_) => {
+                            tracing::warn!(
+                                store_timeout = ?self.store_timeout,
+                                "outbox relay: purging sent events took longer than store_timeout"
+                            );
                             false
                         }
                     };
                 }
-                let wait = match self.round(&mut jitter, &metrics, &stop_rx).await {
+                let round = self.round(&mut jitter, &metrics, &stop_rx).await;
+                if let Some(fatal) = fatal_error("relay's producer", self.producer.client()) {
+                    return Err(fatal);
+                }
+                let wait = match round {
                     // Nothing got through: the broker is likely down.
                     Ok(round) if round.failed > 0 && round.published == 0 => {
                         failures += 1;
@@ -380,18 +417,19 @@ impl<S: OutboxSource> Relay<S> {
                     }
                 }
             }
+            Ok(())
         };
         // The round in progress finishes; only the waits are cut short.
         tokio::pin!(work);
         tokio::pin!(shutdown);
-        tokio::select! {
-            () = &mut work => {}
+        let worked = tokio::select! {
+            worked = &mut work => worked,
             () = &mut shutdown => {
                 let _ = stop_tx.send(true);
-                work.await;
+                work.await
             }
-        }
-        self.stats.snapshot()
+        };
+        worked.map(|()| self.stats.snapshot())
     }
 
     /// One batch: lease, publish, mark.
@@ -402,10 +440,15 @@ impl<S: OutboxSource> Relay<S> {
         stop: &tokio::sync::watch::Receiver<bool>,
     ) -> Result<Round, dedup_core::StoreError> {
         let leased_at = tokio::time::Instant::now();
-        let (lease, records) = self
-            .source
-            .lease_pending(self.batch_size, self.lease)
-            .await?;
+        let leasing = self.source.lease_pending(self.batch_size, self.lease);
+        let (lease, records) = tokio::time::timeout(self.store_timeout, leasing)
+            .await
+            .map_err(|_| {
+                dedup_core::StoreError::environment(format!(
+                    "leasing pending events took longer than store_timeout ({:?})",
+                    self.store_timeout
+                ))
+            })??;
         if records.is_empty() {
             return Ok(Round::default());
         }
@@ -472,9 +515,14 @@ impl<S: OutboxSource> Relay<S> {
     ) -> Result<(), dedup_core::StoreError> {
         let mut attempts: u32 = 0;
         loop {
-            let error = match self.source.finish(lease, published, failed).await {
-                Ok(()) => return Ok(()),
-                Err(e) => e,
+            let limit = self.store_timeout;
+            let marking = self.source.finish(lease, published, failed);
+            let error = match tokio::time::timeout(limit, marking).await {
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err(e)) => e,
+                Err(_) => dedup_core::StoreError::environment(format!(
+                    "marking the batch took longer than store_timeout ({limit:?})"
+                )),
             };
             attempts += 1;
             let backoff = self.retry.backoff(attempts, jitter.next());
@@ -500,3 +548,6 @@ async fn until_stopped(wait: impl Future<Output = ()>, stop: &tokio::sync::watch
         _ = stopping.wait_for(|s| *s) => {}
     }
 }
+
+#[cfg(test)]
+mod tests;

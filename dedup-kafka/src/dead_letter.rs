@@ -56,8 +56,7 @@ pub(crate) async fn dead_letter<S: DedupStore>(
     if !produce(shared, partition, msg, &why, jitter).await {
         return false;
     }
-    shared.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);
-    route.metrics().dead_lettered();
+    route.record(&shared.stats).dead_lettered();
     record_it(shared, route, &record, jitter).await;
     failpoint("after-dead-letter");
     true

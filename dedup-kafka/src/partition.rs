@@ -480,13 +480,13 @@ async fn process_batch<S: DedupStore>(
                         Outcome::Applied { reclaimed } => {
                             applied += 1;
                             partition.applied();
-                            route.metrics().applied(reclaimed);
+                            route.record(&shared.stats).applied(reclaimed);
                             failpoint("after-commit");
                         }
                         Outcome::Skipped { age, .. } => {
                             skipped += 1;
                             partition.skipped(shared, route);
-                            route.metrics().skipped(age);
+                            route.record(&shared.stats).skipped(age);
                         }
                         // Neither applied nor skipped: dead-lettered after
                         // the commit, in offset order with the others.
@@ -503,13 +503,12 @@ async fn process_batch<S: DedupStore>(
                             // there one, its message is finished all the same.
                             debug_assert!(false, "a failure in a committed batch");
                             skipped += 1;
+                            shared.stats.skipped.fetch_add(1, Ordering::Relaxed);
                         }
                     }
                 }
                 bad.sort_by_key(|(i, _)| *i);
                 shared.stats.store_answered();
-                shared.stats.applied.fetch_add(applied, Ordering::Relaxed);
-                shared.stats.skipped.fetch_add(skipped, Ordering::Relaxed);
                 shared.stats.batches.fetch_add(1, Ordering::Relaxed);
                 tracing::info!(outcome = "committed", applied, skipped);
             }
@@ -658,18 +657,16 @@ async fn process<S: DedupStore>(
         match outcome {
             Outcome::Applied { reclaimed } => {
                 shared.stats.store_answered();
-                shared.stats.applied.fetch_add(1, Ordering::Relaxed);
                 partition.applied();
-                route.metrics().applied(reclaimed);
+                route.record(&shared.stats).applied(reclaimed);
                 tracing::info!(outcome = "applied", reclaimed, attempt);
                 failpoint("after-commit");
                 return true;
             }
             Outcome::Skipped { age, .. } => {
                 shared.stats.store_answered();
-                shared.stats.skipped.fetch_add(1, Ordering::Relaxed);
                 partition.skipped(shared, route);
-                route.metrics().skipped(age);
+                route.record(&shared.stats).skipped(age);
                 tracing::info!(outcome = "skipped", "duplicate within the TTL");
                 return true;
             }
@@ -683,8 +680,9 @@ async fn process<S: DedupStore>(
                 // with back-off, never later than the lease's end, without
                 // using up attempts or counting as an outage.
                 lease_waits += 1;
-                shared.stats.retries.fetch_add(1, Ordering::Relaxed);
-                route.metrics().retried(RetryReason::LeaseHeld);
+                route
+                    .record(&shared.stats)
+                    .retried_because(RetryReason::LeaseHeld);
                 let until_expiry = expires_at
                     .duration_since(std::time::SystemTime::now())
                     .unwrap_or_default();
@@ -703,8 +701,7 @@ async fn process<S: DedupStore>(
                 // The effect ran, but its lease had expired and a newer
                 // holder took the claim over: that holder finishes the event.
                 shared.stats.store_answered();
-                shared.stats.skipped.fetch_add(1, Ordering::Relaxed);
-                route.metrics().lease_lost();
+                route.record(&shared.stats).lease_lost();
                 tracing::warn!(outcome = "skipped", %key, token, "the lease was taken over before the effect completed: extend long effects (lease.extend()) or lengthen the lease");
                 return true;
             }
@@ -712,7 +709,6 @@ async fn process<S: DedupStore>(
                 if skips_mismatch(shared, route, &e) =>
             {
                 shared.stats.store_answered();
-                shared.stats.skipped.fetch_add(1, Ordering::Relaxed);
                 return true;
             }
             Outcome::Failed(e) => {
@@ -737,23 +733,12 @@ async fn process<S: DedupStore>(
                         wait
                     }
                 };
-                shared.stats.retries.fetch_add(1, Ordering::Relaxed);
-                route.metrics().retried(retry_reason(fault, &e));
+                route.record(&shared.stats).retried(fault, &e);
                 if !wait_unless_stopped(shared, partition, wait).await {
                     return false;
                 }
             }
         }
-    }
-}
-
-/// The metric label of a retry after `fault`.
-fn retry_reason(fault: Fault, error: &dedup_core::Error) -> RetryReason {
-    match fault {
-        Fault::TimedOut => RetryReason::Timeout,
-        Fault::Environment => RetryReason::Environment,
-        Fault::Transient if error.kind() == "handler" => RetryReason::Handler,
-        _ => RetryReason::Contention,
     }
 }
 
@@ -766,7 +751,7 @@ fn skips_mismatch<S: 'static>(
     error: &dedup_core::Error,
 ) -> bool {
     let skip = shared.settings.on_fingerprint_mismatch == OnFingerprintMismatch::Skip;
-    route.metrics().fingerprint_mismatch(skip);
+    route.record(&shared.stats).fingerprint_mismatch(skip);
     if skip {
         tracing::warn!(outcome = "skipped", kind = error.kind(), error = %error, "skipped as on_fingerprint_mismatch says");
     }

@@ -1,6 +1,7 @@
 //! Topics routed to handlers, and handlers of different event types behind
 //! one interface.
 
+use crate::pipeline::record::Record;
 use std::any::Any;
 use std::future::Future;
 use std::pin::Pin;
@@ -26,6 +27,14 @@ impl<S: 'static> Route<S> {
     pub(crate) fn metrics(&self) -> &crate::metrics::RouteMetrics {
         self.metrics
             .get_or_init(|| crate::metrics::RouteMetrics::new(&self.topic, self.handler.scope()))
+    }
+
+    /// Where this route's outcomes are recorded: `stats` and its metrics.
+    pub(crate) fn record<'a>(&'a self, stats: &'a crate::stats::Stats) -> Record<'a> {
+        Record {
+            stats,
+            metrics: self.metrics(),
+        }
     }
 
     /// Why a message of this route is dead-lettered.

@@ -13,7 +13,8 @@
 //! (default `payments`), `OUTPUT_TOPIC` (default `payments.enriched`),
 //! `GROUP_ID` (default `enrich-v1`), `DEDUP_TTL` (default `1d`),
 //! `TRANSACTIONAL_ID` (default: a new one per start), `KAFKA_CFG_*`
-//! passed through. Poison goes to `<TOPIC>.dlq`. Flag:
+//! passed through, `METRICS_ADDR` (serve `/metrics` and the health checks
+//! there). Poison goes to `<TOPIC>.dlq`. Flag:
 //! `--exit-when-idle <ttl>`. Runs until SIGINT or SIGTERM (or idle), then
 //! commits the batch in hand and prints `applied=N skipped=N dead_lettered=N`.
 //!
@@ -77,6 +78,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let consumer = builder.build()?;
     let stats = consumer.stats();
+    // With METRICS_ADDR set: /metrics and the health checks.
+    dedup_examples::serve_metrics(Some(stats.clone()))?;
     let summary = consumer
         .run_until(until_idle(
             stats,

@@ -88,20 +88,20 @@ fn outcome(text: &str, topic: &str, outcome: &str) -> u64 {
 /// A stream with duplicates and poison through the payments example: the
 /// counters it serves equal its last line, lag is above 0 while the backlog
 /// drains and 0 after, and every duplicate left one duplicate-age sample.
-#[sqlx::test(migrations = false)]
-async fn the_payments_example_serves_metrics_that_match_its_counts(pool: PgPool) {
-    let topic = create_topic(2).await;
+/// `count` payment events with 10 % duplicates and some malformed produced
+/// to a new topic of two partitions: the topic and how many of each.
+fn produce_payments(topic: &str, count: u64) -> (u64, u64, u64) {
     let produced = Command::new(example("produce"))
         .args([
             "--count",
-            "8000",
+            &count.to_string(),
             "--duplicates",
             "0.1",
             "--malformed",
             "0.002",
         ])
         .env("KAFKA_BROKERS", brokers())
-        .env("TOPIC", &topic)
+        .env("TOPIC", topic)
         .output()
         .expect("run the producer");
     assert!(produced.status.success());
@@ -113,22 +113,33 @@ async fn the_payments_example_serves_metrics_that_match_its_counts(pool: PgPool)
             .and_then(|v| v.parse().ok())
             .unwrap_or_else(|| panic!("{name} in {line:?}"))
     };
-    let (distinct, duplicates, malformed) =
-        (field("distinct"), field("duplicates"), field("malformed"));
+    (field("distinct"), field("duplicates"), field("malformed"))
+}
 
-    let port = free_port();
-    let child = common::payments(&pool, &topic, &unique("g"))
+/// Runs `consumer` (an example serving `/metrics` on `port`, exiting when
+/// idle) over `topic`, which holds `distinct`, `duplicates` and
+/// `malformed` events, scraping as it goes: the metrics count each outcome
+/// as produced, lag shows the backlog and drains to 0, and the example's
+/// own count agrees. The same for both runtimes.
+async fn assert_metrics_match(
+    mut consumer: Command,
+    port: u16,
+    topic: &str,
+    (distinct, duplicates, malformed): (u64, u64, u64),
+) {
+    let child = consumer
         .args(["--exit-when-idle", "6s"])
         .env("KAFKA_STATISTICS_INTERVAL_MS", "200")
+        .env("KAFKA_CFG_STATISTICS_INTERVAL_MS", "200")
         .env("METRICS_ADDR", format!("127.0.0.1:{port}"))
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
-        .expect("start the payments example");
+        .expect("start the example");
     let mut child = KillOnDrop(Some(child));
 
     let deadline = Instant::now() + Duration::from_secs(90);
-    let lag = |text: &str| sample(text, "dedup_consumer_lag", &[("topic", &topic)]);
+    let lag = |text: &str| sample(text, "dedup_consumer_lag", &[("topic", topic)]);
     let mut most_behind = 0.0_f64;
     let scraped = loop {
         assert!(Instant::now() < deadline, "the stream did not drain");
@@ -137,33 +148,37 @@ async fn the_payments_example_serves_metrics_that_match_its_counts(pool: PgPool)
             continue;
         };
         most_behind = most_behind.max(lag(&text).unwrap_or(0.0));
-        let finished = outcome(&text, &topic, "applied")
-            + outcome(&text, &topic, "skipped")
-            + outcome(&text, &topic, "dead_lettered");
+        let finished = outcome(&text, topic, "applied")
+            + outcome(&text, topic, "skipped")
+            + outcome(&text, topic, "dead_lettered");
         if finished == distinct + duplicates + malformed && lag(&text) == Some(0.0) {
             break text;
         }
     };
     assert!(most_behind > 0.0, "a backlog shows as lag");
-    let applied = outcome(&scraped, &topic, "applied");
-    let skipped = outcome(&scraped, &topic, "skipped");
-    let dead = outcome(&scraped, &topic, "dead_lettered");
+    let applied = outcome(&scraped, topic, "applied");
+    let skipped = outcome(&scraped, topic, "skipped");
+    let dead = outcome(&scraped, topic, "dead_lettered");
     assert_eq!((applied, skipped, dead), (distinct, duplicates, malformed));
     let ages = sample(
         &scraped,
         "dedup_duplicate_age_seconds_count",
-        &[("topic", &topic)],
+        &[("topic", topic)],
     );
     assert_eq!(ages, Some(skipped as f64), "one age per duplicate");
-    assert!(sample(&scraped, "dedup_batch_size_count", &[("topic", &topic)]) > Some(0.0));
+    assert!(sample(&scraped, "dedup_batch_size_count", &[("topic", topic)]) > Some(0.0));
     assert!(
         sample(
             &scraped,
             "dedup_handler_duration_seconds_count",
-            &[("topic", &topic)]
+            &[("topic", topic)]
         ) > Some(0.0)
     );
     assert_eq!(sample(&scraped, "dedup_outage", &[]), Some(0.0));
+    assert!(
+        sample(&scraped, "dedup_in_flight", &[("topic", topic)]).is_some(),
+        "in flight is reported"
+    );
 
     let output = child
         .0
@@ -177,6 +192,30 @@ async fn the_payments_example_serves_metrics_that_match_its_counts(pool: PgPool)
         format!("applied={applied} skipped={skipped} dead_lettered={dead}"),
         "the metrics and the example's own count agree"
     );
+}
+
+#[sqlx::test(migrations = false)]
+async fn the_payments_example_serves_metrics_that_match_its_counts(pool: PgPool) {
+    let topic = create_topic(2).await;
+    let counts = produce_payments(&topic, 8000);
+    let payments = common::payments(&pool, &topic, &unique("g"));
+    assert_metrics_match(payments, free_port(), &topic, counts).await;
+}
+
+/// The Kafka-only runtime records the same series with the same labels:
+/// the same input gives the same counts as the database runtime's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_enrich_example_serves_the_same_metrics() {
+    let topic = create_topic(2).await;
+    let counts = produce_payments(&topic, 8000);
+    let mut enrich = Command::new(example("enrich"));
+    enrich
+        .env("KAFKA_BROKERS", brokers())
+        .env("TOPIC", &topic)
+        .env("OUTPUT_TOPIC", create_topic(2).await)
+        .env("GROUP_ID", unique("g"))
+        .env_remove("DEDUP_FAILPOINT");
+    assert_metrics_match(enrich, free_port(), &topic, counts).await;
 }
 
 /// `/healthz` is 503 while the consumer waits for its group to assign it

@@ -8,10 +8,13 @@
 //!   out, dead-letter, stop): a pure function, table-tested.
 //! - [`outage`]: an event's retries: the decision applied, and its wait
 //!   out of an outage as health sees it.
+//! - [`record`]: what became of a message, in the counters and the metrics
+//!   at once.
 
 pub(crate) mod attempt;
 pub(crate) mod decision;
 pub(crate) mod outage;
+pub(crate) mod record;
 
 use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
 

@@ -20,6 +20,7 @@ use super::rebalance::Context;
 use super::transact::Attempt;
 use crate::Error;
 use crate::dlq;
+use crate::metrics::RetryReason;
 use crate::retry::Jitter;
 
 /// What a batch runs with: the consumer, the stop signal, and what it
@@ -105,6 +106,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         isolate: &mut BTreeSet<String>,
     ) -> Result<Processed, Error> {
         let With { consumer, busy, .. } = *with;
+        // One batch's attempt, for dedup_handler_duration_seconds: its
+        // handlers and its transaction.
+        let started = Instant::now();
         // Each message's stream time, from its partition's committed one
         // (a later transaction of the batch starts where the earlier ended).
         let times = claims::stream_times(
@@ -217,6 +221,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 .await?
             {
                 Attempt::Committed => {
+                    consumer.context().committed(&offsets);
                     let (mut fates, _) = judged.take().expect("judged above");
                     let rest = fates.split_off(take);
                     break (fates, tombstones, newest, rest);
@@ -240,7 +245,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         return Ok(Processed::Dropped);
                     }
                     in_place += 1;
-                    self.stats.retries.fetch_add(1, Ordering::Relaxed);
+                    self.record().retried_because(RetryReason::Environment);
                     let wait = self.retry.backoff(in_place, jitter.next());
                     tracing::warn!(why, ?wait, "transaction aborted; running the batch again");
                     busy.open();
@@ -253,19 +258,32 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = None;
         self.rewinds.store(0, Ordering::Relaxed);
-        // Committed: what the partitions now hold.
-        let (mut applied, mut skipped, mut dead) = (0, 0, 0);
+        // Committed: what the partitions now hold, and what became of each
+        // message.
+        let record = self.record();
+        record.metrics.attempt(started.elapsed());
+        record.metrics.batch(fates.len());
         for (msg, fate) in batch.iter().zip(fates) {
-            let Some(state) = states.get_mut(&msg.partition()) else {
-                continue;
-            };
             match fate {
-                Fate::Applied { digest, entry, .. } => {
-                    applied += 1;
-                    state.put(digest, entry);
+                Fate::Applied {
+                    digest,
+                    entry,
+                    reclaimed,
+                    ..
+                } => {
+                    record.applied(reclaimed);
+                    if let Some(state) = states.get_mut(&msg.partition()) {
+                        state.put(digest, entry);
+                    }
                 }
-                Fate::Skipped { .. } => skipped += 1,
-                Fate::Dead { .. } => dead += 1,
+                Fate::Skipped { mismatch: true, .. } => record.fingerprint_mismatch(true),
+                Fate::Skipped { age, .. } => record.skipped(age),
+                Fate::Dead { kind, .. } => {
+                    if kind == "fingerprint_mismatch" {
+                        record.fingerprint_mismatch(false);
+                    }
+                    record.dead_lettered();
+                }
             }
         }
         for (&p, state) in states.iter_mut() {
@@ -283,11 +301,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 }
             }
         }
-        let s = &self.stats;
-        s.applied.fetch_add(applied, Ordering::Relaxed);
-        s.skipped.fetch_add(skipped, Ordering::Relaxed);
-        s.dead_lettered.fetch_add(dead, Ordering::Relaxed);
-        s.batches.fetch_add(1, Ordering::Relaxed);
+        self.stats.batches.fetch_add(1, Ordering::Relaxed);
         Ok(Processed::Committed {
             taken: batch.len() - rest.len(),
             rest: Piece(rest.into_iter().enumerate().collect()),
@@ -344,7 +358,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         jitter: &mut Jitter,
     ) -> Result<(), Error> {
         let failures = self.rewinds.fetch_add(1, Ordering::Relaxed) + 1;
-        self.stats.retries.fetch_add(1, Ordering::Relaxed);
+        self.record().retried_because(RetryReason::Environment);
         if unwritable {
             let since = *self
                 .unwritable_since

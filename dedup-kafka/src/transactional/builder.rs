@@ -213,15 +213,6 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         {
             shared.set(k, v);
         }
-        // librdkafka's statistics are for the database runtime's lag
-        // metric; this consumer does not read them (unless asked to).
-        if !self
-            .settings
-            .iter()
-            .any(|(k, _)| k == "statistics.interval.ms")
-        {
-            consumer.set("statistics.interval.ms", "0");
-        }
         let mut producer = shared.clone();
         // A record that just fitted its input topic still fits the
         // dead-letter topic with dedup's headers (a user's setting wins).
@@ -259,6 +250,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             on_fingerprint_mismatch: self.on_fingerprint_mismatch,
             attempt_timeout: self.attempt_timeout,
             stats: Arc::new(Stats::new()),
+            metrics: std::sync::OnceLock::new(),
             unwritable_since: Mutex::new(None),
             rewinds: std::sync::atomic::AtomicU32::new(0),
         })

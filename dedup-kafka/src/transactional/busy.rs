@@ -61,6 +61,15 @@ struct Seen {
 }
 
 impl Busy {
+    /// How many partitions are paused now (for health and the gauges).
+    pub(super) fn paused(&self) -> usize {
+        self.seen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .paused
+            .len()
+    }
+
     pub(super) fn new() -> Self {
         Self {
             open: AtomicBool::new(false),

@@ -162,6 +162,11 @@ impl PartitionClaims {
         self.claims.get(digest).filter(|e| e.covers(at))
     }
 
+    /// Whether a claim of `digest` is held, live or expired.
+    pub(crate) fn holds(&self, digest: &ClaimDigest) -> bool {
+        self.claims.contains_key(digest)
+    }
+
     /// Applies a changelog record (restore), or a committed claim.
     pub(crate) fn put(&mut self, digest: ClaimDigest, entry: Entry) {
         self.stream_time = self.stream_time.max(entry.claimed_at);

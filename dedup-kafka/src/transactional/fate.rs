@@ -1,7 +1,7 @@
 //! Each message's fate: decoded, keyed, judged against the claims, and run
 //! (contained, with retries) into its outputs.
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use dedup_core::{DedupKey, Handler, HandlerExt};
 use rdkafka::message::{Message as _, OwnedMessage};
@@ -31,9 +31,17 @@ pub(super) enum Fate {
         digest: ClaimDigest,
         entry: Entry,
         key: DedupKey,
+        /// It took over an expired claim of its key.
+        reclaimed: bool,
     },
-    /// A duplicate of the claim `digest` (the batch's or a committed one).
-    Skipped { digest: ClaimDigest },
+    /// A duplicate of the claim `digest` (the batch's or a committed one),
+    /// `age` after it in stream time; `mismatch` if its fingerprint differs
+    /// from the claim's (skipped as `on_fingerprint_mismatch(Skip)` says).
+    Skipped {
+        digest: ClaimDigest,
+        age: Duration,
+        mismatch: bool,
+    },
     Dead {
         kind: &'static str,
         message: String,
@@ -117,9 +125,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     .and_then(|s| s.live(&digest, at))
             });
         if let Some(claim) = live {
+            let mut mismatch = false;
             if let (Some(kept), Some(ours)) = (claim.fingerprint, fingerprint)
                 && kept != ours
             {
+                mismatch = true;
                 tracing::warn!(key = %key, "a duplicate's fingerprint differs from its claim's: the id was reused for other content");
                 if self.on_fingerprint_mismatch == OnFingerprintMismatch::DeadLetter {
                     return Ok(dead(
@@ -131,8 +141,18 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     ));
                 }
             }
-            return Ok(Fate::Skipped { digest });
+            let age = u64::try_from(at.saturating_sub(claim.claimed_at)).unwrap_or(0);
+            return Ok(Fate::Skipped {
+                digest,
+                age: Duration::from_millis(age),
+                mismatch,
+            });
         }
+        // An expired claim of its key, taken over if it is applied.
+        let reclaimed = staged.contains_key(&(msg.partition(), digest))
+            || states
+                .get(&msg.partition())
+                .is_some_and(|s| s.holds(&digest));
         let mut event = Some(event);
         let mut attempt = 0u32;
         let mut retrying = Retrying::new(&self.stats, self.retry);
@@ -167,6 +187,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                             fingerprint,
                         },
                         key,
+                        reclaimed,
                     });
                 }
                 Ran::Done((_, Err(e))) => {
@@ -192,7 +213,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
             };
             tracing::warn!(key = %key, attempt, error = %error, ?wait, "handler failed; retrying");
-            self.stats.retries.fetch_add(1, Ordering::Relaxed);
+            self.record().retried(fault, &error);
             let mut stopping = with.stopping.clone();
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
@@ -225,7 +246,7 @@ pub(super) fn independent_of(
                 && *j > refused
                 && batch[*j].partition() == partition
                 && match fate {
-                    Fate::Skipped { digest } => Some(*digest) == claim,
+                    Fate::Skipped { digest, .. } => Some(*digest) == claim,
                     Fate::Dead { kind, .. } => *kind == "fingerprint_mismatch",
                     Fate::Applied { .. } => false,
                 };
@@ -289,12 +310,15 @@ mod tests {
                 fingerprint: None,
             },
             key,
+            reclaimed: false,
         }
     }
 
     fn skipped(id: &str) -> Fate {
         Fate::Skipped {
             digest: claims::digest(&DedupKey::new("t", id).expect("key")),
+            age: Duration::ZERO,
+            mismatch: false,
         }
     }
 

@@ -50,7 +50,9 @@ use self::claims::PartitionClaims;
 use self::rebalance::{Change, Context};
 use crate::Error;
 use crate::config::OnFingerprintMismatch;
+use crate::metrics::{ConsumerGauges, RouteMetrics};
 use crate::pipeline::outage::Retrying;
+use crate::pipeline::record::Record;
 use crate::retry::{Jitter, RetryPolicy};
 use crate::stats::{Stats, StatsSnapshot};
 
@@ -96,6 +98,9 @@ pub struct TransactionalConsumer<H> {
     on_fingerprint_mismatch: OnFingerprintMismatch,
     attempt_timeout: Duration,
     stats: Arc<Stats>,
+    /// Registered on first use, after the application installed its
+    /// recorder.
+    metrics: std::sync::OnceLock<RouteMetrics>,
     /// Since when transactions have failed on a topic that cannot be
     /// written, if they do.
     unwritable_since: Mutex<Option<Instant>>,
@@ -123,6 +128,17 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// The counters, live; [`Stats::idle_for`] tells an idle consumer.
     pub fn stats(&self) -> Arc<Stats> {
         self.stats.clone()
+    }
+
+    /// Where outcomes are recorded: the counters and the metrics, labelled
+    /// as the database runtime's are (the input topic, the handler's scope).
+    fn record(&self) -> Record<'_> {
+        Record {
+            stats: &self.stats,
+            metrics: self
+                .metrics
+                .get_or_init(|| RouteMetrics::new(&self.topic, self.handler.scope())),
+        }
     }
 
     /// The changelog topic's name.
@@ -162,7 +178,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let context = Context {
             topic: self.topic.clone(),
             changes: Mutex::new(Vec::new()),
+            owned: Mutex::new(HashMap::new()),
         };
+        let gauges = ConsumerGauges::new(self.consumer_config.get("group.id").unwrap_or_default());
         let consumer: StreamConsumer<Context> =
             self.consumer_config.create_with_context(context)?;
         consumer.subscribe(&[&self.topic])?;
@@ -180,6 +198,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         while !stopping {
             let mut batch: Vec<OwnedMessage> = Vec::new();
             let mut deadline: Option<tokio::time::Instant> = None;
+            self.refresh(&gauges, None, 0, 0);
             loop {
                 self.stats.polled();
                 let wait = match deadline {
@@ -243,6 +262,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             tokio::pin!(work);
             let mut poll = tokio::time::interval(busy::POLL_EVERY);
             poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let began = Instant::now();
             let done = loop {
                 tokio::select! {
                     done = &mut work => break done,
@@ -253,6 +273,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     _ = poll.tick() => {
                         // The loop turns: liveness.
                         self.stats.polled();
+                        self.refresh(&gauges, Some(began), batch.len(), busy.paused());
                         busy.poll(&consumer, &self.topic).await;
                     }
                 }
@@ -265,6 +286,26 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         }
         tracing::info!("transactional consumer stopping");
         Ok(())
+    }
+
+    /// Refreshes what health and the gauges report, as the database
+    /// runtime's loop does: the batch in hand (since when, how many
+    /// messages), the partitions paused while it runs, an outage.
+    fn refresh(
+        &self,
+        gauges: &ConsumerGauges,
+        since: Option<Instant>,
+        in_flight: usize,
+        paused: usize,
+    ) {
+        let oldest = since.map_or(Duration::ZERO, |at| at.elapsed());
+        let health = &self.stats.health;
+        health.paused.store(paused as u64, Ordering::Release);
+        health
+            .oldest_in_flight_ms
+            .store(oldest.as_millis() as u64, Ordering::Release);
+        gauges.set(paused, self.stats.waiting_out() > 0, oldest);
+        crate::metrics::in_flight(&self.topic, in_flight);
     }
 
     /// Acts on the rebalance callbacks: a revoked partition's claims and

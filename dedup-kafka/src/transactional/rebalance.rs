@@ -1,5 +1,6 @@
 //! The rebalance callbacks: what they saw, in order, for the run loop (and
 //! a batch that polls) to act on.
+use std::collections::HashMap;
 use std::sync::Mutex;
 
 use rdkafka::consumer::{BaseConsumer, ConsumerContext, Rebalance};
@@ -25,6 +26,9 @@ impl Change {
 pub(super) struct Context {
     pub(super) topic: String,
     pub(super) changes: Mutex<Vec<Change>>,
+    /// The input partitions this member owns, as the callbacks say, and
+    /// the offset each committed last (once it has): their lag is reported.
+    pub(super) owned: Mutex<HashMap<i32, Option<i64>>>,
 }
 
 impl Context {
@@ -42,6 +46,18 @@ impl Context {
             .unwrap_or_else(|p| p.into_inner())
             .iter()
             .any(|change| !change.partitions().is_empty())
+    }
+
+    /// The offsets a transaction committed, for the lag.
+    pub(super) fn committed(&self, offsets: &TopicPartitionList) {
+        let mut owned = self.owned.lock().unwrap_or_else(|p| p.into_inner());
+        for e in offsets.elements() {
+            if let (Some(at), rdkafka::Offset::Offset(o)) =
+                (owned.get_mut(&e.partition()), e.offset())
+            {
+                *at = Some(o);
+            }
+        }
     }
 
     /// Calls `f` with each change from the `from`th on, in order.
@@ -63,20 +79,59 @@ impl Context {
     }
 }
 
-impl ClientContext for Context {}
+impl ClientContext for Context {
+    /// librdkafka's statistics (every `statistics.interval.ms`): the lag of
+    /// each owned input partition, from the end of its committed log (its
+    /// last stable offset) back to the offset this member's transactions
+    /// committed last, as the `dedup_consumer_lag` gauge. (librdkafka's own
+    /// lag counts from offsets the consumer commits itself, and this one
+    /// commits through its transactions.)
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        let owned = self.owned.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(topic) = statistics.topics.get(&self.topic) else {
+            return;
+        };
+        for (&id, partition) in &topic.partitions {
+            let end = if partition.ls_offset >= 0 {
+                partition.ls_offset
+            } else {
+                partition.hi_offset
+            };
+            if let Some(Some(committed)) = owned.get(&id)
+                && partition.desired
+                && end >= 0
+            {
+                crate::metrics::consumer_lag(&self.topic, id, (end - committed).max(0));
+            }
+        }
+    }
+}
 
 /// The callbacks run inside `recv`, which the loop calls only while no
 /// transaction is open (see [`busy`]): none is when partitions are revoked.
 impl ConsumerContext for Context {
     fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(list) = rebalance {
-            self.push(Change::Revoked(self.partitions(list)));
+            let partitions = self.partitions(list);
+            let mut owned = self.owned.lock().unwrap_or_else(|p| p.into_inner());
+            for p in &partitions {
+                owned.remove(p);
+                // Not this member's to report any more.
+                crate::metrics::consumer_lag(&self.topic, *p, 0);
+            }
+            drop(owned);
+            self.push(Change::Revoked(partitions));
         }
     }
 
     fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Assign(list) = rebalance {
-            self.push(Change::Assigned(self.partitions(list)));
+            let partitions = self.partitions(list);
+            self.owned
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .extend(partitions.iter().map(|&p| (p, None)));
+            self.push(Change::Assigned(partitions));
         }
     }
 }

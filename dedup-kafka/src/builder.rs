@@ -17,52 +17,6 @@ use crate::retry::RetryPolicy;
 use crate::route::Route;
 use crate::stats::StatsSnapshot;
 
-/// A librdkafka setting's name from an environment variable's suffix:
-/// `GROUP_PROTOCOL` -> `group.protocol`, `LOG__LEVEL` -> `log_level`.
-/// The environment variables `<prefix><NAME>`, in name order, as
-/// `(setting, variable, value)`; see `set_from_env`.
-pub(crate) fn settings_from_env(prefix: &str) -> Vec<(String, String, String)> {
-    let mut vars: Vec<(String, String)> = std::env::vars()
-        .filter(|(name, _)| name.len() > prefix.len() && name.starts_with(prefix))
-        .collect();
-    vars.sort();
-    vars.into_iter()
-        .map(|(name, value)| (setting_name(&name[prefix.len()..]), name, value))
-        .collect()
-}
-
-/// Checks each setting taken from the environment (`from_env`: setting,
-/// variable) with librdkafka at the value it ends with in `settings`, so
-/// that a refusal names its variable, never its value.
-pub(crate) fn check_env_settings(
-    from_env: &[(String, String)],
-    settings: &[(String, String)],
-) -> Result<(), Error> {
-    for (key, variable) in from_env {
-        let value = settings
-            .iter()
-            .rev()
-            .find(|(k, _)| k == key)
-            .map_or("", |(_, v)| v.as_str());
-        if let Err(e) = ClientConfig::new().set(key, value).create_native_config() {
-            return Err(Error::Config(format!(
-                "environment variable {variable}: {}",
-                crate::redacted(&e)
-            )));
-        }
-    }
-    Ok(())
-}
-
-fn setting_name(suffix: &str) -> String {
-    suffix
-        .to_lowercase()
-        .split("__")
-        .map(|part| part.replace('_', "."))
-        .collect::<Vec<_>>()
-        .join("_")
-}
-
 /// Builds a [`Consumer`]: brokers, group, topic -> handler routes, and any
 /// librdkafka setting passed through.
 ///
@@ -129,6 +83,12 @@ impl<S> ConsumerBuilder<S> {
     /// idempotence settings, which none of them can override.
     fn dead_letter_producer_config(&self) -> Result<ClientConfig, Error> {
         config::check_features(&self.dead_letter_settings)?;
+        config::refuse_own_settings(
+            &self.dead_letter_settings,
+            &config::PRODUCER_OWN_SETTINGS,
+            "the dead-letter producer",
+            "idempotence and acks=all are always on; dead_letter_timeout() sets the timeout",
+        )?;
         let defaults = [
             // librdkafka's own default (1,000,000 bytes) is below the
             // broker's, so a message that fitted its topic could not be
@@ -202,7 +162,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// names the variable of one it refuses (never its value, which may be a
     /// password).
     pub fn set_from_env(mut self, prefix: &str) -> Self {
-        for (key, name, value) in settings_from_env(prefix) {
+        for (key, name, value) in config::settings_from_env(prefix) {
             self.from_env.push((key.clone(), name));
             self.client_settings.push((key, value));
         }
@@ -214,7 +174,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// `message.max.bytes` for topics that allow larger records...).
     /// `enable.idempotence`, `acks` and `message.timeout.ms` (and their
     /// aliases `request.required.acks`, `delivery.timeout.ms`) stay the
-    /// runtime's: they are left out.
+    /// runtime's: `build()` refuses them.
     pub fn dead_letter_producer_set(
         mut self,
         key: impl Into<String>,
@@ -476,7 +436,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// Checks each setting taken from the environment with librdkafka, so
     /// that a refusal names its variable.
     fn check_env_settings(&self) -> Result<(), Error> {
-        check_env_settings(&self.from_env, &self.client_settings)
+        config::check_env_settings(&self.from_env, &self.client_settings)
     }
 
     /// Builds and runs until SIGINT or SIGTERM; see [`Consumer::run`].
@@ -506,8 +466,7 @@ mod tests {
             .set("enable.ssl.certificate.verification", "false")
             .set("fetch.min.bytes", "9")
             .dead_letter_producer_set("linger.ms", "7")
-            .dead_letter_producer_set("message.max.bytes", "5000000")
-            .dead_letter_producer_set("enable.idempotence", "false");
+            .dead_letter_producer_set("message.max.bytes", "5000000");
         let config = b.dead_letter_producer_config().unwrap();
         assert_eq!(
             config.get("enable.ssl.certificate.verification"),
@@ -518,6 +477,79 @@ mod tests {
         assert_eq!(config.get("message.max.bytes"), Some("5000000"));
         assert_eq!(config.get("batch.num.messages"), Some("1"));
         assert_eq!(config.get("enable.idempotence"), Some("true"));
+    }
+
+    /// Every producer refuses the settings it keeps, aliases included: one
+    /// left beside dedup's would win or lose by librdkafka's map order.
+    #[test]
+    fn a_producer_refuses_the_settings_it_keeps_and_their_aliases() {
+        let consumer = |k: &str| {
+            Consumer::builder(MemoryStore::new())
+                .group_id("g")
+                .dead_letter_producer_set(k, "1")
+                .dead_letter_producer_config()
+        };
+        for key in [
+            "enable.idempotence",
+            "request.required.acks",
+            "delivery.timeout.ms",
+        ] {
+            let err = consumer(key).unwrap_err().to_string();
+            assert!(
+                err.contains(key) && err.contains("dead-letter producer"),
+                "{err}"
+            );
+        }
+        let transactional = |k: &str| {
+            crate::TransactionalConsumer::builder("t", Echo)
+                .group_id("g")
+                .producer_set(k, "1")
+                .build()
+        };
+        for key in [
+            "request.required.acks",
+            "transactional.id",
+            "transaction.timeout.ms",
+        ] {
+            let err = transactional(key).unwrap_err().to_string();
+            assert!(
+                err.contains(key) && err.contains("transactional producer"),
+                "{err}"
+            );
+        }
+        assert!(transactional("linger.ms").is_ok(), "others pass through");
+    }
+
+    /// A Kafka-only handler that outputs nothing.
+    struct Echo;
+
+    impl dedup_core::Handler for Echo {
+        type Tx = crate::Outputs;
+        type Event = ();
+
+        fn scope(&self) -> &str {
+            "echo"
+        }
+
+        fn ttl(&self) -> dedup_core::Ttl {
+            dedup_core::Ttl::from_secs(60).expect("ttl")
+        }
+
+        fn key(&self, _: &(), _: &dyn dedup_core::Headers) -> Result<String, dedup_core::KeyError> {
+            Ok("k".into())
+        }
+
+        async fn handle(
+            &self,
+            _: &mut crate::Outputs,
+            (): (),
+        ) -> Result<(), dedup_core::HandlerError> {
+            Ok(())
+        }
+
+        fn decode(&self, _: &[u8]) -> Result<(), dedup_core::Error> {
+            Ok(())
+        }
     }
 
     #[test]

@@ -207,6 +207,52 @@ pub(crate) fn check_features(settings: &[(String, String)]) -> Result<(), Error>
     Ok(())
 }
 
+/// A librdkafka setting's name from an environment variable's suffix:
+/// `GROUP_PROTOCOL` -> `group.protocol`, `LOG__LEVEL` -> `log_level`.
+/// The environment variables `<prefix><NAME>`, in name order, as
+/// `(setting, variable, value)`; see `set_from_env`.
+pub(crate) fn settings_from_env(prefix: &str) -> Vec<(String, String, String)> {
+    let mut vars: Vec<(String, String)> = std::env::vars()
+        .filter(|(name, _)| name.len() > prefix.len() && name.starts_with(prefix))
+        .collect();
+    vars.sort();
+    vars.into_iter()
+        .map(|(name, value)| (setting_name(&name[prefix.len()..]), name, value))
+        .collect()
+}
+
+/// Checks each setting taken from the environment (`from_env`: setting,
+/// variable) with librdkafka at the value it ends with in `settings`, so
+/// that a refusal names its variable, never its value.
+pub(crate) fn check_env_settings(
+    from_env: &[(String, String)],
+    settings: &[(String, String)],
+) -> Result<(), Error> {
+    for (key, variable) in from_env {
+        let value = settings
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map_or("", |(_, v)| v.as_str());
+        if let Err(e) = ClientConfig::new().set(key, value).create_native_config() {
+            return Err(Error::Config(format!(
+                "environment variable {variable}: {}",
+                crate::redacted(&e)
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn setting_name(suffix: &str) -> String {
+    suffix
+        .to_lowercase()
+        .split("__")
+        .map(|part| part.replace('_', "."))
+        .collect::<Vec<_>>()
+        .join("_")
+}
+
 /// The producer settings [`idempotent_producer_config`] sets itself, with
 /// their librdkafka aliases.
 pub(crate) const PRODUCER_OWN_SETTINGS: [&str; 5] = [
@@ -216,6 +262,34 @@ pub(crate) const PRODUCER_OWN_SETTINGS: [&str; 5] = [
     "message.timeout.ms",
     "delivery.timeout.ms",
 ];
+
+/// The transactional producer's own settings, with their aliases.
+pub(crate) const TRANSACTIONAL_OWN_SETTINGS: [&str; 5] = [
+    "enable.idempotence",
+    "acks",
+    "request.required.acks",
+    "transactional.id",
+    "transaction.timeout.ms",
+];
+
+/// Refuses a setting that a producer of dedup's (`who`) keeps for itself
+/// (`own`, aliases included): left beside dedup's value, librdkafka would
+/// apply one or the other by the order it reads the map in. `instead` says
+/// what sets it. Every producer (dead letters, the relay, the Kafka-only
+/// runtime's) is guarded the same way.
+pub(crate) fn refuse_own_settings(
+    settings: &[(String, String)],
+    own: &[&str],
+    who: &str,
+    instead: &str,
+) -> Result<(), Error> {
+    match settings.iter().find(|(k, _)| own.contains(&k.as_str())) {
+        Some((key, _)) => Err(Error::Config(format!(
+            "{who} sets {key:?} itself ({instead})"
+        ))),
+        None => Ok(()),
+    }
+}
 
 /// The configuration of an idempotent producer (the consumer's dead letters,
 /// the relay): `settings` passed through, then the idempotence settings,

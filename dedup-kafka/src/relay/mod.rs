@@ -154,16 +154,13 @@ impl<S: OutboxSource> RelayBuilder<S> {
     /// Builds the relay (creates its producer) without starting it.
     pub fn build(self) -> Result<Relay<S>, Error> {
         crate::config::check_features(&self.settings)?;
-        if let Some((key, _)) = self
-            .settings
-            .iter()
-            .find(|(k, _)| crate::config::PRODUCER_OWN_SETTINGS.contains(&k.as_str()))
-        {
-            return Err(Error::Config(format!(
-                "the relay sets {key:?} itself (idempotence, acks=all; delivery_timeout() for \
-                 the timeouts, which its leases are sized by)"
-            )));
-        }
+        crate::config::refuse_own_settings(
+            &self.settings,
+            &crate::config::PRODUCER_OWN_SETTINGS,
+            "the relay",
+            "idempotence and acks=all are always on; delivery_timeout() sets the timeouts, \
+             which its leases are sized by",
+        )?;
         let lease = self
             .lease_timeout
             .unwrap_or(self.delivery_timeout.saturating_add(LEASE_MARGIN));

@@ -104,7 +104,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     /// [`ConsumerBuilder::set_from_env`](crate::ConsumerBuilder::set_from_env)
     /// reads them (`KAFKA_CFG_SESSION_TIMEOUT_MS=6000`).
     pub fn set_from_env(mut self, prefix: &str) -> Self {
-        for (key, name, value) in crate::builder::settings_from_env(prefix) {
+        for (key, name, value) in config::settings_from_env(prefix) {
             self.from_env.push((key.clone(), name));
             self.settings.push((key, value));
         }
@@ -112,6 +112,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     }
 
     /// A librdkafka setting for the transactional producer alone.
+    /// `transactional.id`, `transaction.timeout.ms`, `enable.idempotence`
+    /// and `acks` (and its alias `request.required.acks`) are the runtime's:
+    /// `build()` refuses them.
     pub fn producer_set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.producer_settings.push((key.into(), value.into()));
         self
@@ -199,7 +202,14 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
                 Jitter::new(std::process::id().into()).next().to_bits()
             )
         });
-        crate::builder::check_env_settings(&self.from_env, &self.settings)?;
+        config::check_env_settings(&self.from_env, &self.settings)?;
+        config::refuse_own_settings(
+            &self.producer_settings,
+            &config::TRANSACTIONAL_OWN_SETTINGS,
+            "the transactional producer",
+            "transactional_id() and transaction_timeout() set them; idempotence and acks=all \
+             are always on",
+        )?;
         let mut consumer = config::consumer_config(&self.brokers, Some(&group), &self.settings)?;
         // Only what upstream committed, and offsets only through the
         // transactions.

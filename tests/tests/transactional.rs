@@ -526,6 +526,33 @@ async fn claims_expire_on_record_timestamps_and_are_tombstoned() {
     assert!(readable[1].ends_with(&b.to_string()), "{readable:?}");
 }
 
+/// The linger is for a consumer that was idle: behind a full batch, the
+/// next takes what is queued and goes, as the database runtime does (a
+/// 30 s linger held the last, partial batch of a backlog for 30 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_goes_without_waiting_for_the_linger() {
+    let (topic, out, group) = events_and(1, 25, &[]).await;
+    let consumer = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+        .brokers(brokers())
+        .group_id(&group)
+        .batch_size(10)
+        .batch_linger(Duration::from_secs(30))
+        .build()
+        .expect("consumer");
+    let member = Member::start(consumer);
+    let stats = member.stats.clone();
+    // The first batch, from idle, fills up before its linger ends; the
+    // other two follow a full batch.
+    wait_until(
+        "the backlog of 25 is applied without a 30 s linger",
+        20,
+        || stats.snapshot().applied == 25,
+    )
+    .await;
+    member.stop().await;
+    assert_eq!(outputs(&out).await, each_once(25, &[]));
+}
+
 /// Decisions depend on the input alone, not on where batches or restarts
 /// cut it: the same records, stamped out of order, run through one consumer
 /// at once and through three consumers one after another (each restored

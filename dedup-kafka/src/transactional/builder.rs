@@ -163,8 +163,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         self
     }
 
-    /// How long a batch waits for more messages once it has one (default
-    /// 20 ms): each transaction costs a few round trips to the brokers.
+    /// How long a batch that starts from idle waits for more messages once
+    /// it has one (default 20 ms): each transaction costs a few round trips
+    /// to the brokers. After a full batch, or one during which more came
+    /// in, the next takes what is queued and goes at once.
     pub fn batch_linger(mut self, linger: Duration) -> Self {
         self.batch_linger = linger;
         self

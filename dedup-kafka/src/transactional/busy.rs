@@ -156,12 +156,14 @@ impl Busy {
         let _ = self.rebalanced.subscribe().wait_for(|r| *r).await;
     }
 
-    /// The batch ended: what came in meanwhile is fetched again.
+    /// The batch ended: what came in meanwhile is fetched again. `true` if
+    /// anything did (the next batch has a backlog to take).
     pub(super) fn finish(
         &self,
         consumer: &StreamConsumer<Context>,
         topic: &str,
-    ) -> Result<(), Error> {
+    ) -> Result<bool, Error> {
+        let came_in = !lock(&self.seen).unread.is_empty();
         self.close();
         self.rewind(consumer, topic, &BTreeMap::new())?;
         self.rebalanced.send_replace(false);
@@ -171,7 +173,7 @@ impl Busy {
             paused: std::mem::take(&mut seen.paused),
             ..Seen::default()
         };
-        Ok(())
+        Ok(came_in)
     }
 
     /// Drops the batch (its messages from `first`, by partition) and what

@@ -195,6 +195,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         // refuses: kept while a batch is rewound and runs again.
         let mut isolate: BTreeSet<String> = BTreeSet::new();
         tokio::pin!(stop);
+        // Whether the last batch left a backlog (it was full, or messages
+        // came in while it ran): then the next takes what is queued and goes,
+        // without lingering, as the database runtime's partitions do.
+        let mut backlog = false;
         while !stopping {
             let mut batch: Vec<OwnedMessage> = Vec::new();
             let mut deadline: Option<tokio::time::Instant> = None;
@@ -202,6 +206,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             loop {
                 self.stats.polled();
                 let wait = match deadline {
+                    None if backlog && !batch.is_empty() => Duration::ZERO,
                     None => Duration::from_millis(500),
                     Some(at) => match at.checked_duration_since(tokio::time::Instant::now()) {
                         Some(left) => left,
@@ -223,7 +228,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     Err(_) if batch.is_empty() => {}
                     Err(_) => break,
                     Ok(Ok(msg)) => {
-                        if batch.is_empty() {
+                        if batch.is_empty() && !backlog {
                             deadline = Some(tokio::time::Instant::now() + self.batch_linger);
                         }
                         batch.push(msg.detach());
@@ -246,6 +251,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 break;
             }
             if batch.is_empty() {
+                backlog = false;
                 continue;
             }
             self.stats.add_in_flight(batch.len() as i64);
@@ -282,7 +288,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             self.stats.add_in_flight(-(batch.len() as i64));
             self.stats.touch();
             done?;
-            finished?;
+            backlog = finished? || batch.len() >= self.batch_size;
         }
         tracing::info!("transactional consumer stopping");
         Ok(())

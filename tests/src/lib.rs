@@ -1,6 +1,9 @@
 //! Fixtures shared by the end-to-end tests: a payment event whose effect is
 //! NOT idempotent (`balance = balance + amount`), so any double apply shows
-//! in the balance.
+//! in the balance. [`common`] holds the helpers every test binary shares
+//! (compiled once, here, rather than into each binary).
+
+pub mod common;
 
 use dedup_postgres::{PgConfig, PgStore, PgTx};
 use sqlx::PgPool;

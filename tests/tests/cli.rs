@@ -1,7 +1,7 @@
 //! The operator tool, `dedup`, run as a process against the real PostgreSQL
 //! and Kafka, on claims and dead letters that a real consumer made.
 
-mod common;
+use dedup_tests::common;
 
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -304,7 +304,7 @@ async fn bad_settings_are_clear_errors_that_reveal_no_secret(pool: PgPool) {
         "{}",
         stderr(&missing)
     );
-    let url = database_url(&pool).replace("dedup:dedup@", "dedup:hunter2-secret@");
+    let url = with_password(&database_url(&pool), "hunter2-secret");
     let denied = dedup_with(&pool, &["claims", "stats"], &[("DATABASE_URL", &url)]).await;
     assert!(!denied.status.success());
     assert!(
@@ -762,4 +762,15 @@ async fn outbox_pending_shows_the_backlog_per_topic(pool: PgPool) {
     let text = stdout(&dedup(&pool, &["outbox", "pending"]).await);
     assert!(text.contains("1 being published (leased)"), "{text}");
     assert!(text.contains("1 left by a relay that stopped"), "{text}");
+}
+
+/// `url` with its password replaced by `password`, whatever role and
+/// password it names.
+fn with_password(url: &str, password: &str) -> String {
+    let (scheme, rest) = url.split_once("://").expect("DATABASE_URL is a URL");
+    let (userinfo, host) = rest
+        .rsplit_once('@')
+        .expect("DATABASE_URL names a role (user@host)");
+    let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+    format!("{scheme}://{user}:{password}@{host}")
 }

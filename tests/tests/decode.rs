@@ -2,7 +2,7 @@
 //! protobuf example decodes plain Protobuf (`format = "protobuf"`) and
 //! Confluent's schema-registry wire format (`decode = from_registry`).
 
-mod common;
+use dedup_tests::common;
 
 use common::{brokers, database_url, example, header, last_line, read_exactly, unique};
 use rdkafka::Message as _;

@@ -4,7 +4,7 @@
 //!
 //! The handlers add to a balance (NON-idempotent), so a double apply shows.
 
-mod common;
+use dedup_tests::common;
 
 use std::process::Command;
 use std::time::{Duration, Instant};

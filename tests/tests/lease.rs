@@ -2,7 +2,7 @@
 //! effect lies outside the database, here an in-process "provider" that
 //! records every call with the token it came under.
 
-mod common;
+use dedup_tests::common;
 
 use std::collections::HashMap;
 use std::sync::Mutex;

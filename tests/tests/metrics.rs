@@ -2,7 +2,7 @@
 //! HTTP from the examples (`METRICS_ADDR`), against the real Kafka and
 //! PostgreSQL.
 
-mod common;
+use dedup_tests::common;
 
 use std::collections::BTreeSet;
 use std::io::{Read as _, Write as _};

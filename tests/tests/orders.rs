@@ -3,7 +3,7 @@
 //! so a status replayed after its claim's TTL, or sent out of order, leaves
 //! the newer state alone.
 
-mod common;
+use dedup_tests::common;
 
 use std::time::{Duration, Instant};
 

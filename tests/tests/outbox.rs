@@ -2,7 +2,7 @@
 //! test), the real broker of scripts/kafka.sh, and for the outage test a
 //! second broker of its own that the test stops and starts again.
 
-mod common;
+use dedup_tests::common;
 
 use std::collections::{HashMap, HashSet};
 use std::process::Command;

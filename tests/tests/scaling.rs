@@ -4,7 +4,7 @@
 //! revoke, settings from the environment, and the pool bounding how many
 //! partitions run at once.
 
-mod common;
+use dedup_tests::common;
 
 use std::time::{Duration, Instant};
 

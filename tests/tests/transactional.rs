@@ -4,7 +4,7 @@
 //! poison dead-lettered inside the transaction, claims expiring on record
 //! timestamps, and crashes at each step of the transaction.
 
-mod common;
+use dedup_tests::common;
 
 use std::collections::{HashMap, HashSet};
 use std::process::{Command, Stdio};

@@ -1,8 +1,6 @@
 //! Helpers shared by the end-to-end test binaries: broker address, random
 //! names, topics, reading records back, the examples' binaries.
 
-#![allow(dead_code, unreachable_pub)] // each test binary uses a part
-
 use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
@@ -17,14 +15,17 @@ use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
 use rdkafka::producer::FutureProducer;
 use sqlx::PgPool;
 
+/// The brokers the tests use: `KAFKA_BROKERS`, default `127.0.0.1:9092`.
 pub fn brokers() -> String {
     std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
 }
 
+/// `prefix` and a random suffix: a name no other test uses.
 pub fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4().simple())
 }
 
+/// A new topic of `partitions` partitions on the shared broker.
 pub async fn create_topic(partitions: i32) -> String {
     create_topic_on(&brokers(), partitions).await
 }
@@ -56,6 +57,7 @@ pub async fn create_topic_with(brokers: &str, partitions: i32, configs: &[(&str,
     name
 }
 
+/// An idempotent producer to the shared broker.
 pub fn producer() -> FutureProducer {
     producer_on(&brokers())
 }
@@ -140,6 +142,7 @@ pub async fn read_exactly(brokers: &str, topic: &str, n: usize) -> Vec<OwnedMess
     out
 }
 
+/// The value of header `name` of `msg`, as text.
 pub fn header<'a>(msg: &'a OwnedMessage, name: &str) -> Option<&'a str> {
     msg.headers()?
         .iter()
@@ -206,6 +209,7 @@ pub fn payments(pool: &PgPool, topic: &str, group: &str) -> Command {
     cmd
 }
 
+/// The last line the process printed on stdout.
 pub fn last_line(output: &std::process::Output) -> String {
     let stdout = String::from_utf8_lossy(&output.stdout);
     stdout.lines().last().unwrap_or_default().to_owned()
@@ -358,11 +362,13 @@ impl Drop for OwnPostgres {
 
 /// A consumer running in the background.
 pub struct Running {
+    /// Its counters, live.
     pub stats: std::sync::Arc<dedup_kafka::Stats>,
     stop: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<StatsSnapshot>,
 }
 
+/// Builds and runs a consumer in the background until [`Running::stop`].
 pub fn start(builder: ConsumerBuilder<PgStore>) -> Running {
     let consumer = builder.build().expect("consumer");
     let stats = consumer.stats();
@@ -392,6 +398,7 @@ impl Running {
         }
     }
 
+    /// Stops it and returns what it did.
     pub async fn stop(self) -> StatsSnapshot {
         let _ = self.stop.send(());
         self.task.await.expect("consumer task")

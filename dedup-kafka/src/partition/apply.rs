@@ -1,0 +1,386 @@
+//! What a worker does with its messages: a batch in one transaction (its
+//! messages replayed one by one if it fails), or one message with its
+//! retries, and the dead letter of one that cannot be applied.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use dedup_core::{DedupStore, Outcome};
+use rdkafka::message::{Message as _, OwnedMessage};
+use tracing::Instrument;
+
+use crate::config::OnFingerprintMismatch;
+use crate::dead_letter::{self as dead_letters, dead_letter};
+use crate::failpoint::failpoint;
+use crate::metrics::RetryReason;
+use crate::pipeline::attempt::{self, AttemptTimedOut, Ran};
+use crate::pipeline::decision::{Decision, Fault};
+use crate::pipeline::outage::Retrying;
+use crate::pipeline::{error_chain, headers_of};
+use crate::retry::Jitter;
+use crate::route::Route;
+
+use super::{Partition, Shared, wait_unless_stopped};
+
+/// Runs a batch of one partition's messages in one transaction (one claim
+/// statement, one commit). If a message cannot be decoded or keyed, or any
+/// handler or the store fails, nothing of the batch is committed and it is
+/// replayed message by message, so the poison message is isolated (retried
+/// or dead-lettered) and every other one is still applied exactly once.
+/// Returns how many messages, from the first, are finished.
+pub(super) async fn process_batch<S: DedupStore>(
+    shared: &Arc<Shared<S>>,
+    route: &Arc<Route<S>>,
+    partition: &Partition,
+    batch: &[OwnedMessage],
+    dead_lettered: &HashSet<String>,
+    jitter: &mut Jitter,
+) -> usize {
+    let span = tracing::info_span!(
+        "batch",
+        topic = batch[0].topic(),
+        partition = batch[0].partition(),
+        first_offset = batch[0].offset(),
+        last_offset = batch[batch.len() - 1].offset(),
+        size = batch.len(),
+    );
+    // Decoding and keys are known before any transaction: a message that
+    // fails them is the event's fault and is dead-lettered, and the rest
+    // still go as one batch (no replay at per-message speed). The batch
+    // commits first, then the bad ones are dead-lettered in offset order: a
+    // stop or a crash in between leaves the bad ones to be dead-lettered by
+    // their redelivery, once, and the good ones to be skipped.
+    let mut members = Vec::with_capacity(batch.len());
+    let mut prepared = Vec::with_capacity(batch.len());
+    let mut bad = Vec::new();
+    for (i, msg) in batch.iter().enumerate() {
+        if was_dead_lettered(route, dead_lettered, msg) {
+            bad.push((i, Unprepared::DeadLettered));
+            continue;
+        }
+        let headers = headers_of(msg);
+        // User code (a Deserialize impl, a key's Display, a custom decode):
+        // a panic fails this message, never the worker, which would drop
+        // everything it buffered.
+        let payload = msg.payload().unwrap_or_default();
+        match attempt::contained(|| route.handler.prepare(payload, &headers)) {
+            Ok(Ok(ready)) => {
+                members.push(i);
+                prepared.push(ready);
+            }
+            Ok(Err(e)) => bad.push((i, Unprepared::Error(e))),
+            Err(said) => bad.push((
+                i,
+                Unprepared::Panic(format!(
+                    "decoding the event or reading its key panicked: {said}"
+                )),
+            )),
+        }
+    }
+    let committed = if prepared.is_empty() {
+        Ok(Vec::new())
+    } else {
+        route.metrics().batch(prepared.len());
+        let joined = {
+            let task_route = route.clone();
+            shared
+                .run_handler(span.clone(), route.metrics(), move |store| async move {
+                    task_route.handler.apply_batch(&*store, prepared).await
+                })
+                .await
+        };
+        match joined {
+            Ran::Done(result) => result.map_err(|e| e.to_string()),
+            Ran::Panicked(said) => Err(format!("the handler panicked: {said}")),
+            Ran::TimedOut(limit) => Err(AttemptTimedOut(limit).to_string()),
+        }
+    };
+    match committed {
+        Ok(outcomes) => {
+            if !outcomes.is_empty() {
+                let _enter = span.enter();
+                let (mut applied, mut skipped) = (0, 0);
+                for (&i, outcome) in members.iter().zip(outcomes) {
+                    let name = outcome.name();
+                    tracing::debug!(offset = batch[i].offset(), outcome = name);
+                    match outcome {
+                        Outcome::Applied { reclaimed } => {
+                            applied += 1;
+                            partition.applied();
+                            route.record(&shared.stats).applied(reclaimed);
+                            failpoint("after-commit");
+                        }
+                        Outcome::Skipped { age, .. } => {
+                            skipped += 1;
+                            partition.skipped(shared, route);
+                            route.record(&shared.stats).skipped(age);
+                        }
+                        // Neither applied nor skipped: dead-lettered after
+                        // the commit, in offset order with the others.
+                        Outcome::Failed(e @ dedup_core::Error::FingerprintMismatch { .. }) => {
+                            let _enter = message_span(&batch[i]).entered();
+                            if skips_mismatch(shared, route, &e) {
+                                skipped += 1;
+                            } else {
+                                bad.push((i, Unprepared::Error(e)));
+                            }
+                        }
+                        Outcome::Failed(_) => {
+                            // A committed batch has no other failure; were
+                            // there one, its message is finished all the same.
+                            debug_assert!(false, "a failure in a committed batch");
+                            skipped += 1;
+                            shared.stats.skipped.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                }
+                bad.sort_by_key(|(i, _)| *i);
+                shared.stats.store_answered();
+                shared.stats.batches.fetch_add(1, Ordering::Relaxed);
+                tracing::info!(outcome = "committed", applied, skipped);
+            }
+            for (i, e) in bad {
+                let msg = &batch[i];
+                if !dead_letter_unprepared(shared, route, partition, msg, &e, jitter).await {
+                    // Everything before it is finished: applied, or dead-lettered.
+                    return i;
+                }
+            }
+            batch.len()
+        }
+        Err(why) => {
+            shared.stats.batch_replays.fetch_add(1, Ordering::Relaxed);
+            span.in_scope(|| tracing::warn!(error = %why, "batch rolled back; replaying it message by message"));
+            // In offset order: each good one on its own, each bad one to the
+            // dead-letter topic.
+            let mut bad = bad.into_iter().peekable();
+            for (i, msg) in batch.iter().enumerate() {
+                let finished = match bad.next_if(|(b, _)| *b == i) {
+                    Some((_, e)) => {
+                        dead_letter_unprepared(shared, route, partition, msg, &e, jitter).await
+                    }
+                    None => {
+                        process(shared, route, partition, msg, jitter)
+                            .instrument(message_span(msg))
+                            .await
+                    }
+                };
+                if !finished {
+                    return i;
+                }
+            }
+            batch.len()
+        }
+    }
+}
+
+/// Why a message of a batch could not be prepared.
+enum Unprepared {
+    /// It cannot be decoded or has no key, or (found by the batch's claim)
+    /// its content differs from its claim's.
+    Error(dedup_core::Error),
+    /// Decoding it or reading its key panicked.
+    Panic(String),
+    /// It was dead-lettered before (a redelivery): skipped.
+    DeadLettered,
+}
+
+/// Dead-letters a message that could not be prepared.
+async fn dead_letter_unprepared<S: DedupStore>(
+    shared: &Shared<S>,
+    route: &Route<S>,
+    partition: &Partition,
+    msg: &OwnedMessage,
+    unprepared: &Unprepared,
+    jitter: &mut Jitter,
+) -> bool {
+    let (kind, message) = match unprepared {
+        Unprepared::Error(e) => (e.kind(), error_chain(e)),
+        Unprepared::Panic(message) => ("panic", message.clone()),
+        Unprepared::DeadLettered => {
+            dead_letters::skip(shared, route, msg);
+            return true;
+        }
+    };
+    let why = route.dead_letter(kind, message, 1);
+    dead_letter(shared, route, partition, msg, why, jitter)
+        .instrument(message_span(msg))
+        .await
+}
+
+/// Runs one message to a final state. Returns `false` if it was abandoned
+/// (shutdown or revoke during a retry wait): then its offset is not stored.
+pub(super) async fn process<S: DedupStore>(
+    shared: &Arc<Shared<S>>,
+    route: &Arc<Route<S>>,
+    partition: &Partition,
+    msg: &OwnedMessage,
+    jitter: &mut Jitter,
+) -> bool {
+    let headers = Arc::new(headers_of(msg));
+    let payload: Arc<[u8]> = msg.payload().unwrap_or_default().into();
+    let policy = shared.settings.retry;
+    // Every attempt, for logs and the dead letter's header.
+    let mut attempt = 0;
+    // The failures so far, by whose fault: the pipeline's decision rules.
+    let mut retrying = Retrying::new(&shared.stats, policy);
+    // Looks at another holder's lease (lease mode), for the back-off.
+    let mut lease_waits = 0;
+    loop {
+        attempt += 1;
+        // The permit is held while the handler runs, not while backing off,
+        // so retrying partitions do not keep the others waiting. A panicking
+        // handler fails this message instead of killing the partition.
+        let joined = {
+            let (task_route, payload, headers) = (route.clone(), payload.clone(), headers.clone());
+            shared
+                .run_handler(
+                    tracing::Span::current(),
+                    route.metrics(),
+                    move |store| async move {
+                        task_route.handler.apply(&*store, &payload, &*headers).await
+                    },
+                )
+                .await
+        };
+        let (outcome, fault) = match joined {
+            Ran::Done(outcome) => (outcome, None),
+            // A frozen database makes attempts hang rather than fail: the
+            // environment's fault, waited out, never dead-lettered. Until
+            // the abandoned attempt's rollback reaches the database it holds
+            // the claim's lock: the lock timeouts that follow are contention,
+            // waited out too.
+            Ran::TimedOut(limit) => (
+                Outcome::Failed(dedup_core::Error::Store(attempt::timed_out(limit))),
+                Some(Fault::TimedOut),
+            ),
+            Ran::Panicked(said) => (
+                Outcome::Failed(attempt::panicked(&said)),
+                Some(Fault::Panic),
+            ),
+        };
+        match outcome {
+            Outcome::Applied { reclaimed } => {
+                shared.stats.store_answered();
+                partition.applied();
+                route.record(&shared.stats).applied(reclaimed);
+                tracing::info!(outcome = "applied", reclaimed, attempt);
+                failpoint("after-commit");
+                return true;
+            }
+            Outcome::Skipped { age, .. } => {
+                shared.stats.store_answered();
+                partition.skipped(shared, route);
+                route.record(&shared.stats).skipped(age);
+                tracing::info!(outcome = "skipped", "duplicate within the TTL");
+                return true;
+            }
+            Outcome::Failed(dedup_core::Error::LeaseHeld {
+                key,
+                expires_at,
+                token,
+            }) => {
+                // Lease mode: another holder's effect may be under way. Not
+                // the event's fault and bounded by the lease: look again
+                // with back-off, never later than the lease's end, without
+                // using up attempts or counting as an outage.
+                lease_waits += 1;
+                route
+                    .record(&shared.stats)
+                    .retried_because(RetryReason::LeaseHeld);
+                let until_expiry = expires_at
+                    .duration_since(std::time::SystemTime::now())
+                    .unwrap_or_default();
+                let wait = policy
+                    .backoff(lease_waits, jitter.next())
+                    .min(until_expiry + Duration::from_millis(50))
+                    .max(Duration::from_millis(20));
+                if lease_waits == 1 {
+                    tracing::info!(outcome = "waiting", %key, token, ?until_expiry, "another holder's lease covers this event");
+                }
+                if !wait_unless_stopped(shared, partition, wait).await {
+                    return false;
+                }
+            }
+            Outcome::Failed(dedup_core::Error::LeaseLost { key, token }) => {
+                // The effect ran, but its lease had expired and a newer
+                // holder took the claim over: that holder finishes the event.
+                shared.stats.store_answered();
+                route.record(&shared.stats).lease_lost();
+                tracing::warn!(outcome = "skipped", %key, token, "the lease was taken over before the effect completed: extend long effects (lease.extend()) or lengthen the lease");
+                return true;
+            }
+            Outcome::Failed(e @ dedup_core::Error::FingerprintMismatch { .. })
+                if skips_mismatch(shared, route, &e) =>
+            {
+                shared.stats.store_answered();
+                return true;
+            }
+            Outcome::Failed(e) => {
+                let fault = fault.unwrap_or_else(|| Fault::of(&e));
+                let wait = match retrying.failed(fault, &e, jitter.next()) {
+                    Decision::DeadLetter => {
+                        let why = route.dead_letter(fault.kind(&e), error_chain(&e), attempt);
+                        return dead_letter(shared, route, partition, msg, why, jitter).await;
+                    }
+                    Decision::Stop { failing_for } => {
+                        // This message stays uncommitted for the next run.
+                        shared.fail(retrying.outlasted(failing_for, &e));
+                        return false;
+                    }
+                    Decision::Retry(wait) => {
+                        tracing::warn!(outcome = "retry", attempt, ?wait, kind = e.kind(), error = %e);
+                        wait
+                    }
+                    Decision::WaitOut(wait) => {
+                        // Logged once at the outage's start and end (Stats).
+                        tracing::debug!(outcome = "waiting", attempt, ?wait, kind = e.kind(), error = %e);
+                        wait
+                    }
+                };
+                route.record(&shared.stats).retried(fault, &e);
+                if !wait_unless_stopped(shared, partition, wait).await {
+                    return false;
+                }
+            }
+        }
+    }
+}
+
+/// Counts a duplicate whose content differs from its claim's and says
+/// whether it is skipped (`on_fingerprint_mismatch(Skip)`, logged with its
+/// key) rather than dead-lettered (the default).
+fn skips_mismatch<S: 'static>(
+    shared: &Shared<S>,
+    route: &Route<S>,
+    error: &dedup_core::Error,
+) -> bool {
+    let skip = shared.settings.on_fingerprint_mismatch == OnFingerprintMismatch::Skip;
+    route.record(&shared.stats).fingerprint_mismatch(skip);
+    if skip {
+        tracing::warn!(outcome = "skipped", kind = error.kind(), error = %error, "skipped as on_fingerprint_mismatch says");
+    }
+    skip
+}
+
+/// Whether `msg` is one of the partition's messages dead-lettered before.
+pub(super) fn was_dead_lettered<S: 'static>(
+    route: &Route<S>,
+    known: &HashSet<String>,
+    msg: &OwnedMessage,
+) -> bool {
+    !known.is_empty() && known.contains(route.dead_letter_record(msg).id())
+}
+
+/// The span a message is processed in; the core records its dedup key.
+pub(super) fn message_span(msg: &OwnedMessage) -> tracing::Span {
+    tracing::info_span!(
+        "message",
+        topic = msg.topic(),
+        partition = msg.partition(),
+        offset = msg.offset(),
+        dedup.key = tracing::field::Empty,
+    )
+}

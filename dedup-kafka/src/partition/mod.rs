@@ -1,0 +1,242 @@
+//! The partition workers: each runs its partition's messages in order, in
+//! batches or one by one, retries and dead-letters them, and stores the
+//! offsets of those finished.
+//!
+//! - this file: a partition's state, what its workers share, and storing an
+//!   offset once its message is finished;
+//! - [`worker`]: a partition's worker loop, its queue and its batches'
+//!   gathering;
+//! - [`apply`]: one batch in one transaction, or one message with its
+//!   retries, and what becomes of each message.
+
+mod apply;
+mod worker;
+
+pub(crate) use worker::worker;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use dedup_core::DedupStore;
+use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::message::{Message as _, OwnedMessage};
+use rdkafka::producer::FutureProducer;
+use rdkafka::{Offset, TopicPartitionList};
+use tokio::sync::{Semaphore, mpsc, watch};
+
+use crate::config::Settings;
+use crate::pipeline::attempt::{self, Ran};
+use crate::rebalance::RebalanceContext;
+use crate::route::Route;
+use crate::stats::Stats;
+
+/// What the runtime knows of one assigned partition.
+pub(crate) struct Partition {
+    pub(crate) topic: String,
+    pub(crate) partition: i32,
+    /// Messages handed to the worker and not yet finished.
+    pub(crate) queued: AtomicUsize,
+    pub(crate) paused: AtomicBool,
+    /// Since when (`Stats::clock_ms`) the worker has been on its current
+    /// message or batch; `u64::MAX` while it waits for one.
+    pub(crate) busy_since_ms: std::sync::atomic::AtomicU64,
+    /// Set when the partition is revoked: its worker stops, its offsets are
+    /// no longer stored.
+    pub(crate) revoked: watch::Sender<bool>,
+    /// Set when a revoke begins: the worker finishes the batch it is on
+    /// (and stores its offsets), takes no other, and ends.
+    pub(crate) release: watch::Sender<bool>,
+    /// The worker has ended (however it ended): it stores no more offsets.
+    pub(crate) exited: AtomicBool,
+    /// Nothing has been applied since the assignment began: a duplicate
+    /// skipped now is a redelivery after a handover.
+    pub(crate) fresh: AtomicBool,
+    pub(crate) sender: mpsc::UnboundedSender<OwnedMessage>,
+}
+
+impl Partition {
+    /// The state of a newly assigned partition, whose messages go to
+    /// `sender`.
+    pub(crate) fn new(
+        topic: String,
+        partition: i32,
+        sender: mpsc::UnboundedSender<OwnedMessage>,
+    ) -> Self {
+        Partition {
+            topic,
+            partition,
+            queued: AtomicUsize::new(0),
+            paused: AtomicBool::new(false),
+            busy_since_ms: std::sync::atomic::AtomicU64::new(u64::MAX),
+            revoked: watch::channel(false).0,
+            release: watch::channel(false).0,
+            exited: AtomicBool::new(false),
+            fresh: AtomicBool::new(true),
+            sender,
+        }
+    }
+
+    /// A duplicate was skipped: counts it as a redelivery if nothing has been
+    /// applied since the assignment began.
+    fn skipped<S: 'static>(&self, shared: &Shared<S>, route: &Route<S>) {
+        if self.fresh.load(Ordering::Relaxed) {
+            shared.stats.redelivered.fetch_add(1, Ordering::Relaxed);
+            route.metrics().redelivered();
+        }
+    }
+
+    /// An event was applied: later duplicates are not redeliveries.
+    fn applied(&self) {
+        self.fresh.store(false, Ordering::Relaxed);
+    }
+
+    pub(crate) fn is_revoked(&self) -> bool {
+        *self.revoked.borrow()
+    }
+
+    pub(crate) fn tpl(&self) -> TopicPartitionList {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(&self.topic, self.partition);
+        tpl
+    }
+}
+
+/// The assigned partitions, by topic and partition.
+pub(crate) type PartitionMap = Arc<Mutex<HashMap<(String, i32), Arc<Partition>>>>;
+
+/// Locks the map, also after a panic elsewhere while it was locked.
+pub(crate) fn lock(map: &PartitionMap) -> MutexGuard<'_, HashMap<(String, i32), Arc<Partition>>> {
+    map.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A partition's dead-letter gate (see `dead_letter`).
+pub(crate) type Gate = Arc<tokio::sync::Mutex<()>>;
+
+/// Everything a partition worker needs, shared.
+pub(crate) struct Shared<S> {
+    /// Shared with the tasks that run handlers, which hold nothing else of
+    /// the runtime, so the consumer is dropped (closed) by `shutdown`.
+    pub(crate) store: Arc<S>,
+    pub(crate) kafka: StreamConsumer<RebalanceContext>,
+    pub(crate) producer: FutureProducer,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) settings: Settings,
+    /// Bounds how many partitions run a handler at once.
+    pub(crate) permits: Semaphore,
+    pub(crate) stopping: watch::Sender<bool>,
+    pub(crate) closing: Arc<AtomicBool>,
+    /// Workers report here when a paused partition has drained.
+    pub(crate) drained: mpsc::UnboundedSender<(String, i32)>,
+    /// Why the consumer must stop, set by a worker that cannot go on (a
+    /// dead-letter topic that cannot be written); the consumer loop is woken
+    /// by `fatal_set`.
+    pub(crate) fatal: Mutex<Option<String>>,
+    pub(crate) fatal_set: tokio::sync::Notify,
+    /// Per partition: held while a dead letter is produced and recorded,
+    /// taken by a new worker of the partition before it reads the records.
+    pub(crate) dead_letter_gates: Mutex<HashMap<(String, i32), Gate>>,
+}
+
+impl<S> Shared<S> {
+    /// The dead-letter gate of a partition.
+    pub(crate) fn dead_letter_gate(
+        &self,
+        topic: &str,
+        partition: i32,
+    ) -> Arc<tokio::sync::Mutex<()>> {
+        let mut gates = self
+            .dead_letter_gates
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        gates
+            .entry((topic.to_owned(), partition))
+            .or_default()
+            .clone()
+    }
+
+    /// Stops the consumer with an error (the first reason wins).
+    pub(crate) fn fail(&self, why: String) {
+        let mut fatal = self.fatal.lock().unwrap_or_else(|p| p.into_inner());
+        if fatal.is_none() {
+            tracing::error!(error = %why, "stopping the consumer");
+            *fatal = Some(why);
+        }
+        self.fatal_set.notify_one();
+    }
+}
+
+impl<S: DedupStore> Shared<S> {
+    /// Runs one handler call, `call(store)`, holding a permit until it is
+    /// done, as its own task in `span` (see [`attempt::run`]): a panicking
+    /// or hanging handler fails this call instead of the partition.
+    async fn run_handler<Fut>(
+        &self,
+        span: tracing::Span,
+        metrics: &crate::metrics::RouteMetrics,
+        call: impl FnOnce(Arc<S>) -> Fut,
+    ) -> Ran<Fut::Output>
+    where
+        Fut: Future + Send + 'static,
+        Fut::Output: Send + 'static,
+    {
+        // Held (not `let _ =`, which would release it at once) until the
+        // task is joined.
+        let _permit = self.permits.acquire().await.expect("never closed");
+        // Timed from here: the wait for a permit is not the transaction's.
+        let started = std::time::Instant::now();
+        let ran = attempt::run(
+            span,
+            self.settings.attempt_timeout,
+            call(self.store.clone()),
+        )
+        .await;
+        metrics.attempt(started.elapsed());
+        ran
+    }
+}
+
+/// Marks `msg` finished: its offset + 1 is committed by the next commit.
+/// Workers finish messages in order, so no offset is stored past an
+/// unfinished message.
+pub(super) fn store_offset<S>(shared: &Shared<S>, partition: &Partition, msg: &OwnedMessage) {
+    if partition.is_revoked() {
+        return;
+    }
+    let mut tpl = TopicPartitionList::new();
+    if let Err(e) = tpl.add_partition_offset(
+        msg.topic(),
+        msg.partition(),
+        Offset::Offset(msg.offset() + 1),
+    ) {
+        tracing::warn!(error = %e, "bad offset");
+        return;
+    }
+    if let Err(e) = shared.kafka.store_offsets(&tpl) {
+        // The partition was revoked meanwhile: the next owner redelivers and skips it.
+        tracing::debug!(error = %e, "offset not stored");
+    }
+}
+
+/// Sleeps `wait`; `false` if the consumer stops or the partition is being
+/// revoked meanwhile (a message waiting out a failure cannot finish in time
+/// for the handover: it is left to the next owner, and the revoke need not
+/// wait for it).
+pub(crate) async fn wait_unless_stopped<S>(
+    shared: &Shared<S>,
+    partition: &Partition,
+    wait: Duration,
+) -> bool {
+    let mut stopping = shared.stopping.subscribe();
+    let mut revoked = partition.revoked.subscribe();
+    let mut release = partition.release.subscribe();
+    tokio::select! {
+        () = tokio::time::sleep(wait) => {}
+        _ = stopping.wait_for(|s| *s) => return false,
+        _ = revoked.wait_for(|r| *r) => return false,
+        _ = release.wait_for(|r| *r) => return false,
+    }
+    !*shared.stopping.borrow() && !partition.is_revoked() && !*partition.release.borrow()
+}

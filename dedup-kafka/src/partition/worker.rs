@@ -1,0 +1,330 @@
+//! A partition's worker: its queue (every message counted in flight is
+//! counted out once), its loop, and the gathering of its batches.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use dedup_core::DedupStore;
+use rdkafka::message::{Message as _, OwnedMessage};
+use tokio::sync::mpsc;
+use tracing::Instrument;
+
+use crate::config::Settings;
+use crate::dead_letter::{self as dead_letters};
+use crate::retry::Jitter;
+use crate::route::Route;
+use crate::stats::Stats;
+
+use super::apply::{message_span, process, process_batch, was_dead_lettered};
+use super::{Partition, Shared, store_offset};
+
+/// A worker's end of its partition's queue. Every message the dispatcher
+/// counted in flight is counted out exactly once: when its batch is done,
+/// or when the worker ends, however it ends (returns, panics or is aborted
+/// at the shutdown timeout), for what it holds and what is still queued.
+struct Inbox {
+    receiver: mpsc::UnboundedReceiver<OwnedMessage>,
+    stats: Arc<Stats>,
+    /// Received from the queue and not yet counted out.
+    held: i64,
+}
+
+impl Inbox {
+    async fn recv(&mut self) -> Option<OwnedMessage> {
+        let msg = self.receiver.recv().await;
+        self.held += i64::from(msg.is_some());
+        msg
+    }
+
+    fn is_empty(&self) -> bool {
+        self.receiver.is_empty()
+    }
+
+    fn try_recv(&mut self) -> Result<OwnedMessage, mpsc::error::TryRecvError> {
+        let msg = self.receiver.try_recv();
+        self.held += i64::from(msg.is_ok());
+        msg
+    }
+
+    /// `n` held messages are finished, or left for redelivery.
+    fn done(&mut self, n: usize) {
+        let n = n as i64;
+        self.held -= n;
+        self.stats.add_in_flight(-n);
+    }
+}
+
+impl Drop for Inbox {
+    fn drop(&mut self) {
+        // What is still queued is given up (redelivered to whoever owns the
+        // partition next). Closed first, so a later send fails and the
+        // dispatcher counts it out itself.
+        self.receiver.close();
+        let mut queued = 0;
+        while self.receiver.try_recv().is_ok() {
+            queued += 1;
+        }
+        self.stats.add_in_flight(-(self.held + queued));
+        self.stats.touch();
+    }
+}
+
+/// Processes one partition's messages strictly in order.
+pub(crate) async fn worker<S: DedupStore>(
+    shared: Arc<Shared<S>>,
+    route: Arc<Route<S>>,
+    partition: Arc<Partition>,
+    receiver: mpsc::UnboundedReceiver<OwnedMessage>,
+) {
+    let mut inbox = Inbox {
+        receiver,
+        stats: shared.stats.clone(),
+        held: 0,
+    };
+    let mut jitter = Jitter::new(partition.partition as u64);
+    let low_water = shared.settings.max_buffered_per_partition / 2;
+    // Dropped after the loop, so after every offset this worker stores.
+    let _exited = Exited(&partition);
+    let mut stopping = shared.stopping.subscribe();
+    let mut revoked = partition.revoked.subscribe();
+    let mut release = partition.release.subscribe();
+    // The partition's offsets dead-lettered before (by this consumer before
+    // a crash, or by its previous owner) whose offsets may not have been
+    // committed: read once, before the first message, and skipped.
+    let mut dead_lettered = None;
+    loop {
+        // Messages already waiting (they queued behind the batch before)
+        // make the next batch without lingering.
+        let idle = inbox.is_empty();
+        // The partition entry (and with it the sender) may outlive this
+        // worker's usefulness: stop on shutdown or revoke, not on a closed channel.
+        let msg = tokio::select! {
+            biased;
+            _ = stopping.wait_for(|s| *s) => break,
+            _ = revoked.wait_for(|r| *r) => break,
+            _ = release.wait_for(|r| *r) => break,
+            msg = inbox.recv() => match msg {
+                Some(msg) => msg,
+                None => break,
+            },
+        };
+        let batch = if route.handler.batches() {
+            gather(&mut inbox, msg, idle, &shared.settings).await
+        } else {
+            vec![msg]
+        };
+        partition
+            .busy_since_ms
+            .store(shared.stats.clock_ms(), Ordering::Release);
+        if dead_lettered.is_none() {
+            let from = batch[0].offset();
+            dead_lettered =
+                dead_letters::recorded(&shared, &route, &partition, from, &mut jitter).await;
+            if dead_lettered.is_none() {
+                // Stopped while the store was unreachable.
+                inbox.done(batch.len());
+                break;
+            }
+        }
+        let known = dead_lettered.as_ref().expect("read above");
+        let finished = if batch.len() == 1 {
+            let msg = &batch[0];
+            let done = if was_dead_lettered(&route, known, msg) {
+                dead_letters::skip(&shared, &route, msg);
+                true
+            } else {
+                process(&shared, &route, &partition, msg, &mut jitter)
+                    .instrument(message_span(msg))
+                    .await
+            };
+            usize::from(done)
+        } else {
+            process_batch(&shared, &route, &partition, &batch, known, &mut jitter).await
+        };
+        if let Some(last) = batch[..finished].last() {
+            store_offset(&shared, &partition, last);
+            shared.stats.touch();
+        }
+        partition.busy_since_ms.store(u64::MAX, Ordering::Release);
+        // Finished, or (stopped mid-batch) left for redelivery.
+        inbox.done(batch.len());
+        if finished < batch.len() {
+            break;
+        }
+        let left = partition.queued.fetch_sub(batch.len(), Ordering::SeqCst) - batch.len();
+        if left <= low_water && partition.paused.load(Ordering::SeqCst) {
+            let _ = shared
+                .drained
+                .send((partition.topic.clone(), partition.partition));
+        }
+    }
+}
+
+/// Marks the partition's worker ended when dropped.
+struct Exited<'a>(&'a Partition);
+
+impl Drop for Exited<'_> {
+    fn drop(&mut self) {
+        self.0.exited.store(true, Ordering::Release);
+    }
+}
+
+/// Takes `first` and what else of the partition is queued, up to the batch
+/// size. Only a partition that was `idle` (nothing queued when the worker
+/// began waiting for `first`) waits for more, up to the linger time:
+/// messages that queued behind a running batch are a batch already, even
+/// one alone, and lingering would only add to their wait (at steady load
+/// every batch would wait the whole linger).
+async fn gather(
+    receiver: &mut Inbox,
+    first: OwnedMessage,
+    idle: bool,
+    settings: &Settings,
+) -> Vec<OwnedMessage> {
+    let mut batch = vec![first];
+    let deadline = tokio::time::Instant::now() + settings.batch_linger;
+    while batch.len() < settings.batch_size {
+        match receiver.try_recv() {
+            Ok(msg) => batch.push(msg),
+            Err(mpsc::error::TryRecvError::Disconnected) => break,
+            Err(mpsc::error::TryRecvError::Empty) if !idle => break,
+            Err(mpsc::error::TryRecvError::Empty) => {
+                match tokio::time::timeout_at(deadline, receiver.recv()).await {
+                    Ok(Some(msg)) => batch.push(msg),
+                    Ok(None) | Err(_) => break,
+                }
+            }
+        }
+    }
+    batch
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use rdkafka::Timestamp;
+
+    fn message(offset: i64) -> OwnedMessage {
+        OwnedMessage::new(
+            None,
+            None,
+            "t".into(),
+            Timestamp::NotAvailable,
+            0,
+            offset,
+            None,
+        )
+    }
+
+    /// A worker that dies mid-batch (a panic, or the shutdown timeout
+    /// aborting it) must not leave its messages counted in flight: the
+    /// consumer would never look idle again.
+    #[test]
+    fn an_inbox_counts_out_what_it_holds_and_what_is_queued_when_dropped() {
+        let stats = Arc::new(Stats::new());
+        let (sender, receiver) = mpsc::unbounded_channel();
+        for offset in 0..5 {
+            stats.add_in_flight(1);
+            sender.send(message(offset)).unwrap();
+        }
+        let mut inbox = Inbox {
+            receiver,
+            stats: stats.clone(),
+            held: 0,
+        };
+        for _ in 0..3 {
+            inbox.try_recv().unwrap();
+        }
+        inbox.done(1);
+        assert_eq!(stats.in_flight(), 4);
+        drop(inbox);
+        assert_eq!(stats.in_flight(), 0);
+        assert!(sender.send(message(9)).is_err(), "closed on drop");
+    }
+
+    fn inbox_of(n: i64) -> (mpsc::UnboundedSender<OwnedMessage>, Inbox) {
+        let stats = Arc::new(Stats::new());
+        let (sender, receiver) = mpsc::unbounded_channel();
+        for offset in 0..n {
+            stats.add_in_flight(1);
+            sender.send(message(offset)).unwrap();
+        }
+        let inbox = Inbox {
+            receiver,
+            stats,
+            held: 0,
+        };
+        (sender, inbox)
+    }
+
+    fn lingering(linger: Duration) -> Settings {
+        Settings {
+            batch_linger: linger,
+            ..Settings::default()
+        }
+    }
+
+    /// Messages that queued behind a running batch are the next batch at
+    /// once, even one alone: at steady load, lingering made every batch
+    /// wait the whole linger on top of the one before.
+    #[tokio::test]
+    async fn a_busy_partition_takes_what_is_queued_without_lingering() {
+        let settings = lingering(Duration::from_secs(30));
+        for queued in [3, 1] {
+            let (_sender, mut inbox) = inbox_of(queued);
+            // As the worker sees it before waiting for its next message.
+            let idle = inbox.is_empty();
+            let first = inbox.recv().await.unwrap();
+            let gathering = gather(&mut inbox, first, idle, &settings);
+            let batch = tokio::time::timeout(Duration::from_secs(5), gathering)
+                .await
+                .expect("a busy partition's batch must not wait for the linger");
+            let offsets: Vec<i64> = batch.iter().map(|m| m.offset()).collect();
+            assert_eq!(offsets, (0..queued).collect::<Vec<_>>());
+        }
+    }
+
+    /// An idle partition's first message waits for company, up to the
+    /// linger: what arrives meanwhile joins its batch.
+    #[tokio::test]
+    async fn an_idle_partition_waits_the_linger_for_more() {
+        let (sender, mut inbox) = inbox_of(0);
+        let stats = inbox.stats.clone();
+        let idle = inbox.is_empty();
+        stats.add_in_flight(1);
+        sender.send(message(0)).unwrap();
+        let first = inbox.recv().await.unwrap();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            stats.add_in_flight(1);
+            sender.send(message(1)).unwrap();
+            // Held open until the linger would have ended, so the batch
+            // ends on the linger or the batch size, not on a closed queue.
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        });
+        let settings = Settings {
+            batch_size: 2,
+            ..lingering(Duration::from_secs(30))
+        };
+        let gathering = gather(&mut inbox, first, idle, &settings);
+        let batch = tokio::time::timeout(Duration::from_secs(5), gathering)
+            .await
+            .expect("the second message arrives within the linger");
+        assert_eq!(batch.len(), 2);
+
+        let started = tokio::time::Instant::now();
+        let (held, mut inbox) = inbox_of(0);
+        inbox.stats.add_in_flight(1);
+        held.send(message(0)).unwrap();
+        let first = inbox.recv().await.unwrap();
+        let linger = lingering(Duration::from_millis(200));
+        let batch = gather(&mut inbox, first, true, &linger).await;
+        assert_eq!(batch.len(), 1);
+        assert!(
+            started.elapsed() >= Duration::from_millis(200),
+            "alone, it waited the linger out"
+        );
+    }
+}

@@ -42,10 +42,14 @@ pub(super) enum Processed {
     Dropped,
 }
 
-/// Fates judged for a batch's messages by an earlier transaction of the
-/// batch, by index in what is left of it: no handler runs twice.
-#[derive(Default)]
-pub(super) struct Piece(HashMap<usize, Fate>);
+/// What is left of a batch after an earlier transaction of it: the fates
+/// judged for its messages, by index in what is left (no handler runs
+/// twice), and the wall clock the batch's stream times are capped by (read
+/// once for the batch, so every transaction of it judges at the same times).
+pub(super) struct Piece {
+    fates: HashMap<usize, Fate>,
+    wall: i64,
+}
 
 /// Most records one transaction sends one at a time (to find the one a
 /// broker refuses): each waits for its acknowledgement, so a few thousand
@@ -71,7 +75,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         isolate: &mut BTreeSet<String>,
     ) -> Result<(), Error> {
         let mut rest = batch;
-        let mut piece = Piece::default();
+        let mut piece = Piece {
+            fates: HashMap::new(),
+            wall: now_ms(),
+        };
         while !rest.is_empty() {
             match self
                 .process(with, states, rest, jitter, piece, isolate)
@@ -106,17 +113,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         isolate: &mut BTreeSet<String>,
     ) -> Result<Processed, Error> {
         let With { consumer, busy, .. } = *with;
-        // One batch's attempt, for dedup_handler_duration_seconds: its
-        // handlers and its transaction.
+        // One transaction's attempt, for dedup_handler_duration_seconds:
+        // its handlers and its transaction.
         let started = Instant::now();
-        // Each message's stream time, from its partition's committed one
-        // (a later transaction of the batch starts where the earlier ended).
-        let times = claims::stream_times(
-            batch.iter().map(|m| (m.partition(), timestamp(m))),
-            |p| states.get(&p).map_or(0, |s| s.stream_time),
-            now_ms(),
-        );
-        let times = &times[..];
         let mut first: BTreeMap<i32, i64> = BTreeMap::new();
         for msg in batch {
             let f = first.entry(msg.partition()).or_insert(msg.offset());
@@ -128,7 +127,18 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let mut forced: HashMap<usize, Fate> = HashMap::new();
         // Fates judged before (by the batch's earlier transaction, or before
         // a refusal): kept unless a refusal changed the claim they relied on.
-        let Piece(mut reused) = piece;
+        let Piece {
+            fates: mut reused,
+            wall,
+        } = piece;
+        // Each message's stream time, from its partition's committed one
+        // (a later transaction of the batch starts where the earlier ended).
+        let times = claims::stream_times(
+            batch.iter().map(|m| (m.partition(), timestamp(m))),
+            |p| states.get(&p).map_or(0, |s| s.stream_time),
+            wall,
+        );
+        let times = &times[..];
         // Aborted transactions retried with the batch in hand (what the
         // refusals decided kept): a producer recovering from an aborted
         // transaction (an epoch bump) fails the first records of the next.
@@ -304,7 +314,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         self.stats.batches.fetch_add(1, Ordering::Relaxed);
         Ok(Processed::Committed {
             taken: batch.len() - rest.len(),
-            rest: Piece(rest.into_iter().enumerate().collect()),
+            rest: Piece {
+                fates: rest.into_iter().enumerate().collect(),
+                wall,
+            },
         })
     }
 

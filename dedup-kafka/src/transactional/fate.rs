@@ -148,11 +148,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 mismatch,
             });
         }
-        // An expired claim of its key, taken over if it is applied.
-        let reclaimed = staged.contains_key(&(msg.partition(), digest))
-            || states
-                .get(&msg.partition())
-                .is_some_and(|s| s.holds(&digest));
+        // An expired committed claim of its key, taken over if it is
+        // applied (not one staged by this batch: a refusal can undo that).
+        let reclaimed = states
+            .get(&msg.partition())
+            .is_some_and(|s| s.holds(&digest));
         let mut event = Some(event);
         let mut attempt = 0u32;
         let mut retrying = Retrying::new(&self.stats, self.retry);

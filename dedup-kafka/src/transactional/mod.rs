@@ -225,7 +225,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 };
                 self.apply_changes(consumer.context(), &mut states, &mut assigned, &mut batch);
                 match received {
-                    Err(_) if batch.is_empty() => {}
+                    // An idle wait: the next batch starts from idle.
+                    Err(_) if batch.is_empty() => backlog = false,
                     Err(_) => break,
                     Ok(Ok(msg)) => {
                         if batch.is_empty() && !backlog {
@@ -380,10 +381,21 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             match tokio::task::block_in_place(|| {
                 let mut restored =
                     restore::restore(&self.shared_config, &self.changelog, &missing)?;
-                let times = restore::committed_stream_times(consumer, &self.topic, &missing)?;
-                for (p, at) in times {
-                    if let Some(claims) = restored.get_mut(&p) {
+                let committed = restore::committed(consumer, &self.topic, &missing)?;
+                for (
+                    p,
+                    restore::Committed {
+                        offset,
+                        stream_time,
+                    },
+                ) in committed
+                {
+                    if let (Some(claims), Some(at)) = (restored.get_mut(&p), stream_time) {
                         claims.advance(at);
+                    }
+                    // Lag counts from here until the first transaction.
+                    if let Some(offset) = offset {
+                        consumer.context().committed_at(p, offset);
                     }
                 }
                 Ok::<_, Error>(restored)

@@ -50,13 +50,19 @@ impl Context {
 
     /// The offsets a transaction committed, for the lag.
     pub(super) fn committed(&self, offsets: &TopicPartitionList) {
-        let mut owned = self.owned.lock().unwrap_or_else(|p| p.into_inner());
         for e in offsets.elements() {
-            if let (Some(at), rdkafka::Offset::Offset(o)) =
-                (owned.get_mut(&e.partition()), e.offset())
-            {
-                *at = Some(o);
+            if let rdkafka::Offset::Offset(o) = e.offset() {
+                self.committed_at(e.partition(), o);
             }
+        }
+    }
+
+    /// The offset `partition` committed last (if it is still owned), for
+    /// the lag.
+    pub(super) fn committed_at(&self, partition: i32, offset: i64) {
+        let mut owned = self.owned.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(at) = owned.get_mut(&partition) {
+            *at = Some(offset);
         }
     }
 

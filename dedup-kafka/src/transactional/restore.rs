@@ -256,25 +256,48 @@ pub(crate) fn restore(
     Ok(out)
 }
 
-/// The stream time each of `partitions` of `topic` committed with its
-/// offset, where it did (see [`claims::stream_time_of`]). The committed
-/// offsets are read stable: a transaction still open on them has ended.
-/// Blocking, as [`restore`] is.
-pub(crate) fn committed_stream_times<C: rdkafka::consumer::ConsumerContext>(
+/// What a partition committed last, if anything.
+pub(crate) struct Committed {
+    /// The next offset to read.
+    pub(crate) offset: Option<i64>,
+    /// The stream time after the record before it.
+    pub(crate) stream_time: Option<i64>,
+}
+
+/// What each of `partitions` of `topic` committed: its offset and the
+/// stream time in the offset's metadata, where there is one (see
+/// [`claims::stream_time_of`]). The committed offsets are read stable: a
+/// transaction still open on them has ended. A partition the broker
+/// answers with an error fails the whole read (to be tried again): a
+/// stream time taken as missing could judge a record against a claim
+/// already tombstoned. Blocking, as [`restore`] is.
+pub(crate) fn committed<C: rdkafka::consumer::ConsumerContext>(
     consumer: &impl rdkafka::consumer::Consumer<C>,
     topic: &str,
     partitions: &[i32],
-) -> Result<HashMap<i32, i64>, Error> {
+) -> Result<HashMap<i32, Committed>, Error> {
     let mut asked = TopicPartitionList::new();
     for &p in partitions {
         asked.add_partition(topic, p);
     }
     let committed = consumer.committed_offsets(asked, REQUEST_TIMEOUT)?;
-    Ok(committed
-        .elements()
-        .iter()
-        .filter_map(|e| Some((e.partition(), claims::stream_time_of(e.metadata())?)))
-        .collect())
+    let mut out = HashMap::new();
+    for e in committed.elements() {
+        e.error()?;
+        let offset = match e.offset() {
+            Offset::Offset(o) => Some(o),
+            _ => None,
+        };
+        let stream_time = claims::stream_time_of(e.metadata());
+        out.insert(
+            e.partition(),
+            Committed {
+                offset,
+                stream_time,
+            },
+        );
+    }
+    Ok(out)
 }
 
 fn corrupt(changelog: &str, partition: i32, offset: i64, why: &str) -> Error {

@@ -115,6 +115,13 @@ impl<S> ConsumerBuilder<S> {
     }
 }
 
+impl<S: DedupStore> Consumer<S> {
+    /// Starts building a consumer over `store`.
+    pub fn builder(store: S) -> ConsumerBuilder<S> {
+        ConsumerBuilder::new(store)
+    }
+}
+
 impl<S: DedupStore> ConsumerBuilder<S> {
     pub(crate) fn new(store: S) -> Self {
         ConsumerBuilder {

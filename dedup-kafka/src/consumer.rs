@@ -18,10 +18,11 @@ use tokio::sync::{Semaphore, mpsc, watch};
 use tokio::task::JoinSet;
 
 use crate::Error;
-use crate::builder::ConsumerBuilder;
 use crate::config::Settings;
 use crate::metrics::ConsumerGauges;
-use crate::partition::{Partition, PartitionMap, Shared, lock, worker};
+use crate::partition::Runtime;
+use crate::partition::state::{Partition, PartitionMap, lock};
+use crate::partition::worker::worker;
 use crate::pipeline::fatal_error;
 use crate::rebalance::{RebalanceContext, commit};
 use crate::route::Route;
@@ -33,7 +34,7 @@ use crate::stats::{Stats, StatsSnapshot};
 /// transaction has committed (or the message was skipped as a duplicate, or
 /// dead-lettered).
 pub struct Consumer<S: DedupStore> {
-    shared: Arc<Shared<S>>,
+    shared: Arc<Runtime<S>>,
     routes: HashMap<String, Arc<Route<S>>>,
     partitions: PartitionMap,
     drained: mpsc::UnboundedReceiver<(String, i32)>,
@@ -42,11 +43,6 @@ pub struct Consumer<S: DedupStore> {
 }
 
 impl<S: DedupStore> Consumer<S> {
-    /// Starts building a consumer over `store`.
-    pub fn builder(store: S) -> ConsumerBuilder<S> {
-        ConsumerBuilder::new(store)
-    }
-
     /// Creates the Kafka clients; nothing is fetched before `run_until`.
     pub(crate) fn new(
         store: S,
@@ -76,7 +72,7 @@ impl<S: DedupStore> Consumer<S> {
         let (drained_tx, drained) = mpsc::unbounded_channel();
         let permits = Semaphore::new(settings.max_concurrent_partitions);
         Ok(Consumer {
-            shared: Arc::new(Shared {
+            shared: Arc::new(Runtime {
                 store: Arc::new(store),
                 kafka,
                 producer,

@@ -19,7 +19,8 @@ use rdkafka::message::{Message as _, OwnedMessage};
 
 use crate::dlq::{self, DeadLetter};
 use crate::failpoint::failpoint;
-use crate::partition::{Partition, Shared, wait_unless_stopped};
+use crate::partition::state::Partition;
+use crate::partition::{Runtime, wait_unless_stopped};
 use crate::pipeline::attempt::timed_out;
 use crate::pipeline::decision::{Decision, Fault};
 use crate::pipeline::outage::Retrying;
@@ -31,7 +32,7 @@ use crate::route::Route;
 /// finished (the consumer stops, or the partition was revoked before its
 /// dead letter was produced): its offset is not stored.
 pub(crate) async fn dead_letter<S: DedupStore>(
-    shared: &Shared<S>,
+    shared: &Runtime<S>,
     route: &Route<S>,
     partition: &Partition,
     msg: &OwnedMessage,
@@ -63,7 +64,7 @@ pub(crate) async fn dead_letter<S: DedupStore>(
 }
 
 /// Counts and logs a redelivered message that was dead-lettered before.
-pub(crate) fn skip<S: 'static>(shared: &Shared<S>, route: &Route<S>, msg: &OwnedMessage) {
+pub(crate) fn skip<S: 'static>(shared: &Runtime<S>, route: &Route<S>, msg: &OwnedMessage) {
     shared
         .stats
         .already_dead_lettered
@@ -82,7 +83,7 @@ pub(crate) fn skip<S: 'static>(shared: &Shared<S>, route: &Route<S>, msg: &Owned
 /// process is recorded). `None` if the consumer stops or the partition is
 /// revoked while the store is unreachable.
 pub(crate) async fn recorded<S: DedupStore>(
-    shared: &Shared<S>,
+    shared: &Runtime<S>,
     route: &Route<S>,
     partition: &Partition,
     from: i64,
@@ -100,7 +101,7 @@ pub(crate) async fn recorded<S: DedupStore>(
 
 /// The live record ids from `first` on, waiting out the store.
 async fn recorded_from<S: DedupStore>(
-    shared: &Shared<S>,
+    shared: &Runtime<S>,
     partition: &Partition,
     first: &DedupKey,
     jitter: &mut Jitter,
@@ -135,7 +136,7 @@ async fn recorded_from<S: DedupStore>(
 /// needs the record). Given up only when the consumer stops, or for a
 /// refusal no retry helps: then a redelivery may dead-letter it again.
 async fn record_it<S: DedupStore>(
-    shared: &Shared<S>,
+    shared: &Runtime<S>,
     route: &Route<S>,
     record: &DedupKey,
     jitter: &mut Jitter,
@@ -199,7 +200,7 @@ async fn record_it<S: DedupStore>(
 /// partition is revoked, or the topic cannot be written at all or for
 /// longer than `max_outage` (then the consumer is stopping with an error).
 async fn produce<S>(
-    shared: &Shared<S>,
+    shared: &Runtime<S>,
     partition: &Partition,
     msg: &OwnedMessage,
     why: &DeadLetter<'_>,
@@ -286,7 +287,7 @@ async fn produce<S>(
 /// wait before the next try, or `None` once it outlasted `max_outage` (the
 /// consumer is then stopping with an error).
 fn broker_failed<S>(
-    shared: &Shared<S>,
+    shared: &Runtime<S>,
     retrying: &mut Retrying<'_>,
     error: &rdkafka::error::KafkaError,
     jitter: &mut Jitter,

@@ -9,7 +9,7 @@ use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::{ClientContext, TopicPartitionList};
 
-use crate::partition::{Partition, PartitionMap, lock};
+use crate::partition::state::{Partition, PartitionMap, lock};
 use crate::stats::Stats;
 
 /// Rebalance callbacks: they run inside the consumer's poll, on the task

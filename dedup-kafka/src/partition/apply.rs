@@ -22,7 +22,8 @@ use crate::pipeline::{error_chain, headers_of};
 use crate::retry::Jitter;
 use crate::route::Route;
 
-use super::{Partition, Shared, wait_unless_stopped};
+use super::state::Partition;
+use super::{Runtime, wait_unless_stopped};
 
 /// Runs a batch of one partition's messages in one transaction (one claim
 /// statement, one commit). If a message cannot be decoded or keyed, or any
@@ -31,7 +32,7 @@ use super::{Partition, Shared, wait_unless_stopped};
 /// or dead-lettered) and every other one is still applied exactly once.
 /// Returns how many messages, from the first, are finished.
 pub(super) async fn process_batch<S: DedupStore>(
-    shared: &Arc<Shared<S>>,
+    shared: &Arc<Runtime<S>>,
     route: &Arc<Route<S>>,
     partition: &Partition,
     batch: &[OwnedMessage],
@@ -114,7 +115,9 @@ pub(super) async fn process_batch<S: DedupStore>(
                         }
                         Outcome::Skipped { age, .. } => {
                             skipped += 1;
-                            partition.skipped(shared, route);
+                            if partition.redelivery() {
+                                route.record(&shared.stats).redelivered();
+                            }
                             route.record(&shared.stats).skipped(age);
                         }
                         // Neither applied nor skipped: dead-lettered after
@@ -189,7 +192,7 @@ enum Unprepared {
 
 /// Dead-letters a message that could not be prepared.
 async fn dead_letter_unprepared<S: DedupStore>(
-    shared: &Shared<S>,
+    shared: &Runtime<S>,
     route: &Route<S>,
     partition: &Partition,
     msg: &OwnedMessage,
@@ -213,7 +216,7 @@ async fn dead_letter_unprepared<S: DedupStore>(
 /// Runs one message to a final state. Returns `false` if it was abandoned
 /// (shutdown or revoke during a retry wait): then its offset is not stored.
 pub(super) async fn process<S: DedupStore>(
-    shared: &Arc<Shared<S>>,
+    shared: &Arc<Runtime<S>>,
     route: &Arc<Route<S>>,
     partition: &Partition,
     msg: &OwnedMessage,
@@ -272,7 +275,9 @@ pub(super) async fn process<S: DedupStore>(
             }
             Outcome::Skipped { age, .. } => {
                 shared.stats.store_answered();
-                partition.skipped(shared, route);
+                if partition.redelivery() {
+                    route.record(&shared.stats).redelivered();
+                }
                 route.record(&shared.stats).skipped(age);
                 tracing::info!(outcome = "skipped", "duplicate within the TTL");
                 return true;
@@ -353,7 +358,7 @@ pub(super) async fn process<S: DedupStore>(
 /// whether it is skipped (`on_fingerprint_mismatch(Skip)`, logged with its
 /// key) rather than dead-lettered (the default).
 fn skips_mismatch<S: 'static>(
-    shared: &Shared<S>,
+    shared: &Runtime<S>,
     route: &Route<S>,
     error: &dedup_core::Error,
 ) -> bool {

@@ -2,22 +2,22 @@
 //! batches or one by one, retries and dead-letters them, and stores the
 //! offsets of those finished.
 //!
-//! - this file: a partition's state, what its workers share, and storing an
-//!   offset once its message is finished;
+//! - [`state`]: what the runtime knows of each assigned partition;
+//! - this file: what its workers run with, and storing an offset once its
+//!   message is finished;
 //! - [`worker`]: a partition's worker loop, its queue and its batches'
 //!   gathering;
 //! - [`apply`]: one batch in one transaction, or one message with its
 //!   retries, and what becomes of each message.
 
 mod apply;
-mod worker;
-
-pub(crate) use worker::worker;
+pub(crate) mod state;
+pub(crate) mod worker;
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dedup_core::DedupStore;
@@ -30,94 +30,15 @@ use tokio::sync::{Semaphore, mpsc, watch};
 use crate::config::Settings;
 use crate::pipeline::attempt::{self, Ran};
 use crate::rebalance::RebalanceContext;
-use crate::route::Route;
+
+use self::state::{Gate, Partition};
 use crate::stats::Stats;
 
-/// What the runtime knows of one assigned partition.
-pub(crate) struct Partition {
-    pub(crate) topic: String,
-    pub(crate) partition: i32,
-    /// Messages handed to the worker and not yet finished.
-    pub(crate) queued: AtomicUsize,
-    pub(crate) paused: AtomicBool,
-    /// Since when (`Stats::clock_ms`) the worker has been on its current
-    /// message or batch; `u64::MAX` while it waits for one.
-    pub(crate) busy_since_ms: std::sync::atomic::AtomicU64,
-    /// Set when the partition is revoked: its worker stops, its offsets are
-    /// no longer stored.
-    pub(crate) revoked: watch::Sender<bool>,
-    /// Set when a revoke begins: the worker finishes the batch it is on
-    /// (and stores its offsets), takes no other, and ends.
-    pub(crate) release: watch::Sender<bool>,
-    /// The worker has ended (however it ended): it stores no more offsets.
-    pub(crate) exited: AtomicBool,
-    /// Nothing has been applied since the assignment began: a duplicate
-    /// skipped now is a redelivery after a handover.
-    pub(crate) fresh: AtomicBool,
-    pub(crate) sender: mpsc::UnboundedSender<OwnedMessage>,
-}
-
-impl Partition {
-    /// The state of a newly assigned partition, whose messages go to
-    /// `sender`.
-    pub(crate) fn new(
-        topic: String,
-        partition: i32,
-        sender: mpsc::UnboundedSender<OwnedMessage>,
-    ) -> Self {
-        Partition {
-            topic,
-            partition,
-            queued: AtomicUsize::new(0),
-            paused: AtomicBool::new(false),
-            busy_since_ms: std::sync::atomic::AtomicU64::new(u64::MAX),
-            revoked: watch::channel(false).0,
-            release: watch::channel(false).0,
-            exited: AtomicBool::new(false),
-            fresh: AtomicBool::new(true),
-            sender,
-        }
-    }
-
-    /// A duplicate was skipped: counts it as a redelivery if nothing has been
-    /// applied since the assignment began.
-    fn skipped<S: 'static>(&self, shared: &Shared<S>, route: &Route<S>) {
-        if self.fresh.load(Ordering::Relaxed) {
-            shared.stats.redelivered.fetch_add(1, Ordering::Relaxed);
-            route.metrics().redelivered();
-        }
-    }
-
-    /// An event was applied: later duplicates are not redeliveries.
-    fn applied(&self) {
-        self.fresh.store(false, Ordering::Relaxed);
-    }
-
-    pub(crate) fn is_revoked(&self) -> bool {
-        *self.revoked.borrow()
-    }
-
-    pub(crate) fn tpl(&self) -> TopicPartitionList {
-        let mut tpl = TopicPartitionList::new();
-        tpl.add_partition(&self.topic, self.partition);
-        tpl
-    }
-}
-
-/// The assigned partitions, by topic and partition.
-pub(crate) type PartitionMap = Arc<Mutex<HashMap<(String, i32), Arc<Partition>>>>;
-
-/// Locks the map, also after a panic elsewhere while it was locked.
-pub(crate) fn lock(map: &PartitionMap) -> MutexGuard<'_, HashMap<(String, i32), Arc<Partition>>> {
-    map.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-/// A partition's dead-letter gate (see `dead_letter`).
-pub(crate) type Gate = Arc<tokio::sync::Mutex<()>>;
-
-/// Everything a partition worker needs, shared.
-pub(crate) struct Shared<S> {
-    /// Shared with the tasks that run handlers, which hold nothing else of
+/// What every partition worker of a consumer runs with: the store, the
+/// Kafka clients, the settings, the counters, the stop signal, the permits
+/// and the dead-letter gates.
+pub(crate) struct Runtime<S> {
+    /// Runtime with the tasks that run handlers, which hold nothing else of
     /// the runtime, so the consumer is dropped (closed) by `shutdown`.
     pub(crate) store: Arc<S>,
     pub(crate) kafka: StreamConsumer<RebalanceContext>,
@@ -140,7 +61,7 @@ pub(crate) struct Shared<S> {
     pub(crate) dead_letter_gates: Mutex<HashMap<(String, i32), Gate>>,
 }
 
-impl<S> Shared<S> {
+impl<S> Runtime<S> {
     /// The dead-letter gate of a partition.
     pub(crate) fn dead_letter_gate(
         &self,
@@ -168,7 +89,7 @@ impl<S> Shared<S> {
     }
 }
 
-impl<S: DedupStore> Shared<S> {
+impl<S: DedupStore> Runtime<S> {
     /// Runs one handler call, `call(store)`, holding a permit until it is
     /// done, as its own task in `span` (see [`attempt::run`]): a panicking
     /// or hanging handler fails this call instead of the partition.
@@ -201,7 +122,7 @@ impl<S: DedupStore> Shared<S> {
 /// Marks `msg` finished: its offset + 1 is committed by the next commit.
 /// Workers finish messages in order, so no offset is stored past an
 /// unfinished message.
-pub(super) fn store_offset<S>(shared: &Shared<S>, partition: &Partition, msg: &OwnedMessage) {
+pub(super) fn store_offset<S>(shared: &Runtime<S>, partition: &Partition, msg: &OwnedMessage) {
     if partition.is_revoked() {
         return;
     }
@@ -225,7 +146,7 @@ pub(super) fn store_offset<S>(shared: &Shared<S>, partition: &Partition, msg: &O
 /// for the handover: it is left to the next owner, and the revoke need not
 /// wait for it).
 pub(crate) async fn wait_unless_stopped<S>(
-    shared: &Shared<S>,
+    shared: &Runtime<S>,
     partition: &Partition,
     wait: Duration,
 ) -> bool {

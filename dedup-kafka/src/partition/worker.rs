@@ -16,7 +16,8 @@ use crate::route::Route;
 use crate::stats::Stats;
 
 use super::apply::{message_span, process, process_batch, was_dead_lettered};
-use super::{Partition, Shared, store_offset};
+use super::state::Partition;
+use super::{Runtime, store_offset};
 
 /// A worker's end of its partition's queue. Every message the dispatcher
 /// counted in flight is counted out exactly once: when its batch is done,
@@ -71,7 +72,7 @@ impl Drop for Inbox {
 
 /// Processes one partition's messages strictly in order.
 pub(crate) async fn worker<S: DedupStore>(
-    shared: Arc<Shared<S>>,
+    shared: Arc<Runtime<S>>,
     route: Arc<Route<S>>,
     partition: Arc<Partition>,
     receiver: mpsc::UnboundedReceiver<OwnedMessage>,

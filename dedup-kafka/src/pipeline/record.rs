@@ -32,6 +32,13 @@ impl Record<'_> {
         self.metrics.skipped(age);
     }
 
+    /// The duplicate just skipped was a redelivery after a handover
+    /// (counted in [`skipped`](Self::skipped) too).
+    pub(crate) fn redelivered(&self) {
+        self.stats.redelivered.fetch_add(1, Ordering::Relaxed);
+        self.metrics.redelivered();
+    }
+
     /// A duplicate whose content differs from its claim's: skipped
     /// (`on_fingerprint_mismatch(Skip)`), or dead-lettered (counted then by
     /// [`dead_lettered`](Self::dead_lettered)).

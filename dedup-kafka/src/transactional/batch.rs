@@ -16,7 +16,7 @@ use super::TransactionalConsumer;
 use super::busy::Busy;
 use super::claims::{self, ClaimDigest, PartitionClaims};
 use super::fate::{Fate, Halt, Staged, independent_of, now_ms, timestamp};
-use super::rebalance::Context;
+use super::rebalance::Membership;
 use super::transact::Attempt;
 use crate::Error;
 use crate::dlq;
@@ -27,7 +27,7 @@ use crate::retry::Jitter;
 /// shares with the run loop while it runs.
 #[derive(Clone, Copy)]
 pub(super) struct With<'a> {
-    pub(super) consumer: &'a StreamConsumer<Context>,
+    pub(super) consumer: &'a StreamConsumer<Membership>,
     pub(super) stopping: &'a watch::Receiver<bool>,
     pub(super) busy: &'a Busy,
 }
@@ -363,7 +363,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// consumer: going on would commit past the batch.
     pub(super) async fn rewind(
         &self,
-        consumer: &StreamConsumer<Context>,
+        consumer: &StreamConsumer<Membership>,
         busy: &Busy,
         first: &BTreeMap<i32, i64>,
         why: &str,

@@ -30,7 +30,7 @@ use rdkafka::message::Message as _;
 use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::watch;
 
-use super::rebalance::{Change, Context};
+use super::rebalance::{Change, Membership};
 use crate::Error;
 
 /// How often the run loop polls while a batch runs: well inside any
@@ -91,7 +91,7 @@ impl Busy {
     /// Polls once if no transaction is open: the group sees the consumer
     /// alive, the rebalance callbacks run. A message that comes in pauses
     /// its partition.
-    pub(super) async fn poll(&self, consumer: &StreamConsumer<Context>, topic: &str) {
+    pub(super) async fn poll(&self, consumer: &StreamConsumer<Membership>, topic: &str) {
         // Bounded: each message pauses its partition.
         for _ in 0..64 {
             if !self.open.load(Ordering::Acquire) {
@@ -123,7 +123,7 @@ impl Busy {
     }
 
     /// Records the rebalances the callbacks pushed since the last look.
-    fn look_at_changes(&self, context: &Context) {
+    fn look_at_changes(&self, context: &Membership) {
         let mut seen = lock(&self.seen);
         let from = seen.changes;
         let mut rebalanced = false;
@@ -146,7 +146,7 @@ impl Busy {
     /// change the loop has not applied yet). Called once the batch is
     /// [`closed`](Busy::close): no callback can run after it until the
     /// batch's transaction ends.
-    pub(super) fn rebalanced(&self, context: &Context) -> bool {
+    pub(super) fn rebalanced(&self, context: &Membership) -> bool {
         context.pending()
     }
 
@@ -160,7 +160,7 @@ impl Busy {
     /// anything did (the next batch has a backlog to take).
     pub(super) fn finish(
         &self,
-        consumer: &StreamConsumer<Context>,
+        consumer: &StreamConsumer<Membership>,
         topic: &str,
     ) -> Result<bool, Error> {
         let came_in = !lock(&self.seen).unread.is_empty();
@@ -182,7 +182,7 @@ impl Busy {
     /// it delivered, so all of it is fetched again, in order.
     pub(super) fn rewind(
         &self,
-        consumer: &StreamConsumer<Context>,
+        consumer: &StreamConsumer<Membership>,
         topic: &str,
         first: &BTreeMap<i32, i64>,
     ) -> Result<(), Error> {

@@ -47,7 +47,7 @@ pub use outputs::{OutputRecord, Outputs};
 use self::batch::With;
 use self::busy::Busy;
 use self::claims::PartitionClaims;
-use self::rebalance::{Change, Context};
+use self::rebalance::{Change, Membership};
 use crate::Error;
 use crate::config::OnFingerprintMismatch;
 use crate::metrics::{ConsumerGauges, RouteMetrics};
@@ -175,13 +175,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         self.init_transactions().await?;
         // Readiness: the transaction coordinator (this consumer's store) answered.
         self.stats.store_answered();
-        let context = Context {
+        let context = Membership {
             topic: self.topic.clone(),
             changes: Mutex::new(Vec::new()),
             owned: Mutex::new(HashMap::new()),
         };
         let gauges = ConsumerGauges::new(self.consumer_config.get("group.id").unwrap_or_default());
-        let consumer: StreamConsumer<Context> =
+        let consumer: StreamConsumer<Membership> =
             self.consumer_config.create_with_context(context)?;
         consumer.subscribe(&[&self.topic])?;
         tracing::info!(topic = %self.topic, changelog = %self.changelog, transactional_id = %self.transactional_id, "transactional consumer started");
@@ -321,7 +321,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// its first message runs.
     fn apply_changes(
         &self,
-        context: &Context,
+        context: &Membership,
         states: &mut HashMap<i32, PartitionClaims>,
         assigned: &mut HashSet<i32>,
         batch: &mut Vec<OwnedMessage>,
@@ -361,7 +361,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// `max_outage`); `false` when the consumer stops meanwhile.
     async fn restore_assigned(
         &self,
-        consumer: &StreamConsumer<Context>,
+        consumer: &StreamConsumer<Membership>,
         states: &mut HashMap<i32, PartitionClaims>,
         batch: &[OwnedMessage],
         jitter: &mut Jitter,

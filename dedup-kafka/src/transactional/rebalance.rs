@@ -23,7 +23,10 @@ impl Change {
     }
 }
 
-pub(super) struct Context {
+/// The consumer's context: what this member owns of the input topic, and
+/// the changes to it the rebalance callbacks saw, in order, for the loop
+/// (and a batch that polls) to act on; the lag of what it owns.
+pub(super) struct Membership {
     pub(super) topic: String,
     pub(super) changes: Mutex<Vec<Change>>,
     /// The input partitions this member owns, as the callbacks say, and
@@ -31,7 +34,7 @@ pub(super) struct Context {
     pub(super) owned: Mutex<HashMap<i32, Option<i64>>>,
 }
 
-impl Context {
+impl Membership {
     pub(super) fn push(&self, change: Change) {
         self.changes
             .lock()
@@ -85,7 +88,7 @@ impl Context {
     }
 }
 
-impl ClientContext for Context {
+impl ClientContext for Membership {
     /// librdkafka's statistics (every `statistics.interval.ms`): the lag of
     /// each owned input partition, from the end of its committed log (its
     /// last stable offset) back to the offset this member's transactions
@@ -115,7 +118,7 @@ impl ClientContext for Context {
 
 /// The callbacks run inside `recv`, which the loop calls only while no
 /// transaction is open (see [`busy`]): none is when partitions are revoked.
-impl ConsumerContext for Context {
+impl ConsumerContext for Membership {
     fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         if let Rebalance::Revoke(list) = rebalance {
             let partitions = self.partitions(list);

@@ -15,7 +15,7 @@ use super::outputs::Outputs;
 use super::TransactionalConsumer;
 use super::claims::{self, ClaimDigest};
 use super::fate::{Fate, dead};
-use super::rebalance::Context;
+use super::rebalance::Membership;
 use crate::Error;
 use crate::dlq::{self, DeadLetter};
 
@@ -79,7 +79,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// One try at the batch's transaction.
     pub(super) async fn transact(
         &self,
-        consumer: &StreamConsumer<Context>,
+        consumer: &StreamConsumer<Membership>,
         batch: &[OwnedMessage],
         fates: &[Fate],
         tombstones: &BTreeMap<i32, Vec<ClaimDigest>>,

@@ -82,7 +82,7 @@ pub(crate) fn with<T, E: Into<BoxError>>(
 ///
 /// dedup does not talk to a registry: a `decode` function parses the frame,
 /// checks the schema id against the schemas it knows (fetched at start-up,
-/// never from inside `decode`: see [`Handler::decode`](crate::Handler::decode)),
+/// never from inside `decode`: see [`Describe::decode`](crate::Describe::decode)),
 /// and decodes the body.
 ///
 /// ```

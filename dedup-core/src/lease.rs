@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::{
-    DedupKey, DedupStore, Error, Fingerprint, HandlerError, Headers, KeyError, Outcome, StoreError,
+    DedupKey, DedupStore, Describe, Error, Fingerprint, HandlerError, Headers, Outcome, StoreError,
     Ttl,
 };
 
@@ -270,30 +270,12 @@ impl fmt::Debug for Lease {
 /// its effect is outside the store (an HTTP call, an email), so its body
 /// takes a [`Lease`] instead of a transaction. [`LeaseHandlerExt`] builds
 /// the acquire -> effect -> complete protocol from these parts.
-pub trait LeaseHandler: Send + Sync + 'static {
-    /// The decoded event: whatever [`decode`](LeaseHandler::decode) makes
-    /// of a payload.
-    type Event: Send + 'static;
-
-    /// Which handler claims: two handlers of one event never share claims.
-    fn scope(&self) -> &str;
-
-    /// How long a done claim lives: redeliveries within it are skipped.
-    fn ttl(&self) -> Ttl;
-
+pub trait LeaseHandler: Describe {
     /// How long a lease lasts unless the body extends it: a holder that
-    /// crashes blocks its event's redeliveries this long.
+    /// crashes blocks its event's redeliveries this long. (Its
+    /// [`ttl`](Describe::ttl) is how long a done claim lives: redeliveries
+    /// within it are skipped.)
     fn lease(&self) -> Ttl;
-
-    /// Extracts the event id from the decoded event or the headers.
-    fn key(&self, event: &Self::Event, headers: &dyn Headers) -> Result<String, KeyError>;
-
-    /// What the claim remembers of the event's content (see
-    /// [`Handler::fingerprint`](crate::Handler::fingerprint)).
-    fn fingerprint(&self, event: &Self::Event, payload: &[u8]) -> Option<Fingerprint> {
-        let _ = (event, payload);
-        None
-    }
 
     /// The body: performs the effect under `lease`.
     fn handle(
@@ -301,10 +283,6 @@ pub trait LeaseHandler: Send + Sync + 'static {
         lease: &Lease,
         event: Self::Event,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
-
-    /// Decodes a payload into the event (see
-    /// [`Handler::decode`](crate::Handler::decode)).
-    fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error>;
 }
 
 /// The acquire -> effect -> complete protocol, the same for every
@@ -349,10 +327,8 @@ where
     H: LeaseHandler + ?Sized,
     S: LeaseStore,
 {
-    let event = handler.decode(payload)?;
-    let key = DedupKey::new(handler.scope(), handler.key(&event, headers)?)?;
+    let (key, fingerprint, event) = handler.prepare(payload, headers)?;
     tracing::Span::current().record("dedup.key", tracing::field::display(&key));
-    let fingerprint = handler.fingerprint(&event, payload);
     let asked_at = Instant::now();
     let (token, reclaimed) = match store.acquire(&key, fingerprint, handler.lease()).await? {
         Acquire::Acquired { token, reclaimed } => (token, reclaimed),

@@ -20,7 +20,7 @@ pub mod testing;
 
 pub use error::{BoxError, Classification, Error, HandlerError, Result, StoreError};
 pub use fingerprint::Fingerprint;
-pub use handler::{Handler, HandlerExt, Headers, Outcome, WithTtl};
+pub use handler::{Describe, Handler, HandlerExt, Headers, Outcome, WithTtl};
 pub use key::{DedupKey, KeyError, MAX_KEY_BYTES, composite_id};
 pub use lease::{Acquire, Lease, LeaseError, LeaseHandler, LeaseHandlerExt, LeaseStore, Token};
 pub use memory::{MemoryStore, MemoryTx};
@@ -36,7 +36,7 @@ pub use dedup_macros::idempotent;
 #[doc(hidden)]
 pub mod __private {
     pub use crate::{
-        DedupKey, Error, Fingerprint, Handler, HandlerError, Headers, KeyError, Lease,
+        DedupKey, Describe, Error, Fingerprint, Handler, HandlerError, Headers, KeyError, Lease,
         LeaseHandler, Ttl,
     };
     pub use std::concat;

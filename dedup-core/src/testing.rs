@@ -75,8 +75,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::{
-    Classification, DedupKey, DedupStore, Error, Fingerprint, Handler, HandlerError, HandlerExt,
-    Headers, KeyError, Outcome, StoreError, Ttl,
+    Classification, DedupKey, DedupStore, Describe, Error, Fingerprint, Handler, HandlerError,
+    HandlerExt, Headers, KeyError, Outcome, StoreError, Ttl,
 };
 
 /// One message as Kafka would deliver it: a payload and its headers.
@@ -699,8 +699,7 @@ impl<H: Handler + Clone> Scoped<H> {
     }
 }
 
-impl<H: Handler> Handler for Scoped<H> {
-    type Tx = H::Tx;
+impl<H: Handler> Describe for Scoped<H> {
     type Event = H::Event;
 
     fn scope(&self) -> &str {
@@ -719,6 +718,14 @@ impl<H: Handler> Handler for Scoped<H> {
         self.inner.fingerprint(event, payload)
     }
 
+    fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error> {
+        self.inner.decode(payload)
+    }
+}
+
+impl<H: Handler> Handler for Scoped<H> {
+    type Tx = H::Tx;
+
     async fn handle(&self, tx: &mut Self::Tx, event: Self::Event) -> Result<(), HandlerError> {
         self.inner.handle(tx, event).await
     }
@@ -729,9 +736,5 @@ impl<H: Handler> Handler for Scoped<H> {
         events: Vec<Self::Event>,
     ) -> Result<(), HandlerError> {
         self.inner.handle_batch(tx, events).await
-    }
-
-    fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error> {
-        self.inner.decode(payload)
     }
 }

@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dedup_core::{
-    DedupStore, Error, Handler, HandlerError, HandlerExt, KeyError, MemoryStore, MemoryTx, Outcome,
-    idempotent,
+    DedupStore, Describe, Error, HandlerError, HandlerExt, KeyError, MemoryStore, MemoryTx,
+    Outcome, idempotent,
 };
 
 #[derive(serde::Deserialize)]
@@ -427,9 +427,9 @@ async fn a_reused_id_with_other_content_is_a_mismatch_not_a_skip() {
 
     // A claim taken before the handler kept fingerprints matches any event.
     let old = "5d1c2b0e-0000-4a8e-9d8b-0a3c2f1e5b6e";
-    let key = dedup_core::DedupKey::new(Handler::scope(&add_payment_checked), old).unwrap();
+    let key = dedup_core::DedupKey::new(Describe::scope(&add_payment_checked), old).unwrap();
     let mut tx = store.begin().await.unwrap();
-    let ttl = Handler::ttl(&add_payment_checked);
+    let ttl = Describe::ttl(&add_payment_checked);
     assert!(
         store
             .claim(&mut tx, &key, None, ttl)

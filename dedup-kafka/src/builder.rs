@@ -530,8 +530,7 @@ mod tests {
     /// A Kafka-only handler that outputs nothing.
     struct Echo;
 
-    impl dedup_core::Handler for Echo {
-        type Tx = crate::Outputs;
+    impl dedup_core::Describe for Echo {
         type Event = ();
 
         fn scope(&self) -> &str {
@@ -546,15 +545,19 @@ mod tests {
             Ok("k".into())
         }
 
+        fn decode(&self, _: &[u8]) -> Result<(), dedup_core::Error> {
+            Ok(())
+        }
+    }
+
+    impl dedup_core::Handler for Echo {
+        type Tx = crate::Outputs;
+
         async fn handle(
             &self,
             _: &mut crate::Outputs,
             (): (),
         ) -> Result<(), dedup_core::HandlerError> {
-            Ok(())
-        }
-
-        fn decode(&self, _: &[u8]) -> Result<(), dedup_core::Error> {
             Ok(())
         }
     }

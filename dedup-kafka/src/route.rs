@@ -8,7 +8,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use dedup_core::{
-    DedupKey, DedupStore, Error, Fingerprint, Handler, HandlerExt, Headers, LeaseHandler,
+    DedupKey, DedupStore, Describe, Error, Fingerprint, Handler, HandlerExt, Headers, LeaseHandler,
     LeaseHandlerExt, LeaseStore, Outcome, Ttl, ordered_scope,
 };
 
@@ -155,11 +155,11 @@ where
     H: Handler<Tx = S::Tx>,
 {
     fn scope(&self) -> &str {
-        Handler::scope(self)
+        Describe::scope(self)
     }
 
     fn ttl(&self) -> Ttl {
-        Handler::ttl(self)
+        Describe::ttl(self)
     }
 
     fn apply<'a>(
@@ -172,7 +172,7 @@ where
     }
 
     fn prepare(&self, payload: &[u8], headers: &(dyn Headers + Sync)) -> Result<Prepared, Error> {
-        let (key, fingerprint, event) = HandlerExt::prepare(self, payload, headers)?;
+        let (key, fingerprint, event) = Describe::prepare(self, payload, headers)?;
         Ok((key, fingerprint, Box::new(event)))
     }
 
@@ -203,11 +203,11 @@ where
     H: LeaseHandler,
 {
     fn scope(&self) -> &str {
-        LeaseHandler::scope(&self.0)
+        Describe::scope(&self.0)
     }
 
     fn ttl(&self) -> Ttl {
-        LeaseHandler::ttl(&self.0)
+        Describe::ttl(&self.0)
     }
 
     fn apply<'a>(

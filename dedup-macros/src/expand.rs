@@ -351,23 +351,16 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
 
         #decode_fn
     };
-    let handler_impl = match args.lease_secs {
+    let effect_impl = match args.lease_secs {
         None => quote! {
             impl #private::Handler for #name {
                 type Tx = #tx;
-                type Event = #event;
-
-                #common
 
                 #handle_fns
             }
         },
         Some(lease_secs) => quote! {
             impl #private::LeaseHandler for #name {
-                type Event = #event;
-
-                #common
-
                 fn lease(&self) -> #private::Ttl {
                     const LEASE: #private::Ttl = #private::ttl_from_secs(#lease_secs);
                     LEASE
@@ -402,7 +395,14 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
         }
 
         #(#cfgs)*
-        #handler_impl
+        impl #private::Describe for #name {
+            type Event = #event;
+
+            #common
+        }
+
+        #(#cfgs)*
+        #effect_impl
     }
 }
 
@@ -449,9 +449,11 @@ mod tests {
         let call = out.find("async fn call").expect("call");
         let handler = out.find("Handler for record").expect("impl Handler");
         let before = |at: usize| &out[..at];
-        // Each item carries the cfg: the struct, `impl record`, `impl Handler`.
+        // Each item carries the cfg: the struct, `impl record`,
+        // `impl Describe`, `impl Handler`.
         assert_eq!(before(strukt).matches(cfg).count(), 1, "{out}");
-        assert_eq!(before(handler).matches(cfg).count(), 3, "{out}");
+        assert_eq!(before(handler).matches(cfg).count(), 4, "{out}");
+        assert_eq!(out.matches(cfg).count(), 4, "{out}");
         // The doc and the deprecation are on the struct.
         let doc = out.find("Records a payment").expect("doc");
         let deprecated = out.find("deprecated").expect("deprecated");

@@ -9,7 +9,7 @@ use dedup_tests::common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use dedup_core::{Handler, HandlerExt, Ttl, idempotent};
+use dedup_core::{Describe as _, HandlerExt, Ttl, idempotent};
 use dedup_kafka::{Consumer, ConsumerBuilder, RetryPolicy};
 use dedup_postgres::{PgStore, PgTx};
 use dedup_tests::{PaymentReceived, credit, payment, store, total_balance as balance};

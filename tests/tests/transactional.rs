@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::{KillOnDrop, brokers, create_topic, header, unique};
-use dedup_core::{DedupKey, Error, Handler, HandlerError, Headers, KeyError, Ttl};
+use dedup_core::{DedupKey, Describe, Error, Handler, HandlerError, Headers, KeyError, Ttl};
 use dedup_kafka::{OutputRecord, Outputs, StatsSnapshot, TransactionalConsumer};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
@@ -72,8 +72,7 @@ fn first_tried(id: &str) -> Duration {
 /// Set by the first event that hung.
 static HUNG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-impl Handler for Forward {
-    type Tx = Outputs;
+impl Describe for Forward {
     type Event = Event;
 
     fn scope(&self) -> &str {
@@ -90,6 +89,14 @@ impl Handler for Forward {
             .clone()
             .ok_or(KeyError::MissingField { field: "event_id" })
     }
+
+    fn decode(&self, payload: &[u8]) -> Result<Event, Error> {
+        dedup_core::decode::json(payload)
+    }
+}
+
+impl Handler for Forward {
+    type Tx = Outputs;
 
     async fn handle(&self, out: &mut Outputs, ev: Event) -> Result<(), HandlerError> {
         if ev.fail {
@@ -129,10 +136,6 @@ impl Handler for Forward {
             &id,
             &serde_json::json!({"event_id": id, "n": ev.n, "forwarded": true}),
         )
-    }
-
-    fn decode(&self, payload: &[u8]) -> Result<Event, Error> {
-        dedup_core::decode::json(payload)
     }
 }
 

@@ -2,7 +2,7 @@
 //! user's, whose own error type becomes a decode error.
 
 use dedup_core::decode::ConfluentFrame;
-use dedup_core::{Error, Handler, HandlerError, Lease, LeaseHandler, MemoryTx, idempotent};
+use dedup_core::{Describe, Error, HandlerError, Lease, MemoryTx, idempotent};
 
 #[derive(serde::Deserialize)]
 struct Paid {
@@ -77,8 +77,8 @@ macro_rules! decoded_with {
 decoded_with!(from_a_macro, plain);
 
 fn main() {
-    assert_eq!(Handler::decode(&custom_batch, b"b").unwrap().id, "b");
-    assert_eq!(LeaseHandler::decode(&custom_leased, b"l").unwrap().id, "l");
+    assert_eq!(Describe::decode(&custom_batch, b"b").unwrap().id, "b");
+    assert_eq!(Describe::decode(&custom_leased, b"l").unwrap().id, "l");
     assert_eq!(from_a_macro.decode(b"m").unwrap().id, "m");
     assert_eq!(by_name.decode(br#"{"event_id": "e"}"#).unwrap().event_id, "e");
     assert_eq!(custom.decode(b"e").unwrap().id, "e");

@@ -1,4 +1,4 @@
-use dedup_core::{Handler, HandlerError, Lease, LeaseHandler, MemoryTx, idempotent};
+use dedup_core::{Describe, Handler, HandlerError, Lease, LeaseHandler, MemoryTx, idempotent};
 
 #[derive(serde::Deserialize)]
 pub struct Payment {

@@ -201,7 +201,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self.routes.push(Route {
             dead_letter_topic: format!("{topic}.dlq"),
             topic,
-            handler: Arc::new(handler),
+            handler: crate::route::Effect::Transactional(Arc::new(handler)),
             metrics: std::sync::OnceLock::new(),
         });
         self
@@ -223,7 +223,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self.routes.push(Route {
             dead_letter_topic: format!("{topic}.dlq"),
             topic,
-            handler: Arc::new(crate::route::Leased(handler)),
+            handler: crate::route::Effect::Leased(Arc::new(crate::route::Leased(handler))),
             metrics: std::sync::OnceLock::new(),
         });
         self

@@ -15,7 +15,7 @@ use dedup_core::{
 /// A topic routed to a handler, with where its poison messages go.
 pub(crate) struct Route<S> {
     pub(crate) topic: String,
-    pub(crate) handler: Arc<dyn ErasedHandler<S>>,
+    pub(crate) handler: Effect<S>,
     pub(crate) dead_letter_topic: String,
     /// Registered on first use, after the application installed its
     /// recorder.
@@ -116,8 +116,71 @@ pub(crate) type AnyEvent = Box<dyn Any + Send>;
 /// A message ready for a batch: its key, its fingerprint, its event.
 pub(crate) type Prepared = (DedupKey, Option<Fingerprint>, AnyEvent);
 
-/// A handler with its event type erased, so one consumer can route topics to
-/// handlers of different event types over one store.
+/// What a route's handler does with a message, by its effect: the one
+/// place the two kinds of handler differ. Both apply one message; only a
+/// transactional handler takes a batch in one transaction.
+pub(crate) enum Effect<S> {
+    /// The body writes through the store's transaction
+    /// ([`Handler`]): one message, or a batch in one transaction.
+    Transactional(Arc<dyn ErasedHandler<S>>),
+    /// The body runs under a lease ([`LeaseHandler`]), one message at a
+    /// time.
+    Leased(Arc<dyn ErasedLeased<S>>),
+}
+
+impl<S: 'static> Effect<S> {
+    pub(crate) fn scope(&self) -> &str {
+        match self {
+            Effect::Transactional(h) => h.scope(),
+            Effect::Leased(h) => h.scope(),
+        }
+    }
+
+    pub(crate) fn ttl(&self) -> Ttl {
+        match self {
+            Effect::Transactional(h) => h.ttl(),
+            Effect::Leased(h) => h.ttl(),
+        }
+    }
+
+    /// Applies one message.
+    pub(crate) fn apply<'a>(
+        &'a self,
+        store: &'a S,
+        payload: &'a [u8],
+        headers: &'a (dyn Headers + Sync),
+    ) -> BoxFuture<'a, Outcome> {
+        match self {
+            Effect::Transactional(h) => h.apply(store, payload, headers),
+            Effect::Leased(h) => h.apply(store, payload, headers),
+        }
+    }
+
+    /// The handler that takes batches, if this one does.
+    pub(crate) fn batches(&self) -> Option<&Arc<dyn ErasedHandler<S>>> {
+        match self {
+            Effect::Transactional(h) => Some(h),
+            Effect::Leased(_) => None,
+        }
+    }
+}
+
+/// A lease-mode handler with its event type erased.
+pub(crate) trait ErasedLeased<S>: Send + Sync + 'static {
+    fn scope(&self) -> &str;
+
+    fn ttl(&self) -> Ttl;
+
+    fn apply<'a>(
+        &'a self,
+        store: &'a S,
+        payload: &'a [u8],
+        headers: &'a (dyn Headers + Sync),
+    ) -> BoxFuture<'a, Outcome>;
+}
+
+/// A transactional handler with its event type erased, so one consumer can
+/// route topics to handlers of different event types over one store.
 pub(crate) trait ErasedHandler<S>: Send + Sync + 'static {
     fn scope(&self) -> &str;
 
@@ -129,12 +192,6 @@ pub(crate) trait ErasedHandler<S>: Send + Sync + 'static {
         payload: &'a [u8],
         headers: &'a (dyn Headers + Sync),
     ) -> BoxFuture<'a, Outcome>;
-
-    /// Whether its messages may go through the batch path (`prepare`,
-    /// `apply_batch`); lease-mode handlers take them one at a time.
-    fn batches(&self) -> bool {
-        true
-    }
 
     /// Decodes a message and extracts its key and fingerprint, for the
     /// batch path.
@@ -197,7 +254,7 @@ where
 /// A lease-mode handler routed to a topic (`ConsumerBuilder::handle_leased`).
 pub(crate) struct Leased<H>(pub(crate) H);
 
-impl<S, H> ErasedHandler<S> for Leased<H>
+impl<S, H> ErasedLeased<S> for Leased<H>
 where
     S: LeaseStore,
     H: LeaseHandler,
@@ -218,30 +275,6 @@ where
     ) -> BoxFuture<'a, Outcome> {
         Box::pin(self.0.apply_leased(store, payload, headers))
     }
-
-    fn batches(&self) -> bool {
-        false
-    }
-
-    fn prepare(&self, _: &[u8], _: &(dyn Headers + Sync)) -> Result<Prepared, Error> {
-        Err(not_batched())
-    }
-
-    fn apply_batch<'a>(
-        &'a self,
-        _: &'a S,
-        _: Vec<Prepared>,
-    ) -> BoxFuture<'a, Result<Vec<Outcome>, Error>> {
-        Box::pin(std::future::ready(Err(not_batched())))
-    }
-}
-
-/// The worker never batches a lease-mode route (`batches` is false); were
-/// it asked to, the batch would fail whole and replay message by message.
-fn not_batched() -> Error {
-    Error::Store(dedup_core::StoreError::transient(
-        "lease-mode handlers take their messages one at a time",
-    ))
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use crate::pipeline::decision::{Decision, Fault};
 use crate::pipeline::outage::Retrying;
 use crate::pipeline::{error_chain, headers_of};
 use crate::retry::Jitter;
-use crate::route::Route;
+use crate::route::{ErasedHandler, Route};
 
 use super::state::Partition;
 use super::{Runtime, wait_unless_stopped};
@@ -34,6 +34,7 @@ use super::{Runtime, wait_unless_stopped};
 pub(super) async fn process_batch<S: DedupStore>(
     shared: &Arc<Runtime<S>>,
     route: &Arc<Route<S>>,
+    handler: &Arc<dyn ErasedHandler<S>>,
     partition: &Partition,
     batch: &[OwnedMessage],
     dead_lettered: &HashSet<String>,
@@ -66,7 +67,7 @@ pub(super) async fn process_batch<S: DedupStore>(
         // a panic fails this message, never the worker, which would drop
         // everything it buffered.
         let payload = msg.payload().unwrap_or_default();
-        match attempt::contained(|| route.handler.prepare(payload, &headers)) {
+        match attempt::contained(|| handler.prepare(payload, &headers)) {
             Ok(Ok(ready)) => {
                 members.push(i);
                 prepared.push(ready);
@@ -85,10 +86,10 @@ pub(super) async fn process_batch<S: DedupStore>(
     } else {
         route.metrics().batch(prepared.len());
         let joined = {
-            let task_route = route.clone();
+            let handler = handler.clone();
             shared
                 .run_handler(span.clone(), route.metrics(), move |store| async move {
-                    task_route.handler.apply_batch(&*store, prepared).await
+                    handler.apply_batch(&*store, prepared).await
                 })
                 .await
         };

@@ -109,10 +109,12 @@ pub(crate) async fn worker<S: DedupStore>(
                 None => break,
             },
         };
-        let batch = if route.handler.batches() {
-            gather(&mut inbox, msg, idle, &shared.settings).await
-        } else {
-            vec![msg]
+        // Only a transactional handler takes batches; a lease-mode one
+        // takes its messages one at a time.
+        let batcher = route.handler.batches().cloned();
+        let batch = match batcher {
+            Some(_) => gather(&mut inbox, msg, idle, &shared.settings).await,
+            None => vec![msg],
         };
         partition
             .busy_since_ms
@@ -128,7 +130,19 @@ pub(crate) async fn worker<S: DedupStore>(
             }
         }
         let known = dead_lettered.as_ref().expect("read above");
-        let finished = if batch.len() == 1 {
+        let finished = if let (Some(batcher), true) = (&batcher, batch.len() > 1) {
+            process_batch(
+                &shared,
+                &route,
+                batcher,
+                &partition,
+                &batch,
+                known,
+                &mut jitter,
+            )
+            .await
+        } else {
+            // One message (a batch of one, or a lease-mode route's).
             let msg = &batch[0];
             let done = if was_dead_lettered(&route, known, msg) {
                 dead_letters::skip(&shared, &route, msg);
@@ -139,8 +153,6 @@ pub(crate) async fn worker<S: DedupStore>(
                     .await
             };
             usize::from(done)
-        } else {
-            process_batch(&shared, &route, &partition, &batch, known, &mut jitter).await
         };
         if let Some(last) = batch[..finished].last() {
             store_offset(&shared, &partition, last);

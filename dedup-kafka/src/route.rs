@@ -125,22 +125,24 @@ pub(crate) enum Effect<S> {
     Transactional(Arc<dyn ErasedHandler<S>>),
     /// The body runs under a lease ([`LeaseHandler`]), one message at a
     /// time.
-    Leased(Arc<dyn ErasedLeased<S>>),
+    Leased(Arc<dyn ErasedApply<S>>),
 }
 
 impl<S: 'static> Effect<S> {
-    pub(crate) fn scope(&self) -> &str {
+    /// What both effects do: apply one message.
+    fn one(&self) -> &dyn ErasedApply<S> {
         match self {
-            Effect::Transactional(h) => h.scope(),
-            Effect::Leased(h) => h.scope(),
+            Effect::Transactional(h) => &**h,
+            Effect::Leased(h) => &**h,
         }
     }
 
+    pub(crate) fn scope(&self) -> &str {
+        self.one().scope()
+    }
+
     pub(crate) fn ttl(&self) -> Ttl {
-        match self {
-            Effect::Transactional(h) => h.ttl(),
-            Effect::Leased(h) => h.ttl(),
-        }
+        self.one().ttl()
     }
 
     /// Applies one message.
@@ -150,10 +152,7 @@ impl<S: 'static> Effect<S> {
         payload: &'a [u8],
         headers: &'a (dyn Headers + Sync),
     ) -> BoxFuture<'a, Outcome> {
-        match self {
-            Effect::Transactional(h) => h.apply(store, payload, headers),
-            Effect::Leased(h) => h.apply(store, payload, headers),
-        }
+        self.one().apply(store, payload, headers)
     }
 
     /// The handler that takes batches, if this one does.
@@ -165,8 +164,10 @@ impl<S: 'static> Effect<S> {
     }
 }
 
-/// A lease-mode handler with its event type erased.
-pub(crate) trait ErasedLeased<S>: Send + Sync + 'static {
+/// A handler with its event type erased, so one consumer can route topics
+/// to handlers of different event types over one store: what every effect
+/// does with one message.
+pub(crate) trait ErasedApply<S>: Send + Sync + 'static {
     fn scope(&self) -> &str;
 
     fn ttl(&self) -> Ttl;
@@ -179,20 +180,9 @@ pub(crate) trait ErasedLeased<S>: Send + Sync + 'static {
     ) -> BoxFuture<'a, Outcome>;
 }
 
-/// A transactional handler with its event type erased, so one consumer can
-/// route topics to handlers of different event types over one store.
-pub(crate) trait ErasedHandler<S>: Send + Sync + 'static {
-    fn scope(&self) -> &str;
-
-    fn ttl(&self) -> Ttl;
-
-    fn apply<'a>(
-        &'a self,
-        store: &'a S,
-        payload: &'a [u8],
-        headers: &'a (dyn Headers + Sync),
-    ) -> BoxFuture<'a, Outcome>;
-
+/// A transactional handler, erased: one message, or a batch of them in one
+/// transaction.
+pub(crate) trait ErasedHandler<S>: ErasedApply<S> {
     /// Decodes a message and extracts its key and fingerprint, for the
     /// batch path.
     fn prepare(&self, payload: &[u8], headers: &(dyn Headers + Sync)) -> Result<Prepared, Error>;
@@ -206,7 +196,7 @@ pub(crate) trait ErasedHandler<S>: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Vec<Outcome>, Error>>;
 }
 
-impl<S, H> ErasedHandler<S> for H
+impl<S, H> ErasedApply<S> for H
 where
     S: DedupStore,
     H: Handler<Tx = S::Tx>,
@@ -227,7 +217,13 @@ where
     ) -> BoxFuture<'a, Outcome> {
         Box::pin(HandlerExt::apply(self, store, payload, headers))
     }
+}
 
+impl<S, H> ErasedHandler<S> for H
+where
+    S: DedupStore,
+    H: Handler<Tx = S::Tx>,
+{
     fn prepare(&self, payload: &[u8], headers: &(dyn Headers + Sync)) -> Result<Prepared, Error> {
         let (key, fingerprint, event) = Describe::prepare(self, payload, headers)?;
         Ok((key, fingerprint, Box::new(event)))
@@ -254,7 +250,7 @@ where
 /// A lease-mode handler routed to a topic (`ConsumerBuilder::handle_leased`).
 pub(crate) struct Leased<H>(pub(crate) H);
 
-impl<S, H> ErasedLeased<S> for Leased<H>
+impl<S, H> ErasedApply<S> for Leased<H>
 where
     S: LeaseStore,
     H: LeaseHandler,

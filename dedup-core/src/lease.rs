@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::{
-    DedupKey, DedupStore, Describe, Error, Fingerprint, HandlerError, Headers, Outcome, StoreError,
-    Ttl,
+    DedupKey, DedupStore, Describe, DescribeExt as _, Error, Fingerprint, HandlerError, Headers,
+    Outcome, StoreError, Ttl,
 };
 
 /// The fencing token of a lease, drawn from a counter that only grows

@@ -20,7 +20,7 @@ pub mod testing;
 
 pub use error::{BoxError, Classification, Error, HandlerError, Result, StoreError};
 pub use fingerprint::Fingerprint;
-pub use handler::{Describe, Handler, HandlerExt, Headers, Outcome, WithTtl};
+pub use handler::{Describe, DescribeExt, Handler, HandlerExt, Headers, Outcome, WithTtl};
 pub use key::{DedupKey, KeyError, MAX_KEY_BYTES, composite_id};
 pub use lease::{Acquire, Lease, LeaseError, LeaseHandler, LeaseHandlerExt, LeaseStore, Token};
 pub use memory::{MemoryStore, MemoryTx};

@@ -75,8 +75,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use crate::{
-    Classification, DedupKey, DedupStore, Describe, Error, Fingerprint, Handler, HandlerError,
-    HandlerExt, Headers, KeyError, Outcome, StoreError, Ttl,
+    Classification, DedupKey, DedupStore, Describe, DescribeExt as _, Error, Fingerprint, Handler,
+    HandlerError, HandlerExt, Headers, KeyError, Outcome, StoreError, Ttl,
 };
 
 /// One message as Kafka would deliver it: a payload and its headers.

@@ -6,8 +6,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dedup_core::{
-    DedupStore, Describe, Error, HandlerError, HandlerExt, KeyError, MemoryStore, MemoryTx,
-    Outcome, idempotent,
+    DedupStore, Describe, DescribeExt, Error, HandlerError, HandlerExt, KeyError, MemoryStore,
+    MemoryTx, Outcome, idempotent,
 };
 
 #[derive(serde::Deserialize)]

@@ -8,8 +8,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use dedup_core::{
-    DedupKey, DedupStore, Describe, Error, Fingerprint, Handler, HandlerExt, Headers, LeaseHandler,
-    LeaseHandlerExt, LeaseStore, Outcome, Ttl, ordered_scope,
+    DedupKey, DedupStore, Describe, DescribeExt, Error, Fingerprint, Handler, HandlerExt, Headers,
+    LeaseHandler, LeaseHandlerExt, LeaseStore, Outcome, Ttl, ordered_scope,
 };
 
 /// A topic routed to a handler, with where its poison messages go.
@@ -225,7 +225,7 @@ where
     H: Handler<Tx = S::Tx>,
 {
     fn prepare(&self, payload: &[u8], headers: &(dyn Headers + Sync)) -> Result<Prepared, Error> {
-        let (key, fingerprint, event) = Describe::prepare(self, payload, headers)?;
+        let (key, fingerprint, event) = DescribeExt::prepare(self, payload, headers)?;
         Ok((key, fingerprint, Box::new(event)))
     }
 

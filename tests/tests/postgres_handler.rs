@@ -4,7 +4,8 @@
 use std::time::Duration;
 
 use dedup_core::{
-    Classification, DedupStore, Describe as _, Error, HandlerError, HandlerExt, Outcome, idempotent,
+    Classification, DedupStore, Describe as _, DescribeExt as _, Error, HandlerError, HandlerExt,
+    Outcome, idempotent,
 };
 use dedup_postgres::{PgConfig, PgStore, PgTx};
 use dedup_tests::{

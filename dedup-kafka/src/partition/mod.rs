@@ -38,7 +38,7 @@ use crate::stats::Stats;
 /// Kafka clients, the settings, the counters, the stop signal, the permits
 /// and the dead-letter gates.
 pub(crate) struct Runtime<S> {
-    /// Runtime with the tasks that run handlers, which hold nothing else of
+    /// Shared with the tasks that run handlers, which hold nothing else of
     /// the runtime, so the consumer is dropped (closed) by `shutdown`.
     pub(crate) store: Arc<S>,
     pub(crate) kafka: StreamConsumer<RebalanceContext>,

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use dedup_core::{DedupKey, Handler};
+use dedup_core::{DedupKey, DescribeExt as _, Handler};
 use rdkafka::message::{Message as _, OwnedMessage};
 
 use super::outputs::{OutputRecord, Outputs};

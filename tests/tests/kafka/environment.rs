@@ -199,22 +199,7 @@ async fn an_outage_longer_than_max_outage_stops_the_consumer_and_loses_nothing(p
         .handle(&topic, record_payment)
         .build()
         .expect("consumer");
-    let stats = impatient.stats();
-    let started = Instant::now();
-    let ran = tokio::time::timeout(
-        Duration::from_secs(60),
-        impatient.run_until(std::future::pending()),
-    )
-    .await
-    .expect("the consumer must stop once the outage outlasts max_outage");
-    let err = ran.expect_err("an outage past max_outage is an error");
-    assert!(err.to_string().contains("max_outage"), "{err}");
-    assert!(
-        started.elapsed() >= Duration::from_secs(3),
-        "not before max_outage: {:?}",
-        started.elapsed()
-    );
-    let during = stats.snapshot();
+    let during = stops_after_max_outage(impatient, Duration::from_secs(3)).await;
     assert_eq!(during.dead_lettered, 0, "{during:?}");
     assert_eq!(during.applied, 0, "{during:?}");
 
@@ -229,6 +214,30 @@ async fn an_outage_longer_than_max_outage_stops_the_consumer_and_loses_nothing(p
         "the waiting event was not committed: {after:?}"
     );
     assert_eq!(balance(&pool).await, 5, "applied once");
+}
+
+/// Runs `consumer` until it stops, which it must do with an error naming
+/// `max_outage`, not before `max_outage` has passed; what it had done.
+async fn stops_after_max_outage(
+    consumer: Consumer<PgStore>,
+    max_outage: Duration,
+) -> dedup_kafka::StatsSnapshot {
+    let stats = consumer.stats();
+    let started = Instant::now();
+    let ran = tokio::time::timeout(
+        Duration::from_secs(60),
+        consumer.run_until(std::future::pending()),
+    )
+    .await
+    .expect("the consumer must stop once the outage outlasts max_outage");
+    let err = ran.expect_err("an outage past max_outage is an error");
+    assert!(err.to_string().contains("max_outage"), "{err}");
+    assert!(
+        started.elapsed() >= max_outage,
+        "not before max_outage: {:?}",
+        started.elapsed()
+    );
+    stats.snapshot()
 }
 
 /// A broker that cannot take a dead letter is an outage like the
@@ -253,22 +262,8 @@ async fn a_dead_letter_the_broker_cannot_take_is_bounded_by_max_outage(pool: PgP
         .handle(&topic, record_payment)
         .build()
         .expect("consumer");
-    let stats = impatient.stats();
-    let started = Instant::now();
-    let ran = tokio::time::timeout(
-        Duration::from_secs(60),
-        impatient.run_until(std::future::pending()),
-    )
-    .await
-    .expect("the consumer must stop once the dead letter's outage outlasts max_outage");
-    let err = ran.expect_err("an outage past max_outage is an error");
-    assert!(err.to_string().contains("max_outage"), "{err}");
-    assert!(
-        started.elapsed() >= Duration::from_secs(3),
-        "{:?}",
-        started.elapsed()
-    );
-    assert_eq!(stats.snapshot().dead_lettered, 0);
+    let during = stops_after_max_outage(impatient, Duration::from_secs(3)).await;
+    assert_eq!(during.dead_lettered, 0, "{during:?}");
 
     let after = drain(
         consumer(&store, &group).handle(&topic, record_payment),

@@ -81,6 +81,12 @@ pub(super) async fn process_batch<S: DedupStore>(
             )),
         }
     }
+    // A batch that failed for a reason of the environment (a timeout, an
+    // outage, contention, a transient error) is tried again, message by
+    // message: a retry, counted as the Kafka-only runtime counts its
+    // retried attempts. One that failed for an event's fault (a panic, a
+    // permanent error) is split to isolate it, not retried.
+    let mut retried = None;
     let committed = if prepared.is_empty() {
         Ok(Vec::new())
     } else {
@@ -94,9 +100,21 @@ pub(super) async fn process_batch<S: DedupStore>(
                 .await
         };
         match joined {
-            Ran::Done(result) => result.map_err(|e| e.to_string()),
+            Ran::Done(result) => result.map_err(|e| {
+                let fault = Fault::of(&e);
+                if matches!(
+                    fault,
+                    Fault::Transient | Fault::Contention | Fault::Environment
+                ) {
+                    retried = Some(RetryReason::of(fault, &e));
+                }
+                e.to_string()
+            }),
             Ran::Panicked(said) => Err(format!("the handler panicked: {said}")),
-            Ran::TimedOut(limit) => Err(AttemptTimedOut(limit).to_string()),
+            Ran::TimedOut(limit) => {
+                retried = Some(RetryReason::Timeout);
+                Err(AttemptTimedOut(limit).to_string())
+            }
         }
     };
     match committed {
@@ -156,6 +174,9 @@ pub(super) async fn process_batch<S: DedupStore>(
         }
         Err(why) => {
             shared.stats.batch_replays.fetch_add(1, Ordering::Relaxed);
+            if let Some(reason) = retried {
+                route.record(&shared.stats).retried_because(reason);
+            }
             span.in_scope(|| tracing::warn!(error = %why, "batch rolled back; replaying it message by message"));
             // In offset order: each good one on its own, each bad one to the
             // dead-letter topic.

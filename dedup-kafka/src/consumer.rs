@@ -303,12 +303,7 @@ impl<S: DedupStore> Consumer<S> {
                 *n += p.queued.load(Ordering::Acquire);
             }
         }
-        let health = &stats.health;
-        health.paused.store(paused, Ordering::Release);
-        health
-            .oldest_in_flight_ms
-            .store(oldest.as_millis() as u64, Ordering::Release);
-        gauges.set(paused as usize, stats.waiting_out() > 0, oldest);
+        gauges.report(stats, paused as usize, oldest);
         for (topic, n) in in_flight {
             crate::metrics::in_flight(topic, n);
         }

@@ -3,9 +3,12 @@
 //! OpenTelemetry...). The names and labels are part of the API (README,
 //! "Metrics"); no label ever holds an event key.
 
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use metrics::{Counter, Gauge, Histogram, counter, gauge, histogram};
+
+use crate::stats::Stats;
 
 /// The handles of one route (a topic and its handler), registered on first
 /// use: after the application has installed its recorder.
@@ -152,8 +155,17 @@ impl ConsumerGauges {
         }
     }
 
-    pub(crate) fn set(&self, paused: usize, outage: bool, oldest_in_flight: Duration) {
+    /// Reports the partitions paused and the oldest message in flight, in
+    /// health (`stats`) and in the gauges, with whether an outage is waited
+    /// out: what both runtimes' loops refresh.
+    pub(crate) fn report(&self, stats: &Stats, paused: usize, oldest_in_flight: Duration) {
+        let health = &stats.health;
+        health.paused.store(paused as u64, Ordering::Release);
+        health
+            .oldest_in_flight_ms
+            .store(oldest_in_flight.as_millis() as u64, Ordering::Release);
         self.paused_partitions.set(paused as f64);
+        let outage = stats.waiting_out() > 0;
         self.outage.set(if outage { 1.0 } else { 0.0 });
         self.oldest_in_flight.set(oldest_in_flight.as_secs_f64());
     }

@@ -18,7 +18,7 @@ use dedup_core::{HandlerError, idempotent};
 use dedup_kafka::{
     Consumer, OutputRecord, Outputs, RetryPolicy, StatsSnapshot, TransactionalConsumer,
 };
-use dedup_postgres::PgTx;
+use dedup_postgres::{PgStore, PgTx};
 use dedup_tests::common::{brokers, create_topic, drain, header, producer, read_exactly, unique};
 use dedup_tests::store;
 use rdkafka::message::Message as _;
@@ -268,10 +268,10 @@ async fn dead_kinds(topic: &str, n: usize) -> Vec<String> {
         .collect()
 }
 
-async fn through_the_database(pool: &PgPool, scenario: &Scenario) -> Ended {
+async fn through_the_database(pool: &PgPool, store: &PgStore, scenario: &Scenario) -> Ended {
     let run = unique("db");
     let topic = topic_of(scenario, &run).await;
-    let consumer = Consumer::builder(store_of(pool).await)
+    let consumer = Consumer::builder(store.clone())
         .brokers(brokers())
         .group_id(unique("g"))
         .retry(retry())
@@ -339,20 +339,14 @@ async fn through_kafka(scenario: &Scenario) -> Ended {
     )
 }
 
-/// The test database's store, with the table the database handler writes.
-async fn store_of(pool: &PgPool) -> dedup_postgres::PgStore {
-    sqlx::query("CREATE TABLE IF NOT EXISTS scenario_applied (event_id text NOT NULL)")
-        .execute(pool)
-        .await
-        .expect("table");
-    dedup_postgres::PgStore::from_pool(pool.clone())
-}
-
 #[sqlx::test(migrations = false)]
 async fn both_runtimes_end_every_scenario_the_same_way(pool: PgPool) {
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
-    // The claims table, once.
-    drop(store(&pool).await);
+    let store = store(&pool).await;
+    sqlx::query("CREATE TABLE scenario_applied (event_id text NOT NULL)")
+        .execute(&pool)
+        .await
+        .expect("table");
     for scenario in SCENARIOS {
         let expected = Ended {
             applied: scenario.applied,
@@ -360,7 +354,7 @@ async fn both_runtimes_end_every_scenario_the_same_way(pool: PgPool) {
             dead: scenario.dead.iter().map(|k| (*k).to_owned()).collect(),
             retries_at_least: true,
         };
-        let database = through_the_database(&pool, scenario).await;
+        let database = through_the_database(&pool, &store, scenario).await;
         assert_eq!(
             database, expected,
             "{}: the database runtime",

@@ -2,6 +2,7 @@
 //! answers, and a producer that failed fatally (librdkafka's mock cluster
 //! refusing it a producer id, as a broker denying the principal would).
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
@@ -15,10 +16,11 @@ use super::Relay;
 
 /// An outbox of one event that is never marked: each lease offers it again.
 /// With `hang_first`, the first lease never answers (a frozen database).
+/// `leases` counts them, shared with the test.
 #[derive(Default)]
 struct Stub {
     hang_first: bool,
-    leases: AtomicU32,
+    leases: Arc<AtomicU32>,
 }
 
 impl OutboxSource for Stub {
@@ -51,12 +53,13 @@ impl OutboxSource for Stub {
 
 #[tokio::test]
 async fn a_lease_that_never_answers_is_given_up_and_the_relay_goes_on() {
-    let source = std::sync::Arc::new(Stub {
+    let leases = Arc::new(AtomicU32::new(0));
+    let source = Stub {
         hang_first: true,
-        ..Stub::default()
-    });
+        leases: leases.clone(),
+    };
     let mock = MockCluster::<DefaultProducerContext>::new(1).expect("mock cluster");
-    let relay = Relay::builder(ArcSource(source.clone()))
+    let relay = Relay::builder(source)
         .brokers(mock.bootstrap_servers())
         .store_timeout(Duration::from_millis(300))
         .delivery_timeout(Duration::from_secs(5))
@@ -64,9 +67,8 @@ async fn a_lease_that_never_answers_is_given_up_and_the_relay_goes_on() {
         .build()
         .expect("relay");
     let stats = relay.stats();
-    let leases = source.clone();
     let stopped = async move {
-        while stats.snapshot().published == 0 || leases.leases.load(Ordering::SeqCst) < 2 {
+        while stats.snapshot().published == 0 || leases.load(Ordering::SeqCst) < 2 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     };
@@ -105,31 +107,4 @@ async fn a_producer_that_failed_fatally_stops_the_relay_with_an_error() {
             .contains("fatal error of the relay's producer"),
         "{err}"
     );
-}
-
-/// A shared [`Stub`], so the test can count its leases.
-struct ArcSource(std::sync::Arc<Stub>);
-
-impl OutboxSource for ArcSource {
-    type Lease = ();
-
-    async fn lease_pending(
-        &self,
-        limit: usize,
-        lease_for: Duration,
-    ) -> Result<((), Vec<OutboxRecord>), StoreError> {
-        self.0.lease_pending(limit, lease_for).await
-    }
-
-    async fn finish(&self, l: &(), p: &[i64], f: &[PublishFailure]) -> Result<(), StoreError> {
-        self.0.finish(l, p, f).await
-    }
-
-    async fn wait_for_events(&self, timeout: Duration) {
-        self.0.wait_for_events(timeout).await;
-    }
-
-    async fn purge_sent(&self, limit: u32) -> Result<u64, StoreError> {
-        self.0.purge_sent(limit).await
-    }
 }

@@ -306,12 +306,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         paused: usize,
     ) {
         let oldest = since.map_or(Duration::ZERO, |at| at.elapsed());
-        let health = &self.stats.health;
-        health.paused.store(paused as u64, Ordering::Release);
-        health
-            .oldest_in_flight_ms
-            .store(oldest.as_millis() as u64, Ordering::Release);
-        gauges.set(paused, self.stats.waiting_out() > 0, oldest);
+        gauges.report(&self.stats, paused, oldest);
         crate::metrics::in_flight(&self.topic, in_flight);
     }
 

@@ -11,7 +11,7 @@ use dedup_core::{DedupStore, Handler};
 use rdkafka::ClientConfig;
 
 use crate::Error;
-use crate::config::{self, DEFAULT_BROKERS, Settings, is_shared_setting, redacted};
+use crate::config::{self, ClientSettings, Settings, redacted};
 use crate::consumer::Consumer;
 use crate::retry::RetryPolicy;
 use crate::route::Route;
@@ -40,17 +40,13 @@ use crate::stats::StatsSnapshot;
 /// ```
 pub struct ConsumerBuilder<S> {
     store: S,
-    brokers: String,
-    group_id: Option<String>,
-    /// librdkafka settings passed through, in the order they were set.
-    client_settings: Vec<(String, String)>,
+    /// The brokers, the group and the librdkafka settings passed through.
+    client: ClientSettings,
     /// librdkafka settings of the dead-letter producer only.
     dead_letter_settings: Vec<(String, String)>,
     routes: Vec<Route<S>>,
     dead_letter_overrides: HashMap<String, String>,
     runtime: Settings,
-    /// Settings taken from the environment: (setting, variable).
-    from_env: Vec<(String, String)>,
     /// Whether `max_concurrent_partitions` was set (else it is fitted to
     /// the store's connections).
     concurrency_set: bool,
@@ -58,11 +54,8 @@ pub struct ConsumerBuilder<S> {
 
 impl<S> fmt::Debug for ConsumerBuilder<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let settings = redacted(&self.client_settings);
         f.debug_struct("ConsumerBuilder")
-            .field("brokers", &self.brokers)
-            .field("group_id", &self.group_id)
-            .field("settings", &settings)
+            .field("client", &self.client)
             .field(
                 "dead_letter_settings",
                 &redacted(&self.dead_letter_settings),
@@ -102,13 +95,12 @@ impl<S> ConsumerBuilder<S> {
             ("batch.num.messages".to_owned(), "1".to_owned()),
         ];
         let settings = self
-            .client_settings
-            .iter()
-            .filter(|(k, _)| is_shared_setting(k))
+            .client
+            .shared()
             .chain(&defaults)
             .chain(&self.dead_letter_settings);
         Ok(config::idempotent_producer_config(
-            &self.brokers,
+            &self.client.brokers,
             settings,
             self.runtime.dead_letter_timeout,
         ))
@@ -126,27 +118,24 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     pub(crate) fn new(store: S) -> Self {
         ConsumerBuilder {
             store,
-            brokers: DEFAULT_BROKERS.to_owned(),
-            group_id: None,
-            client_settings: Vec::new(),
+            client: ClientSettings::default(),
             dead_letter_settings: Vec::new(),
             routes: Vec::new(),
             dead_letter_overrides: HashMap::new(),
             runtime: Settings::default(),
-            from_env: Vec::new(),
             concurrency_set: false,
         }
     }
 
     /// The bootstrap brokers (`bootstrap.servers`), default `localhost:9092`.
     pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
-        self.brokers = brokers.into();
+        self.client.brokers = brokers.into();
         self
     }
 
     /// The consumer group (required).
     pub fn group_id(mut self, group_id: impl Into<String>) -> Self {
-        self.group_id = Some(group_id.into());
+        self.client.group_id = Some(group_id.into());
         self
     }
 
@@ -156,7 +145,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// (`enable.auto.commit`, `enable.auto.offset.store`) cannot be
     /// overridden.
     pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.client_settings.push((key.into(), value.into()));
+        self.client.set(key.into(), value.into());
         self
     }
 
@@ -169,10 +158,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// names the variable of one it refuses (never its value, which may be a
     /// password).
     pub fn set_from_env(mut self, prefix: &str) -> Self {
-        for (key, name, value) in config::settings_from_env(prefix) {
-            self.from_env.push((key.clone(), name));
-            self.client_settings.push((key, value));
-        }
+        self.client.set_from_env(prefix);
         self
     }
 
@@ -251,7 +237,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// of a commit per message. `1` is the per-message mode. A failure inside
     /// a batch rolls it back and replays it message by message.
     pub fn batch_size(mut self, n: usize) -> Self {
-        self.runtime.batch_size = n.max(1);
+        self.runtime.batching.size = n.max(1);
         self
     }
 
@@ -260,7 +246,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// are taken at once, without waiting: under load a batch forms while
     /// the one before it runs.
     pub fn batch_linger(mut self, linger: Duration) -> Self {
-        self.runtime.batch_linger = linger;
+        self.runtime.batching.linger = linger;
         self
     }
 
@@ -368,6 +354,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 "no topic has a handler: add .handle(\"topic\", handler)".into(),
             ));
         }
+        self.client.check_env()?;
         let mut topics = HashSet::new();
         if let Some(dup) = self.routes.iter().find(|r| !topics.insert(r.topic.clone())) {
             return Err(Error::Config(format!(
@@ -375,7 +362,6 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 dup.topic
             )));
         }
-        self.check_env_settings()?;
         // The consumer loop does not turn while a revoke waits: longer than
         // the liveness limit, a probe would restart a consumer that is fine.
         if self.runtime.revoke_timeout >= crate::LIVE_POLL_LIMIT / 2 {
@@ -389,11 +375,9 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         // Nor may it outlast the poll interval: the group would drop the
         // member for not polling while it waits.
         if let Some(max_poll) = self
-            .client_settings
-            .iter()
-            .rev()
-            .find(|(k, _)| k == "max.poll.interval.ms")
-            .and_then(|(_, v)| v.parse::<u64>().ok())
+            .client
+            .get("max.poll.interval.ms")
+            .and_then(|v| v.parse::<u64>().ok())
             && self.runtime.revoke_timeout >= Duration::from_millis(max_poll)
         {
             return Err(Error::Config(format!(
@@ -402,11 +386,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 self.runtime.revoke_timeout
             )));
         }
-        let consumer_config = config::consumer_config(
-            &self.brokers,
-            self.group_id.as_deref(),
-            &self.client_settings,
-        )?;
+        let consumer_config = self.client.consumer_config()?;
         let producer_config = self.dead_letter_producer_config()?;
         let ConsumerBuilder {
             store,
@@ -438,12 +418,6 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             }
         }
         Consumer::new(store, routes, consumer_config, producer_config, runtime)
-    }
-
-    /// Checks each setting taken from the environment with librdkafka, so
-    /// that a refusal names its variable.
-    fn check_env_settings(&self) -> Result<(), Error> {
-        config::check_env_settings(&self.from_env, &self.client_settings)
     }
 
     /// Builds and runs until SIGINT or SIGTERM; see [`Consumer::run`].

@@ -1,11 +1,13 @@
 //! The runtime's settings and the librdkafka client configurations: the
 //! consumer's, and the idempotent producer's (dead letters and the relay).
 
+use std::fmt;
 use std::time::Duration;
 
 use rdkafka::ClientConfig;
 
 use crate::Error;
+use crate::pipeline::ingest::Batching;
 use crate::retry::RetryPolicy;
 
 /// The bootstrap brokers unless `.brokers(...)` says otherwise.
@@ -14,8 +16,7 @@ pub(crate) const DEFAULT_BROKERS: &str = "localhost:9092";
 /// The runtime's tunables, as the builder sets them.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Settings {
-    pub(crate) batch_size: usize,
-    pub(crate) batch_linger: Duration,
+    pub(crate) batching: Batching,
     pub(crate) retry: RetryPolicy,
     pub(crate) max_concurrent_partitions: usize,
     pub(crate) max_buffered_per_partition: usize,
@@ -46,8 +47,10 @@ pub enum OnFingerprintMismatch {
 impl Default for Settings {
     fn default() -> Self {
         Settings {
-            batch_size: 200,
-            batch_linger: Duration::from_millis(5),
+            batching: Batching {
+                size: 200,
+                linger: Duration::from_millis(5),
+            },
             retry: RetryPolicy::default(),
             max_concurrent_partitions: 16,
             max_buffered_per_partition: 10_000,
@@ -59,6 +62,93 @@ impl Default for Settings {
             ttl_check: crate::TtlCheck::Warn,
             on_fingerprint_mismatch: OnFingerprintMismatch::DeadLetter,
         }
+    }
+}
+
+/// How a runtime's consumer reaches its brokers and group, and the
+/// librdkafka settings given to its builder (`set`, `set_from_env`): one
+/// set, read the same way by both runtimes' builders. `Debug` masks
+/// secrets.
+pub(crate) struct ClientSettings {
+    pub(crate) brokers: String,
+    pub(crate) group_id: Option<String>,
+    /// In the order given; the last value of a setting wins.
+    settings: Vec<(String, String)>,
+    /// Settings taken from the environment: (setting, variable).
+    from_env: Vec<(String, String)>,
+}
+
+impl Default for ClientSettings {
+    fn default() -> Self {
+        ClientSettings {
+            brokers: DEFAULT_BROKERS.to_owned(),
+            group_id: None,
+            settings: Vec::new(),
+            from_env: Vec::new(),
+        }
+    }
+}
+
+impl fmt::Debug for ClientSettings {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientSettings")
+            .field("brokers", &self.brokers)
+            .field("group_id", &self.group_id)
+            .field("settings", &redacted(&self.settings))
+            .finish()
+    }
+}
+
+impl ClientSettings {
+    pub(crate) fn set(&mut self, key: String, value: String) {
+        self.settings.push((key, value));
+    }
+
+    /// Every environment variable `<prefix><NAME>` as a setting, in name
+    /// order (see `ConsumerBuilder::set_from_env`).
+    pub(crate) fn set_from_env(&mut self, prefix: &str) {
+        for (key, name, value) in settings_from_env(prefix) {
+            self.from_env.push((key.clone(), name));
+            self.settings.push((key, value));
+        }
+    }
+
+    /// The value `key` ends with, if it was set.
+    pub(crate) fn get(&self, key: &str) -> Option<&str> {
+        self.settings
+            .iter()
+            .rev()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// The settings that apply to every client of the runtime (how to
+    /// reach and trust the brokers), in order.
+    pub(crate) fn shared(&self) -> impl Iterator<Item = &(String, String)> {
+        self.settings.iter().filter(|(k, _)| is_shared_setting(k))
+    }
+
+    /// A configuration with the brokers and the shared settings: what the
+    /// runtime's other clients start from.
+    pub(crate) fn shared_config(&self) -> ClientConfig {
+        let mut config = ClientConfig::new();
+        config.set("bootstrap.servers", &self.brokers);
+        for (k, v) in self.shared() {
+            config.set(k, v);
+        }
+        config
+    }
+
+    /// Checks each setting taken from the environment with librdkafka, so
+    /// that a refusal names its variable (never its value). The builders
+    /// call it first.
+    pub(crate) fn check_env(&self) -> Result<(), Error> {
+        check_env_settings(&self.from_env, &self.settings)
+    }
+
+    /// The consumer's configuration (see [`consumer_config`]).
+    pub(crate) fn consumer_config(&self) -> Result<ClientConfig, Error> {
+        consumer_config(&self.brokers, self.group_id.as_deref(), &self.settings)
     }
 }
 
@@ -127,7 +217,7 @@ pub(crate) const STATISTICS_INTERVAL_MS: &str = "5000";
 /// (`fetch.queue.backoff.ms`) before looking again: a small queue then
 /// starves the handlers. A 2 MiB queue looked at again every 10 ms kept the
 /// benchmark's throughput (62,103 events/s vs 61,968) at 54 MiB peak RSS
-/// instead of 118 MiB (README, Benchmark). The queue may be overshot by one
+/// instead of 118 MiB (the book's Performance chapter). The queue may be overshot by one
 /// fetch per broker (`fetch.max.bytes`, which librdkafka caps at this queue
 /// size unless set, or a single record batch larger than that).
 pub(crate) const PREFETCH_DEFAULTS: [(&str, &str); 3] = [
@@ -138,7 +228,7 @@ pub(crate) const PREFETCH_DEFAULTS: [(&str, &str); 3] = [
 
 /// The consumer's configuration: `client_settings` passed through, except
 /// the group and the settings that make offsets safe.
-pub(crate) fn consumer_config(
+fn consumer_config(
     brokers: &str,
     group_id: Option<&str>,
     client_settings: &[(String, String)],
@@ -211,7 +301,7 @@ pub(crate) fn check_features(settings: &[(String, String)]) -> Result<(), Error>
 /// `GROUP_PROTOCOL` -> `group.protocol`, `LOG__LEVEL` -> `log_level`.
 /// The environment variables `<prefix><NAME>`, in name order, as
 /// `(setting, variable, value)`; see `set_from_env`.
-pub(crate) fn settings_from_env(prefix: &str) -> Vec<(String, String, String)> {
+fn settings_from_env(prefix: &str) -> Vec<(String, String, String)> {
     let mut vars: Vec<(String, String)> = std::env::vars()
         .filter(|(name, _)| name.len() > prefix.len() && name.starts_with(prefix))
         .collect();
@@ -224,7 +314,7 @@ pub(crate) fn settings_from_env(prefix: &str) -> Vec<(String, String, String)> {
 /// Checks each setting taken from the environment (`from_env`: setting,
 /// variable) with librdkafka at the value it ends with in `settings`, so
 /// that a refusal names its variable, never its value.
-pub(crate) fn check_env_settings(
+fn check_env_settings(
     from_env: &[(String, String)],
     settings: &[(String, String)],
 ) -> Result<(), Error> {

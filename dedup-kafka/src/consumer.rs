@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 
 use dedup_core::DedupStore;
 use rdkafka::ClientConfig;
@@ -24,7 +24,8 @@ use crate::partition::Runtime;
 use crate::partition::state::{Partition, PartitionMap, lock};
 use crate::partition::worker::worker;
 use crate::pipeline::fatal_error;
-use crate::rebalance::{RebalanceContext, commit};
+use crate::pipeline::membership::Membership;
+use crate::rebalance::{HandOver, RebalanceContext, commit};
 use crate::route::Route;
 use crate::shutdown::shutdown_signal;
 use crate::stats::{Stats, StatsSnapshot};
@@ -53,15 +54,14 @@ impl<S: DedupStore> Consumer<S> {
     ) -> Result<Self, Error> {
         let partitions = PartitionMap::default();
         let stats = Arc::new(Stats::new());
-        let closing = Arc::new(AtomicBool::new(false));
         let kafka: StreamConsumer<RebalanceContext> =
-            consumer_config.create_with_context(RebalanceContext {
-                partitions: partitions.clone(),
-                stats: stats.clone(),
-                closing: closing.clone(),
-                owned: std::sync::Mutex::default(),
-                revoke_timeout: settings.revoke_timeout,
-            })?;
+            consumer_config.create_with_context(Membership::new(
+                stats.clone(),
+                HandOver {
+                    partitions: partitions.clone(),
+                    revoke_timeout: settings.revoke_timeout,
+                },
+            ))?;
         let producer: FutureProducer = producer_config.create()?;
         // How to reach the brokers, for the start-up TTL check.
         let admin_config = producer_config;
@@ -80,7 +80,6 @@ impl<S: DedupStore> Consumer<S> {
                 settings,
                 permits,
                 stopping: watch::channel(false).0,
-                closing,
                 drained: drained_tx,
                 fatal: std::sync::Mutex::new(None),
                 fatal_set: tokio::sync::Notify::new(),
@@ -413,7 +412,7 @@ impl<S: DedupStore> Consumer<S> {
         commit(&self.shared.kafka, CommitMode::Sync, "shutdown");
         // Dropping the consumer closes it: it leaves the group, which revokes
         // the partitions once more; everything finished is committed already.
-        self.shared.closing.store(true, Ordering::Release);
+        self.shared.kafka.context().close();
         tracing::info!(stats = %self.shared.stats.snapshot(), "consumer stopped");
         let reason = self
             .shared

@@ -1,7 +1,7 @@
 //! What the runtime records through the `metrics` facade. Recording is free
 //! until the application installs a recorder (Prometheus, StatsD,
-//! OpenTelemetry...). The names and labels are part of the API (README,
-//! "Metrics"); no label ever holds an event key.
+//! OpenTelemetry...). The names and labels are part of the API (the book's
+//! chapter "Metrics and health"); no label ever holds an event key.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;

@@ -16,7 +16,6 @@ pub(crate) mod worker;
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -48,7 +47,6 @@ pub(crate) struct Runtime<S> {
     /// Bounds how many partitions run a handler at once.
     pub(crate) permits: Semaphore,
     pub(crate) stopping: watch::Sender<bool>,
-    pub(crate) closing: Arc<AtomicBool>,
     /// Workers report here when a paused partition has drained.
     pub(crate) drained: mpsc::UnboundedSender<(String, i32)>,
     /// Why the consumer must stop, set by a worker that cannot go on (a

@@ -11,6 +11,7 @@ use tracing::Instrument;
 
 use crate::config::Settings;
 use crate::dead_letter::{self as dead_letters};
+use crate::pipeline::ingest::within;
 use crate::retry::Jitter;
 use crate::route::Route;
 use crate::stats::Stats;
@@ -41,6 +42,7 @@ impl Inbox {
         self.receiver.is_empty()
     }
 
+    #[cfg(test)]
     fn try_recv(&mut self) -> Result<OwnedMessage, mpsc::error::TryRecvError> {
         let msg = self.receiver.try_recv();
         self.held += i64::from(msg.is_ok());
@@ -182,12 +184,10 @@ impl Drop for Exited<'_> {
     }
 }
 
-/// Takes `first` and what else of the partition is queued, up to the batch
-/// size. Only a partition that was `idle` (nothing queued when the worker
-/// began waiting for `first`) waits for more, up to the linger time:
-/// messages that queued behind a running batch are a batch already, even
-/// one alone, and lingering would only add to their wait (at steady load
-/// every batch would wait the whole linger).
+/// Takes `first` and what else of the partition is queued, as the shared
+/// [`Batching`](crate::pipeline::ingest::Batching) says: only a partition
+/// that was `idle` (nothing queued when the worker began waiting for
+/// `first`) lingers for more.
 async fn gather(
     receiver: &mut Inbox,
     first: OwnedMessage,
@@ -195,18 +195,11 @@ async fn gather(
     settings: &Settings,
 ) -> Vec<OwnedMessage> {
     let mut batch = vec![first];
-    let deadline = tokio::time::Instant::now() + settings.batch_linger;
-    while batch.len() < settings.batch_size {
-        match receiver.try_recv() {
-            Ok(msg) => batch.push(msg),
-            Err(mpsc::error::TryRecvError::Disconnected) => break,
-            Err(mpsc::error::TryRecvError::Empty) if !idle => break,
-            Err(mpsc::error::TryRecvError::Empty) => {
-                match tokio::time::timeout_at(deadline, receiver.recv()).await {
-                    Ok(Some(msg)) => batch.push(msg),
-                    Ok(None) | Err(_) => break,
-                }
-            }
+    let gathering = settings.batching.start(idle);
+    while let Some(wait) = gathering.wait(batch.len()) {
+        match within(wait, receiver.recv()).await {
+            Some(Some(msg)) => batch.push(msg),
+            Some(None) | None => break,
         }
     }
     batch
@@ -274,7 +267,10 @@ mod tests {
 
     fn lingering(linger: Duration) -> Settings {
         Settings {
-            batch_linger: linger,
+            batching: crate::pipeline::ingest::Batching {
+                linger,
+                ..Settings::default().batching
+            },
             ..Settings::default()
         }
     }
@@ -317,10 +313,8 @@ mod tests {
             // ends on the linger or the batch size, not on a closed queue.
             tokio::time::sleep(Duration::from_secs(60)).await;
         });
-        let settings = Settings {
-            batch_size: 2,
-            ..lingering(Duration::from_secs(30))
-        };
+        let mut settings = lingering(Duration::from_secs(30));
+        settings.batching.size = 2;
         let gathering = gather(&mut inbox, first, idle, &settings);
         let batch = tokio::time::timeout(Duration::from_secs(5), gathering)
             .await

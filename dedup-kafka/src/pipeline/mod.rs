@@ -8,11 +8,16 @@
 //!   out, dead-letter, stop): a pure function, table-tested.
 //! - [`outage`]: an event's retries: the decision applied, and its wait
 //!   out of an outage as health sees it.
+//! - [`ingest`]: how a batch is gathered (linger only when idle).
+//! - [`membership`]: the rebalance context: what a member owns, its count,
+//!   its lag, the rebalance counters, each callback contained.
 //! - [`record`]: what became of a message, in the counters and the metrics
 //!   at once.
 
 pub(crate) mod attempt;
 pub(crate) mod decision;
+pub(crate) mod ingest;
+pub(crate) mod membership;
 pub(crate) mod outage;
 pub(crate) mod record;
 

@@ -5,14 +5,13 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dedup_core::Handler;
-use rdkafka::config::ClientConfig;
 use rdkafka::producer::FutureProducer;
 
 use super::outputs::Outputs;
 
 use super::TransactionalConsumer;
 use crate::Error;
-use crate::config::{self, OnFingerprintMismatch};
+use crate::config::{self, ClientSettings, OnFingerprintMismatch};
 use crate::dlq;
 use crate::retry::{Jitter, RetryPolicy};
 use crate::stats::{Stats, StatsSnapshot};
@@ -22,11 +21,7 @@ use crate::stats::{Stats, StatsSnapshot};
 pub struct TransactionalConsumerBuilder<H> {
     topic: String,
     handler: H,
-    brokers: String,
-    group_id: Option<String>,
-    settings: Vec<(String, String)>,
-    /// Settings from the environment: (setting, variable).
-    from_env: Vec<(String, String)>,
+    client: ClientSettings,
     producer_settings: Vec<(String, String)>,
     dead_letter_topic: Option<String>,
     changelog_topic: Option<String>,
@@ -44,9 +39,7 @@ impl<H> fmt::Debug for TransactionalConsumerBuilder<H> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TransactionalConsumerBuilder")
             .field("topic", &self.topic)
-            .field("brokers", &self.brokers)
-            .field("group_id", &self.group_id)
-            .field("settings", &config::redacted(&self.settings))
+            .field("client", &self.client)
             .field(
                 "producer_settings",
                 &config::redacted(&self.producer_settings),
@@ -62,10 +55,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         TransactionalConsumerBuilder {
             topic,
             handler,
-            brokers: config::DEFAULT_BROKERS.to_owned(),
-            group_id: None,
-            settings: Vec::new(),
-            from_env: Vec::new(),
+            client: ClientSettings::default(),
             producer_settings: Vec::new(),
             dead_letter_topic: None,
             changelog_topic: None,
@@ -82,13 +72,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
 
     /// The bootstrap brokers (default `localhost:9092`).
     pub fn brokers(mut self, brokers: impl Into<String>) -> Self {
-        self.brokers = brokers.into();
+        self.client.brokers = brokers.into();
         self
     }
 
     /// The consumer group (required). The changelog is `<group>-dedup-claims`.
     pub fn group_id(mut self, group_id: impl Into<String>) -> Self {
-        self.group_id = Some(group_id.into());
+        self.client.group_id = Some(group_id.into());
         self
     }
 
@@ -96,7 +86,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     /// settings (`security.*`, `sasl.*`, `ssl.*`, ...) go to the producer
     /// and the changelog readers too.
     pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
-        self.settings.push((key.into(), value.into()));
+        self.client.set(key.into(), value.into());
         self
     }
 
@@ -104,10 +94,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     /// [`ConsumerBuilder::set_from_env`](crate::ConsumerBuilder::set_from_env)
     /// reads them (`KAFKA_CFG_SESSION_TIMEOUT_MS=6000`).
     pub fn set_from_env(mut self, prefix: &str) -> Self {
-        for (key, name, value) in config::settings_from_env(prefix) {
-            self.from_env.push((key.clone(), name));
-            self.settings.push((key, value));
-        }
+        self.client.set_from_env(prefix);
         self
     }
 
@@ -195,7 +182,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
 
     /// Checks the settings and creates the clients.
     pub fn build(self) -> Result<TransactionalConsumer<H>, Error> {
-        let group = self.group_id.clone().ok_or_else(|| {
+        let group = self.client.group_id.clone().ok_or_else(|| {
             Error::Config("a group id is required: .group_id(\"enrich-v1\")".into())
         })?;
         let transactional_id = self.transactional_id.clone().unwrap_or_else(|| {
@@ -204,7 +191,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
                 Jitter::new(std::process::id().into()).next().to_bits()
             )
         });
-        config::check_env_settings(&self.from_env, &self.settings)?;
+        self.client.check_env()?;
         config::refuse_own_settings(
             &self.producer_settings,
             &config::TRANSACTIONAL_OWN_SETTINGS,
@@ -212,19 +199,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             "transactional_id() and transaction_timeout() set them; idempotence and acks=all \
              are always on",
         )?;
-        let mut consumer = config::consumer_config(&self.brokers, Some(&group), &self.settings)?;
+        let mut consumer = self.client.consumer_config()?;
         // Only what upstream committed, and offsets only through the
         // transactions.
         consumer.set("isolation.level", "read_committed");
-        let mut shared = ClientConfig::new();
-        shared.set("bootstrap.servers", &self.brokers);
-        for (k, v) in self
-            .settings
-            .iter()
-            .filter(|(k, _)| config::is_shared_setting(k))
-        {
-            shared.set(k, v);
-        }
+        let shared = self.client.shared_config();
         let mut producer = shared.clone();
         // A record that just fitted its input topic still fits the
         // dead-letter topic with dedup's headers (a user's setting wins).
@@ -256,8 +235,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             transactional_id,
             changelog_replication: self.changelog_replication,
             transaction_timeout: self.transaction_timeout,
-            batch_size: self.batch_size,
-            batch_linger: self.batch_linger,
+            batching: crate::pipeline::ingest::Batching {
+                size: self.batch_size,
+                linger: self.batch_linger,
+            },
             retry: self.retry,
             on_fingerprint_mismatch: self.on_fingerprint_mismatch,
             attempt_timeout: self.attempt_timeout,

@@ -47,10 +47,11 @@ pub use outputs::{OutputRecord, Outputs};
 use self::batch::With;
 use self::busy::Busy;
 use self::claims::PartitionClaims;
-use self::rebalance::{Change, Membership};
+use self::rebalance::{Change, Changes, Membership};
 use crate::Error;
 use crate::config::OnFingerprintMismatch;
 use crate::metrics::{ConsumerGauges, RouteMetrics};
+use crate::pipeline::ingest::{Batching, Gathering, within};
 use crate::pipeline::outage::Retrying;
 use crate::pipeline::record::Record;
 use crate::retry::{Jitter, RetryPolicy};
@@ -58,8 +59,8 @@ use crate::stats::{Stats, StatsSnapshot};
 
 /// Runs a Kafka-only handler exactly once per distinct event: outputs,
 /// claims, dead letters and input offsets of each batch in one Kafka
-/// transaction. See the workspace README, "Kafka to Kafka: exactly once
-/// without a database".
+/// transaction. See the book's chapter "Kafka to Kafka"
+/// (`docs/src/kafka-to-kafka.md`).
 ///
 /// ```no_run
 /// # use dedup_core::{HandlerError, idempotent};
@@ -92,8 +93,7 @@ pub struct TransactionalConsumer<H> {
     transactional_id: String,
     changelog_replication: i32,
     transaction_timeout: Duration,
-    batch_size: usize,
-    batch_linger: Duration,
+    batching: Batching,
     retry: RetryPolicy,
     on_fingerprint_mismatch: OnFingerprintMismatch,
     attempt_timeout: Duration,
@@ -107,6 +107,40 @@ pub struct TransactionalConsumer<H> {
     /// Transactions aborted in a row (the back-off grows with them).
     rewinds: std::sync::atomic::AtomicU32,
 }
+
+/// The messages of the batch in hand, counted in flight until it is
+/// dropped, however the loop's turn ends.
+struct Held<'a> {
+    stats: &'a Stats,
+    n: usize,
+}
+
+impl Held<'_> {
+    /// The batch holds `n` messages now.
+    fn count(&mut self, n: usize) {
+        self.stats.add_in_flight(n as i64 - self.n as i64);
+        self.n = n;
+    }
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.count(0);
+    }
+}
+
+/// Marks the consumer closing when dropped (before the consumer is).
+struct Closing<'a>(&'a Membership);
+
+impl Drop for Closing<'_> {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
+/// How long the loop waits for a first message before it looks at the
+/// stop signal, health and the gauges again.
+const IDLE_WAIT: Duration = Duration::from_millis(500);
 
 impl<H> fmt::Debug for TransactionalConsumer<H> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -175,18 +209,16 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         self.init_transactions().await?;
         // Readiness: the transaction coordinator (this consumer's store) answered.
         self.stats.store_answered();
-        let context = Membership {
-            topic: self.topic.clone(),
-            changes: Mutex::new(Vec::new()),
-            owned: Mutex::new(HashMap::new()),
-        };
+        let context = Membership::new(self.stats.clone(), Changes::new(self.topic.clone()));
         let gauges = ConsumerGauges::new(self.consumer_config.get("group.id").unwrap_or_default());
         let consumer: StreamConsumer<Membership> =
             self.consumer_config.create_with_context(context)?;
+        // However the loop ends, what dropping the consumer revokes is not
+        // a rebalance.
+        let _closing = Closing(consumer.context());
         consumer.subscribe(&[&self.topic])?;
         tracing::info!(topic = %self.topic, changelog = %self.changelog, transactional_id = %self.transactional_id, "transactional consumer started");
         let mut states: HashMap<i32, PartitionClaims> = HashMap::new();
-        let mut assigned: HashSet<i32> = HashSet::new();
         let mut jitter = Jitter::new(u64::from(std::process::id()));
         let mut stopping = false;
         let (stop_tx, stop_rx) = watch::channel(false);
@@ -201,15 +233,22 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let mut backlog = false;
         while !stopping {
             let mut batch: Vec<OwnedMessage> = Vec::new();
-            let mut deadline: Option<tokio::time::Instant> = None;
+            // Counted in flight from receipt, as the database runtime's are:
+            // a batch gathering, or waiting for its partitions' claims to be
+            // restored, is work, not idleness.
+            let mut held = Held {
+                stats: &self.stats,
+                n: 0,
+            };
+            // From the batch's first message on.
+            let mut gathering: Option<Gathering> = None;
             self.refresh(&gauges, None, 0, 0);
             loop {
                 self.stats.polled();
-                let wait = match deadline {
-                    None if backlog && !batch.is_empty() => Duration::ZERO,
-                    None => Duration::from_millis(500),
-                    Some(at) => match at.checked_duration_since(tokio::time::Instant::now()) {
-                        Some(left) => left,
+                let wait = match &gathering {
+                    None => IDLE_WAIT,
+                    Some(gathering) => match gathering.wait(batch.len()) {
+                        Some(wait) => wait,
                         None => break,
                     },
                 };
@@ -221,28 +260,26 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         let _ = stop_tx.send(true);
                         break
                     }
-                    received = tokio::time::timeout(wait, consumer.recv()) => received,
+                    received = within(wait, consumer.recv()) => received,
                 };
-                self.apply_changes(consumer.context(), &mut states, &mut assigned, &mut batch);
+                Self::apply_changes(consumer.context(), &mut states, &mut batch);
+                held.count(batch.len());
                 match received {
                     // An idle wait: the next batch starts from idle.
-                    Err(_) if batch.is_empty() => backlog = false,
-                    Err(_) => break,
-                    Ok(Ok(msg)) => {
-                        if batch.is_empty() && !backlog {
-                            deadline = Some(tokio::time::Instant::now() + self.batch_linger);
-                        }
+                    None if gathering.is_none() => backlog = false,
+                    None => break,
+                    Some(Ok(msg)) => {
+                        gathering.get_or_insert_with(|| self.batching.start(!backlog));
                         batch.push(msg.detach());
-                        if batch.len() >= self.batch_size {
-                            break;
-                        }
+                        held.count(batch.len());
                     }
-                    Ok(Err(e)) => {
+                    Some(Err(e)) => {
                         tracing::warn!(error = %e, "consumer error");
                     }
                 }
             }
-            self.apply_changes(consumer.context(), &mut states, &mut assigned, &mut batch);
+            Self::apply_changes(consumer.context(), &mut states, &mut batch);
+            held.count(batch.len());
             let restored = tokio::select! {
                 restored = self.restore_assigned(&consumer, &mut states, &batch, &mut jitter, &stop_rx) => restored?,
                 () = &mut stop, if !stopping => false,
@@ -255,7 +292,6 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 backlog = false;
                 continue;
             }
-            self.stats.add_in_flight(batch.len() as i64);
             // A stop while the batch runs ends the waits of its retries (a
             // hung handler or an outage would hold the shutdown for ever);
             // the batch's transaction itself is finished. Meanwhile the
@@ -286,10 +322,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 }
             };
             let finished = busy.finish(&consumer, &self.topic);
-            self.stats.add_in_flight(-(batch.len() as i64));
+            drop(held);
             self.stats.touch();
             done?;
-            backlog = finished? || batch.len() >= self.batch_size;
+            backlog = finished? || batch.len() >= self.batching.size;
         }
         tracing::info!("transactional consumer stopping");
         Ok(())
@@ -313,12 +349,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// Acts on the rebalance callbacks: a revoked partition's claims and
     /// buffered messages are dropped (its next owner restores and reads
     /// them from the committed offsets); an assigned one is restored before
-    /// its first message runs.
+    /// its first message runs. (What the member owns, health's count of it
+    /// and the rebalance counters the shared context keeps.)
     fn apply_changes(
-        &self,
         context: &Membership,
         states: &mut HashMap<i32, PartitionClaims>,
-        assigned: &mut HashSet<i32>,
         batch: &mut Vec<OwnedMessage>,
     ) {
         for change in context.take() {
@@ -326,27 +361,16 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 Change::Revoked(partitions) => {
                     for p in &partitions {
                         states.remove(p);
-                        assigned.remove(p);
                     }
                     batch.retain(|m| !partitions.contains(&m.partition()));
-                    self.stats
-                        .revoked_partitions
-                        .fetch_add(partitions.len() as u64, Ordering::Relaxed);
                 }
                 Change::Assigned(partitions) => {
-                    self.stats.assignments.fetch_add(1, Ordering::Relaxed);
-                    self.stats.touch();
                     // Restored before their first message runs.
                     for p in partitions {
                         states.remove(&p);
-                        assigned.insert(p);
                     }
                 }
             }
-            self.stats
-                .health
-                .assigned
-                .store(assigned.len() as u64, Ordering::Release);
         }
     }
 
@@ -390,7 +414,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     }
                     // Lag counts from here until the first transaction.
                     if let Some(offset) = offset {
-                        consumer.context().committed_at(p, offset);
+                        consumer.context().committed_at(&self.topic, p, offset);
                     }
                 }
                 Ok::<_, Error>(restored)

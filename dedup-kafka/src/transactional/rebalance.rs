@@ -1,10 +1,13 @@
-//! The rebalance callbacks: what they saw, in order, for the run loop (and
-//! a batch that polls) to act on.
-use std::collections::HashMap;
+//! The Kafka-only runtime's rebalance actions (on the shared
+//! [`Membership`](crate::pipeline::membership::Membership)): what the
+//! callbacks saw, in order, for the run loop (and a batch that polls) to
+//! act on.
 use std::sync::Mutex;
 
-use rdkafka::consumer::{BaseConsumer, ConsumerContext, Rebalance};
-use rdkafka::{ClientContext, TopicPartitionList};
+use rdkafka::TopicPartitionList;
+use rdkafka::consumer::BaseConsumer;
+
+use crate::pipeline::membership::OnRebalance;
 
 /// What the rebalance callbacks saw, in order, for the loop to act on.
 #[derive(Debug)]
@@ -23,18 +26,26 @@ impl Change {
     }
 }
 
-/// The consumer's context: what this member owns of the input topic, and
-/// the changes to it the rebalance callbacks saw, in order, for the loop
-/// (and a batch that polls) to act on; the lag of what it owns.
-pub(super) struct Membership {
+/// The changes to what this member owns of the input topic, in order,
+/// for the loop (and a batch that polls) to act on. The callbacks run
+/// inside `recv`, which the loop calls only while no transaction is open
+/// (see [`busy`](super::busy)): none is when partitions are revoked.
+pub(super) struct Changes {
     pub(super) topic: String,
     pub(super) changes: Mutex<Vec<Change>>,
-    /// The input partitions this member owns, as the callbacks say, and
-    /// the offset each committed last (once it has): their lag is reported.
-    pub(super) owned: Mutex<HashMap<i32, Option<i64>>>,
 }
 
-impl Membership {
+/// The Kafka-only runtime's consumer context.
+pub(super) type Membership = crate::pipeline::membership::Membership<Changes>;
+
+impl Changes {
+    pub(super) fn new(topic: String) -> Self {
+        Changes {
+            topic,
+            changes: Mutex::new(Vec::new()),
+        }
+    }
+
     pub(super) fn push(&self, change: Change) {
         self.changes
             .lock()
@@ -49,24 +60,6 @@ impl Membership {
             .unwrap_or_else(|p| p.into_inner())
             .iter()
             .any(|change| !change.partitions().is_empty())
-    }
-
-    /// The offsets a transaction committed, for the lag.
-    pub(super) fn committed(&self, offsets: &TopicPartitionList) {
-        for e in offsets.elements() {
-            if let rdkafka::Offset::Offset(o) = e.offset() {
-                self.committed_at(e.partition(), o);
-            }
-        }
-    }
-
-    /// The offset `partition` committed last (if it is still owned), for
-    /// the lag.
-    pub(super) fn committed_at(&self, partition: i32, offset: i64) {
-        let mut owned = self.owned.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(at) = owned.get_mut(&partition) {
-            *at = Some(offset);
-        }
     }
 
     /// Calls `f` with each change from the `from`th on, in order.
@@ -88,59 +81,12 @@ impl Membership {
     }
 }
 
-impl ClientContext for Membership {
-    /// librdkafka's statistics (every `statistics.interval.ms`): the lag of
-    /// each owned input partition, from the end of its committed log (its
-    /// last stable offset) back to the offset this member's transactions
-    /// committed last, as the `dedup_consumer_lag` gauge. (librdkafka's own
-    /// lag counts from offsets the consumer commits itself, and this one
-    /// commits through its transactions.)
-    fn stats(&self, statistics: rdkafka::Statistics) {
-        let owned = self.owned.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(topic) = statistics.topics.get(&self.topic) else {
-            return;
-        };
-        for (&id, partition) in &topic.partitions {
-            let end = if partition.ls_offset >= 0 {
-                partition.ls_offset
-            } else {
-                partition.hi_offset
-            };
-            if let Some(Some(committed)) = owned.get(&id)
-                && partition.desired
-                && end >= 0
-            {
-                crate::metrics::consumer_lag(&self.topic, id, (end - committed).max(0));
-            }
-        }
-    }
-}
-
-/// The callbacks run inside `recv`, which the loop calls only while no
-/// transaction is open (see [`busy`]): none is when partitions are revoked.
-impl ConsumerContext for Membership {
-    fn pre_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if let Rebalance::Revoke(list) = rebalance {
-            let partitions = self.partitions(list);
-            let mut owned = self.owned.lock().unwrap_or_else(|p| p.into_inner());
-            for p in &partitions {
-                owned.remove(p);
-                // Not this member's to report any more.
-                crate::metrics::consumer_lag(&self.topic, *p, 0);
-            }
-            drop(owned);
-            self.push(Change::Revoked(partitions));
-        }
+impl OnRebalance for Changes {
+    fn revoking(&self, _: &BaseConsumer<Membership>, list: &TopicPartitionList) {
+        self.push(Change::Revoked(self.partitions(list)));
     }
 
-    fn post_rebalance(&self, _: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        if let Rebalance::Assign(list) = rebalance {
-            let partitions = self.partitions(list);
-            self.owned
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .extend(partitions.iter().map(|&p| (p, None)));
-            self.push(Change::Assigned(partitions));
-        }
+    fn assigned(&self, _: &BaseConsumer<Membership>, list: &TopicPartitionList) {
+        self.push(Change::Assigned(self.partitions(list)));
     }
 }

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one command that runs every check and test. It installs and starts what
 # the tests need (build packages, PostgreSQL, a real Apache Kafka on
-# 127.0.0.1:9092), then runs the gate: fmt, clippy, tests, docs, and the
-# quickstart as a smoke test.
+# 127.0.0.1:9092), then runs the gate: fmt, clippy, tests, docs, the book,
+# packaging, and the quickstart as a smoke test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -29,6 +29,14 @@ trap 'rm -f "$log"' EXIT
 cargo test --workspace --locked 2>&1 | tee "$log"
 
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
+
+# The book (docs/, mdBook; installed once) with its links checked, and the
+# published crates packaged and built from their packages alone, so a
+# missing file or a feature another crate happened to turn on cannot
+# silently break a release (--allow-dirty: also mid-work, on a dirty tree).
+bash scripts/book.sh
+cargo package --workspace --locked --allow-dirty \
+    --exclude dedup-examples --exclude dedup-tests --exclude dedup-bench
 
 # The quickstart as a smoke test, as a newcomer runs it (no services: an
 # in-process Kafka and SQLite), then against the real Kafka and PostgreSQL.

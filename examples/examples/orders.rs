@@ -7,7 +7,7 @@
 //! sent them out of order, a replay of the topic past the TTL, a partition
 //! handed over mid-way) would overwrite the newer state. So the upsert is
 //! guarded by the order's version too: it writes only over an older one.
-//! See "Effects that must not go backwards" in the README.
+//! See "Effects that must not go backwards" in the book's Semantics chapter.
 //!
 //! Environment: `DATABASE_URL` (required), `KAFKA_BROKERS` (default
 //! `localhost:9092`), `TOPIC` (default `orders`), `GROUP_ID` (default

@@ -1,7 +1,57 @@
 #![doc = include_str!("../../README.md")]
 //!
 //! (This crate holds the runnable examples; its docs are the repository
-//! README, so every Rust example in the README compiles as a doctest.)
+//! README, so every Rust example in the README compiles as a doctest, as
+//! every one in the book does.)
+
+/// Every Rust example of the book compiles as a doctest: each chapter is the
+/// docs of a module here, compiled only by `cargo test`'s doctests
+/// (`scripts/doclinks.py` checks that every chapter is listed).
+#[cfg(doctest)]
+mod book {
+    #[doc = include_str!("../../docs/src/architecture.md")]
+    mod architecture {}
+    #[doc = include_str!("../../docs/src/backends.md")]
+    mod backends {}
+    #[doc = include_str!("../../docs/src/choosing-ttl.md")]
+    mod choosing_ttl {}
+    #[doc = include_str!("../../docs/src/concepts.md")]
+    mod concepts {}
+    #[doc = include_str!("../../docs/src/configuration.md")]
+    mod configuration {}
+    #[doc = include_str!("../../docs/src/crates.md")]
+    mod crates {}
+    #[doc = include_str!("../../docs/src/decoding.md")]
+    mod decoding {}
+    #[doc = include_str!("../../docs/src/failures.md")]
+    mod failures {}
+    #[doc = include_str!("../../docs/src/getting-started.md")]
+    mod getting_started {}
+    #[doc = include_str!("../../docs/src/handler-options.md")]
+    mod handler_options {}
+    #[doc = include_str!("../../docs/src/introduction.md")]
+    mod introduction {}
+    #[doc = include_str!("../../docs/src/kafka-to-kafka.md")]
+    mod kafka_to_kafka {}
+    #[doc = include_str!("../../docs/src/lease-mode.md")]
+    mod lease_mode {}
+    #[doc = include_str!("../../docs/src/metrics.md")]
+    mod metrics {}
+    #[doc = include_str!("../../docs/src/operating.md")]
+    mod operating {}
+    #[doc = include_str!("../../docs/src/outbox.md")]
+    mod outbox {}
+    #[doc = include_str!("../../docs/src/performance.md")]
+    mod performance {}
+    #[doc = include_str!("../../docs/src/scaling.md")]
+    mod scaling {}
+    #[doc = include_str!("../../docs/src/semantics.md")]
+    mod semantics {}
+    #[doc = include_str!("../../docs/src/testing.md")]
+    mod testing {}
+    #[doc = include_str!("../../docs/src/upgrading.md")]
+    mod upgrading {}
+}
 
 /// Logs to stderr for the examples. If stderr goes away (its reader died),
 /// log lines are dropped instead of panicking inside a librdkafka callback.

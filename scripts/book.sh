@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the book (docs/, mdBook) into target/book and checks its links.
 # mdBook comes from crates.io, built once into ~/.cargo/bin (about two
-# minutes on 2 cores; no default features: no file watcher, no web server).
+# minutes on 2 cores; no default features: no file watcher, no web server,
+# no search index, none of which a check needs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MDBOOK_VERSION=0.5.4

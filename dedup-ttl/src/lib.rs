@@ -1,5 +1,12 @@
 //! The one TTL grammar of dedup.
 //!
+//! ```
+//! assert_eq!(dedup_ttl::parse_secs("1h30m"), Ok(5_400));
+//! assert_eq!(dedup_ttl::parse_secs("4h"), Ok(4 * 3_600));
+//! assert!(dedup_ttl::parse_secs("30m1h").is_err()); // largest unit first
+//! assert!(dedup_ttl::parse_secs("0s").is_err()); // a claim must live
+//! ```
+//!
 //! `dedup-core` re-exports it as `Ttl`, and the `#[idempotent]` macro parses
 //! its `ttl = "..."` option with the same code at compile time, so a string
 //! that builds is exactly a string that a config file or an environment

@@ -137,11 +137,11 @@ async fn a_crash_between_database_commit_and_offset_commit_is_skipped_on_restart
         "{}",
         String::from_utf8_lossy(&restarted.stderr)
     );
-    let stdout = String::from_utf8_lossy(&restarted.stdout);
     assert_eq!(
-        stdout.lines().last(),
-        Some("applied=0 skipped=1 dead_lettered=0"),
-        "{stdout}"
+        last_line(&restarted),
+        "applied=0 skipped=1 dead_lettered=0",
+        "{}",
+        String::from_utf8_lossy(&restarted.stdout)
     );
     assert_eq!(
         balance(&pool).await,

@@ -157,11 +157,11 @@ async fn a_crash_after_a_dead_letter_neither_copies_nor_applies_it(pool: PgPool)
         "{}",
         String::from_utf8_lossy(&restarted.stderr)
     );
-    let stdout = String::from_utf8_lossy(&restarted.stdout);
     assert_eq!(
-        stdout.lines().last(),
-        Some("applied=1 skipped=0 dead_lettered=0"),
-        "{stdout}"
+        last_line(&restarted),
+        "applied=1 skipped=0 dead_lettered=0",
+        "{}",
+        String::from_utf8_lossy(&restarted.stdout)
     );
     assert_eq!(
         balance(&pool).await,

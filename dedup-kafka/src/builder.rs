@@ -50,6 +50,9 @@ pub struct ConsumerBuilder<S> {
     /// Whether `max_concurrent_partitions` was set (else it is fitted to
     /// the store's connections).
     concurrency_set: bool,
+    /// Where to serve metrics and health, if anywhere.
+    #[cfg(feature = "http")]
+    http: Option<String>,
 }
 
 impl<S> fmt::Debug for ConsumerBuilder<S> {
@@ -124,6 +127,8 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             dead_letter_overrides: HashMap::new(),
             runtime: Settings::default(),
             concurrency_set: false,
+            #[cfg(feature = "http")]
+            http: None,
         }
     }
 
@@ -347,6 +352,16 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self
     }
 
+    /// Serves `/metrics`, `/livez`, `/readyz` and `/healthz` on `addr`
+    /// (`host:port`) while the consumer runs (feature `http`; see
+    /// [`crate::http`]). The address is bound by `build`, which fails if it
+    /// cannot be.
+    #[cfg(feature = "http")]
+    pub fn serve_http(mut self, addr: impl Into<String>) -> Self {
+        self.http = Some(addr.into());
+        self
+    }
+
     /// Builds the consumer without starting it.
     pub fn build(self) -> Result<Consumer<S>, Error> {
         if self.routes.is_empty() {
@@ -394,6 +409,8 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             dead_letter_overrides,
             mut runtime,
             concurrency_set,
+            #[cfg(feature = "http")]
+            http,
             ..
         } = self;
         // Each partition running a transaction holds a connection.
@@ -417,7 +434,13 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 route.dead_letter_topic = dlq.clone();
             }
         }
-        Consumer::new(store, routes, consumer_config, producer_config, runtime)
+        #[cfg_attr(not(feature = "http"), allow(unused_mut))]
+        let mut consumer = Consumer::new(store, routes, consumer_config, producer_config, runtime)?;
+        #[cfg(feature = "http")]
+        {
+            consumer.http = crate::http::bind(http, &consumer.group, consumer.stats())?;
+        }
+        Ok(consumer)
     }
 
     /// Builds and runs until SIGINT or SIGTERM; see [`Consumer::run`].

@@ -40,7 +40,10 @@ pub struct Consumer<S: DedupStore> {
     partitions: PartitionMap,
     drained: mpsc::UnboundedReceiver<(String, i32)>,
     admin_config: ClientConfig,
-    group: String,
+    pub(crate) group: String,
+    /// The metrics and health endpoints to serve while running.
+    #[cfg(feature = "http")]
+    pub(crate) http: Option<crate::http::HttpEndpoints>,
 }
 
 impl<S: DedupStore> Consumer<S> {
@@ -93,6 +96,8 @@ impl<S: DedupStore> Consumer<S> {
             drained,
             admin_config,
             group,
+            #[cfg(feature = "http")]
+            http: None,
         })
     }
 
@@ -116,6 +121,16 @@ impl<S: DedupStore> Consumer<S> {
         self.shared.stats.health()
     }
 
+    /// Where [`ConsumerBuilder::serve_http`](crate::ConsumerBuilder::serve_http)
+    /// serves the consumer's metrics and health while it runs (the port
+    /// chosen, if it asked for port 0).
+    #[cfg(feature = "http")]
+    pub fn http_addr(&self) -> Option<std::net::SocketAddr> {
+        self.http
+            .as_ref()
+            .map(crate::http::HttpEndpoints::local_addr)
+    }
+
     /// Runs until SIGINT or SIGTERM, then shuts down gracefully (see
     /// [`run_until`](Self::run_until)).
     pub async fn run(self) -> Result<StatsSnapshot, Error> {
@@ -131,6 +146,8 @@ impl<S: DedupStore> Consumer<S> {
     ) -> Result<StatsSnapshot, Error> {
         // Running until this returns or is dropped, however it ends.
         let mut running = Running::start(self.shared.stats.clone());
+        #[cfg(feature = "http")]
+        let _server = self.http.take().map(crate::http::HttpEndpoints::spawn);
         if !self.shared.settings.revoke_timeout.is_zero()
             && matches!(
                 tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()),

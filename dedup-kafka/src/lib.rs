@@ -6,6 +6,8 @@ mod consumer;
 mod dead_letter;
 mod dlq;
 mod failpoint;
+#[cfg(feature = "http")]
+pub mod http;
 mod metrics;
 mod partition;
 mod pipeline;
@@ -25,7 +27,7 @@ pub use dlq::{
     DEAD_LETTER_HEADERS, MAX_ERROR_MESSAGE_BYTES, REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER,
     TRUNCATED_PAYLOAD_BYTES,
 };
-pub use relay::{Relay, RelayBuilder, RelayStats, RelayStatsSnapshot};
+pub use relay::{Relay, RelayBuilder, RelayHealth, RelayStats, RelayStatsSnapshot};
 pub use retry::RetryPolicy;
 pub use shutdown::shutdown_signal;
 pub use stats::{Health, LIVE_POLL_LIMIT, Stats, StatsSnapshot};

@@ -53,7 +53,7 @@ pub const LIVE_POLL_LIMIT: Duration = Duration::from_secs(30);
 
 /// What a health probe needs to know of a consumer; see
 /// [`is_live`](Health::is_live) and [`is_ready`](Health::is_ready).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 #[non_exhaustive]
 pub struct Health {
     /// The consumer is running (`run`/`run_until` started and has not
@@ -66,9 +66,11 @@ pub struct Health {
     pub joined: bool,
     /// How long since the consumer loop last turned (it turns at least
     /// once a second while running).
+    #[serde(rename = "since_last_poll_seconds", serialize_with = "seconds")]
     pub since_last_poll: Duration,
     /// How long the longest-running partition has been on its current
     /// message or batch: a stuck message shows here long before lag does.
+    #[serde(rename = "oldest_in_flight_seconds", serialize_with = "seconds")]
     pub oldest_in_flight: Duration,
     /// Partitions whose fetching is paused for back-pressure.
     pub paused_partitions: u64,
@@ -92,6 +94,11 @@ impl Health {
     pub fn is_ready(&self) -> bool {
         self.is_live() && self.joined && self.store_answered && !self.outage
     }
+}
+
+/// A duration as seconds, the unit of every duration dedup reports.
+pub(crate) fn seconds<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64())
 }
 
 /// A point-in-time copy of [`Stats`]; `Display` prints

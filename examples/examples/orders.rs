@@ -77,15 +77,17 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .execute(store.pool())
         .await?;
     let purger = store.spawn_purger(Default::default());
-    let consumer = Consumer::builder(store)
+    let mut builder = Consumer::builder(store)
         .set_from_env("KAFKA_CFG_")
         .brokers(env_or("KAFKA_BROKERS", "localhost:9092"))
         .group_id(env_or("GROUP_ID", "orders-v1"))
-        .handle(env_or("TOPIC", "orders"), update_order.with_ttl(ttl))
-        .build()?;
+        .handle(env_or("TOPIC", "orders"), update_order.with_ttl(ttl));
+    // With METRICS_ADDR set: /metrics and the health probes.
+    if let Some(addr) = dedup_examples::metrics_addr() {
+        builder = builder.serve_http(addr);
+    }
+    let consumer = builder.build()?;
     let stats = consumer.stats();
-    // With METRICS_ADDR set: /metrics and /healthz.
-    dedup_examples::serve_metrics(Some(stats.clone()))?;
     let summary = consumer
         .run_until(until_idle(
             stats,

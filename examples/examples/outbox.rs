@@ -25,6 +25,7 @@ use std::time::Duration;
 
 use dedup_core::{HandlerError, OutboxMessage, Ttl, idempotent};
 use dedup_examples::env_or;
+use dedup_kafka::http::HttpEndpoints;
 use dedup_kafka::{Consumer, Relay, StatsSnapshot};
 use dedup_postgres::{OutboxReader, OutboxWriter, PgStore, PgTx};
 
@@ -157,9 +158,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .delivery_timeout(delivery_timeout)
         .build()?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    // With METRICS_ADDR set: /metrics and /healthz (the payments consumer's
-    // health; the relay's backlog is in /metrics).
-    let mut health = None;
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
@@ -178,12 +176,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .group_id(format!("{group}-notices"))
             .handle(RECORDED_TOPIC.as_str(), record_notice)
             .build()?;
-        health = Some(payments.stats());
         built = vec![payments, notices];
     }
-    // The recorder is installed before the relay and the consumers run:
-    // they register their metrics as they start.
-    dedup_examples::serve_metrics(health)?;
+    // With METRICS_ADDR set: /metrics, and health probes that report on the
+    // relay and both consumers, on one address. The recorder is installed
+    // before they run: they register their metrics as they start.
+    let _server = match dedup_examples::metrics_addr() {
+        Some(addr) => {
+            let mut endpoints = HttpEndpoints::bind(&addr)?.relay("relay", relay.stats());
+            for (name, consumer) in ["payments", "notices"].iter().zip(&built) {
+                endpoints = endpoints.consumer(*name, consumer.stats());
+            }
+            Some(endpoints.spawn())
+        }
+        None => None,
+    };
     let relay_task = tokio::spawn(relay.run_until(stopped(stop_rx.clone())));
     let mut consumers = Vec::new();
     for consumer in built {

@@ -69,10 +69,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Ok(ms) = std::env::var("KAFKA_STATISTICS_INTERVAL_MS") {
         builder = builder.set("statistics.interval.ms", ms);
     }
+    // With METRICS_ADDR set: /metrics and the health probes.
+    if let Some(addr) = dedup_examples::metrics_addr() {
+        builder = builder.serve_http(addr);
+    }
     let consumer = builder.build()?;
     let stats = consumer.stats();
-    // With METRICS_ADDR set: /metrics and /healthz.
-    dedup_examples::serve_metrics(Some(stats.clone()))?;
     let summary = consumer
         .run_until(until_idle(
             stats,

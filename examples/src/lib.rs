@@ -68,109 +68,11 @@ pub fn env_or(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_owned())
 }
 
-/// Prometheus metrics at `/metrics` and health checks, served on
-/// `METRICS_ADDR` (e.g. `127.0.0.1:9464`) when it is set; nothing otherwise.
-/// Installs the process's metrics recorder, so call it before the consumer
-/// runs. `/livez` (a liveness probe: restart when 503) answers 200 while the
-/// consumer is live, `/readyz` and `/healthz` (a readiness probe) while it
-/// is live and ready (see `dedup_kafka::Health`), with the health as JSON;
-/// without a consumer, 200 while the process runs.
-pub fn serve_metrics(
-    health: Option<std::sync::Arc<dedup_kafka::Stats>>,
-) -> Result<(), Box<dyn std::error::Error>> {
-    let Ok(addr) = std::env::var("METRICS_ADDR") else {
-        return Ok(());
-    };
-    serve_metrics_on(&addr, health)
-}
-
-/// [`serve_metrics`] on `addr`.
-pub fn serve_metrics_on(
-    addr: &str,
-    health: Option<std::sync::Arc<dedup_kafka::Stats>>,
-) -> Result<(), Box<dyn std::error::Error>> {
-    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
-
-    // Buckets, so that dashboards can aggregate quantiles across instances.
-    // Up to 30 days: duplicate ages are read over weeks to choose a TTL.
-    let seconds = [
-        0.001,
-        0.005,
-        0.01,
-        0.025,
-        0.05,
-        0.1,
-        0.25,
-        0.5,
-        1.0,
-        2.5,
-        5.0,
-        10.0,
-        30.0,
-        60.0,
-        300.0,
-        900.0,
-        3600.0,
-        14_400.0,
-        86_400.0,
-        604_800.0,
-        2_592_000.0,
-    ];
-    let sizes = [1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0];
-    let handle = PrometheusBuilder::new()
-        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &seconds)?
-        .set_buckets_for_metric(Matcher::Full("dedup_batch_size".into()), &sizes)?
-        .install_recorder()?;
-    let server = tiny_http::Server::http(addr).map_err(|e| format!("METRICS_ADDR {addr}: {e}"))?;
-    let upkeep = handle.clone();
-    std::thread::spawn(move || {
-        loop {
-            std::thread::sleep(std::time::Duration::from_secs(5));
-            upkeep.run_upkeep();
-        }
-    });
-    std::thread::spawn(move || {
-        for request in server.incoming_requests() {
-            let (status, body, kind) = match request.url() {
-                "/metrics" => (200, handle.render(), "text/plain; version=0.0.4"),
-                path @ ("/healthz" | "/readyz" | "/livez") => {
-                    let (ok, body) = match &health {
-                        Some(stats) => {
-                            let h = stats.health();
-                            let ok = if path == "/livez" {
-                                h.is_live()
-                            } else {
-                                h.is_ready()
-                            };
-                            let body = serde_json::json!({
-                                "live": h.is_live(),
-                                "ready": h.is_ready(),
-                                "running": h.running,
-                                "joined": h.joined,
-                                "assigned_partitions": h.assigned_partitions,
-                                "since_last_poll_seconds": h.since_last_poll.as_secs_f64(),
-                                "oldest_in_flight_seconds": h.oldest_in_flight.as_secs_f64(),
-                                "paused_partitions": h.paused_partitions,
-                                "outage": h.outage,
-                                "store_answered": h.store_answered,
-                                "fatal": h.fatal,
-                            });
-                            (ok, body.to_string())
-                        }
-                        None => (true, "{\"live\":true,\"ready\":true}".to_owned()),
-                    };
-                    (if ok { 200 } else { 503 }, body, "application/json")
-                }
-                _ => (404, "not found\n".to_owned(), "text/plain"),
-            };
-            let header = tiny_http::Header::from_bytes("Content-Type", kind).expect("valid header");
-            let response = tiny_http::Response::from_string(body)
-                .with_status_code(status)
-                .with_header(header);
-            let _ = request.respond(response);
-        }
-    });
-    Ok(())
+/// `METRICS_ADDR` (e.g. `127.0.0.1:9464`), where the examples serve
+/// `/metrics`, `/livez`, `/readyz` and `/healthz` through the library's
+/// `serve_http`, if it is set.
+pub fn metrics_addr() -> Option<String> {
+    std::env::var("METRICS_ADDR").ok()
 }
 
 /// `--exit-when-idle <ttl>`, the one flag of the consumer examples, if

@@ -10,7 +10,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use dedup_core::{HandlerExt, Ttl, idempotent};
-use dedup_kafka::{Consumer, TtlCheck};
+use dedup_kafka::{Consumer, Relay, TtlCheck};
 use dedup_postgres::PgTx;
 use dedup_tests::{PaymentReceived, credit, payment, store};
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
@@ -37,7 +37,12 @@ fn free_port() -> u16 {
 /// `GET path` on 127.0.0.1:`port`: the status and the body, or `None` while
 /// nothing listens.
 async fn get(port: u16, path: &str) -> Option<(u16, String)> {
-    let request = format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
+    request(port, "GET", path).await
+}
+
+/// `method path` on 127.0.0.1:`port`, as [`get`].
+async fn request(port: u16, method: &str, path: &str) -> Option<(u16, String)> {
+    let request = format!("{method} {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n");
     tokio::task::spawn_blocking(move || {
         let mut stream = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
         stream.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
@@ -263,7 +268,9 @@ async fn healthz_is_503_until_the_group_assigns_then_200(pool: PgPool) {
     assert_eq!(first.0, 503, "not ready before the assignment: {}", first.1);
     let waiting: serde_json::Value = serde_json::from_str(&first.1).expect("JSON");
     assert_eq!(waiting["live"], true, "{waiting}");
-    assert_eq!(waiting["joined"], false, "{waiting}");
+    let payments = &waiting["components"][0];
+    assert_eq!(payments["kind"], "consumer", "{waiting}");
+    assert_eq!(payments["joined"], false, "{waiting}");
     // Still waiting a few seconds later: the rebalance is held up.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let (status, body) = get(port, "/healthz").await.expect("answer");
@@ -420,4 +427,159 @@ async fn the_dashboard_queries_only_exported_metrics(pool: PgPool) {
         missing.is_empty(),
         "queried by the dashboard, never exported: {missing:?}"
     );
+}
+
+/// `serve_http` on the builder: nothing is served before the consumer runs;
+/// while it runs `/readyz` turns 200 once it is assigned, `/metrics` counts
+/// what it applied, other paths are 404 and other methods 405; a second
+/// consumer cannot take the same address (its build fails, naming it); and
+/// once `run_until` returns, nothing answers any more.
+#[sqlx::test(migrations = false)]
+async fn serve_http_serves_while_the_consumer_runs(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let group = unique("g");
+    let consumer = Consumer::builder(store.clone())
+        .brokers(brokers())
+        .group_id(&group)
+        .handle(&topic, record_payment)
+        .serve_http("127.0.0.1:0")
+        .build()
+        .expect("consumer");
+    let addr = consumer.http_addr().expect("serve_http binds at build");
+    let port = addr.port();
+    assert_eq!(get(port, "/livez").await, None, "served only while running");
+    let again = Consumer::builder(store.clone())
+        .brokers(brokers())
+        .group_id(unique("g"))
+        .handle(&topic, record_payment)
+        .serve_http(addr.to_string())
+        .build()
+        .expect_err("the address is taken");
+    assert!(again.to_string().contains(&addr.to_string()), "{again}");
+
+    let stats = consumer.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(consumer.run_until(async {
+        let _ = stopped.await;
+    }));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let ready = loop {
+        assert!(Instant::now() < deadline, "never ready");
+        if let Some((200, body)) = get(port, "/readyz").await {
+            break body;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let ready: serde_json::Value = serde_json::from_str(&ready).expect("JSON");
+    assert_eq!(ready["ready"], true, "{ready}");
+    let component = &ready["components"][0];
+    assert_eq!(component["name"], group.as_str(), "{ready}");
+    assert_eq!(component["kind"], "consumer", "{ready}");
+    assert_eq!(component["joined"], true, "{ready}");
+    assert!(component["since_last_poll_seconds"].is_f64(), "{ready}");
+    assert_eq!(get(port, "/livez").await.map(|a| a.0), Some(200));
+    assert_eq!(get(port, "/healthz").await.map(|a| a.0), Some(200));
+
+    producer()
+        .send(
+            FutureRecord::to(&topic)
+                .key("acct")
+                .payload(&payment(uuid::Uuid::new_v4(), "acct", 5)),
+            Duration::from_secs(10),
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .expect("produced");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while stats.snapshot().applied < 1 {
+        assert!(Instant::now() < deadline, "never applied");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, text) = get(port, "/metrics").await.expect("answer");
+    assert_eq!(status, 200);
+    assert_eq!(outcome(&text, &topic, "applied"), 1, "{text}");
+    assert_eq!(get(port, "/nope").await.map(|a| a.0), Some(404));
+    assert_eq!(
+        request(port, "POST", "/readyz").await.map(|a| a.0),
+        Some(405)
+    );
+
+    let _ = stop.send(());
+    running.await.expect("join").expect("ran");
+    assert_eq!(get(port, "/livez").await, None, "stopped with the consumer");
+}
+
+/// A relay's health: ready while its outbox answers; over a database that
+/// does not answer it is live (its loop turns) but not ready, and says it
+/// is waiting out an outage.
+#[sqlx::test(migrations = false)]
+async fn the_relay_serves_its_health(pool: PgPool) {
+    let store = store(&pool).await;
+    dedup_postgres::OutboxWriter::default()
+        .migrate(&pool)
+        .await
+        .expect("migrate the outbox");
+    let relay = |outbox| {
+        Relay::builder(outbox)
+            .brokers(brokers())
+            .poll_interval(Duration::from_millis(200))
+            .store_timeout(Duration::from_secs(1))
+            .serve_http("127.0.0.1:0")
+            .build()
+            .expect("relay")
+    };
+    // Runs `relay` until `/readyz` answers `want` with a relay whose
+    // `field` is `value`: that answer, and what `/livez` said then.
+    let health = async |relay: Relay<dedup_postgres::OutboxReader>,
+                        want: u16,
+                        (field, value): (&str, bool)| {
+        let port = relay.http_addr().expect("bound").port();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let running = tokio::spawn(relay.run_until(async {
+            let _ = stopped.await;
+        }));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut last = None;
+        let body = loop {
+            assert!(
+                Instant::now() < deadline,
+                "/readyz never {want} with {field}={value}: {last:?}"
+            );
+            last = get(port, "/readyz").await;
+            if let Some((status, body)) = &last
+                && *status == want
+            {
+                let body: serde_json::Value = serde_json::from_str(body).expect("JSON");
+                if body["components"][0][field] == value {
+                    break body;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let live = get(port, "/livez").await.map(|a| a.0);
+        let _ = stop.send(());
+        running.await.expect("join").expect("ran");
+        (body, live)
+    };
+
+    let (answering, live) =
+        health(relay(store.outbox_reader()), 200, ("store_answered", true)).await;
+    let component = &answering["components"][0];
+    assert_eq!(component["kind"], "relay", "{answering}");
+    assert_eq!(component["store_answered"], true, "{answering}");
+    assert_eq!(component["outage"], false, "{answering}");
+    assert_eq!(live, Some(200));
+
+    // Nothing listens on port 1: every statement fails at once.
+    let nowhere = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_millis(500))
+        .connect_lazy("postgres://dedup@127.0.0.1:1/dedup")
+        .expect("a lazy pool");
+    let down = dedup_postgres::PgStore::from_pool(nowhere).outbox_reader();
+    let (failing, live) = health(relay(down), 503, ("outage", true)).await;
+    let component = &failing["components"][0];
+    assert_eq!(component["outage"], true, "{failing}");
+    assert_eq!(component["store_answered"], false, "{failing}");
+    assert_eq!(live, Some(200), "live: its loop turns while it waits");
 }

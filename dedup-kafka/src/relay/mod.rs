@@ -3,9 +3,9 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use dedup_core::outbox::{OutboxSource, PublishFailure};
 use rdkafka::producer::{FutureProducer, Producer as _};
@@ -60,6 +60,8 @@ pub struct RelayBuilder<S> {
     purge_interval: Duration,
     lease_timeout: Option<Duration>,
     store_timeout: Duration,
+    #[cfg(feature = "http")]
+    http: Option<String>,
 }
 
 impl<S> fmt::Debug for RelayBuilder<S> {
@@ -151,6 +153,16 @@ impl<S: OutboxSource> RelayBuilder<S> {
         self
     }
 
+    /// Serves `/metrics`, `/livez`, `/readyz` and `/healthz` on `addr`
+    /// (`host:port`) while the relay runs (feature `http`; see
+    /// [`crate::http`]). The address is bound by `build`, which fails if it
+    /// cannot be.
+    #[cfg(feature = "http")]
+    pub fn serve_http(mut self, addr: impl Into<String>) -> Self {
+        self.http = Some(addr.into());
+        self
+    }
+
     /// Builds the relay (creates its producer) without starting it.
     pub fn build(self) -> Result<Relay<S>, Error> {
         crate::config::check_features(&self.settings)?;
@@ -189,7 +201,23 @@ impl<S: OutboxSource> RelayBuilder<S> {
             // than this into a batch could still be in flight when the
             // lease expires, and another relay would publish it too.
             send_window: (lease - self.delivery_timeout) / 2,
-            stats: Arc::default(),
+            stats: Arc::new(RelayStats {
+                // The longest a healthy loop can go between turns: a backlog
+                // count, a purge, a lease and a marking (each bounded by
+                // the store timeout), a batch's sends (bounded by its
+                // lease) and the wait after it.
+                live_limit: crate::LIVE_POLL_LIMIT
+                    + BACKLOG_INTERVAL
+                    + self.store_timeout * 3
+                    + lease
+                    + self.poll_interval.max(self.retry.max_backoff),
+                ..RelayStats::default()
+            }),
+            #[cfg(feature = "http")]
+            http: self
+                .http
+                .map(|addr| crate::http::HttpEndpoints::bind(&addr))
+                .transpose()?,
         })
     }
 
@@ -216,6 +244,65 @@ pub struct RelayStats {
     published: AtomicU64,
     failed: AtomicU64,
     batches: AtomicU64,
+    running: AtomicBool,
+    /// When the relay's loop last turned.
+    last_turn: Mutex<Option<Instant>>,
+    /// How long the loop may go without a turn and still be live.
+    live_limit: Duration,
+    /// Rounds in a row that published nothing of what they took, or could
+    /// not read the outbox.
+    failing_rounds: AtomicU32,
+    /// Whether the last round could not read the outbox.
+    store_failing: AtomicBool,
+    store_answered: AtomicBool,
+    fatal: Mutex<Option<String>>,
+}
+
+/// What a health probe needs to know of a relay; see
+/// [`is_live`](Self::is_live) and [`is_ready`](Self::is_ready).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct RelayHealth {
+    /// `run`/`run_until` started and has not returned.
+    pub running: bool,
+    /// How long since the relay's loop last turned.
+    #[serde(
+        rename = "since_last_turn_seconds",
+        serialize_with = "crate::stats::seconds"
+    )]
+    pub since_last_turn: Duration,
+    /// The longest the loop may take between turns while healthy (its
+    /// timeouts and waits added up).
+    #[serde(
+        rename = "live_limit_seconds",
+        serialize_with = "crate::stats::seconds"
+    )]
+    pub live_limit: Duration,
+    /// Rounds in a row in which nothing got through: the broker refuses
+    /// or is down, or only events that fail are pending (a poison event
+    /// holds its key back; other keys go on).
+    pub failing_rounds: u32,
+    /// The last round could not read the outbox: the store is being
+    /// waited out.
+    pub outage: bool,
+    /// Whether the outbox has answered since start.
+    pub store_answered: bool,
+    /// Why the relay stopped, if it stopped with an error.
+    pub fatal: Option<String>,
+}
+
+impl RelayHealth {
+    /// For a liveness probe: running, no fatal error, and the loop turned
+    /// within its [`live_limit`](Self::live_limit). Not live: restart it.
+    pub fn is_live(&self) -> bool {
+        self.running && self.fatal.is_none() && self.since_last_turn < self.live_limit
+    }
+
+    /// For a readiness probe: live, the outbox answered, and it is not
+    /// failing now.
+    pub fn is_ready(&self) -> bool {
+        self.is_live() && self.store_answered && !self.outage
+    }
 }
 
 /// A copy of the counters at one moment.
@@ -238,6 +325,24 @@ impl RelayStats {
             failed: self.failed.load(Ordering::Relaxed),
             batches: self.batches.load(Ordering::Relaxed),
         }
+    }
+
+    /// The relay's health now, for liveness and readiness probes.
+    pub fn health(&self) -> RelayHealth {
+        let last_turn = *self.last_turn.lock().unwrap_or_else(|p| p.into_inner());
+        RelayHealth {
+            running: self.running.load(Ordering::Acquire),
+            since_last_turn: last_turn.map_or(Duration::ZERO, |at| at.elapsed()),
+            live_limit: self.live_limit,
+            failing_rounds: self.failing_rounds.load(Ordering::Acquire),
+            outage: self.store_failing.load(Ordering::Acquire),
+            store_answered: self.store_answered.load(Ordering::Acquire),
+            fatal: self.fatal.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        }
+    }
+
+    fn turned(&self) {
+        *self.last_turn.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
     }
 }
 
@@ -282,6 +387,8 @@ pub struct Relay<S> {
     /// How long after leasing a batch its sends may be queued.
     send_window: Duration,
     stats: Arc<RelayStats>,
+    #[cfg(feature = "http")]
+    http: Option<crate::http::HttpEndpoints>,
 }
 
 impl<S> fmt::Debug for Relay<S> {
@@ -315,12 +422,23 @@ impl<S: OutboxSource> Relay<S> {
             purge_interval: Duration::from_secs(60),
             lease_timeout: None,
             store_timeout: Duration::from_secs(30),
+            #[cfg(feature = "http")]
+            http: None,
         }
     }
 
     /// Live counters, to read while it runs.
     pub fn stats(&self) -> Arc<RelayStats> {
         self.stats.clone()
+    }
+
+    /// Where [`RelayBuilder::serve_http`] serves the relay's metrics and
+    /// health while it runs (the port chosen, if it asked for port 0).
+    #[cfg(feature = "http")]
+    pub fn http_addr(&self) -> Option<std::net::SocketAddr> {
+        self.http
+            .as_ref()
+            .map(crate::http::HttpEndpoints::local_addr)
     }
 
     /// Runs until SIGINT or SIGTERM.
@@ -336,9 +454,26 @@ impl<S: OutboxSource> Relay<S> {
     /// the relay stops instead of retrying for ever; what it had not marked
     /// stays pending for the next relay.
     pub async fn run_until(
-        self,
+        #[cfg_attr(not(feature = "http"), allow(unused_mut))] mut self,
         shutdown: impl Future<Output = ()>,
     ) -> Result<RelayStatsSnapshot, Error> {
+        #[cfg(feature = "http")]
+        let _server = self
+            .http
+            .take()
+            .map(|http| http.relay("relay", self.stats.clone()).spawn());
+        self.stats.running.store(true, Ordering::Release);
+        self.stats.turned();
+        let worked = self.work(shutdown).await;
+        self.stats.running.store(false, Ordering::Release);
+        if let Err(e) = &worked {
+            *self.stats.fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());
+        }
+        worked
+    }
+
+    /// The relay's loop, until `shutdown`.
+    async fn work(&self, shutdown: impl Future<Output = ()>) -> Result<RelayStatsSnapshot, Error> {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let work = async {
             let mut jitter = Jitter::new(self.batch_size as u64);
@@ -351,6 +486,7 @@ impl<S: OutboxSource> Relay<S> {
             let metrics = RelayMetrics::new();
             let mut last_backlog: Option<tokio::time::Instant> = None;
             while !*stop_rx.borrow() {
+                self.stats.turned();
                 if last_backlog.is_none_or(|at| at.elapsed() >= BACKLOG_INTERVAL) {
                     last_backlog = Some(tokio::time::Instant::now());
                     // Bounded: a slow count must not hold publishing up.
@@ -387,6 +523,12 @@ impl<S: OutboxSource> Relay<S> {
                 if let Some(fatal) = fatal_error("relay's producer", self.producer.client()) {
                     return Err(fatal);
                 }
+                self.stats
+                    .store_failing
+                    .store(round.is_err(), Ordering::Release);
+                if round.is_ok() {
+                    self.stats.store_answered.store(true, Ordering::Release);
+                }
                 let wait = match round {
                     // Nothing got through: the broker is likely down.
                     Ok(round) if round.failed > 0 && round.published == 0 => {
@@ -406,6 +548,7 @@ impl<S: OutboxSource> Relay<S> {
                         Some(self.retry.backoff(failures, jitter.next()))
                     }
                 };
+                self.stats.failing_rounds.store(failures, Ordering::Release);
                 match wait {
                     Some(backoff) => until_stopped(tokio::time::sleep(backoff), &stop_rx).await,
                     None => {

@@ -33,6 +33,9 @@ pub struct TransactionalConsumerBuilder<H> {
     retry: RetryPolicy,
     on_fingerprint_mismatch: OnFingerprintMismatch,
     attempt_timeout: Duration,
+    /// Where to serve metrics and health, if anywhere.
+    #[cfg(feature = "http")]
+    http: Option<String>,
 }
 
 impl<H> fmt::Debug for TransactionalConsumerBuilder<H> {
@@ -67,6 +70,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             retry: RetryPolicy::default(),
             on_fingerprint_mismatch: OnFingerprintMismatch::default(),
             attempt_timeout: Duration::from_secs(60),
+            #[cfg(feature = "http")]
+            http: None,
         }
     }
 
@@ -180,6 +185,16 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         self
     }
 
+    /// Serves `/metrics`, `/livez`, `/readyz` and `/healthz` on `addr`
+    /// (`host:port`) while the consumer runs (feature `http`; see
+    /// [`crate::http`]). The address is bound by `build`, which fails if it
+    /// cannot be.
+    #[cfg(feature = "http")]
+    pub fn serve_http(mut self, addr: impl Into<String>) -> Self {
+        self.http = Some(addr.into());
+        self
+    }
+
     /// Checks the settings and creates the clients.
     pub fn build(self) -> Result<TransactionalConsumer<H>, Error> {
         let group = self.client.group_id.clone().ok_or_else(|| {
@@ -220,7 +235,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
                 self.transaction_timeout.as_millis().max(1000).to_string(),
             );
         let producer: FutureProducer = producer.create()?;
+        let stats = Arc::new(Stats::new());
         Ok(TransactionalConsumer {
+            #[cfg(feature = "http")]
+            http: crate::http::bind(self.http, &group, stats.clone())?,
             changelog: self
                 .changelog_topic
                 .unwrap_or_else(|| format!("{group}-dedup-claims")),
@@ -242,7 +260,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             retry: self.retry,
             on_fingerprint_mismatch: self.on_fingerprint_mismatch,
             attempt_timeout: self.attempt_timeout,
-            stats: Arc::new(Stats::new()),
+            stats,
             metrics: std::sync::OnceLock::new(),
             unwritable_since: Mutex::new(None),
             rewinds: std::sync::atomic::AtomicU32::new(0),

@@ -106,6 +106,9 @@ pub struct TransactionalConsumer<H> {
     unwritable_since: Mutex<Option<Instant>>,
     /// Transactions aborted in a row (the back-off grows with them).
     rewinds: std::sync::atomic::AtomicU32,
+    /// The metrics and health endpoints to serve while running.
+    #[cfg(feature = "http")]
+    http: Option<crate::http::HttpEndpoints>,
 }
 
 /// The messages of the batch in hand, counted in flight until it is
@@ -183,7 +186,12 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// Runs until `stop` resolves, then commits the batch in hand and
     /// leaves the group. Needs a multi-thread Tokio runtime (the clients'
     /// blocking calls run in `block_in_place`).
-    pub async fn run_until(self, stop: impl Future<Output = ()>) -> Result<StatsSnapshot, Error> {
+    pub async fn run_until(
+        #[cfg_attr(not(feature = "http"), allow(unused_mut))] mut self,
+        stop: impl Future<Output = ()>,
+    ) -> Result<StatsSnapshot, Error> {
+        #[cfg(feature = "http")]
+        let _server = self.http.take().map(crate::http::HttpEndpoints::spawn);
         self.stats.health.running.store(true, Ordering::Release);
         let result = self.run(stop).await;
         self.stats.health.running.store(false, Ordering::Release);

@@ -249,53 +249,16 @@ impl<S: DedupStore> Consumer<S> {
     /// Compares each handler's TTL with how long its topic keeps records
     /// (see [`TtlCheck`](crate::TtlCheck)).
     async fn check_ttls(&self) -> Result<(), Error> {
-        let strict = match self.shared.settings.ttl_check {
-            crate::TtlCheck::Off => return Ok(()),
-            crate::TtlCheck::Warn => false,
-            crate::TtlCheck::Strict => true,
-        };
-        let topics: Vec<&str> = self.routes.keys().map(String::as_str).collect();
-        let retention = match crate::ttl_check::topic_retention(
-            &self.admin_config,
-            &topics,
-            TTL_CHECK_TIMEOUT,
-        )
-        .await
-        {
-            Ok(retention) => retention,
-            Err(why) if strict => {
-                return Err(Error::Config(format!(
-                    "cannot check the TTLs against the topics' retention ({why}); \
-                     .ttl_check(TtlCheck::Off) starts without checking"
-                )));
-            }
-            Err(why) => {
-                tracing::warn!(error = %why, "cannot check the TTLs against the topics' retention");
-                return Ok(());
-            }
-        };
-        for (topic, route) in &self.routes {
-            let ttl = route.handler.ttl();
-            let Some(kept) = retention.get(topic) else {
-                continue;
-            };
-            if kept.covered_by(ttl.as_duration()) {
-                continue;
-            }
-            let why = format!(
-                "the TTL of handler {} ({ttl}) is shorter than topic {topic:?} keeps records \
-                 ({}): a replay from the earliest offset (a group reset, a new group id, a \
-                 restore) would apply again every event older than the TTL. Raise the TTL, or \
-                 never replay this topic from its start",
-                route.handler.scope(),
-                kept.describe()
-            );
-            if strict {
-                return Err(Error::Config(why));
-            }
-            tracing::warn!(topic, handler = route.handler.scope(), "{why}");
-        }
-        Ok(())
+        let handlers: Vec<crate::ttl_check::Checked<'_>> = self
+            .routes
+            .iter()
+            .map(|(topic, route)| crate::ttl_check::Checked {
+                topic,
+                scope: route.handler.scope(),
+                ttl: route.handler.ttl(),
+            })
+            .collect();
+        crate::ttl_check::check(self.shared.settings.ttl_check, &self.admin_config, &handlers).await
     }
 
     /// Refreshes what health and the gauges report: the loop's turn, the
@@ -445,8 +408,6 @@ impl<S: DedupStore> Consumer<S> {
     }
 }
 
-/// How long the start-up TTL check waits for the brokers.
-const TTL_CHECK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// How often health and the gauges are refreshed.
 const REFRESH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);

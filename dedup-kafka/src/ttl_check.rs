@@ -73,6 +73,80 @@ fn words(d: Duration) -> String {
     dedup_core::Ttl::from_secs(d.as_secs()).map_or_else(|| format!("{d:?}"), |t| t.to_string())
 }
 
+/// How long the start-up TTL check waits for the brokers.
+const TTL_CHECK_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A handler whose TTL is checked against its topic.
+pub(crate) struct Checked<'a> {
+    pub(crate) topic: &'a str,
+    pub(crate) scope: &'a str,
+    pub(crate) ttl: dedup_core::Ttl,
+}
+
+/// The start-up check of both runtimes: each handler's TTL against how long
+/// its topic keeps records, as `mode` says. Whatever the mode, the gauges
+/// `dedup_ttl_seconds{topic, handler}` and, once read,
+/// `dedup_topic_readable_seconds{topic}` (`+Inf`: for ever) are set, so an
+/// alert can compare them.
+pub(crate) async fn check(
+    mode: TtlCheck,
+    admin: &rdkafka::ClientConfig,
+    handlers: &[Checked<'_>],
+) -> Result<(), crate::Error> {
+    for h in handlers {
+        metrics::gauge!("dedup_ttl_seconds", "topic" => h.topic.to_owned(), "handler" => h.scope.to_owned())
+            .set(h.ttl.as_duration().as_secs_f64());
+    }
+    let strict = match mode {
+        TtlCheck::Off => return Ok(()),
+        TtlCheck::Warn => false,
+        TtlCheck::Strict => true,
+    };
+    let mut topics: Vec<&str> = handlers.iter().map(|h| h.topic).collect();
+    topics.sort_unstable();
+    topics.dedup();
+    let retention = match topic_retention(admin, &topics, TTL_CHECK_TIMEOUT).await {
+        Ok(retention) => retention,
+        Err(why) if strict => {
+            return Err(crate::Error::Config(format!(
+                "cannot check the TTLs against the topics' retention ({why}); \
+                 .ttl_check(TtlCheck::Off) starts without checking"
+            )));
+        }
+        Err(why) => {
+            tracing::warn!(error = %why, "cannot check the TTLs against the topics' retention");
+            return Ok(());
+        }
+    };
+    for (topic, kept) in &retention {
+        metrics::gauge!("dedup_topic_readable_seconds", "topic" => topic.clone())
+            .set(kept.readable_for().map_or(f64::INFINITY, |d| d.as_secs_f64()));
+    }
+    for h in handlers {
+        let Some(kept) = retention.get(h.topic) else {
+            continue;
+        };
+        if kept.covered_by(h.ttl.as_duration()) {
+            continue;
+        }
+        let why = format!(
+            "the TTL of handler {} ({}) is shorter than topic {:?} keeps records ({}): a replay \
+             from the earliest offset (a group reset, a new group id, a restore) would apply \
+             again every event older than the TTL. Raise the TTL, or never replay this topic \
+             from its start",
+            h.scope,
+            h.ttl,
+            h.topic,
+            kept.describe()
+        );
+        if strict {
+            return Err(crate::Error::Config(why));
+        }
+        tracing::warn!(topic = h.topic, handler = h.scope, "{why}");
+    }
+    Ok(())
+}
+
 /// Reads the retention of each of `topics` with an admin client made from
 /// `config`.
 pub async fn topic_retention(

@@ -499,6 +499,12 @@ async fn serve_http_serves_while_the_consumer_runs(pool: PgPool) {
     let (status, text) = get(port, "/metrics").await.expect("answer");
     assert_eq!(status, 200);
     assert_eq!(outcome(&text, &topic, "applied"), 1, "{text}");
+    // What the TTL alert compares: the handler's TTL and how long the
+    // topic keeps records, read at start-up.
+    let ttl = sample(&text, "dedup_ttl_seconds", &[("topic", &topic)]);
+    assert_eq!(ttl, Some(4.0 * 3600.0), "{text}");
+    let kept = sample(&text, "dedup_topic_readable_seconds", &[("topic", &topic)]);
+    assert!(kept.is_some_and(|s| s > 4.0 * 3600.0), "{text}");
     assert_eq!(get(port, "/nope").await.map(|a| a.0), Some(404));
     assert_eq!(
         request(port, "POST", "/readyz").await.map(|a| a.0),

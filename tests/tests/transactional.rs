@@ -1062,6 +1062,44 @@ async fn a_changelog_deleting_by_retention_is_refused() {
     assert!(read_all(&out, "read_committed").await.is_empty());
 }
 
+/// The start-up TTL check holds in the Kafka-only runtime too: under
+/// `TtlCheck::Strict` a 1 h TTL on a topic that keeps records for a week
+/// refuses to start (a replay from the start would output again every
+/// record older than an hour), naming both; a topic kept for less than the
+/// TTL starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ttl_shorter_than_the_topics_retention_is_refused_under_strict() {
+    let week = common::create_topic_with(&brokers(), 1, &[("retention.ms", "604800000")]).await;
+    let hour = common::create_topic_with(
+        &brokers(),
+        1,
+        &[("retention.ms", "1800000"), ("segment.ms", "600000")],
+    )
+    .await;
+    let out = create_topic(1).await;
+    let strict = |topic: &str| {
+        TransactionalConsumer::builder(topic, forward(&out, "1h"))
+            .brokers(brokers())
+            .group_id(unique("tx"))
+            .ttl_check(dedup_kafka::TtlCheck::Strict)
+            .build()
+            .expect("consumer")
+    };
+    let ran = tokio::time::timeout(
+        Duration::from_secs(60),
+        strict(&week).run_until(std::future::pending::<()>()),
+    )
+    .await
+    .expect("refused within a minute");
+    let error = ran.expect_err("refused").to_string();
+    assert!(error.contains("is shorter than topic"), "{error}");
+    assert!(error.contains(&week), "{error}");
+    let started = strict(&hour)
+        .run_until(tokio::time::sleep(Duration::from_secs(2)))
+        .await;
+    assert!(started.is_ok(), "{started:?}");
+}
+
 /// A member joining while another waits out an outage gets its partitions
 /// at once: the waiting member goes on polling, so it sees the rebalance,
 /// drops its batch before its transaction (the partitions may now be

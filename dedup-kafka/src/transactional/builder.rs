@@ -33,6 +33,7 @@ pub struct TransactionalConsumerBuilder<H> {
     retry: RetryPolicy,
     on_fingerprint_mismatch: OnFingerprintMismatch,
     attempt_timeout: Duration,
+    ttl_check: crate::TtlCheck,
     /// Where to serve metrics and health, if anywhere.
     #[cfg(feature = "http")]
     http: Option<String>,
@@ -70,6 +71,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             retry: RetryPolicy::default(),
             on_fingerprint_mismatch: OnFingerprintMismatch::default(),
             attempt_timeout: Duration::from_secs(60),
+            ttl_check: crate::TtlCheck::Warn,
             #[cfg(feature = "http")]
             http: None,
         }
@@ -179,6 +181,16 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         self
     }
 
+    /// What to do at start-up when the handler's TTL is shorter than how
+    /// long its topic keeps records, as in the database runtime
+    /// ([`ConsumerBuilder::ttl_check`](crate::ConsumerBuilder::ttl_check)):
+    /// a replay from the earliest offset would apply again every record
+    /// older than the TTL, whose claim has expired from the changelog.
+    pub fn ttl_check(mut self, check: crate::TtlCheck) -> Self {
+        self.ttl_check = check;
+        self
+    }
+
     /// What a duplicate whose fingerprint differs from its claim's gets.
     pub fn on_fingerprint_mismatch(mut self, action: OnFingerprintMismatch) -> Self {
         self.on_fingerprint_mismatch = action;
@@ -260,6 +272,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             retry: self.retry,
             on_fingerprint_mismatch: self.on_fingerprint_mismatch,
             attempt_timeout: self.attempt_timeout,
+            ttl_check: self.ttl_check,
             stats,
             metrics: std::sync::OnceLock::new(),
             unwritable_since: Mutex::new(None),

@@ -97,6 +97,7 @@ pub struct TransactionalConsumer<H> {
     retry: RetryPolicy,
     on_fingerprint_mismatch: OnFingerprintMismatch,
     attempt_timeout: Duration,
+    ttl_check: crate::TtlCheck,
     stats: Arc<Stats>,
     /// Registered on first use, after the application installed its
     /// recorder.
@@ -207,6 +208,12 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     }
 
     async fn run(&self, stop: impl Future<Output = ()>) -> Result<(), Error> {
+        let checked = crate::ttl_check::Checked {
+            topic: &self.topic,
+            scope: self.handler.scope(),
+            ttl: self.handler.ttl(),
+        };
+        crate::ttl_check::check(self.ttl_check, &self.shared_config, &[checked]).await?;
         restore::ensure_changelog(
             &self.shared_config,
             &self.topic,

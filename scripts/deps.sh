@@ -4,17 +4,35 @@
 # and make are all it takes. No curl, OpenSSL or zlib headers: TLS is an opt-in
 # feature (`dedup-kafka/ssl`), and zlib comes from libz-sys's bundled source
 # when its headers are missing. PostgreSQL and Kafka are installed by
-# scripts/postgres.sh and scripts/kafka.sh.
+# scripts/postgres.sh and scripts/kafka.sh. The tests' tools: promtool (from
+# Debian's prometheus package, without its recommended exporters; its server
+# is never started) unit-tests the alert rules.
 set -euo pipefail
 packages=(gcc g++ make)
+tools=(prometheus)
 missing=()
-for p in "${packages[@]}"; do
-    dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")
+for p in "${packages[@]}" "${tools[@]}"; do
+    # Installed, not merely known (a removed package keeps its config files).
+    [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] ||
+        missing+=("$p")
 done
 if [ ${#missing[@]} -gt 0 ]; then
     echo "deps: installing ${missing[*]}" >&2
     sudo=""
     [ "$(id -u)" = 0 ] || sudo="sudo"
     $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+    build=() no_recommends=()
+    for p in "${missing[@]}"; do
+        case " ${tools[*]} " in
+            *" $p "*) no_recommends+=("$p") ;;
+            *) build+=("$p") ;;
+        esac
+    done
+    if [ ${#build[@]} -gt 0 ]; then
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${build[@]}" >/dev/null
+    fi
+    if [ ${#no_recommends[@]} -gt 0 ]; then
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+            "${no_recommends[@]}" >/dev/null
+    fi
 fi

@@ -18,6 +18,10 @@ export DATABASE_URL KAFKA_BROKERS
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+# The alert rules, checked and unit-tested on synthetic series (promtool,
+# installed by deps.sh).
+(cd dashboards && promtool check rules alerts.yml && promtool test rules alerts.test.yml)
+
 # The end-to-end tests run the examples as processes (crashes, restarts);
 # built here, the build they start themselves is a no-op instead of competing
 # with the timing-sensitive tests beside it for the two cores.

@@ -351,29 +351,95 @@ async fn the_ttl_is_checked_against_the_topics_retention(pool: PgPool) {
     assert!(started.is_ok(), "{started:?}");
 }
 
-/// Every metric the Grafana dashboard queries is exported by a running
-/// consumer and relay (the outbox example runs both).
-#[sqlx::test(migrations = false)]
-async fn the_dashboard_queries_only_exported_metrics(pool: PgPool) {
+/// The queries of every panel of the Grafana dashboard.
+fn dashboard_queries() -> Vec<String> {
     let dashboard: serde_json::Value =
         serde_json::from_str(include_str!("../../dashboards/dedup.json"))
             .expect("the dashboard is JSON");
-    let mut queried = BTreeSet::new();
+    let mut queries = Vec::new();
     for panel in dashboard["panels"].as_array().expect("panels") {
         for target in panel["targets"].as_array().expect("targets") {
-            let expr = target["expr"].as_str().expect("expr");
-            for word in expr.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
-                if word.starts_with("dedup_") {
-                    let base = ["_bucket", "_sum", "_count"]
-                        .iter()
-                        .find_map(|s| word.strip_suffix(s))
-                        .unwrap_or(word);
-                    queried.insert(base.to_owned());
+            queries.push(target["expr"].as_str().expect("expr").to_owned());
+        }
+    }
+    queries
+}
+
+/// The metric names `text` mentions (histograms by their base name).
+fn metric_names(text: &str, into: &mut BTreeSet<String>) {
+    for word in text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')) {
+        if word.starts_with("dedup_") {
+            let base = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| word.strip_suffix(s))
+                .unwrap_or(word);
+            into.insert(base.to_owned());
+        }
+    }
+}
+
+/// Every panel of the dashboard is per service, so that one Prometheus
+/// scraping several services shows them apart: each series it selects is
+/// filtered by the `job` and `instance` variables, and each aggregation
+/// keeps `job`.
+#[test]
+fn every_dashboard_panel_is_per_service() {
+    let is_word = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    for expr in dashboard_queries() {
+        for (at, _) in expr.match_indices("dedup_") {
+            if expr[..at].ends_with(is_word) {
+                continue;
+            }
+            let rest = &expr[at..];
+            let name_end = rest.find(|c: char| !is_word(c)).unwrap_or(rest.len());
+            let selector = rest[name_end..]
+                .strip_prefix('{')
+                .and_then(|s| s.split_once('}'))
+                .map(|(inside, _)| inside)
+                .unwrap_or_else(|| panic!("{} has no selector in {expr}", &rest[..name_end]));
+            for filter in [r#"job=~"$job""#, r#"instance=~"$instance""#] {
+                assert!(selector.contains(filter), "{filter} missing in {expr}");
+            }
+        }
+        for op in ["sum", "max", "min", "avg", "count"] {
+            for (at, _) in expr.match_indices(op) {
+                if expr[..at].ends_with(is_word) || expr[at + op.len()..].starts_with(is_word) {
+                    continue;
                 }
+                let grouping = expr[at + op.len()..]
+                    .trim_start()
+                    .strip_prefix("by (")
+                    .and_then(|s| s.split_once(')'))
+                    .map(|(labels, _)| labels);
+                assert!(
+                    grouping.is_some_and(|g| g.split(", ").any(|l| l == "job")),
+                    "{op} without `by (job, ..)` in {expr}"
+                );
             }
         }
     }
+}
+
+/// Every metric the Grafana dashboard and the alert rules query is
+/// exported by a running consumer and relay (the outbox example runs
+/// both).
+#[sqlx::test(migrations = false)]
+async fn the_dashboard_queries_only_exported_metrics(pool: PgPool) {
+    let mut queried = BTreeSet::new();
+    for expr in dashboard_queries() {
+        metric_names(&expr, &mut queried);
+    }
     assert!(queried.len() >= 10, "{queried:?}");
+    let alerts = include_str!("../../dashboards/alerts.yml");
+    let rules: String = alerts
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let before = queried.len();
+    metric_names(&rules, &mut queried);
+    assert!(queried.contains("dedup_ttl_seconds"), "{queried:?}");
+    assert!(queried.len() > before, "the alerts query more than the dashboard");
 
     let payments = create_topic(1).await;
     let recorded = create_topic(1).await;

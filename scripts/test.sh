@@ -22,6 +22,12 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 # installed by deps.sh).
 (cd dashboards && promtool check rules alerts.yml && promtool test rules alerts.test.yml)
 
+# The Kubernetes manifests, decoded strictly into the API's own Go types and
+# cross-checked (probes, ports, references, budgets). Go comes with the
+# machine; k8s.io/api from the Go module proxy.
+command -v go >/dev/null || PATH="$PATH:/usr/local/go/bin"
+(cd deploy/kubernetes/check && go run . ..)
+
 # The end-to-end tests run the examples as processes (crashes, restarts);
 # built here, the build they start themselves is a no-op instead of competing
 # with the timing-sensitive tests beside it for the two cores.

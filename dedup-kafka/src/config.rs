@@ -301,7 +301,7 @@ pub(crate) fn check_features(settings: &[(String, String)]) -> Result<(), Error>
 /// `GROUP_PROTOCOL` -> `group.protocol`, `LOG__LEVEL` -> `log_level`.
 /// The environment variables `<prefix><NAME>`, in name order, as
 /// `(setting, variable, value)`; see `set_from_env`.
-fn settings_from_env(prefix: &str) -> Vec<(String, String, String)> {
+pub(crate) fn settings_from_env(prefix: &str) -> Vec<(String, String, String)> {
     let mut vars: Vec<(String, String)> = std::env::vars()
         .filter(|(name, _)| name.len() > prefix.len() && name.starts_with(prefix))
         .collect();
@@ -314,7 +314,7 @@ fn settings_from_env(prefix: &str) -> Vec<(String, String, String)> {
 /// Checks each setting taken from the environment (`from_env`: setting,
 /// variable) with librdkafka at the value it ends with in `settings`, so
 /// that a refusal names its variable, never its value.
-fn check_env_settings(
+pub(crate) fn check_env_settings(
     from_env: &[(String, String)],
     settings: &[(String, String)],
 ) -> Result<(), Error> {

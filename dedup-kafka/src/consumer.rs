@@ -258,7 +258,12 @@ impl<S: DedupStore> Consumer<S> {
                 ttl: route.handler.ttl(),
             })
             .collect();
-        crate::ttl_check::check(self.shared.settings.ttl_check, &self.admin_config, &handlers).await
+        crate::ttl_check::check(
+            self.shared.settings.ttl_check,
+            &self.admin_config,
+            &handlers,
+        )
+        .await
     }
 
     /// Refreshes what health and the gauges report: the loop's turn, the
@@ -407,7 +412,6 @@ impl<S: DedupStore> Consumer<S> {
         reason
     }
 }
-
 
 /// How often health and the gauges are refreshed.
 const REFRESH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(1);

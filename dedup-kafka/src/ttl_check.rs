@@ -119,8 +119,10 @@ pub(crate) async fn check(
         }
     };
     for (topic, kept) in &retention {
-        metrics::gauge!("dedup_topic_readable_seconds", "topic" => topic.clone())
-            .set(kept.readable_for().map_or(f64::INFINITY, |d| d.as_secs_f64()));
+        metrics::gauge!("dedup_topic_readable_seconds", "topic" => topic.clone()).set(
+            kept.readable_for()
+                .map_or(f64::INFINITY, |d| d.as_secs_f64()),
+        );
     }
     for h in handlers {
         let Some(kept) = retention.get(h.topic) else {

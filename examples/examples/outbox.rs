@@ -9,7 +9,10 @@
 //! (required), `TOPIC` (default `payments`), `RECORDED_TOPIC` (default
 //! `payment-recorded`), `GROUP_ID` (default `payments-v1`; the downstream
 //! group is `<GROUP_ID>-notices`), `RELAY_DELIVERY_TIMEOUT_MS` (default
-//! 30000; a batch stays leased 15 s longer than this).
+//! 30000; a batch stays leased 15 s longer than this), `METRICS_ADDR`
+//! (serve `/metrics` and the health probes of the relay and both consumers
+//! there), `KAFKA_CFG_<NAME>` (librdkafka settings, for the consumers and
+//! the relay).
 //! Flags: `--role all|relay` (default `all`: both consumers and the relay;
 //! `relay`: only the relay), `--exit-when-idle <ttl>` exits 0 once nothing
 //! has happened for that long and the outbox is empty. Its last line is
@@ -153,6 +156,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let delivery_timeout =
         Duration::from_millis(env_or("RELAY_DELIVERY_TIMEOUT_MS", "30000").parse()?);
     let relay = Relay::builder(outbox.clone())
+        .set_from_env("KAFKA_CFG_")
         .brokers(&brokers)
         .poll_interval(Duration::from_millis(500))
         .delivery_timeout(delivery_timeout)

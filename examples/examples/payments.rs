@@ -7,7 +7,7 @@
 //! (default librdkafka's 45000: how long the group waits for a member that
 //! died before giving its partitions to another), `KAFKA_STATISTICS_INTERVAL_MS`
 //! (how often consumer lag is measured; default 5000), `METRICS_ADDR` (serve
-//! `/metrics` and `/healthz` there).
+//! `/metrics`, `/livez`, `/readyz` and `/healthz` there).
 //! Flag: `--exit-when-idle <ttl>` exits 0 after that long without a message.
 //! Creates its tables on start; its last line is
 //! `applied=N skipped=N dead_lettered=N`.

@@ -23,6 +23,8 @@ mod book {
     mod crates {}
     #[doc = include_str!("../../docs/src/decoding.md")]
     mod decoding {}
+    #[doc = include_str!("../../docs/src/deploying.md")]
+    mod deploying {}
     #[doc = include_str!("../../docs/src/failures.md")]
     mod failures {}
     #[doc = include_str!("../../docs/src/getting-started.md")]

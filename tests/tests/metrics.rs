@@ -439,7 +439,10 @@ async fn the_dashboard_queries_only_exported_metrics(pool: PgPool) {
     let before = queried.len();
     metric_names(&rules, &mut queried);
     assert!(queried.contains("dedup_ttl_seconds"), "{queried:?}");
-    assert!(queried.len() > before, "the alerts query more than the dashboard");
+    assert!(
+        queried.len() > before,
+        "the alerts query more than the dashboard"
+    );
 
     let payments = create_topic(1).await;
     let recorded = create_topic(1).await;
@@ -654,4 +657,124 @@ async fn the_relay_serves_its_health(pool: PgPool) {
     assert_eq!(component["outage"], true, "{failing}");
     assert_eq!(component["store_answered"], false, "{failing}");
     assert_eq!(live, Some(200), "live: its loop turns while it waits");
+}
+
+/// A manifest of deploy/kubernetes: its documents.
+fn manifest(name: &str) -> Vec<String> {
+    let path = format!("{}/../deploy/kubernetes/{name}", env!("CARGO_MANIFEST_DIR"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    text.split("\n---\n").map(str::to_owned).collect()
+}
+
+/// The document of `kind` in `docs`.
+fn document<'a>(docs: &'a [String], kind: &str) -> &'a str {
+    docs.iter()
+        .find(|d| d.lines().any(|l| l == format!("kind: {kind}")))
+        .unwrap_or_else(|| panic!("no {kind}"))
+}
+
+/// A ConfigMap's `data`, read line by line (`  KEY: "value"`; the
+/// manifests' own layout, which deploy/kubernetes/check decodes strictly).
+fn config_map_data(doc: &str) -> Vec<(String, String)> {
+    doc.lines()
+        .skip_while(|l| *l != "data:")
+        .skip(1)
+        .take_while(|l| l.starts_with("  ") || l.is_empty())
+        .filter(|l| !l.trim_start().starts_with('#') && !l.trim().is_empty())
+        .map(|l| {
+            let (k, v) = l.trim().split_once(": ").expect("key: value");
+            (k.to_owned(), v.trim_matches('"').to_owned())
+        })
+        .collect()
+}
+
+/// The paths a workload's probes GET, and its container's `args`.
+fn probes_and_args(doc: &str) -> (BTreeSet<String>, Vec<String>) {
+    let paths = doc
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("path: "))
+        .map(str::to_owned)
+        .collect();
+    let args = doc
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("args: "))
+        .map(|a| serde_json::from_str(a).expect("args as a flow list"))
+        .unwrap_or_default();
+    (paths, args)
+}
+
+/// Runs an example as its manifest runs it (the ConfigMap's settings, the
+/// probes' port from its METRICS_ADDR, the container's args; only where the
+/// database, the brokers and the topics are is this test's) and expects
+/// every path its probes GET to answer 200 once it has started, and
+/// `/metrics` too.
+async fn serves_its_probes(
+    example_name: &str,
+    manifest_name: &str,
+    kind: &str,
+    pool: &PgPool,
+    extra: &[(&str, String)],
+) {
+    let docs = manifest(manifest_name);
+    let (paths, args) = probes_and_args(document(&docs, kind));
+    assert!(
+        paths.contains("/livez") && paths.contains("/readyz"),
+        "{paths:?}"
+    );
+    let mut cmd = Command::new(example(example_name));
+    let mut port = None;
+    for (key, value) in config_map_data(document(&docs, "ConfigMap")) {
+        match key.as_str() {
+            "KAFKA_BROKERS" => cmd.env(key, brokers()),
+            "TOPIC" => cmd.env(key, create_topic(1).await),
+            "GROUP_ID" => cmd.env(key, unique("g")),
+            "METRICS_ADDR" => {
+                let (_, p) = value.rsplit_once(':').expect("host:port");
+                port = Some(p.parse::<u16>().expect("a port"));
+                // The manifest's port; loopback only.
+                cmd.env(key, format!("127.0.0.1:{p}"))
+            }
+            _ => cmd.env(key, value),
+        };
+    }
+    let port = port.expect("the ConfigMap sets METRICS_ADDR");
+    cmd.env("DATABASE_URL", database_url(pool))
+        .env_remove("DEDUP_FAILPOINT")
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    for (key, value) in extra {
+        cmd.env(key, value);
+    }
+    let _child = KillOnDrop(Some(cmd.spawn().expect("start the example")));
+    for path in paths.iter().map(String::as_str).chain(["/metrics"]) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut last = None;
+        while last.as_ref().is_none_or(|(status, _)| *status != 200) {
+            assert!(
+                Instant::now() < deadline,
+                "{example_name} as {manifest_name} runs it: {path} answered {last:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            last = get(port, path).await;
+        }
+    }
+}
+
+/// What deploy/kubernetes runs is served: the payments example with the
+/// StatefulSet's settings (static membership by pod name included) and the
+/// outbox example in the relay Deployment's role each answer 200 on every
+/// path their probes GET, on the port the manifests name. (The manifests'
+/// own consistency and schema are checked by deploy/kubernetes/check.)
+#[sqlx::test(migrations = false)]
+async fn the_manifests_probe_what_the_examples_serve(pool: PgPool) {
+    serves_its_probes(
+        "payments",
+        "payments.yaml",
+        "StatefulSet",
+        &pool,
+        &[("KAFKA_CFG_GROUP_INSTANCE_ID", "payments-0".to_owned())],
+    )
+    .await;
+    serves_its_probes("outbox", "relay.yaml", "Deployment", &pool, &[]).await;
 }

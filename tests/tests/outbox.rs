@@ -757,3 +757,38 @@ async fn a_batch_stops_sending_before_its_lease_could_expire(pool: PgPool) {
     .expect("count");
     assert_eq!(leased, 0, "the untried 15 were released at once");
 }
+
+/// The relay takes librdkafka settings from the environment as the
+/// consumers do (`KAFKA_CFG_<NAME>`, how a Kubernetes ConfigMap or Secret
+/// reaches it): one librdkafka refuses stops it at start-up with an error
+/// that names the variable and never shows its value, which may be a
+/// password.
+#[sqlx::test(migrations = false)]
+async fn the_relay_names_a_refused_setting_from_the_environment_but_not_its_value(pool: PgPool) {
+    let mut child = Command::new(example("outbox"))
+        .args(["--role", "relay"])
+        .env("DATABASE_URL", database_url(&pool))
+        .env("KAFKA_BROKERS", brokers())
+        .env("KAFKA_CFG_NO_SUCH__SETTING", "hunter2-secret")
+        .env_remove("DEDUP_FAILPOINT")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run the outbox example");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().expect("wait").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the relay started despite a setting librdkafka refuses");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let output = child.wait_with_output().expect("output");
+    assert!(
+        !output.status.success(),
+        "a refused setting stops the relay"
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("KAFKA_CFG_NO_SUCH__SETTING"), "{stderr}");
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+}

@@ -53,6 +53,8 @@ pub struct RelayBuilder<S> {
     source: S,
     brokers: String,
     settings: Vec<(String, String)>,
+    /// The settings taken from the environment: (setting, variable).
+    from_env: Vec<(String, String)>,
     batch_size: usize,
     poll_interval: Duration,
     delivery_timeout: Duration,
@@ -92,6 +94,20 @@ impl<S: OutboxSource> RelayBuilder<S> {
     /// `delivery.timeout.ms`) are the relay's own: `build()` refuses them.
     pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.settings.push((key.into(), value.into()));
+        self
+    }
+
+    /// Passes every environment variable `<prefix><NAME>` to the relay's
+    /// producer as a librdkafka setting, named as
+    /// [`ConsumerBuilder::set_from_env`](crate::ConsumerBuilder::set_from_env)
+    /// names them (`KAFKA_CFG_SASL_PASSWORD` sets `sasl.password`), after
+    /// the settings given so far. `build()` checks each one and names the
+    /// variable of one librdkafka refuses, never its value.
+    pub fn set_from_env(mut self, prefix: &str) -> Self {
+        for (key, variable, value) in crate::config::settings_from_env(prefix) {
+            self.from_env.push((key.clone(), variable));
+            self.settings.push((key, value));
+        }
         self
     }
 
@@ -165,6 +181,7 @@ impl<S: OutboxSource> RelayBuilder<S> {
 
     /// Builds the relay (creates its producer) without starting it.
     pub fn build(self) -> Result<Relay<S>, Error> {
+        crate::config::check_env_settings(&self.from_env, &self.settings)?;
         crate::config::check_features(&self.settings)?;
         crate::config::refuse_own_settings(
             &self.settings,
@@ -415,6 +432,7 @@ impl<S: OutboxSource> Relay<S> {
             source,
             brokers: DEFAULT_BROKERS.to_owned(),
             settings: Vec::new(),
+            from_env: Vec::new(),
             batch_size: 500,
             poll_interval: Duration::from_secs(1),
             delivery_timeout: Duration::from_secs(30),

@@ -3,12 +3,19 @@
 use std::future::Future;
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::{Claim, DedupKey, DedupStore, Error, Fingerprint, HandlerError, KeyError, Ttl};
+use crate::{Claim, DedupKey, DedupStore, Error, Fingerprint, HandlerError, KeyError, Meta, Ttl};
 
 /// Read access to a message's headers, so keys can come from a header.
 pub trait Headers {
     /// The value of the header `name`; the last one if it repeats.
     fn get(&self, name: &str) -> Option<&[u8]>;
+
+    /// The whole record's metadata, where there is a record: the runtime
+    /// passes a [`Meta`], which handlers that take `meta: &Meta` keep. `None`
+    /// (the default) for bare headers, such as `&()` in a test.
+    fn meta(&self) -> Option<&Meta> {
+        None
+    }
 }
 
 impl Headers for () {
@@ -108,6 +115,17 @@ pub trait Describe: Send + Sync + 'static {
     /// It runs synchronously on the consumer's worker: it must not block or
     /// depend on the environment.
     fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error>;
+
+    /// Decodes a message: its payload, with what the runtime knows of its
+    /// record (its headers, and its [`Meta`] through
+    /// [`Headers::meta`]). What the runtime calls. By default
+    /// [`decode`](Describe::decode) of the payload; a handler that takes
+    /// `meta: &Meta` keeps the record's metadata with its event. A wrapper
+    /// of another handler forwards it.
+    fn decode_record(&self, payload: &[u8], headers: &dyn Headers) -> Result<Self::Event, Error> {
+        let _ = headers;
+        self.decode(payload)
+    }
 }
 
 /// What every handler's description gives, the same for all of them:
@@ -131,7 +149,7 @@ pub trait DescribeExt: Describe {
         payload: &[u8],
         headers: &dyn Headers,
     ) -> Result<(DedupKey, Option<Fingerprint>, Self::Event), Error> {
-        let event = self.decode(payload)?;
+        let event = self.decode_record(payload, headers)?;
         let key = self.dedup_key(&event, headers)?;
         let fingerprint = self.fingerprint(&event, payload);
         Ok((key, fingerprint, event))
@@ -441,6 +459,10 @@ impl<H: Handler> Describe for WithTtl<H> {
 
     fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error> {
         self.inner.decode(payload)
+    }
+
+    fn decode_record(&self, payload: &[u8], headers: &dyn Headers) -> Result<Self::Event, Error> {
+        self.inner.decode_record(payload, headers)
     }
 }
 

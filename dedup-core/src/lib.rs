@@ -8,6 +8,7 @@ mod handler;
 mod key;
 mod lease;
 mod memory;
+mod meta;
 pub mod outbox;
 mod purge;
 mod store;
@@ -24,6 +25,7 @@ pub use handler::{Describe, DescribeExt, Handler, HandlerExt, Headers, Outcome, 
 pub use key::{DedupKey, KeyError, MAX_KEY_BYTES, composite_id};
 pub use lease::{Acquire, Lease, LeaseError, LeaseHandler, LeaseHandlerExt, LeaseStore, Token};
 pub use memory::{MemoryStore, MemoryTx};
+pub use meta::{Meta, WithMeta};
 pub use outbox::{OutboxMessage, OutboxRecord, OutboxSource, PublishFailure};
 pub use purge::{PurgeConfig, Purger};
 pub use store::{Claim, DedupStore, ORDERED_SCOPE_PREFIX, PurgeExpired, ordered_scope};
@@ -37,8 +39,9 @@ pub use dedup_macros::idempotent;
 pub mod __private {
     pub use crate::{
         DedupKey, Describe, Error, Fingerprint, Handler, HandlerError, Headers, KeyError, Lease,
-        LeaseHandler, Ttl,
+        LeaseHandler, Meta, Ttl, WithMeta,
     };
+    pub use std::clone::Clone;
     pub use std::concat;
     pub use std::module_path;
     pub use std::option::Option::{self, Some};

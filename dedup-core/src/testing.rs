@@ -107,6 +107,17 @@ impl Delivery {
         self.headers.push((name.into(), value.into()));
         self
     }
+
+    /// The record a handler that takes `meta: &Meta` sees: topic
+    /// `dedup-test`, partition 0, the event's index as its offset (a
+    /// redelivery keeps it), and these headers.
+    fn record(&self, index: usize) -> crate::Meta {
+        let offset = i64::try_from(index).unwrap_or(i64::MAX);
+        self.headers.iter().fold(
+            crate::Meta::new("dedup-test", 0, offset),
+            |meta, (name, value)| meta.with_header(name.clone(), value.clone()),
+        )
+    }
 }
 
 /// A way Kafka and a crashing consumer deliver the same events again.
@@ -504,7 +515,7 @@ impl<S: DedupStore> Kit<'_, S> {
             loop {
                 attempt += 1;
                 let outcome = handler
-                    .apply(&self.store, &event.payload, &event.headers)
+                    .apply(&self.store, &event.payload, &event.record(i))
                     .await;
                 match outcome {
                     Outcome::Failed(error) if error.is_retryable() => {
@@ -555,7 +566,7 @@ impl<S: DedupStore> Kit<'_, S> {
             let event = &self.events[i];
             // An event that does not decode or has no key never enters a
             // batch: the runtime dead-letters it before.
-            if let Ok(ready) = handler.prepare(&event.payload, &event.headers) {
+            if let Ok(ready) = handler.prepare(&event.payload, &event.record(i)) {
                 batch.push(ready);
                 prepared.push(i);
             }
@@ -720,6 +731,10 @@ impl<H: Handler> Describe for Scoped<H> {
 
     fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error> {
         self.inner.decode(payload)
+    }
+
+    fn decode_record(&self, payload: &[u8], headers: &dyn Headers) -> Result<Self::Event, Error> {
+        self.inner.decode_record(payload, headers)
     }
 }
 

@@ -23,7 +23,7 @@ pub(crate) fn idempotent(attr: TokenStream, item: TokenStream) -> TokenStream {
     let lease = names_option(&attr_tokens, "lease");
     let signature = errors.ok(check_signature(&func, batch, lease));
     match (errors.finish(), args, signature) {
-        (Ok(()), Some(args), Some((tx, event))) => generate(&args, &func, tx, event),
+        (Ok(()), Some(args), Some(signature)) => generate(&args, &func, &signature),
         (result, ..) => {
             let error = result.expect_err("a part failed, so an error was recorded");
             token_stream_with_error(func.into_token_stream(), error)
@@ -44,10 +44,21 @@ fn token_stream_with_error(mut item: TokenStream, error: syn::Error) -> TokenStr
     item
 }
 
+/// What the handler's parameters say.
+struct Signature<'a> {
+    /// The transaction type (or, in lease mode, `Lease`).
+    tx: &'a Type,
+    /// The event type (of a batch body: the element of its `Vec`).
+    event: &'a Type,
+    /// It takes the record's metadata last: `meta: &Meta` (a batch body
+    /// `meta: &[Meta]`).
+    meta: bool,
+}
+
 /// Checks `async fn name(tx: &mut Tx, event: Event) -> ...` (in lease mode
-/// `lease: &Lease` first) and returns the transaction (or lease) and event
-/// types.
-fn check_signature(func: &ItemFn, batch: bool, lease: bool) -> syn::Result<(&Type, &Type)> {
+/// `lease: &Lease` first), optionally with `meta: &Meta` last (`&[Meta]`
+/// with `batch`), and returns what it found.
+fn check_signature(func: &ItemFn, batch: bool, lease: bool) -> syn::Result<Signature<'_>> {
     let sig = &func.sig;
     let mut errors = Errors::default();
     if sig.asyncness.is_none() {
@@ -83,11 +94,24 @@ fn check_signature(func: &ItemFn, batch: bool, lease: bool) -> syn::Result<(&Typ
         } else {
             "`tx: &mut <transaction>`"
         };
-        if typed.len() != 2 {
+        let meta_form = if batch {
+            "`meta: &[Meta]`"
+        } else {
+            "`meta: &Meta`"
+        };
+        if typed.len() == 3 && !is_meta(&typed[2].ty, batch) {
+            errors.push(syn::Error::new(
+                typed[2].ty.span(),
+                format!(
+                    "the third parameter, if any, is the record's metadata: {meta_form} (`dedup_core::Meta`)"
+                ),
+            ));
+        }
+        if typed.len() != 2 && typed.len() != 3 {
             errors.push(syn::Error::new(
                 sig.paren_token.span.join(),
                 format!(
-                    "#[idempotent] handlers take two parameters, {first} and `event: <event type>`; found {}",
+                    "#[idempotent] handlers take two parameters, {first} and `event: <event type>`, and optionally {meta_form}; found {}",
                     typed.len()
                 ),
             ));
@@ -129,7 +153,27 @@ fn check_signature(func: &ItemFn, batch: bool, lease: bool) -> syn::Result<(&Typ
         }
     }
     errors.finish()?;
-    Ok(types.expect("set when no error"))
+    let (tx, event) = types.expect("set when no error");
+    Ok(Signature {
+        tx,
+        event,
+        meta: typed.len() == 3,
+    })
+}
+
+/// Whether `ty` is `&Meta` (`&[Meta]` for a batch body): a shared
+/// reference to a path that ends in `Meta` (`Meta`, `dedup_core::Meta`).
+fn is_meta(ty: &Type, batch: bool) -> bool {
+    let Type::Reference(r) = ty else { return false };
+    if r.mutability.is_some() {
+        return false;
+    }
+    let inner = match (&*r.elem, batch) {
+        (Type::Slice(slice), true) => &*slice.elem,
+        (other, false) => other,
+        _ => return false,
+    };
+    matches!(inner, Type::Path(p) if p.qself.is_none() && p.path.segments.last().is_some_and(|s| s.ident == "Meta" && s.arguments.is_empty()))
 }
 
 /// `T` of a `Vec<T>` type.
@@ -148,7 +192,8 @@ fn vec_element(ty: &Type) -> Option<&Type> {
     }
 }
 
-fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream {
+fn generate(args: &Args, func: &ItemFn, signature: &Signature<'_>) -> TokenStream {
+    let Signature { tx, event, meta } = *signature;
     let krate = args
         .krate
         .as_ref()
@@ -186,6 +231,9 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
     };
 
     let key_span = args.key_lit.span();
+    // A handler that takes its record's metadata has `WithMeta<Event>` as
+    // its event: fields are read from the inner event.
+    let inner = if meta { quote!(.event) } else { quote!() };
     let part_expr = |part: &KeyPart| match &part.source {
         KeySource::Field(path) => {
             // Spanned at the `key` literal, so a path that is not a field of
@@ -194,7 +242,7 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
             quote_spanned! {key_span=> {
                 #[allow(unused_imports)]
                 use #private::{KeyFromDisplay as _, KeyFromOption as _};
-                (&&event #(.#path)*).dedup_key_string(#text)
+                (&&event #inner #(.#path)*).dedup_key_string(#text)
             }}
         }
         KeySource::Header(header) => quote! {
@@ -234,7 +282,7 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
                 let n = fields.len();
                 let parts = fields.iter().map(|(_, path)| {
                     quote_spanned! {*span=>
-                        (&&event #(.#path)*).fingerprint_part()
+                        (&&event #inner #(.#path)*).fingerprint_part()
                     }
                 });
                 // The field paths are checked like the key's: spanned at
@@ -277,41 +325,83 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
     };
     let decode_body = match &args.decode {
         Decode::With(_) => quote! {
-            let decode: fn(&[u8]) -> #private::Result<Self::Event, _> = #decoder;
+            let decode: fn(&[u8]) -> #private::Result<#event, _> = #decoder;
             #private::decode_with(payload, decode)
         },
         Decode::Json | Decode::Protobuf(_) => quote! {
-            let decode: fn(&[u8]) -> #private::Result<Self::Event, #private::Error> = #decoder;
+            let decode: fn(&[u8]) -> #private::Result<#event, #private::Error> = #decoder;
             decode(payload)
         },
     };
-    let decode_fn = quote! {
-        fn decode(
-            &self,
-            payload: &[u8],
-        ) -> #private::Result<Self::Event, #private::Error> {
-            #decode_body
+    let decode_fn = if meta {
+        quote! {
+            fn decode(
+                &self,
+                payload: &[u8],
+            ) -> #private::Result<Self::Event, #private::Error> {
+                self.decode_record(payload, &())
+            }
+
+            fn decode_record(
+                &self,
+                payload: &[u8],
+                headers: &dyn #private::Headers,
+            ) -> #private::Result<Self::Event, #private::Error> {
+                let event = { #decode_body }?;
+                let meta = #private::Option::map_or_else(
+                    #private::Headers::meta(headers),
+                    #private::Meta::default,
+                    #private::Clone::clone,
+                );
+                #private::Ok(#private::WithMeta { event, meta })
+            }
         }
+    } else {
+        quote! {
+            fn decode(
+                &self,
+                payload: &[u8],
+            ) -> #private::Result<Self::Event, #private::Error> {
+                #decode_body
+            }
+        }
+    };
+    let event_type = if meta {
+        quote!(#private::WithMeta<#event>)
+    } else {
+        quote!(#event)
     };
     let call = format_ident!("call", span = Span::call_site());
     let output_span = output.span();
     let into = quote_spanned! {output_span=> #private::Result::map_err(result, ::core::convert::Into::<#private::HandlerError>::into) };
 
     // A batch body takes Vec<Event>: a single event arrives as a Vec of one,
-    // and the whole batch through handle_batch.
-    let single = if args.batch {
-        quote!(#private::vec![event])
-    } else {
-        quote!(event)
+    // and the whole batch through handle_batch. A body that takes its
+    // record's metadata gets it beside the event (a batch body, a slice of
+    // them in the events' order).
+    let single = match (args.batch, meta) {
+        (true, true) => quote!(#private::vec![event.event], ::core::slice::from_ref(&event.meta)),
+        (true, false) => quote!(#private::vec![event]),
+        (false, true) => quote!(event.event, &event.meta),
+        (false, false) => quote!(event),
     };
     let handle_batch = args.batch.then(|| {
+        let call_batch = if meta {
+            quote! {
+                let (events, meta): (#private::Vec<_>, #private::Vec<_>) =
+                    ::core::iter::Iterator::unzip(::core::iter::IntoIterator::into_iter(events).map(|e| (e.event, e.meta)));
+                let result = #name::#call(tx, events, &meta).await;
+            }
+        } else {
+            quote!(let result = #name::#call(tx, events).await;)
+        };
         quote! {
             async fn handle_batch(
                 &self,
                 tx: &mut Self::Tx,
                 events: #private::Vec<Self::Event>,
             ) -> #private::Result<(), #private::HandlerError> {
-                let result = #name::#call(tx, events).await;
+                #call_batch
                 #into
             }
         }
@@ -371,7 +461,7 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
                     lease: &#private::Lease,
                     event: Self::Event,
                 ) -> #private::Result<(), #private::HandlerError> {
-                    let result = #name::#call(lease, event).await;
+                    let result = #name::#call(lease, #single).await;
                     #into
                 }
             }
@@ -396,7 +486,7 @@ fn generate(args: &Args, func: &ItemFn, tx: &Type, event: &Type) -> TokenStream 
 
         #(#cfgs)*
         impl #private::Describe for #name {
-            type Event = #event;
+            type Event = #event_type;
 
             #common
         }

@@ -1188,3 +1188,128 @@ async fn records_refused_together_on_two_topics_go_one_at_a_time() {
     seen.sort();
     assert_eq!(seen, want, "each event output once");
 }
+
+/// An event whose record the Kafka-only handler reads.
+#[derive(serde::Deserialize)]
+struct Tagged {
+    event_id: String,
+    /// Fails its first attempt (a transient error): its retry decodes the
+    /// record again.
+    #[serde(default)]
+    flaky: bool,
+}
+
+/// Events whose first attempt failed already.
+static FLAKED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Where [`forward_record`] writes, by input topic.
+static RECORDS_TO: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
+
+/// Outputs what it saw of each event's record, to the output topic set for
+/// its input topic in [`RECORDS_TO`].
+#[dedup_core::idempotent(key = "event_id", ttl = "1h")]
+async fn forward_record(
+    out: &mut Outputs,
+    ev: Tagged,
+    meta: &dedup_core::Meta,
+) -> Result<(), HandlerError> {
+    if ev.flaky && !FLAKED.lock().expect("lock").contains(&ev.event_id) {
+        FLAKED.lock().expect("lock").push(ev.event_id.clone());
+        return Err(HandlerError::transient(
+            "the first attempt of a flaky event",
+        ));
+    }
+    let seen = serde_json::json!({
+        "id": ev.event_id,
+        "partition": meta.partition(),
+        "offset": meta.offset(),
+        "key": meta.key_str(),
+        "tenant": meta.header_str("tenant"),
+        "timestamp": meta.timestamp_millis(),
+    });
+    let to = RECORDS_TO
+        .lock()
+        .expect("lock")
+        .iter()
+        .find(|(input, _)| input == meta.topic())
+        .map(|(_, output)| output.clone())
+        .ok_or_else(|| HandlerError::permanent("no output topic for this input"))?;
+    out.send(&to, &ev.event_id, &seen)
+}
+
+/// The Kafka-only runtime gives a handler that takes `meta: &Meta` each
+/// event's own record (partition, offset, key, headers, timestamp), also on
+/// the retry of an attempt that failed (the event is decoded again there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_sees_the_record_of_each_event_also_when_retried() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let topic = create_topic(2).await;
+    let out = create_topic(1).await;
+    RECORDS_TO
+        .lock()
+        .expect("lock")
+        .push((topic.clone(), out.clone()));
+    let p = producer();
+    let mut produced = HashMap::new();
+    for i in 0..6_i64 {
+        let id = unique("m");
+        let body = serde_json::json!({ "event_id": id, "flaky": i % 2 == 0 }).to_string();
+        let tenant = format!("tenant-{i}");
+        let record = FutureRecord::to(&topic)
+            .key(&id)
+            .payload(&body)
+            .timestamp(1_700_000_000_000 + i)
+            .headers(
+                rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header {
+                    key: "tenant",
+                    value: Some(&tenant),
+                }),
+            );
+        let delivery = p
+            .send(record, Duration::from_secs(10))
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produced");
+        produced.insert(
+            id.clone(),
+            serde_json::json!({
+                "id": id,
+                "partition": delivery.partition,
+                "offset": delivery.offset,
+                "key": id,
+                "tenant": tenant,
+                "timestamp": 1_700_000_000_000 + i,
+            }),
+        );
+    }
+    let consumer = TransactionalConsumer::builder(&topic, forward_record)
+        .brokers(brokers())
+        .group_id(unique("tx"))
+        .retry(
+            dedup_kafka::RetryPolicy::default()
+                .with_backoff(Duration::from_millis(10), Duration::from_millis(50)),
+        )
+        .build()
+        .expect("consumer");
+    let stats = consumer.stats();
+    let idle = async move {
+        while stats.idle_for() < Duration::from_secs(3) {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let ran = tokio::time::timeout(Duration::from_secs(120), consumer.run_until(idle))
+        .await
+        .expect("drained within 2 min")
+        .expect("consumer ran");
+    assert_eq!((ran.applied, ran.retries), (6, 3), "{ran:?}");
+    let seen: HashMap<String, serde_json::Value> = read_all(&out, "read_committed")
+        .await
+        .iter()
+        .map(|m| {
+            let v: serde_json::Value =
+                serde_json::from_slice(m.payload().expect("payload")).expect("JSON");
+            (v["id"].as_str().expect("id").to_owned(), v)
+        })
+        .collect();
+    assert_eq!(seen, produced);
+}

@@ -18,7 +18,7 @@ use crate::metrics::RetryReason;
 use crate::pipeline::attempt::{self, AttemptTimedOut, Ran};
 use crate::pipeline::decision::{Decision, Fault};
 use crate::pipeline::outage::Retrying;
-use crate::pipeline::{error_chain, headers_of};
+use crate::pipeline::{error_chain, meta_of};
 use crate::retry::Jitter;
 use crate::route::{ErasedHandler, Route};
 
@@ -62,7 +62,7 @@ pub(super) async fn process_batch<S: DedupStore>(
             bad.push((i, Unprepared::DeadLettered));
             continue;
         }
-        let headers = headers_of(msg);
+        let headers = meta_of(msg);
         // User code (a Deserialize impl, a key's Display, a custom decode):
         // a panic fails this message, never the worker, which would drop
         // everything it buffered.
@@ -244,7 +244,7 @@ pub(super) async fn process<S: DedupStore>(
     msg: &OwnedMessage,
     jitter: &mut Jitter,
 ) -> bool {
-    let headers = Arc::new(headers_of(msg));
+    let headers = Arc::new(meta_of(msg));
     let payload: Arc<[u8]> = msg.payload().unwrap_or_default().into();
     let policy = shared.settings.retry;
     // Every attempt, for logs and the dead letter's header.

@@ -36,15 +36,22 @@ pub(crate) fn fatal_error<C: rdkafka::ClientContext>(
     )))
 }
 
-/// A message's headers, owned, for the handler.
-pub(crate) fn headers_of(msg: &OwnedMessage) -> Vec<(String, Vec<u8>)> {
-    msg.headers()
-        .map(|hs| {
-            hs.iter()
-                .map(|h| (h.key.to_owned(), h.value.unwrap_or_default().to_vec()))
-                .collect()
-        })
-        .unwrap_or_default()
+/// A message's record, owned, for the handler: its headers (keys may come
+/// from them) and the rest of its metadata (handlers may take `&Meta`).
+pub(crate) fn meta_of(msg: &OwnedMessage) -> dedup_core::Meta {
+    let mut meta = dedup_core::Meta::new(msg.topic(), msg.partition(), msg.offset());
+    if let Some(millis) = msg.timestamp().to_millis() {
+        meta = meta.with_timestamp_millis(millis);
+    }
+    if let Some(key) = msg.key() {
+        meta = meta.with_key(key);
+    }
+    if let Some(headers) = msg.headers() {
+        for h in headers.iter() {
+            meta = meta.with_header(h.key, h.value.unwrap_or_default());
+        }
+    }
+    meta
 }
 
 /// The error and its sources, `: `-separated.

@@ -16,7 +16,7 @@ use crate::config::OnFingerprintMismatch;
 use crate::pipeline::attempt::{self, Ran};
 use crate::pipeline::decision::{Decision, Fault};
 use crate::pipeline::outage::Retrying;
-use crate::pipeline::{error_chain, headers_of};
+use crate::pipeline::{error_chain, meta_of};
 use crate::retry::Jitter;
 
 /// The claims a batch takes, by partition and digest, on top of the
@@ -108,7 +108,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         with: &With<'_>,
     ) -> Result<Fate, Halt> {
         let payload = msg.payload().unwrap_or_default();
-        let headers = headers_of(msg);
+        let headers = meta_of(msg);
         let (key, fingerprint, event) =
             match attempt::contained(|| self.handler.prepare(payload, &headers)) {
                 Ok(Ok(prepared)) => prepared,
@@ -161,11 +161,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             let ev = match event.take() {
                 Some(ev) => ev,
                 // It decoded once; decoding is pure.
-                None => match attempt::contained(|| self.handler.decode(payload)) {
-                    Ok(Ok(ev)) => ev,
-                    Ok(Err(e)) => return Ok(dead(e.kind(), error_chain(&e), attempt)),
-                    Err(said) => return Ok(dead("panic", unprepared_panic(&said), attempt)),
-                },
+                None => {
+                    match attempt::contained(|| self.handler.decode_record(payload, &headers)) {
+                        Ok(Ok(ev)) => ev,
+                        Ok(Err(e)) => return Ok(dead(e.kind(), error_chain(&e), attempt)),
+                        Err(said) => return Ok(dead("panic", unprepared_panic(&said), attempt)),
+                    }
+                }
             };
             let handler = self.handler.clone();
             let ran = attempt::run(tracing::Span::current(), self.attempt_timeout, async move {

@@ -29,6 +29,7 @@ mod claims;
 mod environment;
 mod group;
 mod poison;
+mod records;
 
 async fn produce(
     producer: &FutureProducer,

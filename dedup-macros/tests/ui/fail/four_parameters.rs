@@ -1,0 +1,13 @@
+use dedup_core::{HandlerError, MemoryTx, Meta, idempotent};
+
+#[derive(serde::Deserialize)]
+struct Ev {
+    event_id: String,
+}
+
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn handler(_tx: &mut MemoryTx, _ev: Ev, _meta: &Meta, _extra: u32) -> Result<(), HandlerError> {
+    Ok(())
+}
+
+fn main() {}

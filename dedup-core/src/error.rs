@@ -67,6 +67,19 @@ pub enum Error {
         /// This holder's token.
         token: crate::Token,
     },
+    /// The topic carries several event types, each routed to its own
+    /// handler, and this event's type has none (or the event says none):
+    /// the event's fault, dead-lettered unless the consumer is told to skip
+    /// other types.
+    #[error("no handler for event type {} on topic {topic:?}{}", event_type.as_deref().map_or_else(|| "(none given)".to_owned(), |t| format!("{t:?}")), if known.is_empty() { String::new() } else { format!(" (handled: {})", known.join(", ")) })]
+    Unrouted {
+        /// The topic.
+        topic: String,
+        /// The event's type as the message gives it, if it gives one.
+        event_type: Option<String>,
+        /// The types the topic's handlers take.
+        known: Vec<String>,
+    },
     /// The handler body returned an error; the transaction was rolled back.
     #[error("handler failed{}: {source}", code.as_deref().map(|c| format!(" ({c})")).unwrap_or_default())]
     Handler {
@@ -88,9 +101,10 @@ impl Error {
     /// handler or the store said.
     pub fn classification(&self) -> Classification {
         match self {
-            Error::Decode(_) | Error::Key(_) | Error::FingerprintMismatch { .. } => {
-                Classification::Permanent
-            }
+            Error::Decode(_)
+            | Error::Key(_)
+            | Error::FingerprintMismatch { .. }
+            | Error::Unrouted { .. } => Classification::Permanent,
             // Retried by a runtime that knows leases until the holder is
             // done; a lost lease is no failure of the event at all.
             Error::LeaseHeld { .. } | Error::LeaseLost { .. } => Classification::Transient,
@@ -116,6 +130,7 @@ impl Error {
             Error::LeaseHeld { .. } => "lease_held",
             Error::LeaseLost { .. } => "lease_lost",
             Error::Store(_) => "store",
+            Error::Unrouted { .. } => "unrouted",
             Error::Handler { .. } => "handler",
         }
     }

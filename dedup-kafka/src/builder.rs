@@ -46,6 +46,8 @@ pub struct ConsumerBuilder<S> {
     dead_letter_settings: Vec<(String, String)>,
     routes: Vec<Route<S>>,
     dead_letter_overrides: HashMap<String, String>,
+    /// What becomes of the other event types of a typed topic.
+    other_types: HashMap<String, crate::OtherTypes>,
     runtime: Settings,
     /// Whether `max_concurrent_partitions` was set (else it is fitted to
     /// the store's connections).
@@ -125,6 +127,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             dead_letter_settings: Vec::new(),
             routes: Vec::new(),
             dead_letter_overrides: HashMap::new(),
+            other_types: HashMap::new(),
             runtime: Settings::default(),
             concurrency_set: false,
             #[cfg(feature = "http")]
@@ -184,15 +187,82 @@ impl<S: DedupStore> ConsumerBuilder<S> {
 
     /// Routes `topic` to `handler`. Its dead letters go to `<topic>.dlq`
     /// unless [`dead_letter_topic`](Self::dead_letter_topic) says otherwise.
-    pub fn handle<H>(mut self, topic: impl Into<String>, handler: H) -> Self
+    pub fn handle<H>(self, topic: impl Into<String>, handler: H) -> Self
     where
         H: Handler<Tx = S::Tx>,
     {
-        let topic = topic.into();
+        self.route(
+            topic.into(),
+            None,
+            crate::route::Effect::Transactional(Arc::new(handler)),
+        )
+    }
+
+    /// Routes one event type of `topic` to `handler`, for a topic that
+    /// carries several (what an outbox router produces per aggregate: each
+    /// type with its own handler, key and TTL). Every handler of the topic
+    /// names its type the same way: the same header
+    /// (`EventType::header("event-type", "OrderPlaced")`) or the same
+    /// top-level JSON field (`EventType::field("type", "OrderPlaced")`, as
+    /// `#[serde(tag = "type")]` writes it). A message of a type no handler
+    /// takes is dead-lettered with kind `unrouted` (see
+    /// [`other_types`](Self::other_types)). Consecutive messages of one type
+    /// share batches; a partition's messages still go in order.
+    pub fn handle_type<H>(
+        self,
+        topic: impl Into<String>,
+        event_type: crate::EventType,
+        handler: H,
+    ) -> Self
+    where
+        H: Handler<Tx = S::Tx>,
+    {
+        self.route(
+            topic.into(),
+            Some(event_type),
+            crate::route::Effect::Transactional(Arc::new(handler)),
+        )
+    }
+
+    /// [`handle_type`](Self::handle_type) for a lease-mode handler.
+    pub fn handle_leased_type<H>(
+        self,
+        topic: impl Into<String>,
+        event_type: crate::EventType,
+        handler: H,
+    ) -> Self
+    where
+        S: dedup_core::LeaseStore,
+        H: dedup_core::LeaseHandler,
+    {
+        self.route(
+            topic.into(),
+            Some(event_type),
+            crate::route::Effect::Leased(Arc::new(crate::route::Leased(handler))),
+        )
+    }
+
+    /// What becomes of a message of `topic` whose type none of its
+    /// handlers takes ([`handle_type`](Self::handle_type)): dead-lettered
+    /// with kind `unrouted` (the default), or skipped and counted as
+    /// `ignored`, for a topic that carries types this consumer does not
+    /// handle.
+    pub fn other_types(mut self, topic: impl Into<String>, other: crate::OtherTypes) -> Self {
+        self.other_types.insert(topic.into(), other);
+        self
+    }
+
+    fn route(
+        mut self,
+        topic: String,
+        event_type: Option<crate::EventType>,
+        handler: crate::route::Effect<S>,
+    ) -> Self {
         self.routes.push(Route {
             dead_letter_topic: format!("{topic}.dlq"),
             topic,
-            handler: crate::route::Effect::Transactional(Arc::new(handler)),
+            event_type,
+            handler,
             metrics: std::sync::OnceLock::new(),
         });
         self
@@ -205,19 +275,16 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// (never dead-lettered for it) until that lease is done (then skipped)
     /// or expires (then taken over). Keep `attempt_timeout` above the
     /// longest effect: an abandoned attempt leaves its lease to expire.
-    pub fn handle_leased<H>(mut self, topic: impl Into<String>, handler: H) -> Self
+    pub fn handle_leased<H>(self, topic: impl Into<String>, handler: H) -> Self
     where
         S: dedup_core::LeaseStore,
         H: dedup_core::LeaseHandler,
     {
-        let topic = topic.into();
-        self.routes.push(Route {
-            dead_letter_topic: format!("{topic}.dlq"),
-            topic,
-            handler: crate::route::Effect::Leased(Arc::new(crate::route::Leased(handler))),
-            metrics: std::sync::OnceLock::new(),
-        });
-        self
+        self.route(
+            topic.into(),
+            None,
+            crate::route::Effect::Leased(Arc::new(crate::route::Leased(handler))),
+        )
     }
 
     /// Sends the dead letters of `topic` to `dead_letter_topic`.
@@ -370,13 +437,6 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             ));
         }
         self.client.check_env()?;
-        let mut topics = HashSet::new();
-        if let Some(dup) = self.routes.iter().find(|r| !topics.insert(r.topic.clone())) {
-            return Err(Error::Config(format!(
-                "topic {:?} has two handlers",
-                dup.topic
-            )));
-        }
         // The consumer loop does not turn while a revoke waits: longer than
         // the liveness limit, a probe would restart a consumer that is fine.
         if self.runtime.revoke_timeout >= crate::LIVE_POLL_LIMIT / 2 {
@@ -407,6 +467,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             store,
             mut routes,
             dead_letter_overrides,
+            other_types,
             mut runtime,
             concurrency_set,
             #[cfg(feature = "http")]
@@ -434,6 +495,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 route.dead_letter_topic = dlq.clone();
             }
         }
+        let routes = topic_routes(routes, &other_types)?;
         #[cfg_attr(not(feature = "http"), allow(unused_mut))]
         let mut consumer = Consumer::new(store, routes, consumer_config, producer_config, runtime)?;
         #[cfg(feature = "http")]
@@ -456,6 +518,91 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     ) -> Result<StatsSnapshot, Error> {
         self.build()?.run_until(shutdown).await
     }
+}
+
+/// The routes grouped by topic: one handler, or one per event type plus
+/// the route of the other types. Refuses two handlers of one topic unless
+/// each takes its own event type, named the same way.
+fn topic_routes<S: DedupStore>(
+    routes: Vec<Route<S>>,
+    other_types: &HashMap<String, crate::OtherTypes>,
+) -> Result<Vec<crate::route::TopicRoutes<S>>, Error> {
+    let mut by_topic: Vec<(String, Vec<Route<S>>)> = Vec::new();
+    for route in routes {
+        match by_topic.iter_mut().find(|(t, _)| *t == route.topic) {
+            Some((_, same)) => same.push(route),
+            None => by_topic.push((route.topic.clone(), vec![route])),
+        }
+    }
+    if let Some(topic) = other_types.keys().find(|t| {
+        !by_topic
+            .iter()
+            .any(|(topic, rs)| topic == *t && rs[0].event_type.is_some())
+    }) {
+        return Err(Error::Config(format!(
+            "other_types({topic:?}, ..): the topic has no handle_type handlers"
+        )));
+    }
+    let mut out = Vec::with_capacity(by_topic.len());
+    for (topic, mut routes) in by_topic {
+        if routes.iter().all(|r| r.event_type.is_none()) {
+            if routes.len() > 1 {
+                return Err(Error::Config(format!(
+                    "topic {topic:?} has two handlers: give each its event type with \
+                     handle_type(topic, EventType::header(..) or EventType::field(..), handler)"
+                )));
+            }
+            out.push(crate::route::TopicRoutes::one(routes.remove(0)));
+            continue;
+        }
+        if routes.iter().any(|r| r.event_type.is_none()) {
+            return Err(Error::Config(format!(
+                "topic {topic:?} has handlers by event type and one without: route every \
+                 type with handle_type, or use handle alone"
+            )));
+        }
+        let types: Vec<&crate::EventType> = routes
+            .iter()
+            .filter_map(|r| r.event_type.as_ref())
+            .collect();
+        let by = types[0].selector().clone();
+        if let Some(other) = types.iter().find(|t| *t.selector() != by) {
+            return Err(Error::Config(format!(
+                "topic {topic:?} names its event types by {by} and by {}: every handler of a \
+                 topic reads the type the same way",
+                other.selector()
+            )));
+        }
+        let mut seen = HashSet::new();
+        if let Some(dup) = types.iter().find(|t| !seen.insert(t.value())) {
+            return Err(Error::Config(format!(
+                "topic {topic:?} has two handlers of event type {:?}",
+                dup.value()
+            )));
+        }
+        let known: Vec<String> = types.iter().map(|t| t.value().to_owned()).collect();
+        let ttl = routes
+            .iter()
+            .map(|r| r.handler.ttl())
+            .max()
+            .expect("at least one route");
+        let others = Route {
+            topic: topic.clone(),
+            event_type: None,
+            dead_letter_topic: routes[0].dead_letter_topic.clone(),
+            handler: crate::route::Effect::Leased(Arc::new(crate::route::Unrouted {
+                scope: format!("dedup.unrouted/{topic}"),
+                topic: topic.clone(),
+                by: by.clone(),
+                known,
+                ttl,
+            })),
+            metrics: std::sync::OnceLock::new(),
+        };
+        let skip = other_types.get(&topic) == Some(&crate::OtherTypes::Skip);
+        out.push(crate::route::TopicRoutes::typed(by, routes, others, skip));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -522,6 +669,88 @@ mod tests {
             );
         }
         assert!(transactional("linger.ms").is_ok(), "others pass through");
+    }
+
+    #[derive(serde::Deserialize)]
+    struct Ev {
+        id: String,
+    }
+
+    #[dedup_core::idempotent(key = "id", ttl = "1h")]
+    async fn placed(
+        _tx: &mut dedup_core::MemoryTx,
+        _ev: Ev,
+    ) -> Result<(), dedup_core::HandlerError> {
+        Ok(())
+    }
+
+    #[dedup_core::idempotent(key = "id", ttl = "2h")]
+    async fn shipped(
+        _tx: &mut dedup_core::MemoryTx,
+        _ev: Ev,
+    ) -> Result<(), dedup_core::HandlerError> {
+        Ok(())
+    }
+
+    /// Several handlers on one topic only by event type, each type once,
+    /// all named the same way; other_types only for such a topic.
+    #[tokio::test]
+    async fn a_topic_takes_several_handlers_only_by_event_type() {
+        use crate::{EventType, OtherTypes};
+        let builder = || Consumer::builder(MemoryStore::new()).group_id("g");
+        let refused = |b: ConsumerBuilder<MemoryStore>| b.build().unwrap_err().to_string();
+        let err = refused(builder().handle("orders", placed).handle("orders", shipped));
+        assert!(
+            err.contains("two handlers") && err.contains("handle_type"),
+            "{err}"
+        );
+        let err = refused(
+            builder()
+                .handle_type("orders", EventType::header("event-type", "Placed"), placed)
+                .handle("orders", shipped),
+        );
+        assert!(err.contains("one without"), "{err}");
+        let err = refused(
+            builder()
+                .handle_type("orders", EventType::header("event-type", "Placed"), placed)
+                .handle_type("orders", EventType::field("type", "Shipped"), shipped),
+        );
+        assert!(
+            err.contains("header \"event-type\"") && err.contains("field \"type\""),
+            "{err}"
+        );
+        let err = refused(
+            builder()
+                .handle_type("orders", EventType::header("event-type", "Placed"), placed)
+                .handle_type("orders", EventType::header("event-type", "Placed"), shipped),
+        );
+        assert!(
+            err.contains("two handlers of event type \"Placed\""),
+            "{err}"
+        );
+        let err = refused(
+            builder()
+                .handle("orders", placed)
+                .other_types("orders", OtherTypes::Skip),
+        );
+        assert!(err.contains("no handle_type"), "{err}");
+        let consumer = builder()
+            .handle_type("orders", EventType::header("event-type", "Placed"), placed)
+            .handle_type(
+                "orders",
+                EventType::header("event-type", "Shipped"),
+                shipped,
+            )
+            .handle("payments", placed)
+            .build()
+            .expect("types of one topic, and another topic");
+        let orders = &consumer.routes["orders"];
+        assert_eq!(orders.handlers().len(), 2);
+        assert_eq!(orders.all().len(), 3, "and the other types' route");
+        let others = &orders.all()[2];
+        assert_eq!(others.handler.scope(), "dedup.unrouted/orders");
+        assert_eq!(others.handler.ttl().to_string(), "2h", "the longest");
+        assert_eq!(others.dead_letter_topic, "orders.dlq");
     }
 
     /// A Kafka-only handler that outputs nothing.

@@ -26,7 +26,7 @@ use crate::partition::worker::worker;
 use crate::pipeline::fatal_error;
 use crate::pipeline::membership::Membership;
 use crate::rebalance::{HandOver, RebalanceContext, commit};
-use crate::route::Route;
+use crate::route::TopicRoutes;
 use crate::shutdown::shutdown_signal;
 use crate::stats::{Stats, StatsSnapshot};
 
@@ -36,7 +36,7 @@ use crate::stats::{Stats, StatsSnapshot};
 /// dead-lettered).
 pub struct Consumer<S: DedupStore> {
     shared: Arc<Runtime<S>>,
-    routes: HashMap<String, Arc<Route<S>>>,
+    pub(crate) routes: HashMap<String, Arc<TopicRoutes<S>>>,
     partitions: PartitionMap,
     drained: mpsc::UnboundedReceiver<(String, i32)>,
     admin_config: ClientConfig,
@@ -50,7 +50,7 @@ impl<S: DedupStore> Consumer<S> {
     /// Creates the Kafka clients; nothing is fetched before `run_until`.
     pub(crate) fn new(
         store: S,
-        routes: Vec<Route<S>>,
+        routes: Vec<TopicRoutes<S>>,
         consumer_config: ClientConfig,
         producer_config: ClientConfig,
         settings: Settings,
@@ -251,9 +251,10 @@ impl<S: DedupStore> Consumer<S> {
     async fn check_ttls(&self) -> Result<(), Error> {
         let handlers: Vec<crate::ttl_check::Checked<'_>> = self
             .routes
-            .iter()
-            .map(|(topic, route)| crate::ttl_check::Checked {
-                topic,
+            .values()
+            .flat_map(|routes| routes.handlers())
+            .map(|route| crate::ttl_check::Checked {
+                topic: &route.topic,
                 scope: route.handler.scope(),
                 ttl: route.handler.ttl(),
             })

@@ -26,6 +26,7 @@ pub(crate) struct RouteMetrics {
     retry_timeout: Counter,
     retry_lease_held: Counter,
     lease_lost: Counter,
+    ignored: Counter,
     handler_duration: Histogram,
     batch_size: Histogram,
     duplicate_age: Histogram,
@@ -66,10 +67,17 @@ impl RouteMetrics {
             retry_timeout: retries("timeout"),
             retry_lease_held: retries("lease_held"),
             lease_lost: messages("lease_lost"),
+            ignored: messages("ignored"),
             handler_duration: histogram!("dedup_handler_duration_seconds", "topic" => topic.clone(), "handler" => handler.clone()),
             batch_size: histogram!("dedup_batch_size", "topic" => topic.clone()),
             duplicate_age: histogram!("dedup_duplicate_age_seconds", "topic" => topic, "handler" => handler),
         }
+    }
+
+    /// A message of an event type no handler takes, skipped
+    /// (`OtherTypes::Skip`).
+    pub(crate) fn ignored(&self) {
+        self.ignored.increment(1);
     }
 
     /// One event applied; `reclaimed` if it took over an expired claim (it

@@ -12,9 +12,269 @@ use dedup_core::{
     LeaseHandler, LeaseHandlerExt, LeaseStore, Outcome, Ttl, ordered_scope,
 };
 
+/// Which of a topic's event types a handler takes
+/// ([`ConsumerBuilder::handle_type`](crate::ConsumerBuilder::handle_type)):
+/// a header's value, or a top-level field of a JSON payload (what serde
+/// writes for `#[serde(tag = "type")]`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventType {
+    by: Selector,
+    value: String,
+}
+
+/// Where a message says its type.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Selector {
+    Header(String),
+    Field(String),
+}
+
+impl std::fmt::Display for Selector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Selector::Header(name) => write!(f, "header {name:?}"),
+            Selector::Field(name) => write!(f, "field {name:?}"),
+        }
+    }
+}
+
+impl EventType {
+    /// Events whose header `name` is `value` (the last one, if it repeats),
+    /// such as an outbox router's `event-type: OrderPlaced`.
+    pub fn header(name: impl Into<String>, value: impl Into<String>) -> Self {
+        EventType {
+            by: Selector::Header(name.into()),
+            value: value.into(),
+        }
+    }
+
+    /// Events whose JSON payload's top-level field `name` is the string
+    /// `value`: `EventType::field("type", "OrderPlaced")` for an enum with
+    /// `#[serde(tag = "type")]`.
+    pub fn field(name: impl Into<String>, value: impl Into<String>) -> Self {
+        EventType {
+            by: Selector::Field(name.into()),
+            value: value.into(),
+        }
+    }
+
+    pub(crate) fn selector(&self) -> &Selector {
+        &self.by
+    }
+
+    pub(crate) fn value(&self) -> &str {
+        &self.value
+    }
+}
+
+/// What becomes of a message whose type no handler of its topic takes
+/// ([`ConsumerBuilder::other_types`](crate::ConsumerBuilder::other_types)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum OtherTypes {
+    /// Dead-lettered with kind `unrouted` (the default): nothing is lost,
+    /// and a handler added later can replay them.
+    #[default]
+    DeadLetter,
+    /// Skipped (counted as `ignored`): for a topic that carries types this
+    /// consumer does not care about.
+    Skip,
+}
+
+/// The type `msg` says it is, by `by`: a header's value, or a top-level
+/// string field of its JSON payload. `None` if it says none (or not as
+/// UTF-8, or not as a JSON object).
+pub(crate) fn event_type_of(by: &Selector, msg: &rdkafka::message::OwnedMessage) -> Option<String> {
+    use rdkafka::message::{Headers as _, Message as _};
+    match by {
+        Selector::Header(name) => {
+            let headers = msg.headers()?;
+            let value = headers
+                .iter()
+                .filter(|h| h.key == name)
+                .last()
+                .and_then(|h| h.value)?;
+            std::str::from_utf8(value).ok().map(str::to_owned)
+        }
+        Selector::Field(name) => top_level_string(msg.payload()?, name),
+    }
+}
+
+/// The string value of the top-level field `name` of a JSON object, read
+/// without decoding the rest.
+fn top_level_string(json: &[u8], name: &str) -> Option<String> {
+    use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, Visitor};
+
+    struct Field<'a>(&'a str);
+
+    impl<'de> Visitor<'de> for Field<'_> {
+        type Value = Option<String>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut found = None;
+            while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                if key == self.0 && found.is_none() {
+                    found = map
+                        .next_value::<serde_json::Value>()?
+                        .as_str()
+                        .map(str::to_owned);
+                } else {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+            Ok(found)
+        }
+    }
+
+    impl<'de> DeserializeSeed<'de> for Field<'_> {
+        type Value = Option<String>;
+
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_map(self)
+        }
+    }
+
+    let mut de = serde_json::Deserializer::from_slice(json);
+    Field(name).deserialize(&mut de).ok().flatten()
+}
+
+/// The routes of one topic: its one handler, or a handler per event type
+/// plus the route of the types none takes.
+pub(crate) struct TopicRoutes<S> {
+    pub(crate) topic: String,
+    /// Where its messages say their type, if it has several.
+    by: Option<Selector>,
+    /// Its handlers; with several types, the route of the other types
+    /// last.
+    routes: Vec<Arc<Route<S>>>,
+    /// Messages of other types are skipped, not dead-lettered.
+    skip_others: bool,
+}
+
+/// Which route a message goes to.
+pub(crate) enum Pick {
+    /// The route at this index.
+    Route(usize),
+    /// Skipped: a type no handler takes, under `OtherTypes::Skip`; the
+    /// index of the other types' route, whose metrics count it.
+    Ignore(usize),
+}
+
+impl<S: 'static> TopicRoutes<S> {
+    /// A topic with one handler.
+    pub(crate) fn one(route: Route<S>) -> Self {
+        TopicRoutes {
+            topic: route.topic.clone(),
+            by: None,
+            routes: vec![Arc::new(route)],
+            skip_others: false,
+        }
+    }
+
+    /// A topic whose event types go to `typed` (each with its type; at
+    /// least one, all by `by`), the others to `others`.
+    pub(crate) fn typed(
+        by: Selector,
+        typed: Vec<Route<S>>,
+        others: Route<S>,
+        skip_others: bool,
+    ) -> Self {
+        let mut routes: Vec<Arc<Route<S>>> = typed.into_iter().map(Arc::new).collect();
+        routes.push(Arc::new(others));
+        TopicRoutes {
+            topic: routes[0].topic.clone(),
+            by: Some(by),
+            routes,
+            skip_others,
+        }
+    }
+
+    /// Every route, the other types' last.
+    pub(crate) fn all(&self) -> &[Arc<Route<S>>] {
+        &self.routes
+    }
+
+    /// The handlers' routes (not the other types').
+    pub(crate) fn handlers(&self) -> &[Arc<Route<S>>] {
+        match self.by {
+            Some(_) => &self.routes[..self.routes.len() - 1],
+            None => &self.routes,
+        }
+    }
+
+    /// Where `msg` goes.
+    pub(crate) fn pick(&self, msg: &rdkafka::message::OwnedMessage) -> Pick {
+        let Some(by) = &self.by else {
+            return Pick::Route(0);
+        };
+        let said = event_type_of(by, msg);
+        let found = said.as_deref().and_then(|t| {
+            self.handlers()
+                .iter()
+                .position(|r| r.event_type.as_ref().is_some_and(|e| e.value() == t))
+        });
+        match found {
+            Some(i) => Pick::Route(i),
+            None if self.skip_others => Pick::Ignore(self.routes.len() - 1),
+            None => Pick::Route(self.routes.len() - 1),
+        }
+    }
+}
+
+/// The route of the event types no handler of a typed topic takes: its
+/// messages fail as [`Error::Unrouted`], the event's fault, and are
+/// dead-lettered one at a time like any poison message.
+pub(crate) struct Unrouted {
+    pub(crate) scope: String,
+    pub(crate) topic: String,
+    pub(crate) by: Selector,
+    pub(crate) known: Vec<String>,
+    /// The longest TTL of the topic's handlers: how long the record of a
+    /// dead letter lives.
+    pub(crate) ttl: Ttl,
+}
+
+impl<S: 'static> ErasedApply<S> for Unrouted {
+    fn scope(&self) -> &str {
+        &self.scope
+    }
+
+    fn ttl(&self) -> Ttl {
+        self.ttl
+    }
+
+    fn apply<'a>(
+        &'a self,
+        _store: &'a S,
+        payload: &'a [u8],
+        headers: &'a (dyn Headers + Sync),
+    ) -> BoxFuture<'a, Outcome> {
+        // What the message said, for the dead letter's reason.
+        let said = match &self.by {
+            Selector::Header(name) => headers
+                .get(name)
+                .and_then(|v| std::str::from_utf8(v).ok())
+                .map(str::to_owned),
+            Selector::Field(name) => top_level_string(payload, name),
+        };
+        let error = Error::Unrouted {
+            topic: self.topic.clone(),
+            event_type: said,
+            known: self.known.clone(),
+        };
+        Box::pin(async move { Outcome::Failed(error) })
+    }
+}
+
 /// A topic routed to a handler, with where its poison messages go.
 pub(crate) struct Route<S> {
     pub(crate) topic: String,
+    /// The event type it takes, on a topic of several.
+    pub(crate) event_type: Option<EventType>,
     pub(crate) handler: Effect<S>,
     pub(crate) dead_letter_topic: String,
     /// Registered on first use, after the application installed its
@@ -275,7 +535,28 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::fingerprint;
+    use super::{fingerprint, top_level_string};
+
+    #[test]
+    fn an_event_type_field_is_read_at_the_top_level_only() {
+        let read = |json: &str| top_level_string(json.as_bytes(), "type");
+        assert_eq!(
+            read(r#"{"id": 1, "type": "OrderPlaced", "lines": [{"type": "x"}]}"#),
+            Some("OrderPlaced".to_owned())
+        );
+        assert_eq!(
+            read(r#"{"lines": [{"type": "x"}], "nested": {"type": "y"}}"#),
+            None
+        );
+        assert_eq!(read(r#"{"type": 3}"#), None, "not a string");
+        assert_eq!(read(r#"{"type": "A", "type": "B"}"#), Some("A".to_owned()));
+        assert_eq!(read("not json"), None);
+        assert_eq!(read(r#"["type", "A"]"#), None, "not an object");
+        assert_eq!(
+            read(r#"{"ty\u0070e": "Escaped"}"#),
+            Some("Escaped".to_owned())
+        );
+    }
 
     #[test]
     fn fingerprints_are_stable_and_tell_key_from_payload() {

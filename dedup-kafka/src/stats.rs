@@ -19,6 +19,7 @@ pub struct Stats {
     pub(crate) already_dead_lettered: AtomicU64,
     pub(crate) redelivered: AtomicU64,
     pub(crate) revoked_partitions: AtomicU64,
+    pub(crate) ignored: AtomicU64,
     /// Partitions waiting out a failure of the environment right now.
     waiting_out: AtomicU64,
     /// When the current outage began, in milliseconds since `started`.
@@ -144,6 +145,10 @@ pub struct StatsSnapshot {
     /// assigns most back; an incremental one (`cooperative-sticky`, the
     /// consumer protocol) revokes only those that move.
     pub revoked_partitions: u64,
+    /// Messages of an event type no handler of their topic takes, skipped
+    /// as `OtherTypes::Skip` says (not counted in `skipped`, which counts
+    /// duplicates).
+    pub ignored: u64,
 }
 
 impl fmt::Display for StatsSnapshot {
@@ -170,6 +175,7 @@ impl Stats {
             already_dead_lettered: AtomicU64::new(0),
             redelivered: AtomicU64::new(0),
             revoked_partitions: AtomicU64::new(0),
+            ignored: AtomicU64::new(0),
             waiting_out: AtomicU64::new(0),
             outage_since_ms: AtomicU64::new(0),
             started: Instant::now(),
@@ -233,6 +239,7 @@ impl Stats {
             already_dead_lettered: self.already_dead_lettered.load(Ordering::Relaxed),
             redelivered: self.redelivered.load(Ordering::Relaxed),
             revoked_partitions: self.revoked_partitions.load(Ordering::Relaxed),
+            ignored: self.ignored.load(Ordering::Relaxed),
         }
     }
 

@@ -1,6 +1,7 @@
 //! A partition's worker: its queue (every message counted in flight is
 //! counted out once), its loop, and the gathering of its batches.
 
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
@@ -13,7 +14,7 @@ use crate::config::Settings;
 use crate::dead_letter::{self as dead_letters};
 use crate::pipeline::ingest::within;
 use crate::retry::Jitter;
-use crate::route::Route;
+use crate::route::{Pick, TopicRoutes};
 use crate::stats::Stats;
 
 use super::apply::{message_span, process, process_batch, was_dead_lettered};
@@ -72,10 +73,12 @@ impl Drop for Inbox {
     }
 }
 
-/// Processes one partition's messages strictly in order.
+/// Processes one partition's messages strictly in order. On a topic of
+/// several event types, each message goes to its type's route; a batch
+/// takes consecutive messages of one type.
 pub(crate) async fn worker<S: DedupStore>(
     shared: Arc<Runtime<S>>,
-    route: Arc<Route<S>>,
+    routes: Arc<TopicRoutes<S>>,
     partition: Arc<Partition>,
     receiver: mpsc::UnboundedReceiver<OwnedMessage>,
 ) {
@@ -85,57 +88,86 @@ pub(crate) async fn worker<S: DedupStore>(
         held: 0,
     };
     let mut jitter = Jitter::new(partition.partition as u64);
-    let low_water = shared.settings.max_buffered_per_partition / 2;
     // Dropped after the loop, so after every offset this worker stores.
     let _exited = Exited(&partition);
     let mut stopping = shared.stopping.subscribe();
     let mut revoked = partition.revoked.subscribe();
     let mut release = partition.release.subscribe();
-    // The partition's offsets dead-lettered before (by this consumer before
-    // a crash, or by its previous owner) whose offsets may not have been
-    // committed: read once, before the first message, and skipped.
-    let mut dead_lettered = None;
+    // Received, not yet processed: the messages after a batch's last, of
+    // another event type than it. They go first, in order.
+    let mut carried: VecDeque<OwnedMessage> = VecDeque::new();
+    // Per route, the partition's offsets dead-lettered before (by this
+    // consumer before a crash, or by its previous owner) whose offsets may
+    // not have been committed: read once, before the route's first
+    // message, and skipped.
+    let mut dead_lettered: Vec<Option<HashSet<String>>> = vec![None; routes.all().len()];
     loop {
         // Messages already waiting (they queued behind the batch before)
         // make the next batch without lingering.
-        let idle = inbox.is_empty();
-        // The partition entry (and with it the sender) may outlive this
-        // worker's usefulness: stop on shutdown or revoke, not on a closed channel.
-        let msg = tokio::select! {
-            biased;
-            _ = stopping.wait_for(|s| *s) => break,
-            _ = revoked.wait_for(|r| *r) => break,
-            _ = release.wait_for(|r| *r) => break,
-            msg = inbox.recv() => match msg {
-                Some(msg) => msg,
-                None => break,
+        let idle = carried.is_empty() && inbox.is_empty();
+        let msg = match carried.pop_front() {
+            Some(msg) => {
+                if *stopping.borrow() || *revoked.borrow() || *release.borrow() {
+                    break;
+                }
+                msg
+            }
+            // The partition entry (and with it the sender) may outlive this
+            // worker's usefulness: stop on shutdown or revoke, not on a
+            // closed channel.
+            None => tokio::select! {
+                biased;
+                _ = stopping.wait_for(|s| *s) => break,
+                _ = revoked.wait_for(|r| *r) => break,
+                _ = release.wait_for(|r| *r) => break,
+                msg = inbox.recv() => match msg {
+                    Some(msg) => msg,
+                    None => break,
+                },
             },
         };
+        let index = match routes.pick(&msg) {
+            Pick::Route(index) => index,
+            Pick::Ignore(index) => {
+                // A type no handler takes, under OtherTypes::Skip: finished.
+                routes.all()[index].record(&shared.stats).ignored();
+                store_offset(&shared, &partition, &msg);
+                shared.stats.touch();
+                inbox.done(1);
+                counted_out(&shared, &partition, 1);
+                continue;
+            }
+        };
+        let route = &routes.all()[index];
         // Only a transactional handler takes batches; a lease-mode one
         // takes its messages one at a time.
         let batcher = route.handler.batches().cloned();
         let batch = match batcher {
-            Some(_) => gather(&mut inbox, msg, idle, &shared.settings).await,
+            Some(_) => {
+                let same =
+                    |m: &OwnedMessage| matches!(routes.pick(m), Pick::Route(i) if i == index);
+                gather(&mut inbox, &mut carried, msg, idle, &shared.settings, same).await
+            }
             None => vec![msg],
         };
         partition
             .busy_since_ms
             .store(shared.stats.clock_ms(), Ordering::Release);
-        if dead_lettered.is_none() {
+        if dead_lettered[index].is_none() {
             let from = batch[0].offset();
-            dead_lettered =
-                dead_letters::recorded(&shared, &route, &partition, from, &mut jitter).await;
-            if dead_lettered.is_none() {
+            dead_lettered[index] =
+                dead_letters::recorded(&shared, route, &partition, from, &mut jitter).await;
+            if dead_lettered[index].is_none() {
                 // Stopped while the store was unreachable.
                 inbox.done(batch.len());
                 break;
             }
         }
-        let known = dead_lettered.as_ref().expect("read above");
+        let known = dead_lettered[index].as_ref().expect("read above");
         let finished = if let (Some(batcher), true) = (&batcher, batch.len() > 1) {
             process_batch(
                 &shared,
-                &route,
+                route,
                 batcher,
                 &partition,
                 &batch,
@@ -146,11 +178,11 @@ pub(crate) async fn worker<S: DedupStore>(
         } else {
             // One message (a batch of one, or a lease-mode route's).
             let msg = &batch[0];
-            let done = if was_dead_lettered(&route, known, msg) {
-                dead_letters::skip(&shared, &route, msg);
+            let done = if was_dead_lettered(route, known, msg) {
+                dead_letters::skip(&shared, route, msg);
                 true
             } else {
-                process(&shared, &route, &partition, msg, &mut jitter)
+                process(&shared, route, &partition, msg, &mut jitter)
                     .instrument(message_span(msg))
                     .await
             };
@@ -166,12 +198,19 @@ pub(crate) async fn worker<S: DedupStore>(
         if finished < batch.len() {
             break;
         }
-        let left = partition.queued.fetch_sub(batch.len(), Ordering::SeqCst) - batch.len();
-        if left <= low_water && partition.paused.load(Ordering::SeqCst) {
-            let _ = shared
-                .drained
-                .send((partition.topic.clone(), partition.partition));
-        }
+        counted_out(&shared, &partition, batch.len());
+    }
+}
+
+/// `n` messages of the partition are finished: its queue is that much
+/// shorter, and fetching resumes once it is down to half its bound.
+fn counted_out<S: DedupStore>(shared: &Runtime<S>, partition: &Partition, n: usize) {
+    let low_water = shared.settings.max_buffered_per_partition / 2;
+    let left = partition.queued.fetch_sub(n, Ordering::SeqCst) - n;
+    if left <= low_water && partition.paused.load(Ordering::SeqCst) {
+        let _ = shared
+            .drained
+            .send((partition.topic.clone(), partition.partition));
     }
 }
 
@@ -184,23 +223,36 @@ impl Drop for Exited<'_> {
     }
 }
 
-/// Takes `first` and what else of the partition is queued, as the shared
+/// Takes `first` and what else of the partition is queued (`carried`
+/// first, then the inbox), as the shared
 /// [`Batching`](crate::pipeline::ingest::Batching) says: only a partition
 /// that was `idle` (nothing queued when the worker began waiting for
-/// `first`) lingers for more.
+/// `first`) lingers for more. The batch ends before the first message
+/// that is not the `same` route's: that one, and all after it, are carried
+/// to the next batch, in order.
 async fn gather(
     receiver: &mut Inbox,
+    carried: &mut VecDeque<OwnedMessage>,
     first: OwnedMessage,
     idle: bool,
     settings: &Settings,
+    same: impl Fn(&OwnedMessage) -> bool,
 ) -> Vec<OwnedMessage> {
     let mut batch = vec![first];
     let gathering = settings.batching.start(idle);
     while let Some(wait) = gathering.wait(batch.len()) {
-        match within(wait, receiver.recv()).await {
-            Some(Some(msg)) => batch.push(msg),
-            Some(None) | None => break,
+        let next = match carried.pop_front() {
+            Some(msg) => msg,
+            None => match within(wait, receiver.recv()).await {
+                Some(Some(msg)) => msg,
+                Some(None) | None => break,
+            },
+        };
+        if !same(&next) {
+            carried.push_front(next);
+            break;
         }
+        batch.push(next);
     }
     batch
 }
@@ -286,7 +338,8 @@ mod tests {
             // As the worker sees it before waiting for its next message.
             let idle = inbox.is_empty();
             let first = inbox.recv().await.unwrap();
-            let gathering = gather(&mut inbox, first, idle, &settings);
+            let mut carried = VecDeque::new();
+            let gathering = gather(&mut inbox, &mut carried, first, idle, &settings, |_| true);
             let batch = tokio::time::timeout(Duration::from_secs(5), gathering)
                 .await
                 .expect("a busy partition's batch must not wait for the linger");
@@ -315,7 +368,8 @@ mod tests {
         });
         let mut settings = lingering(Duration::from_secs(30));
         settings.batching.size = 2;
-        let gathering = gather(&mut inbox, first, idle, &settings);
+        let mut carried = VecDeque::new();
+        let gathering = gather(&mut inbox, &mut carried, first, idle, &settings, |_| true);
         let batch = tokio::time::timeout(Duration::from_secs(5), gathering)
             .await
             .expect("the second message arrives within the linger");
@@ -327,7 +381,15 @@ mod tests {
         held.send(message(0)).unwrap();
         let first = inbox.recv().await.unwrap();
         let linger = lingering(Duration::from_millis(200));
-        let batch = gather(&mut inbox, first, true, &linger).await;
+        let batch = gather(
+            &mut inbox,
+            &mut VecDeque::new(),
+            first,
+            true,
+            &linger,
+            |_| true,
+        )
+        .await;
         assert_eq!(batch.len(), 1);
         assert!(
             started.elapsed() >= Duration::from_millis(200),

@@ -56,6 +56,13 @@ impl Record<'_> {
         self.metrics.lease_lost();
     }
 
+    /// A message of an event type no handler of its topic takes, skipped
+    /// (`OtherTypes::Skip`).
+    pub(crate) fn ignored(&self) {
+        self.stats.ignored.fetch_add(1, Ordering::Relaxed);
+        self.metrics.ignored();
+    }
+
     /// One message dead-lettered.
     pub(crate) fn dead_lettered(&self) {
         self.stats.dead_lettered.fetch_add(1, Ordering::Relaxed);

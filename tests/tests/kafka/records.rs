@@ -119,3 +119,175 @@ async fn handlers_see_the_record_of_each_event_in_every_mode(pool: PgPool) {
     produced.sort();
     assert_eq!(seen, produced);
 }
+
+#[derive(serde::Deserialize)]
+struct OrderEvent {
+    id: String,
+}
+
+/// Logs what it applied, in order, in the effect's transaction.
+async fn log(tx: &mut PgTx, kind: &str, id: &str) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO typed_log (kind, id) VALUES ($1, $2)")
+        .bind(kind)
+        .bind(id)
+        .execute(&mut **tx)
+        .await?;
+    Ok(())
+}
+
+#[idempotent(key = "id", ttl = "4h")]
+async fn order_placed(tx: &mut PgTx, ev: OrderEvent) -> Result<(), sqlx::Error> {
+    log(tx, "placed", &ev.id).await
+}
+
+#[idempotent(key = "id", ttl = "1h", batch)]
+async fn order_shipped(tx: &mut PgTx, events: Vec<OrderEvent>) -> Result<(), sqlx::Error> {
+    for ev in events {
+        log(tx, "shipped", &ev.id).await?;
+    }
+    Ok(())
+}
+
+/// The log, in the order it was written.
+async fn logged(pool: &PgPool) -> Vec<(String, String)> {
+    sqlx::query_as("SELECT kind, id FROM typed_log ORDER BY seq")
+        .fetch_all(pool)
+        .await
+        .expect("log")
+}
+
+async fn typed_log(pool: &PgPool) {
+    sqlx::query("CREATE TABLE typed_log (seq bigserial PRIMARY KEY, kind text, id text)")
+        .execute(pool)
+        .await
+        .expect("log table");
+}
+
+/// Two event types on one topic, named by an `event-type` header, each to
+/// its own handler (its own key, TTL and mode): they apply in the
+/// partition's order across types, a duplicate of either is skipped, and an
+/// event of a type neither takes (or of none) is dead-lettered with kind
+/// `unrouted`, saying which types the topic's handlers take. A second run
+/// finds nothing left.
+#[sqlx::test(migrations = false)]
+async fn event_types_on_one_topic_go_each_to_its_handler_in_order(pool: PgPool) {
+    let store = store(&pool).await;
+    typed_log(&pool).await;
+    let topic = create_topic(1).await;
+    let p = producer();
+    let sends = [
+        (Some("OrderPlaced"), "o1"),
+        (Some("OrderShipped"), "o1"),
+        (Some("OrderPlaced"), "o2"),
+        (Some("OrderPlaced"), "o3"),
+        (Some("OrderCancelled"), "o2"),
+        (None, "o4"),
+        (Some("OrderShipped"), "o2"),
+        (Some("OrderShipped"), "o3"),
+        (Some("OrderPlaced"), "o2"),
+    ];
+    for (kind, id) in sends {
+        let body = serde_json::json!({ "id": id }).to_string();
+        let headers = kind.map(|k| {
+            OwnedHeaders::new().insert(Header {
+                key: "event-type",
+                value: Some(k),
+            })
+        });
+        produce(&p, &topic, id, body.as_bytes(), headers).await;
+    }
+    let group = unique("g");
+    let consumer = || {
+        Consumer::builder(store.clone())
+            .brokers(brokers())
+            .group_id(&group)
+            .handle_type(
+                &topic,
+                dedup_kafka::EventType::header("event-type", "OrderPlaced"),
+                order_placed,
+            )
+            .handle_type(
+                &topic,
+                dedup_kafka::EventType::header("event-type", "OrderShipped"),
+                order_shipped,
+            )
+    };
+    let stats = drain(consumer(), Duration::from_secs(3)).await;
+    assert_eq!(
+        (stats.applied, stats.skipped, stats.dead_lettered),
+        (6, 1, 2),
+        "{stats:?}"
+    );
+    let expected: Vec<(String, String)> = [
+        ("placed", "o1"),
+        ("shipped", "o1"),
+        ("placed", "o2"),
+        ("placed", "o3"),
+        ("shipped", "o2"),
+        ("shipped", "o3"),
+    ]
+    .iter()
+    .map(|(k, id)| ((*k).to_owned(), (*id).to_owned()))
+    .collect();
+    assert_eq!(logged(&pool).await, expected);
+    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 2).await;
+    for (msg, said) in dead.iter().zip(["\"OrderCancelled\"", "(none given)"]) {
+        assert_eq!(header(msg, "dedup.error.kind"), Some("unrouted"));
+        let why = header(msg, "dedup.error.message").unwrap_or_default();
+        assert!(
+            why.contains(said) && why.contains("handled: OrderPlaced, OrderShipped"),
+            "{why}"
+        );
+    }
+    let again = drain(consumer(), Duration::from_secs(3)).await;
+    assert_eq!(
+        (again.applied, again.skipped, again.dead_lettered),
+        (0, 0, 0)
+    );
+}
+
+/// Types named by a JSON field (`#[serde(tag = "type")]`), with the other
+/// types skipped: those are counted as ignored, dead-lettered nowhere, and
+/// their offsets committed with the rest.
+#[sqlx::test(migrations = false)]
+async fn other_event_types_can_be_skipped(pool: PgPool) {
+    let store = store(&pool).await;
+    typed_log(&pool).await;
+    let topic = create_topic(2).await;
+    let p = producer();
+    for (kind, id) in [
+        ("OrderPlaced", "o1"),
+        ("OrderRefunded", "o1"),
+        ("OrderShipped", "o1"),
+        ("OrderRefunded", "o2"),
+    ] {
+        let body = serde_json::json!({ "type": kind, "id": id }).to_string();
+        produce(&p, &topic, id, body.as_bytes(), None).await;
+    }
+    let group = unique("g");
+    let consumer = || {
+        Consumer::builder(store.clone())
+            .brokers(brokers())
+            .group_id(&group)
+            .handle_type(
+                &topic,
+                dedup_kafka::EventType::field("type", "OrderPlaced"),
+                order_placed,
+            )
+            .handle_type(
+                &topic,
+                dedup_kafka::EventType::field("type", "OrderShipped"),
+                order_shipped,
+            )
+            .other_types(&topic, dedup_kafka::OtherTypes::Skip)
+    };
+    let stats = drain(consumer(), Duration::from_secs(3)).await;
+    assert_eq!(
+        (stats.applied, stats.ignored, stats.dead_lettered),
+        (2, 2, 0),
+        "{stats:?}"
+    );
+    assert_eq!(logged(&pool).await.len(), 2);
+    let again = drain(consumer(), Duration::from_secs(3)).await;
+    assert_eq!((again.applied, again.ignored), (0, 0), "committed");
+}

@@ -462,6 +462,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             )));
         }
         let consumer_config = self.client.consumer_config()?;
+        let group = self.client.group_id.clone().unwrap_or_default();
         let producer_config = self.dead_letter_producer_config()?;
         let ConsumerBuilder {
             store,
@@ -495,7 +496,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 route.dead_letter_topic = dlq.clone();
             }
         }
-        let routes = topic_routes(routes, &other_types)?;
+        let routes = topic_routes(routes, &other_types, &group)?;
         #[cfg_attr(not(feature = "http"), allow(unused_mut))]
         let mut consumer = Consumer::new(store, routes, consumer_config, producer_config, runtime)?;
         #[cfg(feature = "http")]
@@ -526,6 +527,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
 fn topic_routes<S: DedupStore>(
     routes: Vec<Route<S>>,
     other_types: &HashMap<String, crate::OtherTypes>,
+    group: &str,
 ) -> Result<Vec<crate::route::TopicRoutes<S>>, Error> {
     let mut by_topic: Vec<(String, Vec<Route<S>>)> = Vec::new();
     for route in routes {
@@ -591,7 +593,10 @@ fn topic_routes<S: DedupStore>(
             event_type: None,
             dead_letter_topic: routes[0].dead_letter_topic.clone(),
             handler: crate::route::Effect::Leased(Arc::new(crate::route::Unrouted {
-                scope: format!("dedup.unrouted/{topic}"),
+                // The group's own: another group of the same store that
+                // leaves the same types unhandled dead-letters them too,
+                // to its own topic.
+                scope: format!("dedup.unrouted/{group}/{topic}"),
                 topic: topic.clone(),
                 by: by.clone(),
                 known,
@@ -748,7 +753,7 @@ mod tests {
         assert_eq!(orders.handlers().len(), 2);
         assert_eq!(orders.all().len(), 3, "and the other types' route");
         let others = &orders.all()[2];
-        assert_eq!(others.handler.scope(), "dedup.unrouted/orders");
+        assert_eq!(others.handler.scope(), "dedup.unrouted/g/orders");
         assert_eq!(others.handler.ttl().to_string(), "2h", "the longest");
         assert_eq!(others.dead_letter_topic, "orders.dlq");
     }

@@ -161,6 +161,11 @@ impl<S: DedupStore> Consumer<S> {
             );
         }
         self.check_ttls().await?;
+        // Every route's series exist from the start (at 0), so that an
+        // alert's increase() sees the first dead letter or reclaim.
+        for route in self.routes.values().flat_map(|r| r.all()) {
+            route.metrics();
+        }
         let topics: Vec<&str> = self.routes.keys().map(String::as_str).collect();
         self.shared.kafka.subscribe(&topics)?;
         tracing::info!(?topics, "consumer started");

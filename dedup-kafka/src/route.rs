@@ -101,45 +101,48 @@ pub(crate) fn event_type_of(by: &Selector, msg: &rdkafka::message::OwnedMessage)
 }
 
 /// The string value of the top-level field `name` of a JSON object, read
-/// without decoding the rest.
+/// without decoding the rest. A payload that turns out malformed after the
+/// field still names its type: it goes to that type's handler, which
+/// dead-letters it as a decode error (never skipped as another type).
 fn top_level_string(json: &[u8], name: &str) -> Option<String> {
     use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, Visitor};
 
-    struct Field<'a>(&'a str);
+    struct Field<'a>(&'a str, &'a mut Option<String>);
 
     impl<'de> Visitor<'de> for Field<'_> {
-        type Value = Option<String>;
+        type Value = ();
 
         fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             f.write_str("a JSON object")
         }
 
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
-            let mut found = None;
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
             while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
-                if key == self.0 && found.is_none() {
-                    found = map
-                        .next_value::<serde_json::Value>()?
-                        .as_str()
-                        .map(str::to_owned);
-                } else {
-                    map.next_value::<IgnoredAny>()?;
+                if key == self.0 {
+                    let value = map.next_value::<serde_json::Value>()?;
+                    // The first one; not a string: it names no type.
+                    *self.1 = value.as_str().map(str::to_owned);
+                    return Ok(());
                 }
+                map.next_value::<IgnoredAny>()?;
             }
-            Ok(found)
+            Ok(())
         }
     }
 
     impl<'de> DeserializeSeed<'de> for Field<'_> {
-        type Value = Option<String>;
+        type Value = ();
 
-        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
             d.deserialize_map(self)
         }
     }
 
+    let mut found = None;
     let mut de = serde_json::Deserializer::from_slice(json);
-    Field(name).deserialize(&mut de).ok().flatten()
+    // Malformed after the field or not: what it said is kept.
+    let _ = Field(name, &mut found).deserialize(&mut de);
+    found
 }
 
 /// The routes of one topic: its one handler, or a handler per event type
@@ -211,16 +214,20 @@ impl<S: 'static> TopicRoutes<S> {
         let Some(by) = &self.by else {
             return Pick::Route(0);
         };
-        let said = event_type_of(by, msg);
-        let found = said.as_deref().and_then(|t| {
-            self.handlers()
-                .iter()
-                .position(|r| r.event_type.as_ref().is_some_and(|e| e.value() == t))
-        });
+        let others = self.routes.len() - 1;
+        // A message that names no type (or not readably) is dead-lettered
+        // even under Skip: it may be one a handler takes, malformed.
+        let Some(said) = event_type_of(by, msg) else {
+            return Pick::Route(others);
+        };
+        let found = self
+            .handlers()
+            .iter()
+            .position(|r| r.event_type.as_ref().is_some_and(|e| e.value() == said));
         match found {
             Some(i) => Pick::Route(i),
-            None if self.skip_others => Pick::Ignore(self.routes.len() - 1),
-            None => Pick::Route(self.routes.len() - 1),
+            None if self.skip_others => Pick::Ignore(others),
+            None => Pick::Route(others),
         }
     }
 }
@@ -551,6 +558,12 @@ mod tests {
         assert_eq!(read(r#"{"type": 3}"#), None, "not a string");
         assert_eq!(read(r#"{"type": "A", "type": "B"}"#), Some("A".to_owned()));
         assert_eq!(read("not json"), None);
+        assert_eq!(
+            read(r#"{"type": "OrderPlaced", "id": 1,"#),
+            Some("OrderPlaced".to_owned()),
+            "malformed after the field: still its type"
+        );
+        assert_eq!(read(r#"{"id": 1, "type": "#), None, "cut before the value");
         assert_eq!(read(r#"["type", "A"]"#), None, "not an object");
         assert_eq!(
             read(r#"{"ty\u0070e": "Escaped"}"#),

@@ -315,8 +315,10 @@ impl RelayHealth {
         self.running && self.fatal.is_none() && self.since_last_turn < self.live_limit
     }
 
-    /// For a readiness probe: live, the outbox answered, and it is not
-    /// failing now.
+    /// For a readiness probe: live, the outbox answered, and its last round
+    /// could read it. A broker that refuses the relay shows in
+    /// [`failing_rounds`](Self::failing_rounds), not here: a poison event
+    /// fails rounds the same way, and taking the relay out would not help.
     pub fn is_ready(&self) -> bool {
         self.is_live() && self.store_answered && !self.outage
     }

@@ -136,6 +136,26 @@ impl Drop for Held<'_> {
 /// Marks the consumer closing when dropped (before the consumer is).
 struct Closing<'a>(&'a Membership);
 
+/// Keeps a consumer live while it starts: its loop does not turn yet.
+struct StartingUp(tokio::task::JoinHandle<()>);
+
+impl StartingUp {
+    fn begin(stats: Arc<Stats>) -> Self {
+        StartingUp(tokio::spawn(async move {
+            loop {
+                stats.polled();
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }))
+    }
+}
+
+impl Drop for StartingUp {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 impl Drop for Closing<'_> {
     fn drop(&mut self) {
         self.0.close();
@@ -208,6 +228,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     }
 
     async fn run(&self, stop: impl Future<Output = ()>) -> Result<(), Error> {
+        // Start-up (the TTL check, the changelog, the producer's
+        // transactions) waits out a slow or absent broker, as the loop waits
+        // out an outage: live meanwhile, its loop not yet turning.
+        let starting = StartingUp::begin(self.stats.clone());
+        // Its series exist from the start (at 0), so that an alert's
+        // increase() sees the first dead letter or reclaim.
+        let _ = self.record();
         let checked = crate::ttl_check::Checked {
             topic: &self.topic,
             scope: self.handler.scope(),
@@ -222,6 +249,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         )
         .await?;
         self.init_transactions().await?;
+        drop(starting);
         // Readiness: the transaction coordinator (this consumer's store) answered.
         self.stats.store_answered();
         let context = Membership::new(self.stats.clone(), Changes::new(self.topic.clone()));

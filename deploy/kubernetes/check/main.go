@@ -99,15 +99,17 @@ func (c *checker) load(dir string) *objects {
 		}
 		base := filepath.Base(file)
 		if base == "kustomization.yaml" {
+			// Kustomize has many fields of its own: only its resources
+			// are read.
 			var k kustomization
-			if err := yaml.UnmarshalStrict(text, &k); err != nil {
-				c.fail("%s: %v", base, err)
+			if err := yaml.Unmarshal(text, &k); err != nil || k.Kind != "Kustomization" {
+				c.fail("%s: not a Kustomization: %v", base, err)
 			}
 			listed = k.Resources
 			continue
 		}
 		manifests = append(manifests, base)
-		for i, doc := range bytes.Split(text, []byte("\n---\n")) {
+		for i, doc := range documents(text) {
 			c.decode(objs, fmt.Sprintf("%s#%d", base, i+1), doc)
 		}
 	}
@@ -117,6 +119,33 @@ func (c *checker) load(dir string) *objects {
 		c.fail("kustomization.yaml lists %v, the directory holds %v", listed, manifests)
 	}
 	return objs
+}
+
+// documents splits a YAML stream at its `---` lines (CRLF or LF, with or
+// without a leading one), leaving out documents that hold only comments.
+func documents(text []byte) [][]byte {
+	text = bytes.ReplaceAll(text, []byte("\r\n"), []byte("\n"))
+	var docs [][]byte
+	var current []byte
+	flush := func() {
+		for _, line := range bytes.Split(current, []byte("\n")) {
+			trimmed := bytes.TrimSpace(line)
+			if len(trimmed) > 0 && trimmed[0] != '#' {
+				docs = append(docs, current)
+				break
+			}
+		}
+		current = nil
+	}
+	for _, line := range bytes.SplitAfter(text, []byte("\n")) {
+		if bytes.Equal(bytes.TrimRight(line, " \t\n"), []byte("---")) {
+			flush()
+			continue
+		}
+		current = append(current, line...)
+	}
+	flush()
+	return docs
 }
 
 func (c *checker) decode(objs *objects, where string, doc []byte) {

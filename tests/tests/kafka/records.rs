@@ -248,7 +248,10 @@ async fn event_types_on_one_topic_go_each_to_its_handler_in_order(pool: PgPool) 
 
 /// Types named by a JSON field (`#[serde(tag = "type")]`), with the other
 /// types skipped: those are counted as ignored, dead-lettered nowhere, and
-/// their offsets committed with the rest.
+/// their offsets committed with the rest. A message that names no type,
+/// and one of a handled type malformed after its type, are dead-lettered
+/// all the same (never skipped as another type's): kinds `unrouted` and
+/// `decode`.
 #[sqlx::test(migrations = false)]
 async fn other_event_types_can_be_skipped(pool: PgPool) {
     let store = store(&pool).await;
@@ -264,6 +267,15 @@ async fn other_event_types_can_be_skipped(pool: PgPool) {
         let body = serde_json::json!({ "type": kind, "id": id }).to_string();
         produce(&p, &topic, id, body.as_bytes(), None).await;
     }
+    produce(&p, &topic, "o3", br#"{"id": "o3"}"#, None).await;
+    produce(
+        &p,
+        &topic,
+        "o4",
+        br#"{"type": "OrderPlaced", "id": "o4""#,
+        None,
+    )
+    .await;
     let group = unique("g");
     let consumer = || {
         Consumer::builder(store.clone())
@@ -284,10 +296,22 @@ async fn other_event_types_can_be_skipped(pool: PgPool) {
     let stats = drain(consumer(), Duration::from_secs(3)).await;
     assert_eq!(
         (stats.applied, stats.ignored, stats.dead_lettered),
-        (2, 2, 0),
+        (2, 2, 2),
         "{stats:?}"
     );
     assert_eq!(logged(&pool).await.len(), 2);
+    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 2).await;
+    let mut kinds: Vec<(&str, &str)> = dead
+        .iter()
+        .map(|m| {
+            (
+                std::str::from_utf8(m.key().unwrap_or_default()).unwrap_or_default(),
+                header(m, "dedup.error.kind").unwrap_or_default(),
+            )
+        })
+        .collect();
+    kinds.sort_unstable();
+    assert_eq!(kinds, [("o3", "unrouted"), ("o4", "decode")]);
     let again = drain(consumer(), Duration::from_secs(3)).await;
     assert_eq!((again.applied, again.ignored), (0, 0), "committed");
 }

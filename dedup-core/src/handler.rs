@@ -176,6 +176,15 @@ pub trait Handler: Describe {
         event: Self::Event,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 
+    /// Whether [`handle_batch`](Handler::handle_batch) takes a batch's
+    /// events at once (`#[idempotent(batch, ...)]`) rather than one
+    /// [`handle`](Handler::handle) each (the default). A runtime that runs
+    /// each event in its own context (a trace span) calls `handle` per event
+    /// for a handler that says `false`. A wrapper forwards it.
+    fn takes_batches(&self) -> bool {
+        false
+    }
+
     /// The body for several claimed events of one batch, in partition order,
     /// inside one transaction. By default one [`handle`](Handler::handle)
     /// per event; handlers declared with `#[idempotent(batch, ...)]` receive
@@ -468,6 +477,10 @@ impl<H: Handler> Describe for WithTtl<H> {
 
 impl<H: Handler> Handler for WithTtl<H> {
     type Tx = H::Tx;
+
+    fn takes_batches(&self) -> bool {
+        self.inner.takes_batches()
+    }
 
     fn handle(
         &self,

@@ -12,6 +12,8 @@ mod meta;
 pub mod outbox;
 mod purge;
 mod store;
+#[cfg(feature = "opentelemetry")]
+pub mod trace;
 mod ttl;
 
 #[cfg(feature = "test-util")]

@@ -63,12 +63,27 @@ impl OutboxMessage {
     }
 
     /// An event with a raw payload.
+    ///
+    /// With the `opentelemetry` feature, it carries the current trace
+    /// context (`traceparent`, `tracestate`): made in a handler, the span of
+    /// the event that caused it, which the relay and the next consumer
+    /// continue. A header set later with the same name wins.
     pub fn bytes(topic: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
+        #[cfg_attr(not(feature = "opentelemetry"), allow(unused_mut))]
+        let mut headers = Vec::new();
+        #[cfg(feature = "opentelemetry")]
+        if let Some(trace) = crate::trace::current_headers() {
+            headers.extend(
+                trace
+                    .into_iter()
+                    .map(|(k, v)| (k.to_owned(), v.into_bytes())),
+            );
+        }
         OutboxMessage {
             topic: topic.into(),
             key: None,
             payload: payload.into(),
-            headers: Vec::new(),
+            headers,
             event_id: None,
         }
     }

@@ -741,6 +741,10 @@ impl<H: Handler> Describe for Scoped<H> {
 impl<H: Handler> Handler for Scoped<H> {
     type Tx = H::Tx;
 
+    fn takes_batches(&self) -> bool {
+        self.inner.takes_batches()
+    }
+
     async fn handle(&self, tx: &mut Self::Tx, event: Self::Event) -> Result<(), HandlerError> {
         self.inner.handle(tx, event).await
     }

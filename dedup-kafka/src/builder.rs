@@ -194,7 +194,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self.route(
             topic.into(),
             None,
-            crate::route::Effect::Transactional(Arc::new(handler)),
+            crate::route::Effect::Transactional(Arc::new(crate::route::Erased(Arc::new(handler)))),
         )
     }
 
@@ -220,7 +220,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self.route(
             topic.into(),
             Some(event_type),
-            crate::route::Effect::Transactional(Arc::new(handler)),
+            crate::route::Effect::Transactional(Arc::new(crate::route::Erased(Arc::new(handler)))),
         )
     }
 

@@ -81,6 +81,7 @@ impl<S: DedupStore> Consumer<S> {
                 producer,
                 stats,
                 settings,
+                group: group.clone(),
                 permits,
                 stopping: watch::channel(false).0,
                 drained: drained_tx,

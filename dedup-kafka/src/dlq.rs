@@ -171,6 +171,11 @@ pub(crate) fn headers(
             });
         }
     }
+    // Made while its message was processed (feature `opentelemetry`): the
+    // dead letter's trace context is that processing's span, child of the
+    // original's; without a span, the original's is kept.
+    #[cfg(feature = "opentelemetry")]
+    let out = crate::otel::with_trace(out, &opentelemetry::Context::current());
     out
 }
 

@@ -9,6 +9,8 @@ mod failpoint;
 #[cfg(feature = "http")]
 pub mod http;
 mod metrics;
+#[cfg(feature = "opentelemetry")]
+mod otel;
 mod partition;
 mod pipeline;
 mod rebalance;

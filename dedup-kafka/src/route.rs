@@ -463,17 +463,21 @@ pub(crate) trait ErasedHandler<S>: ErasedApply<S> {
     ) -> BoxFuture<'a, Result<Vec<Outcome>, Error>>;
 }
 
-impl<S, H> ErasedApply<S> for H
+/// A transactional handler routed to a topic (`ConsumerBuilder::handle`),
+/// shared so a batch can run it through an adapter.
+pub(crate) struct Erased<H>(pub(crate) Arc<H>);
+
+impl<S, H> ErasedApply<S> for Erased<H>
 where
     S: DedupStore,
     H: Handler<Tx = S::Tx>,
 {
     fn scope(&self) -> &str {
-        Describe::scope(self)
+        Describe::scope(&*self.0)
     }
 
     fn ttl(&self) -> Ttl {
-        Describe::ttl(self)
+        Describe::ttl(&*self.0)
     }
 
     fn apply<'a>(
@@ -482,17 +486,21 @@ where
         payload: &'a [u8],
         headers: &'a (dyn Headers + Sync),
     ) -> BoxFuture<'a, Outcome> {
-        Box::pin(HandlerExt::apply(self, store, payload, headers))
+        Box::pin(HandlerExt::apply(&*self.0, store, payload, headers))
     }
 }
 
-impl<S, H> ErasedHandler<S> for H
+impl<S, H> ErasedHandler<S> for Erased<H>
 where
     S: DedupStore,
     H: Handler<Tx = S::Tx>,
 {
     fn prepare(&self, payload: &[u8], headers: &(dyn Headers + Sync)) -> Result<Prepared, Error> {
-        let (key, fingerprint, event) = DescribeExt::prepare(self, payload, headers)?;
+        let (key, fingerprint, event) = DescribeExt::prepare(&*self.0, payload, headers)?;
+        // Prepared in its message's span (feature `opentelemetry`), which
+        // its body runs in.
+        #[cfg(feature = "opentelemetry")]
+        let event = (event, opentelemetry::Context::current());
         Ok((key, fingerprint, Box::new(event)))
     }
 
@@ -501,16 +509,104 @@ where
         store: &'a S,
         batch: Vec<Prepared>,
     ) -> BoxFuture<'a, Result<Vec<Outcome>, Error>> {
+        #[cfg(feature = "opentelemetry")]
+        type Event<H> = <traced::Traced<H> as Describe>::Event;
+        #[cfg(not(feature = "opentelemetry"))]
+        type Event<H> = <H as Describe>::Event;
         let batch = batch
             .into_iter()
             .map(|(key, fingerprint, event)| {
                 let event = event
-                    .downcast::<H::Event>()
+                    .downcast::<Event<H>>()
                     .expect("prepared by this same handler");
                 (key, fingerprint, *event)
             })
             .collect();
-        Box::pin(HandlerExt::apply_batch(self, store, batch))
+        #[cfg(feature = "opentelemetry")]
+        return Box::pin(async move {
+            HandlerExt::apply_batch(&traced::Traced(self.0.clone()), store, batch).await
+        });
+        #[cfg(not(feature = "opentelemetry"))]
+        Box::pin(HandlerExt::apply_batch(&*self.0, store, batch))
+    }
+}
+
+/// A batch's events, each with its message's trace context (feature
+/// `opentelemetry`): a handler that takes its events one at a time runs
+/// each in its own message's span, so what it writes (an outbox event)
+/// continues that message's trace; one that takes the batch at once runs
+/// in the batch's span, which links to them all.
+#[cfg(feature = "opentelemetry")]
+mod traced {
+    use std::sync::Arc;
+
+    use dedup_core::{Describe, Error, Fingerprint, Handler, HandlerError, Headers, KeyError, Ttl};
+    use opentelemetry::Context;
+    use opentelemetry::context::FutureExt as _;
+
+    pub(crate) struct Traced<H>(pub(crate) Arc<H>);
+
+    impl<H: Handler> Describe for Traced<H> {
+        type Event = (H::Event, Context);
+
+        fn scope(&self) -> &str {
+            self.0.scope()
+        }
+
+        fn ttl(&self) -> Ttl {
+            self.0.ttl()
+        }
+
+        fn key(&self, event: &Self::Event, headers: &dyn Headers) -> Result<String, KeyError> {
+            self.0.key(&event.0, headers)
+        }
+
+        fn fingerprint(&self, event: &Self::Event, payload: &[u8]) -> Option<Fingerprint> {
+            self.0.fingerprint(&event.0, payload)
+        }
+
+        fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error> {
+            Ok((self.0.decode(payload)?, Context::current()))
+        }
+
+        fn decode_record(
+            &self,
+            payload: &[u8],
+            headers: &dyn Headers,
+        ) -> Result<Self::Event, Error> {
+            Ok((self.0.decode_record(payload, headers)?, Context::current()))
+        }
+    }
+
+    impl<H: Handler> Handler for Traced<H> {
+        type Tx = H::Tx;
+
+        fn takes_batches(&self) -> bool {
+            self.0.takes_batches()
+        }
+
+        async fn handle(
+            &self,
+            tx: &mut Self::Tx,
+            (event, cx): Self::Event,
+        ) -> Result<(), HandlerError> {
+            self.0.handle(tx, event).with_context(cx).await
+        }
+
+        async fn handle_batch(
+            &self,
+            tx: &mut Self::Tx,
+            events: Vec<Self::Event>,
+        ) -> Result<(), HandlerError> {
+            if self.0.takes_batches() {
+                let events = events.into_iter().map(|(event, _)| event).collect();
+                return self.0.handle_batch(tx, events).await;
+            }
+            for (event, cx) in events {
+                self.0.handle(tx, event).with_context(cx).await?;
+            }
+            Ok(())
+        }
     }
 }
 

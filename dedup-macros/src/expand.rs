@@ -396,6 +396,10 @@ fn generate(args: &Args, func: &ItemFn, signature: &Signature<'_>) -> TokenStrea
             quote!(let result = #name::#call(tx, events).await;)
         };
         quote! {
+            fn takes_batches(&self) -> bool {
+                true
+            }
+
             async fn handle_batch(
                 &self,
                 tx: &mut Self::Tx,

@@ -51,6 +51,8 @@ mod book {
     mod semantics {}
     #[doc = include_str!("../../docs/src/testing.md")]
     mod testing {}
+    #[doc = include_str!("../../docs/src/tracing.md")]
+    mod tracing {}
     #[doc = include_str!("../../docs/src/upgrading.md")]
     mod upgrading {}
 }

@@ -792,3 +792,190 @@ async fn the_relay_names_a_refused_setting_from_the_environment_but_not_its_valu
     assert!(stderr.contains("KAFKA_CFG_NO_SUCH__SETTING"), "{stderr}");
     assert!(!stderr.contains("hunter2"), "{stderr}");
 }
+
+/// Where [`record_and_announce`] enqueues its announcements, by input topic.
+static ANNOUNCE_TO: std::sync::Mutex<Vec<(String, String)>> = std::sync::Mutex::new(Vec::new());
+
+/// Credits the payment and enqueues an announcement of it, in one
+/// transaction: the outbox event is made while the payment's span is
+/// current.
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn record_and_announce(
+    tx: &mut PgTx,
+    ev: PaymentReceived,
+    meta: &dedup_core::Meta,
+) -> Result<(), dedup_core::HandlerError> {
+    credit(tx, &ev)
+        .await
+        .map_err(dedup_core::HandlerError::transient)?;
+    let to = ANNOUNCE_TO
+        .lock()
+        .expect("lock")
+        .iter()
+        .find(|(input, _)| input == meta.topic())
+        .map(|(_, output)| output.clone())
+        .ok_or_else(|| dedup_core::HandlerError::permanent("no output topic"))?;
+    let body = payment(uuid::Uuid::new_v4(), &ev.account_id, ev.amount_cents);
+    let message = OutboxMessage::bytes(to, body).with_key(ev.account_id.as_str());
+    dedup_postgres::enqueue(tx, message)
+        .await
+        .map_err(dedup_core::HandlerError::transient)?;
+    Ok(())
+}
+
+/// One trace from end to end, for each of three records produced with a
+/// `traceparent` of its own (consumed as one batch when they come
+/// together, each event still in its own span): a consumer that credits
+/// it and enqueues an outbox event in the same transaction, the relay that
+/// publishes it, and the next consumer. The spans (in OpenTelemetry's
+/// in-memory exporter) of each record share its trace id and chain parent
+/// to child: the producer's span, `process <input>` (consumer), `send
+/// <output>` (producer), `process <output>` (consumer).
+#[sqlx::test(migrations = false)]
+async fn one_trace_follows_each_event_through_the_outbox_and_the_relay(pool: PgPool) {
+    use opentelemetry::trace::{SpanId, SpanKind, TraceId};
+    let exporter = opentelemetry_sdk::trace::InMemorySpanExporter::default();
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+        .with_simple_exporter(exporter.clone())
+        .build();
+    opentelemetry::global::set_tracer_provider(provider.clone());
+
+    let store = store(&pool).await;
+    let outbox = migrated_outbox(&pool).await;
+    let input = create_topic(1).await;
+    let output = create_topic(1).await;
+    ANNOUNCE_TO
+        .lock()
+        .expect("lock")
+        .push((input.clone(), output.clone()));
+    let upstream = "00f067aa0ba902b7";
+    let p = producer();
+    // Produces `payload` with a trace of its own: its trace id.
+    let traced = async |payload: &[u8]| {
+        let trace = uuid::Uuid::new_v4().simple().to_string();
+        let traceparent = format!("00-{trace}-{upstream}-01");
+        p.send(
+            rdkafka::producer::FutureRecord::to(&input)
+                .key("traced")
+                .payload(payload)
+                .headers(
+                    rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header {
+                        key: "traceparent",
+                        value: Some(&traceparent),
+                    }),
+                ),
+            Duration::from_secs(10),
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .expect("produced");
+        TraceId::from_hex(&trace).expect("hex")
+    };
+    let mut traces = Vec::new();
+    for i in 0..3 {
+        traces.push(traced(&payment(uuid::Uuid::new_v4(), &format!("traced-{i}"), 7)).await);
+    }
+    // And a poison one, traced too: dead-lettered from its own span.
+    let poisoned = traced(b"not json").await;
+
+    let first = drain(
+        Consumer::builder(store.clone())
+            .brokers(brokers())
+            .group_id(unique("g"))
+            .handle(&input, record_and_announce)
+            // Lingers long enough that the four make one batch.
+            .batch_linger(Duration::from_millis(500)),
+        Duration::from_secs(3),
+    )
+    .await;
+    assert_eq!(
+        (first.applied, first.dead_lettered, first.batches),
+        (3, 1, 1),
+        "{first:?}"
+    );
+    let relay = RunningRelay::start(outbox.clone(), &brokers(), 10);
+    wait_until_published(&outbox, Duration::from_secs(60)).await;
+    relay.stop().await;
+    let next = drain(
+        Consumer::builder(store)
+            .brokers(brokers())
+            .group_id(unique("g"))
+            .handle(&output, credit_relayed_payment),
+        Duration::from_secs(3),
+    )
+    .await;
+    assert_eq!(next.applied, 3, "{next:?}");
+
+    let finished = exporter.get_finished_spans().expect("spans");
+    // The batch's own span links to the four.
+    let batch = finished
+        .iter()
+        .find(|s| s.name == format!("process {input}") && s.links.len() == 4)
+        .expect("the batch's span, linked to its four messages");
+    // The dead letter continues the poison message's trace, from the span
+    // it was processed in.
+    let processed = finished
+        .iter()
+        .find(|s| s.span_context.trace_id() == poisoned && s.name == format!("process {input}"))
+        .expect("the poison message's span");
+    let dead = common::read_exactly(&brokers(), &format!("{input}.dlq"), 1).await;
+    assert_eq!(
+        header(&dead[0], "traceparent"),
+        Some(format!("00-{poisoned}-{}-01", processed.span_context.span_id()).as_str())
+    );
+    assert!(
+        traces
+            .iter()
+            .all(|t| batch.links.iter().any(|l| l.span_context.trace_id() == *t))
+    );
+    for trace in traces {
+        let spans: Vec<_> = finished
+            .iter()
+            .filter(|s| s.span_context.trace_id() == trace)
+            .collect();
+        let find = |name: &str| {
+            spans
+                .iter()
+                .find(|s| s.name == name)
+                .copied()
+                .unwrap_or_else(|| {
+                    let names: Vec<_> = spans.iter().map(|s| s.name.clone()).collect();
+                    panic!("no span {name:?} in trace {trace}: {names:?}")
+                })
+        };
+        let consumed = find(&format!("process {input}"));
+        let sent = find(&format!("send {output}"));
+        let next = find(&format!("process {output}"));
+        assert_eq!(
+            consumed.parent_span_id,
+            SpanId::from_hex(upstream).expect("hex")
+        );
+        assert!(consumed.parent_span_is_remote);
+        assert_eq!(sent.parent_span_id, consumed.span_context.span_id());
+        assert_eq!(next.parent_span_id, sent.span_context.span_id());
+        assert_eq!(
+            (
+                consumed.span_kind.clone(),
+                sent.span_kind.clone(),
+                next.span_kind.clone()
+            ),
+            (SpanKind::Consumer, SpanKind::Producer, SpanKind::Consumer)
+        );
+        let attribute = |span: &opentelemetry_sdk::trace::SpanData, key: &str| {
+            span.attributes
+                .iter()
+                .find(|kv| kv.key.as_str() == key)
+                .map(|kv| kv.value.to_string())
+        };
+        assert_eq!(
+            attribute(consumed, "messaging.system").as_deref(),
+            Some("kafka")
+        );
+        assert_eq!(
+            attribute(consumed, "messaging.destination.name").as_deref(),
+            Some(input.as_str())
+        );
+        assert!(attribute(consumed, "messaging.kafka.offset").is_some());
+    }
+    let _ = provider.shutdown();
+}

@@ -1251,20 +1251,29 @@ async fn a_handler_sees_the_record_of_each_event_also_when_retried() {
         .push((topic.clone(), out.clone()));
     let p = producer();
     let mut produced = HashMap::new();
+    let mut traces = HashMap::new();
     for i in 0..6_i64 {
         let id = unique("m");
         let body = serde_json::json!({ "event_id": id, "flaky": i % 2 == 0 }).to_string();
         let tenant = format!("tenant-{i}");
+        let trace = uuid::Uuid::new_v4().simple().to_string();
+        let traceparent = format!("00-{trace}-00f067aa0ba902b7-01");
         let record = FutureRecord::to(&topic)
             .key(&id)
             .payload(&body)
             .timestamp(1_700_000_000_000 + i)
             .headers(
-                rdkafka::message::OwnedHeaders::new().insert(rdkafka::message::Header {
-                    key: "tenant",
-                    value: Some(&tenant),
-                }),
+                rdkafka::message::OwnedHeaders::new()
+                    .insert(rdkafka::message::Header {
+                        key: "tenant",
+                        value: Some(&tenant),
+                    })
+                    .insert(rdkafka::message::Header {
+                        key: "traceparent",
+                        value: Some(&traceparent),
+                    }),
             );
+        traces.insert(id.clone(), trace);
         let delivery = p
             .send(record, Duration::from_secs(10))
             .await
@@ -1302,8 +1311,8 @@ async fn a_handler_sees_the_record_of_each_event_also_when_retried() {
         .expect("drained within 2 min")
         .expect("consumer ran");
     assert_eq!((ran.applied, ran.retries), (6, 3), "{ran:?}");
-    let seen: HashMap<String, serde_json::Value> = read_all(&out, "read_committed")
-        .await
+    let outputs = read_all(&out, "read_committed").await;
+    let seen: HashMap<String, serde_json::Value> = outputs
         .iter()
         .map(|m| {
             let v: serde_json::Value =
@@ -1312,4 +1321,10 @@ async fn a_handler_sees_the_record_of_each_event_also_when_retried() {
         })
         .collect();
     assert_eq!(seen, produced);
+    // Each output carries its event's trace on (feature `opentelemetry`).
+    for m in &outputs {
+        let id = std::str::from_utf8(m.key().expect("key")).expect("UTF-8");
+        let parent = header(m, "traceparent").unwrap_or_default();
+        assert!(parent.contains(&traces[id]), "{id}: {parent:?}");
+    }
 }

@@ -57,6 +57,13 @@ pub(super) async fn process_batch<S: DedupStore>(
     let mut members = Vec::with_capacity(batch.len());
     let mut prepared = Vec::with_capacity(batch.len());
     let mut bad = Vec::new();
+    // Each message's own span (feature `opentelemetry`), continuing its
+    // trace: its event is prepared, run, dead-lettered or replayed in it.
+    #[cfg(feature = "opentelemetry")]
+    let contexts: Vec<opentelemetry::Context> = batch
+        .iter()
+        .map(|msg| crate::otel::process(msg, &shared.group))
+        .collect();
     for (i, msg) in batch.iter().enumerate() {
         if was_dead_lettered(route, dead_lettered, msg) {
             bad.push((i, Unprepared::DeadLettered));
@@ -67,6 +74,8 @@ pub(super) async fn process_batch<S: DedupStore>(
         // a panic fails this message, never the worker, which would drop
         // everything it buffered.
         let payload = msg.payload().unwrap_or_default();
+        #[cfg(feature = "opentelemetry")]
+        let _current = contexts[i].clone().attach();
         match attempt::contained(|| handler.prepare(payload, &headers)) {
             Ok(Ok(ready)) => {
                 members.push(i);
@@ -165,7 +174,10 @@ pub(super) async fn process_batch<S: DedupStore>(
             }
             for (i, e) in bad {
                 let msg = &batch[i];
-                if !dead_letter_unprepared(shared, route, partition, msg, &e, jitter).await {
+                let dead = dead_letter_unprepared(shared, route, partition, msg, &e, jitter);
+                #[cfg(feature = "opentelemetry")]
+                let dead = crate::otel::within(dead, &contexts[i]);
+                if !dead.await {
                     // Everything before it is finished: applied, or dead-lettered.
                     return i;
                 }
@@ -184,12 +196,18 @@ pub(super) async fn process_batch<S: DedupStore>(
             for (i, msg) in batch.iter().enumerate() {
                 let finished = match bad.next_if(|(b, _)| *b == i) {
                     Some((_, e)) => {
-                        dead_letter_unprepared(shared, route, partition, msg, &e, jitter).await
+                        let dead =
+                            dead_letter_unprepared(shared, route, partition, msg, &e, jitter);
+                        #[cfg(feature = "opentelemetry")]
+                        let dead = crate::otel::within(dead, &contexts[i]);
+                        dead.await
                     }
                     None => {
-                        process(shared, route, partition, msg, jitter)
-                            .instrument(message_span(msg))
-                            .await
+                        let replay = process(shared, route, partition, msg, jitter)
+                            .instrument(message_span(msg));
+                        #[cfg(feature = "opentelemetry")]
+                        let replay = crate::otel::within(replay, &contexts[i]);
+                        replay.await
                     }
                 };
                 if !finished {

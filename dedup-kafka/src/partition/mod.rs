@@ -44,6 +44,9 @@ pub(crate) struct Runtime<S> {
     pub(crate) producer: FutureProducer,
     pub(crate) stats: Arc<Stats>,
     pub(crate) settings: Settings,
+    /// The consumer group, for the spans' attributes.
+    #[cfg_attr(not(feature = "opentelemetry"), allow(dead_code))]
+    pub(crate) group: String,
     /// Bounds how many partitions run a handler at once.
     pub(crate) permits: Semaphore,
     pub(crate) stopping: watch::Sender<bool>,

@@ -165,7 +165,7 @@ pub(crate) async fn worker<S: DedupStore>(
         }
         let known = dead_lettered[index].as_ref().expect("read above");
         let finished = if let (Some(batcher), true) = (&batcher, batch.len() > 1) {
-            process_batch(
+            let processing = process_batch(
                 &shared,
                 route,
                 batcher,
@@ -173,8 +173,13 @@ pub(crate) async fn worker<S: DedupStore>(
                 &batch,
                 known,
                 &mut jitter,
-            )
-            .await
+            );
+            #[cfg(feature = "opentelemetry")]
+            let processing = opentelemetry::context::FutureExt::with_context(
+                processing,
+                crate::otel::batch(&batch, &shared.group),
+            );
+            processing.await
         } else {
             // One message (a batch of one, or a lease-mode route's).
             let msg = &batch[0];
@@ -182,9 +187,14 @@ pub(crate) async fn worker<S: DedupStore>(
                 dead_letters::skip(&shared, route, msg);
                 true
             } else {
-                process(&shared, route, &partition, msg, &mut jitter)
-                    .instrument(message_span(msg))
-                    .await
+                let processing = process(&shared, route, &partition, msg, &mut jitter)
+                    .instrument(message_span(msg));
+                #[cfg(feature = "opentelemetry")]
+                let processing = opentelemetry::context::FutureExt::with_context(
+                    processing,
+                    crate::otel::process(msg, &shared.group),
+                );
+                processing.await
             };
             usize::from(done)
         };

@@ -43,6 +43,10 @@ where
     F: Future + Send + 'static,
     F::Output: Send + 'static,
 {
+    // The attempt runs in the trace context of its message (feature
+    // `opentelemetry`), so what the handler writes carries it.
+    #[cfg(feature = "opentelemetry")]
+    let attempt = opentelemetry::context::FutureExt::with_current_context(attempt);
     let mut task = tokio::spawn(attempt.instrument(span));
     match tokio::time::timeout(limit, &mut task).await {
         Ok(Ok(out)) => Ran::Done(out),

@@ -35,14 +35,26 @@ impl<S: OutboxSource> Relay<S> {
         // Keys with a failure known so far: their later records are not sent.
         let mut failed_keys: HashSet<(&str, &[u8])> = HashSet::new();
         let mut inflight: VecDeque<(usize, DeliveryFuture)> = VecDeque::new();
+        // Each record's `send` span (feature `opentelemetry`), ended with
+        // the batch, once its acknowledgements are in.
+        #[cfg(feature = "opentelemetry")]
+        let mut spans = Vec::with_capacity(records.len());
         'records: for (i, record) in records.iter().enumerate() {
             if key_of(record).is_some_and(|k| failed_keys.contains(&k)) {
                 outcomes[i] = Some(Sent::Held);
                 continue;
             }
+            let headers = headers(record);
+            #[cfg(feature = "opentelemetry")]
+            let headers = {
+                let cx = crate::otel::send(&record.topic, &record.headers);
+                let headers = crate::otel::with_trace(headers, &cx);
+                spans.push(cx);
+                headers
+            };
             let mut future_record = FutureRecord::to(&record.topic)
                 .payload(&record.payload)
-                .headers(headers(record));
+                .headers(headers);
             if let Some(key) = &record.key {
                 future_record = future_record.key(key);
             }

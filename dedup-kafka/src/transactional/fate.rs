@@ -81,7 +81,20 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         for (i, (msg, &at)) in batch.iter().zip(times).enumerate() {
             let fate = match forced.get(&i) {
                 Some(fate) => fate.clone(),
-                None => self.fate(msg, at, states, &staged, jitter, with).await?,
+                None => {
+                    let fate = self.fate(msg, at, states, &staged, jitter, with);
+                    // Each message's attempts run in its own span, so its
+                    // outputs carry its trace on (feature `opentelemetry`).
+                    #[cfg(feature = "opentelemetry")]
+                    let fate = opentelemetry::context::FutureExt::with_context(
+                        fate,
+                        crate::otel::process(
+                            msg,
+                            self.consumer_config.get("group.id").unwrap_or_default(),
+                        ),
+                    );
+                    fate.await?
+                }
             };
             if let Fate::Applied { digest, entry, .. } = &fate {
                 staged.insert((msg.partition(), *digest), *entry);

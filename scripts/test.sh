@@ -45,6 +45,14 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
 # missing file or a feature another crate happened to turn on cannot
 # silently break a release (--allow-dirty: also mid-work, on a dirty tree).
 bash scripts/book.sh
+# cargo verifies each crate against the others' packages through a local
+# registry, and reuses a package it extracted before under the same version
+# however its sources changed since (a crate that gained an API fails to
+# verify against its stale self): drop those extractions first.
+cargo_home="${CARGO_HOME:-$HOME/.cargo}"
+for registry in "$cargo_home"/registry/src/-* "$cargo_home"/registry/cache/-*; do
+    if [ -d "$registry" ]; then rm -rf "$registry"/dedup-*; fi
+done
 cargo package --workspace --locked --allow-dirty \
     --exclude dedup-examples --exclude dedup-tests --exclude dedup-bench
 

@@ -176,13 +176,15 @@ pub trait Handler: Describe {
         event: Self::Event,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send;
 
-    /// Whether [`handle_batch`](Handler::handle_batch) takes a batch's
-    /// events at once (`#[idempotent(batch, ...)]`) rather than one
-    /// [`handle`](Handler::handle) each (the default). A runtime that runs
-    /// each event in its own context (a trace span) calls `handle` per event
-    /// for a handler that says `false`. A wrapper forwards it.
+    /// Whether [`handle_batch`](Handler::handle_batch) is the body for a
+    /// batch (`true`, the default), or the batch may as well be run as one
+    /// [`handle`](Handler::handle) per event, in order (`false`, what
+    /// `#[idempotent]` says of a handler without `batch`). A runtime that
+    /// runs each event in its own context (a trace span) does so only for a
+    /// handler that says `false`; any other gets its `handle_batch` called,
+    /// as always. A wrapper forwards it.
     fn takes_batches(&self) -> bool {
-        false
+        true
     }
 
     /// The body for several claimed events of one batch, in partition order,

@@ -35,6 +35,11 @@ pub struct OutboxMessage {
     /// A caller-chosen event id, for example derived from the consumed
     /// event's id so that a replayed handler enqueues the same id.
     pub event_id: Option<String>,
+    /// How many of the first headers are the current trace context's,
+    /// added when it was made; a trace header the caller sets replaces
+    /// them.
+    #[cfg(feature = "opentelemetry")]
+    traced: usize,
 }
 
 impl std::fmt::Debug for OutboxMessage {
@@ -83,6 +88,8 @@ impl OutboxMessage {
             topic: topic.into(),
             key: None,
             payload: payload.into(),
+            #[cfg(feature = "opentelemetry")]
+            traced: headers.len(),
             headers,
             event_id: None,
         }
@@ -95,8 +102,17 @@ impl OutboxMessage {
     }
 
     /// Adds a header.
+    ///
+    /// A `traceparent` or `tracestate` header set here replaces both of the
+    /// ones the message took from the current trace context.
     pub fn with_header(mut self, name: impl Into<String>, value: impl Into<Vec<u8>>) -> Self {
-        self.headers.push((name.into(), value.into()));
+        let name = name.into();
+        #[cfg(feature = "opentelemetry")]
+        if name == crate::trace::TRACEPARENT || name == crate::trace::TRACESTATE {
+            self.headers.drain(..self.traced.min(self.headers.len()));
+            self.traced = 0;
+        }
+        self.headers.push((name, value.into()));
         self
     }
 

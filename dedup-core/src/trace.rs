@@ -127,6 +127,25 @@ mod tests {
     }
 
     #[test]
+    fn an_outbox_event_takes_the_current_context_unless_given_its_own() {
+        let remote = extract(&vec![(TRACEPARENT, PARENT)]).expect("valid");
+        let _current = Context::new().with_remote_span_context(remote).attach();
+        let made = crate::OutboxMessage::bytes("t", b"x".to_vec()).with_header("a", "1");
+        let header = |(k, v): (&str, &str)| (k.to_owned(), v.as_bytes().to_vec());
+        assert_eq!(
+            made.headers,
+            vec![header((TRACEPARENT, PARENT)), header(("a", "1"))]
+        );
+        let own = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01";
+        let given = made.with_header(TRACEPARENT, own);
+        assert_eq!(
+            given.headers,
+            vec![header(("a", "1")), header((TRACEPARENT, own))],
+            "the caller's replaces the current context's, not beside it"
+        );
+    }
+
+    #[test]
     fn refuses_what_is_not_a_trace_context() {
         for bad in [
             "",

@@ -25,6 +25,15 @@ impl dedup_core::Headers for KafkaHeaders<'_> {
     }
 }
 
+/// An outbox event's stored headers, read as dedup-core reads headers.
+struct Stored<'a>(&'a [(String, Vec<u8>)]);
+
+impl dedup_core::Headers for Stored<'_> {
+    fn get(&self, name: &str) -> Option<&[u8]> {
+        dedup_core::Headers::get(self.0, name)
+    }
+}
+
 /// What every span of a message says of it.
 fn attributes(operation: &'static str, topic: &str) -> Vec<KeyValue> {
     vec![
@@ -58,14 +67,16 @@ pub(crate) fn process(msg: &OwnedMessage, group: &str) -> Context {
 }
 
 /// The context a batch of messages is processed in, in one transaction: a
-/// new trace whose `process <topic>` span links to each message's.
-pub(crate) fn batch(messages: &[OwnedMessage], group: &str) -> Context {
+/// new trace whose `process <topic>` span links to each message's own
+/// span (`each`: their contexts, from [`process`]).
+pub(crate) fn batch(messages: &[OwnedMessage], each: &[Context], group: &str) -> Context {
     let Some(first) = messages.first() else {
         return Context::new();
     };
-    let links: Vec<Link> = messages
+    let links: Vec<Link> = each
         .iter()
-        .filter_map(|m| dedup_core::trace::extract(&KafkaHeaders(m.headers())))
+        .map(|cx| cx.span().span_context().clone())
+        .filter(|sc| sc.is_valid())
         .map(Link::with_context)
         .collect();
     let mut attributes = attributes("process", first.topic());
@@ -90,7 +101,7 @@ pub(crate) fn batch(messages: &[OwnedMessage], group: &str) -> Context {
 /// The context the relay sends an outbox event in: a `send <topic>` span,
 /// child of the context the event was made in (its stored headers).
 pub(crate) fn send(topic: &str, headers: &[(String, Vec<u8>)]) -> Context {
-    let parent = dedup_core::trace::parent(&headers.to_vec());
+    let parent = dedup_core::trace::parent(&Stored(headers));
     let tracer = global::tracer(SCOPE);
     let span = tracer
         .span_builder(format!("send {topic}"))

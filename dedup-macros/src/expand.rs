@@ -396,10 +396,6 @@ fn generate(args: &Args, func: &ItemFn, signature: &Signature<'_>) -> TokenStrea
             quote!(let result = #name::#call(tx, events).await;)
         };
         quote! {
-            fn takes_batches(&self) -> bool {
-                true
-            }
-
             async fn handle_batch(
                 &self,
                 tx: &mut Self::Tx,
@@ -410,7 +406,18 @@ fn generate(args: &Args, func: &ItemFn, signature: &Signature<'_>) -> TokenStrea
             }
         }
     });
+    // Without `batch`, a batch is one `handle` per event: a runtime may run
+    // each in its own context.
+    let takes_batches = (!args.batch).then(|| {
+        quote! {
+            fn takes_batches(&self) -> bool {
+                false
+            }
+        }
+    });
     let handle_fns = quote! {
+        #takes_batches
+
         async fn handle(
             &self,
             tx: &mut Self::Tx,

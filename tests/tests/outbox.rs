@@ -884,7 +884,7 @@ async fn one_trace_follows_each_event_through_the_outbox_and_the_relay(pool: PgP
             .group_id(unique("g"))
             .handle(&input, record_and_announce)
             // Lingers long enough that the four make one batch.
-            .batch_linger(Duration::from_millis(500)),
+            .batch_linger(Duration::from_secs(2)),
         Duration::from_secs(3),
     )
     .await;

@@ -102,11 +102,18 @@ pub(super) async fn process_batch<S: DedupStore>(
         route.metrics().batch(prepared.len());
         let joined = {
             let handler = handler.clone();
-            shared
-                .run_handler(span.clone(), route.metrics(), move |store| async move {
+            let running =
+                shared.run_handler(span.clone(), route.metrics(), move |store| async move {
                     handler.apply_batch(&*store, prepared).await
-                })
-                .await
+                });
+            // The transaction runs in the batch's span, linked to its
+            // messages' (each event's body runs in its own).
+            #[cfg(feature = "opentelemetry")]
+            let running = crate::otel::within(
+                running,
+                &crate::otel::batch(batch, &contexts, &shared.group),
+            );
+            running.await
         };
         match joined {
             Ran::Done(result) => result.map_err(|e| {

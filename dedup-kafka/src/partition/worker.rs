@@ -165,7 +165,7 @@ pub(crate) async fn worker<S: DedupStore>(
         }
         let known = dead_lettered[index].as_ref().expect("read above");
         let finished = if let (Some(batcher), true) = (&batcher, batch.len() > 1) {
-            let processing = process_batch(
+            process_batch(
                 &shared,
                 route,
                 batcher,
@@ -173,13 +173,8 @@ pub(crate) async fn worker<S: DedupStore>(
                 &batch,
                 known,
                 &mut jitter,
-            );
-            #[cfg(feature = "opentelemetry")]
-            let processing = opentelemetry::context::FutureExt::with_context(
-                processing,
-                crate::otel::batch(&batch, &shared.group),
-            );
-            processing.await
+            )
+            .await
         } else {
             // One message (a batch of one, or a lease-mode route's).
             let msg = &batch[0];

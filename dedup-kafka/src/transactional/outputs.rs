@@ -50,17 +50,17 @@ impl Outputs {
     /// Buffers a record built by hand (raw bytes, no key, headers, a
     /// partition of its own).
     ///
-    /// With the `opentelemetry` feature, a record without a `traceparent`
-    /// header of its own gets the current trace context: in a handler, its
-    /// event's processing span, which the next consumer continues.
+    /// With the `opentelemetry` feature, a record without trace headers of
+    /// its own (`traceparent`, `tracestate`) gets the current trace
+    /// context: in a handler, its event's processing span, which the next
+    /// consumer continues.
     pub fn push(&mut self, record: OutputRecord) {
         #[cfg(feature = "opentelemetry")]
         let record = {
             let mut record = record;
-            let has_own = record
-                .headers
-                .iter()
-                .any(|(name, _)| name == dedup_core::trace::TRACEPARENT);
+            let has_own = record.headers.iter().any(|(name, _)| {
+                name == dedup_core::trace::TRACEPARENT || name == dedup_core::trace::TRACESTATE
+            });
             if !has_own && let Some(trace) = dedup_core::trace::current_headers() {
                 for (name, value) in trace {
                     record.headers.push((name.to_owned(), value.into_bytes()));

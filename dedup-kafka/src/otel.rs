@@ -11,19 +11,12 @@ use opentelemetry::trace::{Link, SpanKind, TraceContextExt as _, Tracer as _};
 use opentelemetry::{Context, KeyValue, global};
 use rdkafka::message::{Headers as _, Message as _, OwnedHeaders, OwnedMessage};
 
+use crate::pipeline::KafkaHeaders;
+
 use dedup_core::trace::{TRACEPARENT, TRACESTATE};
 
 /// The instrumentation scope of dedup's spans.
 const SCOPE: &str = "dedup";
-
-/// A record's headers, read as dedup-core reads headers.
-pub(crate) struct KafkaHeaders<'a>(pub(crate) Option<&'a OwnedHeaders>);
-
-impl dedup_core::Headers for KafkaHeaders<'_> {
-    fn get(&self, name: &str) -> Option<&[u8]> {
-        self.0?.iter().filter(|h| h.key == name).last()?.value
-    }
-}
 
 /// An outbox event's stored headers, read as dedup-core reads headers.
 struct Stored<'a>(&'a [(String, Vec<u8>)]);

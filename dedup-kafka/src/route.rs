@@ -81,23 +81,23 @@ pub enum OtherTypes {
     Skip,
 }
 
-/// The type `msg` says it is, by `by`: a header's value, or a top-level
-/// string field of its JSON payload. `None` if it says none (or not as
-/// UTF-8, or not as a JSON object).
-pub(crate) fn event_type_of(by: &Selector, msg: &rdkafka::message::OwnedMessage) -> Option<String> {
-    use rdkafka::message::{Headers as _, Message as _};
+/// The type a message says it is, by `by`: a header's value (the last
+/// one), or a top-level string field of its JSON payload. `None` if it
+/// says none (or not as UTF-8, or not as a JSON object).
+fn said_type(by: &Selector, headers: &dyn Headers, payload: &[u8]) -> Option<String> {
     match by {
-        Selector::Header(name) => {
-            let headers = msg.headers()?;
-            let value = headers
-                .iter()
-                .filter(|h| h.key == name)
-                .last()
-                .and_then(|h| h.value)?;
-            std::str::from_utf8(value).ok().map(str::to_owned)
-        }
-        Selector::Field(name) => top_level_string(msg.payload()?, name),
+        Selector::Header(name) => std::str::from_utf8(headers.get(name)?)
+            .ok()
+            .map(str::to_owned),
+        Selector::Field(name) => top_level_string(payload, name),
     }
+}
+
+/// [`said_type`] of a record.
+fn event_type_of(by: &Selector, msg: &rdkafka::message::OwnedMessage) -> Option<String> {
+    use rdkafka::message::Message as _;
+    let headers = crate::pipeline::KafkaHeaders(msg.headers());
+    said_type(by, &headers, msg.payload().unwrap_or_default())
 }
 
 /// The string value of the top-level field `name` of a JSON object, read
@@ -260,17 +260,10 @@ impl<S: 'static> ErasedApply<S> for Unrouted {
         payload: &'a [u8],
         headers: &'a (dyn Headers + Sync),
     ) -> BoxFuture<'a, Outcome> {
-        // What the message said, for the dead letter's reason.
-        let said = match &self.by {
-            Selector::Header(name) => headers
-                .get(name)
-                .and_then(|v| std::str::from_utf8(v).ok())
-                .map(str::to_owned),
-            Selector::Field(name) => top_level_string(payload, name),
-        };
         let error = Error::Unrouted {
             topic: self.topic.clone(),
-            event_type: said,
+            // What the message said, for the dead letter's reason.
+            event_type: said_type(&self.by, headers, payload),
             known: self.known.clone(),
         };
         Box::pin(async move { Outcome::Failed(error) })

@@ -36,6 +36,17 @@ pub(crate) fn fatal_error<C: rdkafka::ClientContext>(
     )))
 }
 
+/// A record's headers, read in place as dedup-core reads headers (the
+/// last value of a repeated one).
+pub(crate) struct KafkaHeaders<'a>(pub(crate) Option<&'a rdkafka::message::OwnedHeaders>);
+
+impl dedup_core::Headers for KafkaHeaders<'_> {
+    fn get(&self, name: &str) -> Option<&[u8]> {
+        use rdkafka::message::Headers as _;
+        self.0?.iter().filter(|h| h.key == name).last()?.value
+    }
+}
+
 /// A message's record, owned, for the handler: its headers (keys may come
 /// from them) and the rest of its metadata (handlers may take `&Meta`).
 pub(crate) fn meta_of(msg: &OwnedMessage) -> dedup_core::Meta {

@@ -163,6 +163,22 @@ async fn typed_log(pool: &PgPool) {
         .expect("log table");
 }
 
+/// A consumer of `topic` in `group` routing `OrderPlaced` to
+/// [`order_placed`] and `OrderShipped` to [`order_shipped`], their types
+/// named as `by` says.
+fn orders(
+    store: &PgStore,
+    group: &str,
+    topic: &str,
+    by: impl Fn(&str) -> dedup_kafka::EventType,
+) -> ConsumerBuilder<PgStore> {
+    Consumer::builder(store.clone())
+        .brokers(brokers())
+        .group_id(group)
+        .handle_type(topic, by("OrderPlaced"), order_placed)
+        .handle_type(topic, by("OrderShipped"), order_shipped)
+}
+
 /// Two event types on one topic, named by an `event-type` header, each to
 /// its own handler (its own key, TTL and mode): they apply in the
 /// partition's order across types, a duplicate of either is skipped, and an
@@ -197,21 +213,8 @@ async fn event_types_on_one_topic_go_each_to_its_handler_in_order(pool: PgPool) 
         produce(&p, &topic, id, body.as_bytes(), headers).await;
     }
     let group = unique("g");
-    let consumer = || {
-        Consumer::builder(store.clone())
-            .brokers(brokers())
-            .group_id(&group)
-            .handle_type(
-                &topic,
-                dedup_kafka::EventType::header("event-type", "OrderPlaced"),
-                order_placed,
-            )
-            .handle_type(
-                &topic,
-                dedup_kafka::EventType::header("event-type", "OrderShipped"),
-                order_shipped,
-            )
-    };
+    let by_header = |t: &str| dedup_kafka::EventType::header("event-type", t);
+    let consumer = || orders(&store, &group, &topic, by_header);
     let stats = drain(consumer(), Duration::from_secs(3)).await;
     assert_eq!(
         (stats.applied, stats.skipped, stats.dead_lettered),
@@ -277,21 +280,9 @@ async fn other_event_types_can_be_skipped(pool: PgPool) {
     )
     .await;
     let group = unique("g");
+    let by_field = |t: &str| dedup_kafka::EventType::field("type", t);
     let consumer = || {
-        Consumer::builder(store.clone())
-            .brokers(brokers())
-            .group_id(&group)
-            .handle_type(
-                &topic,
-                dedup_kafka::EventType::field("type", "OrderPlaced"),
-                order_placed,
-            )
-            .handle_type(
-                &topic,
-                dedup_kafka::EventType::field("type", "OrderShipped"),
-                order_shipped,
-            )
-            .other_types(&topic, dedup_kafka::OtherTypes::Skip)
+        orders(&store, &group, &topic, by_field).other_types(&topic, dedup_kafka::OtherTypes::Skip)
     };
     let stats = drain(consumer(), Duration::from_secs(3)).await;
     assert_eq!(

@@ -48,6 +48,7 @@ pub struct ConsumerBuilder<S> {
     dead_letter_overrides: HashMap<String, String>,
     /// What becomes of the other event types of a typed topic.
     other_types: HashMap<String, crate::OtherTypes>,
+    order_by: HashMap<String, crate::OrderBy>,
     runtime: Settings,
     /// Whether `max_concurrent_partitions` was set (else it is fitted to
     /// the store's connections).
@@ -128,6 +129,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             routes: Vec::new(),
             dead_letter_overrides: HashMap::new(),
             other_types: HashMap::new(),
+            order_by: HashMap::new(),
             runtime: Settings::default(),
             concurrency_set: false,
             #[cfg(feature = "http")]
@@ -333,6 +335,43 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self
     }
 
+    /// Key-ordered concurrency: up to `n` handler calls of one partition
+    /// run at once (default 0: one at a time, in offset order). Events of
+    /// one ordering key (the record key, or what [`order_by`](Self::order_by)
+    /// names) still run one at a time, in offset order; only events of
+    /// different keys overlap. A handler that waits on something slow (a
+    /// payment provider, a slow statement) then goes up to `n` times
+    /// faster per partition without repartitioning the topic.
+    ///
+    /// - A lease handler ([`handle_leased`](Self::handle_leased)) runs up
+    ///   to `n` events at once.
+    /// - A database handler runs up to `n` transactions at once; the events
+    ///   free to start are shared among them (at most `batch_size` each), so
+    ///   a slow statement holds up few others while a fast handler still
+    ///   batches under load. Each transaction holds a connection: the
+    ///   store's pool bounds them across partitions (`max_concurrent_partitions`
+    ///   defaults to the pool's size here, and counts transactions).
+    ///
+    /// The offset committed is always the partition's first unfinished
+    /// event: after a crash, events that finished above it are redelivered
+    /// and skipped by their claims (counted as redelivered). Events
+    /// received and not yet below the committed offset count against
+    /// `max_buffered_per_partition`, so a key that is slow for long holds
+    /// the others back only once that many have passed it.
+    pub fn key_concurrency(mut self, n: usize) -> Self {
+        self.runtime.key_concurrency = n;
+        self
+    }
+
+    /// What orders `topic`'s events under
+    /// [`key_concurrency`](Self::key_concurrency) (default: the record
+    /// key): `OrderBy::field("account_id")` keeps each account's events in
+    /// order when records are keyed by something else.
+    pub fn order_by(mut self, topic: impl Into<String>, order: crate::OrderBy) -> Self {
+        self.order_by.insert(topic.into(), order);
+        self
+    }
+
     /// How many fetched messages one partition may hold before fetching from
     /// it pauses (default 10,000); it resumes at half. Pausing makes
     /// librdkafka drop what it prefetched for the partition and fetch it
@@ -469,12 +508,21 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             mut routes,
             dead_letter_overrides,
             other_types,
+            mut order_by,
             mut runtime,
             concurrency_set,
             #[cfg(feature = "http")]
             http,
             ..
         } = self;
+        // Under key-ordered concurrency a partition runs several
+        // transactions at once: by default as many as the pool holds.
+        if runtime.key_concurrency > 0
+            && !concurrency_set
+            && let Some(connections) = store.connections()
+        {
+            runtime.max_concurrent_partitions = connections.max(1);
+        }
         // Each partition running a transaction holds a connection.
         if let Some(connections) = store.connections()
             && connections < runtime.max_concurrent_partitions
@@ -496,7 +544,31 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 route.dead_letter_topic = dlq.clone();
             }
         }
-        let routes = topic_routes(routes, &other_types, &group)?;
+        let mut routes = topic_routes(routes, &other_types, &group)?;
+        for topic in &mut routes {
+            if let Some(order) = order_by.remove(&topic.topic) {
+                topic.order_by = order;
+            }
+        }
+        if let Some(topic) = order_by.keys().next() {
+            return Err(Error::Config(format!(
+                "order_by({topic:?}, ..): the consumer has no handler for that topic"
+            )));
+        }
+        if runtime.key_concurrency > runtime.max_concurrent_partitions
+            && routes
+                .iter()
+                .flat_map(|t| t.all())
+                .any(|r| r.handler.batches().is_some())
+        {
+            tracing::info!(
+                key_concurrency = runtime.key_concurrency,
+                transactions = runtime.max_concurrent_partitions,
+                "a partition may run more transactions than the consumer allows at once: \
+                 they take turns (raise the pool size and max_concurrent_partitions to run \
+                 them all)"
+            );
+        }
         #[cfg_attr(not(feature = "http"), allow(unused_mut))]
         let mut consumer = Consumer::new(store, routes, consumer_config, producer_config, runtime)?;
         #[cfg(feature = "http")]

@@ -19,6 +19,9 @@ pub(crate) struct Settings {
     pub(crate) batching: Batching,
     pub(crate) retry: RetryPolicy,
     pub(crate) max_concurrent_partitions: usize,
+    /// Handler calls of one partition at once under key-ordered
+    /// concurrency; 0: one at a time, in offset order.
+    pub(crate) key_concurrency: usize,
     pub(crate) max_buffered_per_partition: usize,
     pub(crate) commit_interval: Duration,
     pub(crate) shutdown_timeout: Duration,
@@ -53,6 +56,7 @@ impl Default for Settings {
             },
             retry: RetryPolicy::default(),
             max_concurrent_partitions: 16,
+            key_concurrency: 0,
             max_buffered_per_partition: 10_000,
             commit_interval: Duration::from_secs(5),
             shutdown_timeout: Duration::from_secs(30),

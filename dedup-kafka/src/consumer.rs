@@ -2,7 +2,7 @@
 //! worker, pauses and resumes partitions for back-pressure, commits offsets
 //! on an interval, and shuts down gracefully.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
@@ -41,6 +41,8 @@ pub struct Consumer<S: DedupStore> {
     drained: mpsc::UnboundedReceiver<(String, i32)>,
     admin_config: ClientConfig,
     pub(crate) group: String,
+    /// The partitions whose key-ordered gauges were last set.
+    keyed_reported: std::sync::Mutex<HashSet<(String, i32)>>,
     /// The metrics and health endpoints to serve while running.
     #[cfg(feature = "http")]
     pub(crate) http: Option<crate::http::HttpEndpoints>,
@@ -97,6 +99,7 @@ impl<S: DedupStore> Consumer<S> {
             drained,
             admin_config,
             group,
+            keyed_reported: std::sync::Mutex::default(),
             #[cfg(feature = "http")]
             http: None,
         })
@@ -294,10 +297,36 @@ impl<S: DedupStore> Consumer<S> {
                 *n += p.queued.load(Ordering::Acquire);
             }
         }
+        if self.shared.settings.key_concurrency > 0 {
+            self.refresh_keyed();
+        }
         gauges.report(stats, paused as usize, oldest);
         for (topic, n) in in_flight {
             crate::metrics::in_flight(topic, n);
         }
+    }
+
+    /// The key-ordered gauges of each assigned partition; those of a
+    /// partition no longer assigned go to zero once.
+    fn refresh_keyed(&self) {
+        let mut reported = self
+            .keyed_reported
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let mut now = HashSet::new();
+        for p in lock(&self.partitions).values() {
+            crate::metrics::keyed(
+                &p.topic,
+                p.partition,
+                p.keyed_running.load(Ordering::Relaxed),
+                p.keyed_waiting.load(Ordering::Relaxed),
+            );
+            now.insert((p.topic.clone(), p.partition));
+        }
+        for (topic, partition) in reported.difference(&now) {
+            crate::metrics::keyed(topic, *partition, 0, 0);
+        }
+        *reported = now;
     }
 
     /// Hands a message to its partition's worker, starting one if needed.

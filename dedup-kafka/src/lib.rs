@@ -31,7 +31,7 @@ pub use dlq::{
 };
 pub use relay::{Relay, RelayBuilder, RelayHealth, RelayStats, RelayStatsSnapshot};
 pub use retry::RetryPolicy;
-pub use route::{EventType, OtherTypes};
+pub use route::{EventType, OrderBy, OtherTypes};
 pub use shutdown::shutdown_signal;
 pub use stats::{Health, LIVE_POLL_LIMIT, Stats, StatsSnapshot};
 pub use transactional::{

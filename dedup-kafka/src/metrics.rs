@@ -184,6 +184,17 @@ pub(crate) fn in_flight(topic: &str, messages: usize) {
     gauge!("dedup_in_flight", "topic" => topic.to_owned()).set(messages as f64);
 }
 
+/// Under key-ordered concurrency, a partition's events running and those
+/// waiting behind an earlier event of their ordering key.
+pub(crate) fn keyed(topic: &str, partition: i32, running: usize, waiting: usize) {
+    let labels = [
+        ("topic", topic.to_owned()),
+        ("partition", partition.to_string()),
+    ];
+    gauge!("dedup_key_running", &labels).set(running as f64);
+    gauge!("dedup_key_waiting", &labels).set(waiting as f64);
+}
+
 /// Messages behind the partition's high watermark, from librdkafka's
 /// statistics.
 pub(crate) fn consumer_lag(topic: &str, partition: i32, lag: i64) {

@@ -105,9 +105,16 @@ fn event_type_of(by: &Selector, msg: &rdkafka::message::OwnedMessage) -> Option<
 /// field still names its type: it goes to that type's handler, which
 /// dead-letters it as a decode error (never skipped as another type).
 fn top_level_string(json: &[u8], name: &str) -> Option<String> {
+    // Not a string: it names no type.
+    top_level(json, name)?.as_str().map(str::to_owned)
+}
+
+/// The value of the top-level field `name` of a JSON object (the first),
+/// read without decoding the rest.
+fn top_level(json: &[u8], name: &str) -> Option<serde_json::Value> {
     use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, Visitor};
 
-    struct Field<'a>(&'a str, &'a mut Option<String>);
+    struct Field<'a>(&'a str, &'a mut Option<serde_json::Value>);
 
     impl<'de> Visitor<'de> for Field<'_> {
         type Value = ();
@@ -119,9 +126,7 @@ fn top_level_string(json: &[u8], name: &str) -> Option<String> {
         fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
             while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
                 if key == self.0 {
-                    let value = map.next_value::<serde_json::Value>()?;
-                    // The first one; not a string: it names no type.
-                    *self.1 = value.as_str().map(str::to_owned);
+                    *self.1 = Some(map.next_value::<serde_json::Value>()?);
                     return Ok(());
                 }
                 map.next_value::<IgnoredAny>()?;
@@ -145,10 +150,65 @@ fn top_level_string(json: &[u8], name: &str) -> Option<String> {
     found
 }
 
+/// What orders a topic's events under key-ordered concurrency
+/// ([`ConsumerBuilder::key_concurrency`](crate::ConsumerBuilder::key_concurrency)):
+/// events with the same ordering key run one at a time, in offset order;
+/// events of different keys may run at once. The default is the record's
+/// Kafka key, which is what decides its partition. An event without one
+/// (no record key, no such header or field) is ordered with nothing: it
+/// may run beside any other.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct OrderBy(Option<Selector>);
+
+impl OrderBy {
+    /// The record's Kafka key (the default).
+    pub fn record_key() -> Self {
+        OrderBy(None)
+    }
+
+    /// The value of header `name` (the last one, if it repeats).
+    pub fn header(name: impl Into<String>) -> Self {
+        OrderBy(Some(Selector::Header(name.into())))
+    }
+
+    /// The value of the JSON payload's top-level field `name`, such as
+    /// `account_id` when events of one account must stay in order but
+    /// their records are keyed by something else. Read without decoding
+    /// the rest of the payload.
+    pub fn field(name: impl Into<String>) -> Self {
+        OrderBy(Some(Selector::Field(name.into())))
+    }
+
+    /// The ordering key of `msg`, if it has one.
+    pub(crate) fn key_of(
+        &self,
+        msg: &rdkafka::message::OwnedMessage,
+    ) -> Option<crate::pipeline::keyed::OrderKey> {
+        use crate::pipeline::keyed::order_key;
+        use dedup_core::Headers as _;
+        use rdkafka::message::Message as _;
+        match &self.0 {
+            None => msg.key().map(order_key),
+            Some(Selector::Header(name)) => crate::pipeline::KafkaHeaders(msg.headers())
+                .get(name)
+                .map(order_key),
+            Some(Selector::Field(name)) => {
+                match top_level(msg.payload().unwrap_or_default(), name)? {
+                    serde_json::Value::String(s) => Some(order_key(s.as_bytes())),
+                    serde_json::Value::Null => None,
+                    other => Some(order_key(other.to_string().as_bytes())),
+                }
+            }
+        }
+    }
+}
+
 /// The routes of one topic: its one handler, or a handler per event type
 /// plus the route of the types none takes.
 pub(crate) struct TopicRoutes<S> {
     pub(crate) topic: String,
+    /// What orders its events under key-ordered concurrency.
+    pub(crate) order_by: OrderBy,
     /// Where its messages say their type, if it has several.
     by: Option<Selector>,
     /// Its handlers; with several types, the route of the other types
@@ -171,6 +231,7 @@ impl<S: 'static> TopicRoutes<S> {
     /// A topic with one handler.
     pub(crate) fn one(route: Route<S>) -> Self {
         TopicRoutes {
+            order_by: OrderBy::default(),
             topic: route.topic.clone(),
             by: None,
             routes: vec![Arc::new(route)],
@@ -189,6 +250,7 @@ impl<S: 'static> TopicRoutes<S> {
         let mut routes: Vec<Arc<Route<S>>> = typed.into_iter().map(Arc::new).collect();
         routes.push(Arc::new(others));
         TopicRoutes {
+            order_by: OrderBy::default(),
             topic: routes[0].topic.clone(),
             by: Some(by),
             routes,

@@ -102,10 +102,9 @@ pub(super) async fn process_batch<S: DedupStore>(
         route.metrics().batch(prepared.len());
         let joined = {
             let handler = handler.clone();
-            let running =
-                shared.run_handler(span.clone(), route.metrics(), move |store| async move {
-                    handler.apply_batch(&*store, prepared).await
-                });
+            let running = shared.run_handler(span.clone(), route, move |store| async move {
+                handler.apply_batch(&*store, prepared).await
+            });
             // The transaction runs in the batch's span, linked to its
             // messages' (each event's body runs in its own).
             #[cfg(feature = "opentelemetry")]
@@ -144,13 +143,13 @@ pub(super) async fn process_batch<S: DedupStore>(
                     match outcome {
                         Outcome::Applied { reclaimed } => {
                             applied += 1;
-                            partition.applied();
+                            partition.applied(batch[i].offset());
                             route.record(&shared.stats).applied(reclaimed);
                             failpoint("after-commit");
                         }
                         Outcome::Skipped { age, .. } => {
                             skipped += 1;
-                            if partition.redelivery() {
+                            if partition.redelivery(batch[i].offset()) {
                                 route.record(&shared.stats).redelivered();
                             }
                             route.record(&shared.stats).skipped(age);
@@ -286,13 +285,9 @@ pub(super) async fn process<S: DedupStore>(
         let joined = {
             let (task_route, payload, headers) = (route.clone(), payload.clone(), headers.clone());
             shared
-                .run_handler(
-                    tracing::Span::current(),
-                    route.metrics(),
-                    move |store| async move {
-                        task_route.handler.apply(&*store, &payload, &*headers).await
-                    },
-                )
+                .run_handler(tracing::Span::current(), route, move |store| async move {
+                    task_route.handler.apply(&*store, &payload, &*headers).await
+                })
                 .await
         };
         let (outcome, fault) = match joined {
@@ -314,7 +309,7 @@ pub(super) async fn process<S: DedupStore>(
         match outcome {
             Outcome::Applied { reclaimed } => {
                 shared.stats.store_answered();
-                partition.applied();
+                partition.applied(msg.offset());
                 route.record(&shared.stats).applied(reclaimed);
                 tracing::info!(outcome = "applied", reclaimed, attempt);
                 failpoint("after-commit");
@@ -322,7 +317,7 @@ pub(super) async fn process<S: DedupStore>(
             }
             Outcome::Skipped { age, .. } => {
                 shared.stats.store_answered();
-                if partition.redelivery() {
+                if partition.redelivery(msg.offset()) {
                     route.record(&shared.stats).redelivered();
                 }
                 route.record(&shared.stats).skipped(age);

@@ -11,6 +11,7 @@
 //!   retries, and what becomes of each message.
 
 mod apply;
+mod keyed;
 pub(crate) mod state;
 pub(crate) mod worker;
 
@@ -91,22 +92,30 @@ impl<S> Runtime<S> {
 }
 
 impl<S: DedupStore> Runtime<S> {
-    /// Runs one handler call, `call(store)`, holding a permit until it is
-    /// done, as its own task in `span` (see [`attempt::run`]): a panicking
-    /// or hanging handler fails this call instead of the partition.
+    /// Runs one handler call of `route`, `call(store)`, holding a permit
+    /// until it is done, as its own task in `span` (see [`attempt::run`]):
+    /// a panicking or hanging handler fails this call instead of the
+    /// partition. Under key-ordered concurrency a lease handler's calls
+    /// take no permit: they hold a connection only for their short claim
+    /// statements, and their number is the partition's own bound.
     async fn run_handler<Fut>(
         &self,
         span: tracing::Span,
-        metrics: &crate::metrics::RouteMetrics,
+        route: &crate::route::Route<S>,
         call: impl FnOnce(Arc<S>) -> Fut,
     ) -> Ran<Fut::Output>
     where
         Fut: Future + Send + 'static,
         Fut::Output: Send + 'static,
     {
+        let metrics = route.metrics();
+        let bounded = self.settings.key_concurrency == 0 || route.handler.batches().is_some();
         // Held (not `let _ =`, which would release it at once) until the
         // task is joined.
-        let _permit = self.permits.acquire().await.expect("never closed");
+        let _permit = match bounded {
+            true => Some(self.permits.acquire().await.expect("never closed")),
+            false => None,
+        };
         // Timed from here: the wait for a permit is not the transaction's.
         let started = std::time::Instant::now();
         let ran = attempt::run(
@@ -124,15 +133,19 @@ impl<S: DedupStore> Runtime<S> {
 /// Workers finish messages in order, so no offset is stored past an
 /// unfinished message.
 pub(super) fn store_offset<S>(shared: &Runtime<S>, partition: &Partition, msg: &OwnedMessage) {
+    store_next(shared, partition, msg.offset() + 1);
+}
+
+/// Stores `next` as the partition's offset to commit: every message below
+/// it is finished.
+pub(super) fn store_next<S>(shared: &Runtime<S>, partition: &Partition, next: i64) {
     if partition.is_revoked() {
         return;
     }
     let mut tpl = TopicPartitionList::new();
-    if let Err(e) = tpl.add_partition_offset(
-        msg.topic(),
-        msg.partition(),
-        Offset::Offset(msg.offset() + 1),
-    ) {
+    if let Err(e) =
+        tpl.add_partition_offset(&partition.topic, partition.partition, Offset::Offset(next))
+    {
         tracing::warn!(error = %e, "bad offset");
         return;
     }

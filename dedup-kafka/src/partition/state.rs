@@ -2,7 +2,7 @@
 //! that acts on it (the rebalance callbacks, the workers, the dead letters).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use rdkafka::TopicPartitionList;
@@ -30,6 +30,18 @@ pub(crate) struct Partition {
     /// Nothing has been applied since the assignment began: a duplicate
     /// skipped now is a redelivery after a handover.
     pub(crate) fresh: AtomicBool,
+    /// Under key-ordered concurrency, how far past its committed offset a
+    /// worker may finish events (its window); 0 otherwise.
+    pub(crate) redelivery_window: AtomicI64,
+    /// Under key-ordered concurrency, duplicates below this offset are
+    /// redeliveries too: set at the first event applied, at a window past
+    /// it (the previous owner may have finished events out of order that
+    /// far past where it stopped).
+    pub(crate) redelivered_below: AtomicI64,
+    /// Under key-ordered concurrency: events running, and events waiting
+    /// behind an earlier event of their key (for the gauges).
+    pub(crate) keyed_running: AtomicUsize,
+    pub(crate) keyed_waiting: AtomicUsize,
     pub(crate) sender: mpsc::UnboundedSender<OwnedMessage>,
 }
 
@@ -51,19 +63,36 @@ impl Partition {
             release: watch::channel(false).0,
             exited: AtomicBool::new(false),
             fresh: AtomicBool::new(true),
+            redelivery_window: AtomicI64::new(0),
+            redelivered_below: AtomicI64::new(i64::MIN),
+            keyed_running: AtomicUsize::new(0),
+            keyed_waiting: AtomicUsize::new(0),
             sender,
         }
     }
 
-    /// Whether a duplicate skipped now is a redelivery after a handover:
-    /// nothing has been applied since the assignment began.
-    pub(crate) fn redelivery(&self) -> bool {
+    /// Whether a duplicate at `offset` skipped now is a redelivery after a
+    /// handover: nothing has been applied since the assignment began, or
+    /// (key-ordered concurrency) it is within the first window.
+    pub(crate) fn redelivery(&self, offset: i64) -> bool {
         self.fresh.load(Ordering::Relaxed)
+            || offset < self.redelivered_below.load(Ordering::Relaxed)
     }
 
-    /// An event was applied: later duplicates are not redeliveries.
-    pub(crate) fn applied(&self) {
-        self.fresh.store(false, Ordering::Relaxed);
+    /// The event at `offset` was applied: later duplicates are not
+    /// redeliveries (under key-ordered concurrency, those beyond a window
+    /// past it).
+    pub(crate) fn applied(&self, offset: i64) {
+        if self.fresh.load(Ordering::Acquire) {
+            // The window first, so a duplicate judged meanwhile sees one
+            // or the other.
+            let window = self.redelivery_window.load(Ordering::Relaxed);
+            if window > 0 {
+                self.redelivered_below
+                    .fetch_max(offset.saturating_add(window), Ordering::AcqRel);
+            }
+            self.fresh.store(false, Ordering::Release);
+        }
     }
 
     pub(crate) fn is_revoked(&self) -> bool {

@@ -25,7 +25,7 @@ use super::{Runtime, store_offset};
 /// counted in flight is counted out exactly once: when its batch is done,
 /// or when the worker ends, however it ends (returns, panics or is aborted
 /// at the shutdown timeout), for what it holds and what is still queued.
-struct Inbox {
+pub(super) struct Inbox {
     receiver: mpsc::UnboundedReceiver<OwnedMessage>,
     stats: Arc<Stats>,
     /// Received from the queue and not yet counted out.
@@ -33,7 +33,7 @@ struct Inbox {
 }
 
 impl Inbox {
-    async fn recv(&mut self) -> Option<OwnedMessage> {
+    pub(super) async fn recv(&mut self) -> Option<OwnedMessage> {
         let msg = self.receiver.recv().await;
         self.held += i64::from(msg.is_some());
         msg
@@ -43,15 +43,14 @@ impl Inbox {
         self.receiver.is_empty()
     }
 
-    #[cfg(test)]
-    fn try_recv(&mut self) -> Result<OwnedMessage, mpsc::error::TryRecvError> {
+    pub(super) fn try_recv(&mut self) -> Result<OwnedMessage, mpsc::error::TryRecvError> {
         let msg = self.receiver.try_recv();
         self.held += i64::from(msg.is_ok());
         msg
     }
 
     /// `n` held messages are finished, or left for redelivery.
-    fn done(&mut self, n: usize) {
+    pub(super) fn done(&mut self, n: usize) {
         let n = n as i64;
         self.held -= n;
         self.stats.add_in_flight(-n);
@@ -87,9 +86,12 @@ pub(crate) async fn worker<S: DedupStore>(
         stats: shared.stats.clone(),
         held: 0,
     };
-    let mut jitter = Jitter::new(partition.partition as u64);
     // Dropped after the loop, so after every offset this worker stores.
     let _exited = Exited(&partition);
+    if shared.settings.key_concurrency > 0 {
+        return super::keyed::worker(&shared, &routes, &partition, inbox).await;
+    }
+    let mut jitter = Jitter::new(partition.partition as u64);
     let mut stopping = shared.stopping.subscribe();
     let mut revoked = partition.revoked.subscribe();
     let mut release = partition.release.subscribe();
@@ -164,35 +166,7 @@ pub(crate) async fn worker<S: DedupStore>(
             }
         }
         let known = dead_lettered[index].as_ref().expect("read above");
-        let finished = if let (Some(batcher), true) = (&batcher, batch.len() > 1) {
-            process_batch(
-                &shared,
-                route,
-                batcher,
-                &partition,
-                &batch,
-                known,
-                &mut jitter,
-            )
-            .await
-        } else {
-            // One message (a batch of one, or a lease-mode route's).
-            let msg = &batch[0];
-            let done = if was_dead_lettered(route, known, msg) {
-                dead_letters::skip(&shared, route, msg);
-                true
-            } else {
-                let processing = process(&shared, route, &partition, msg, &mut jitter)
-                    .instrument(message_span(msg));
-                #[cfg(feature = "opentelemetry")]
-                let processing = opentelemetry::context::FutureExt::with_context(
-                    processing,
-                    crate::otel::process(msg, &shared.group),
-                );
-                processing.await
-            };
-            usize::from(done)
-        };
+        let finished = run_unit(&shared, route, &partition, &batch, known, &mut jitter).await;
         if let Some(last) = batch[..finished].last() {
             store_offset(&shared, &partition, last);
             shared.stats.touch();
@@ -207,9 +181,51 @@ pub(crate) async fn worker<S: DedupStore>(
     }
 }
 
+/// Runs `batch`, messages of `route` (all of distinct ordering keys):
+/// in one transaction if it has several and the route takes batches, else
+/// its one message with its retries. Returns how many messages, from the
+/// first, are finished; fewer than all only when it stopped.
+pub(super) async fn run_unit<S: DedupStore>(
+    shared: &Arc<Runtime<S>>,
+    route: &Arc<crate::route::Route<S>>,
+    partition: &Partition,
+    batch: &[OwnedMessage],
+    dead_lettered: &HashSet<String>,
+    jitter: &mut Jitter,
+) -> usize {
+    if let (Some(batcher), true) = (route.handler.batches(), batch.len() > 1) {
+        return process_batch(
+            shared,
+            route,
+            batcher,
+            partition,
+            batch,
+            dead_lettered,
+            jitter,
+        )
+        .await;
+    }
+    // One message (a batch of one, or a lease-mode route's).
+    let msg = &batch[0];
+    let done = if was_dead_lettered(route, dead_lettered, msg) {
+        dead_letters::skip(shared, route, msg);
+        true
+    } else {
+        let processing =
+            process(shared, route, partition, msg, jitter).instrument(message_span(msg));
+        #[cfg(feature = "opentelemetry")]
+        let processing = opentelemetry::context::FutureExt::with_context(
+            processing,
+            crate::otel::process(msg, &shared.group),
+        );
+        processing.await
+    };
+    usize::from(done)
+}
+
 /// `n` messages of the partition are finished: its queue is that much
 /// shorter, and fetching resumes once it is down to half its bound.
-fn counted_out<S: DedupStore>(shared: &Runtime<S>, partition: &Partition, n: usize) {
+pub(super) fn counted_out<S: DedupStore>(shared: &Runtime<S>, partition: &Partition, n: usize) {
     let low_water = shared.settings.max_buffered_per_partition / 2;
     let left = partition.queued.fetch_sub(n, Ordering::SeqCst) - n;
     if left <= low_water && partition.paused.load(Ordering::SeqCst) {

@@ -47,8 +47,9 @@ where
     // `opentelemetry`), so what the handler writes carries it.
     #[cfg(feature = "opentelemetry")]
     let attempt = opentelemetry::context::FutureExt::with_current_context(attempt);
-    let mut task = tokio::spawn(attempt.instrument(span));
-    match tokio::time::timeout(limit, &mut task).await {
+    let mut task = AbortOnDrop(tokio::spawn(attempt.instrument(span)));
+    let task = &mut task.0;
+    match tokio::time::timeout(limit, &mut *task).await {
         Ok(Ok(out)) => Ran::Done(out),
         Ok(Err(joined)) => match joined.try_into_panic() {
             Ok(panic) => Ran::Panicked(panic_message(&*panic)),
@@ -69,6 +70,17 @@ where
             }
             Ran::TimedOut(limit)
         }
+    }
+}
+
+/// An attempt's task, aborted if whoever waits for it is dropped (a
+/// worker aborted at the shutdown timeout): its transaction rolls back
+/// instead of running on, unowned, into a commit nobody records.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+
+impl<T> Drop for AbortOnDrop<T> {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -9,6 +9,8 @@
 //! - [`outage`]: an event's retries: the decision applied, and its wait
 //!   out of an outage as health sees it.
 //! - [`ingest`]: how a batch is gathered (linger only when idle).
+//! - [`keyed`]: key-ordered concurrency: which events may start, and the
+//!   offset below which all are finished.
 //! - [`membership`]: the rebalance context: what a member owns, its count,
 //!   its lag, the rebalance counters, each callback contained.
 //! - [`record`]: what became of a message, in the counters and the metrics
@@ -17,6 +19,7 @@
 pub(crate) mod attempt;
 pub(crate) mod decision;
 pub(crate) mod ingest;
+pub(crate) mod keyed;
 pub(crate) mod membership;
 pub(crate) mod outage;
 pub(crate) mod record;

@@ -28,6 +28,7 @@ mod batches;
 mod claims;
 mod environment;
 mod group;
+mod keyed;
 mod poison;
 mod records;
 

@@ -1,0 +1,308 @@
+//! Key-ordered concurrency's bookkeeping for one partition, with no I/O:
+//! which events may start (never two of one ordering key, each key's in
+//! offset order), which wait behind their key, and the offset below which
+//! every event is finished, the only one that may be committed.
+//!
+//! Events that finished out of order above an unfinished one are not
+//! committed: after a crash they are redelivered and their claims make
+//! them skips. The window of events received and not yet below the
+//! committed offset is what the runtime bounds (`max_buffered_per_partition`),
+//! so a slow key holds the others back only once that window is full.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::hash::{Hash, Hasher};
+
+/// An event's ordering key, hashed: two keys that collide are ordered as
+/// one (less concurrency, never less order).
+pub(crate) type OrderKey = u64;
+
+/// The ordering key of `bytes` (a record key, a header's or a field's value).
+pub(crate) fn order_key(bytes: &[u8]) -> OrderKey {
+    // SipHash with fixed keys: the same bytes give the same key in every
+    // worker (there is nothing to defend against: a collision only orders
+    // two keys as one).
+    #[allow(deprecated)]
+    let mut hasher = std::hash::SipHasher::new();
+    bytes.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// One partition's events under key-ordered concurrency. `M` is what the
+/// runtime keeps of an event until it starts (the message, its route).
+pub(crate) struct Window<M> {
+    /// Every event received and not yet passed by the committed offset, in
+    /// offset order, and whether it is finished.
+    pending: VecDeque<(i64, bool)>,
+    /// The keys with an event ready or started, with the events waiting
+    /// behind it, in offset order.
+    keys: HashMap<OrderKey, VecDeque<(i64, M)>>,
+    /// Events free to start, by offset: the lowest go first, so the
+    /// committed offset moves on as soon as it can.
+    ready: BTreeMap<i64, (Option<OrderKey>, M)>,
+    /// Events waiting behind an earlier event of their key.
+    waiting: usize,
+    /// Events started and not finished.
+    started: usize,
+}
+
+/// An event taken to start: its offset and its ordering key, which stays
+/// taken until it finishes.
+pub(crate) type Started<M> = (i64, Option<OrderKey>, M);
+
+impl<M> Default for Window<M> {
+    fn default() -> Self {
+        Window {
+            pending: VecDeque::new(),
+            keys: HashMap::new(),
+            ready: BTreeMap::new(),
+            waiting: 0,
+            started: 0,
+        }
+    }
+}
+
+impl<M> Window<M> {
+    /// A received event (offsets increase). One without an ordering key is
+    /// ordered with nothing.
+    pub(crate) fn push(&mut self, offset: i64, key: Option<OrderKey>, event: M) {
+        debug_assert!(self.pending.back().is_none_or(|(o, _)| *o < offset));
+        self.pending.push_back((offset, false));
+        match key {
+            Some(k) => match self.keys.get_mut(&k) {
+                Some(behind) => {
+                    behind.push_back((offset, event));
+                    self.waiting += 1;
+                }
+                None => {
+                    self.keys.insert(k, VecDeque::new());
+                    self.ready.insert(offset, (key, event));
+                }
+            },
+            None => {
+                self.ready.insert(offset, (None, event));
+            }
+        }
+    }
+
+    /// A received event that needs no processing (a type skipped): it is
+    /// finished as it arrives. Returns what [`Window::finish`] returns.
+    pub(crate) fn push_finished(&mut self, offset: i64) -> Option<(i64, usize)> {
+        self.pending.push_back((offset, true));
+        self.advance()
+    }
+
+    /// The first event free to start.
+    pub(crate) fn first_ready(&self) -> Option<&M> {
+        self.ready.values().next().map(|(_, m)| m)
+    }
+
+    /// Takes the first event free to start and, after it, up to `max - 1`
+    /// more for which `same` holds, in offset order (events of distinct
+    /// keys: one transaction may take them all).
+    pub(crate) fn take(&mut self, max: usize, same: impl Fn(&M) -> bool) -> Vec<Started<M>> {
+        let mut offsets = Vec::new();
+        for (offset, (_, m)) in &self.ready {
+            if offsets.len() == max.max(1) {
+                break;
+            }
+            if offsets.is_empty() || same(m) {
+                offsets.push(*offset);
+            }
+        }
+        let taken: Vec<Started<M>> = offsets
+            .into_iter()
+            .map(|o| {
+                let (key, m) = self.ready.remove(&o).expect("listed above");
+                (o, key, m)
+            })
+            .collect();
+        self.started += taken.len();
+        taken
+    }
+
+    /// A started event is finished (applied, skipped or dead-lettered): the
+    /// next event of its key is free to start. Returns, when it moved, the
+    /// offset to commit now (everything below it is finished) and how many
+    /// events it passed.
+    pub(crate) fn finish(&mut self, offset: i64, key: Option<OrderKey>) -> Option<(i64, usize)> {
+        self.started -= 1;
+        if let Ok(i) = self.pending.binary_search_by_key(&offset, |(o, _)| *o) {
+            self.pending[i].1 = true;
+        }
+        if let Some(k) = key {
+            match self.keys.get_mut(&k).and_then(VecDeque::pop_front) {
+                Some((next, m)) => {
+                    self.waiting -= 1;
+                    self.ready.insert(next, (key, m));
+                }
+                None => {
+                    self.keys.remove(&k);
+                }
+            }
+        }
+        self.advance()
+    }
+
+    /// Drops the finished events at the front: the offset after the last
+    /// one, and how many.
+    fn advance(&mut self) -> Option<(i64, usize)> {
+        let mut passed = 0;
+        let mut next = None;
+        while let Some(&(offset, true)) = self.pending.front() {
+            self.pending.pop_front();
+            passed += 1;
+            next = Some(offset + 1);
+        }
+        next.map(|n| (n, passed))
+    }
+
+    /// The lowest offset not yet finished (or passed), if any.
+    pub(crate) fn lowest(&self) -> Option<i64> {
+        self.pending.front().map(|(o, _)| *o)
+    }
+
+    /// Events free to start.
+    pub(crate) fn ready(&self) -> usize {
+        self.ready.len()
+    }
+
+    /// Events waiting behind an earlier event of their key.
+    pub(crate) fn waiting(&self) -> usize {
+        self.waiting
+    }
+
+    /// Events started and not finished.
+    pub(crate) fn started(&self) -> usize {
+        self.started
+    }
+}
+
+/// How many events one transaction takes when `ready` events are free to
+/// start and `free` more transactions may: the ready spread evenly over
+/// them (a slow statement then holds up few others), at most `batch`.
+pub(crate) fn share(ready: usize, free: usize, batch: usize) -> usize {
+    ready.div_ceil(free.max(1)).clamp(1, batch.max(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn offsets(started: &[Started<&'static str>]) -> Vec<i64> {
+        started.iter().map(|(o, _, _)| *o).collect()
+    }
+
+    #[test]
+    fn a_key_runs_one_event_at_a_time_in_offset_order() {
+        let mut w = Window::default();
+        let (a, b) = (Some(order_key(b"a")), Some(order_key(b"b")));
+        w.push(10, a, "a1");
+        w.push(11, b, "b1");
+        w.push(12, a, "a2");
+        w.push(13, a, "a3");
+        w.push(14, None, "n");
+        assert_eq!(w.waiting(), 2);
+        let first = w.take(10, |_| true);
+        assert_eq!(offsets(&first), [10, 11, 14], "a's later events wait");
+        assert!(w.take(10, |_| true).is_empty());
+        // a1 finishes: a2 (and only a2) is free; 10 is committed.
+        assert_eq!(w.finish(10, a), Some((11, 1)));
+        assert_eq!(offsets(&w.take(10, |_| true)), [12]);
+        assert_eq!(w.waiting(), 1);
+        // b1 and the keyless one finish while a2 runs: nothing passes 12.
+        assert_eq!(w.finish(14, None), None);
+        assert_eq!(w.finish(11, b), Some((12, 1)));
+        assert_eq!(w.finish(12, a), Some((13, 1)), "13 is not finished");
+        assert_eq!(offsets(&w.take(10, |_| true)), [13]);
+        assert_eq!(w.finish(13, a), Some((15, 2)), "13 and 14 pass at once");
+        assert_eq!(w.lowest(), None);
+        assert_eq!((w.started(), w.waiting(), w.ready()), (0, 0, 0));
+    }
+
+    /// The committed offset never passes an unfinished event, whatever
+    /// order events finish in: checked against every order of a few.
+    #[test]
+    fn the_committed_offset_is_always_the_first_unfinished_event() {
+        let keys = [0u8, 1, 0, 2, 1, 3];
+        // Every interleaving the window allows, by a seeded shuffle of what
+        // is ready at each step.
+        for seed in 0..500u64 {
+            let mut w = Window::default();
+            for (i, k) in keys.iter().enumerate() {
+                w.push(i as i64, Some(order_key(&[*k])), i);
+            }
+            let mut finished = vec![false; keys.len()];
+            let mut running: Vec<Started<usize>> = Vec::new();
+            let mut committed = 0;
+            let mut rng = seed.wrapping_mul(6364136223846793005) | 1;
+            loop {
+                running.extend(w.take(usize::MAX, |_| true));
+                if running.is_empty() {
+                    break;
+                }
+                for (_, k, _) in &running {
+                    assert_eq!(
+                        running.iter().filter(|(_, k2, _)| k2 == k).count(),
+                        1,
+                        "two events of one key at once"
+                    );
+                }
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                let (offset, key, _) = running.swap_remove(rng as usize % running.len());
+                let earlier = keys[..offset as usize]
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, k)| Some(order_key(&[**k])) == key);
+                for (j, _) in earlier {
+                    assert!(
+                        finished[j],
+                        "an event of a key started before an earlier one"
+                    );
+                }
+                finished[offset as usize] = true;
+                if let Some((next, _)) = w.finish(offset, key) {
+                    committed = next;
+                }
+                let first_unfinished = finished.iter().position(|f| !f).unwrap_or(keys.len());
+                assert_eq!(committed, first_unfinished as i64);
+            }
+            assert_eq!(committed, keys.len() as i64);
+        }
+    }
+
+    #[test]
+    fn a_transaction_takes_only_events_it_can_run_together() {
+        let mut w = Window::default();
+        for (i, route) in ["x", "y", "x", "x"].into_iter().enumerate() {
+            w.push(i as i64, Some(i as u64), route);
+        }
+        let x = w.take(3, |r| *r == "x");
+        assert_eq!(
+            offsets(&x),
+            [0, 2, 3],
+            "y stays for a transaction of its own"
+        );
+        assert_eq!(offsets(&w.take(3, |r| *r == "y")), [1]);
+    }
+
+    #[test]
+    fn ready_events_are_spread_over_the_free_transactions() {
+        assert_eq!(share(1000, 32, 200), 32);
+        assert_eq!(share(32, 32, 200), 1);
+        assert_eq!(share(5, 32, 200), 1);
+        assert_eq!(share(1000, 1, 200), 200);
+        assert_eq!(share(0, 0, 0), 1);
+    }
+
+    #[test]
+    fn skipped_events_pass_with_the_rest() {
+        let mut w = Window::default();
+        w.push(0, Some(1), ());
+        assert_eq!(w.push_finished(1), None);
+        let started = w.take(1, |_| true);
+        assert_eq!(started.len(), 1);
+        assert_eq!(w.finish(0, Some(1)), Some((2, 2)));
+    }
+}

@@ -7,7 +7,10 @@
 //!
 //! Environment: `KAFKA_BROKERS` (default `localhost:9092`), `DATABASE_URL`
 //! (required), `TOPIC` (default `charges`), `GROUP_ID` (default
-//! `charges-v1`), `KAFKA_SESSION_TIMEOUT_MS`, and for the crash tests
+//! `charges-v1`), `KAFKA_SESSION_TIMEOUT_MS`, `DEDUP_KEY_CONCURRENCY` (up
+//! to this many calls of one partition at once, each account's charges
+//! still in order: records are keyed by account; default 0: one at a
+//! time), and for the crash tests
 //! `CRASH_MID_CHARGE=<event id>`: the process SIGKILLs itself right after
 //! that event's call, before its lease completes.
 //! Flag: `--exit-when-idle <ttl>` exits 0 after that long without a message.
@@ -86,6 +89,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .set_from_env("KAFKA_CFG_")
         .brokers(env_or("KAFKA_BROKERS", "localhost:9092"))
         .group_id(env_or("GROUP_ID", "charges-v1"))
+        .key_concurrency(dedup_examples::key_concurrency()?)
         .handle_leased(env_or("TOPIC", "charges"), charge);
     if let Ok(ms) = std::env::var("KAFKA_SESSION_TIMEOUT_MS") {
         builder = builder.set("session.timeout.ms", ms);

@@ -7,9 +7,16 @@
 //! (default librdkafka's 45000: how long the group waits for a member that
 //! died before giving its partitions to another), `KAFKA_STATISTICS_INTERVAL_MS`
 //! (how often consumer lag is measured; default 5000), `METRICS_ADDR` (serve
-//! `/metrics`, `/livez`, `/readyz` and `/healthz` there).
+//! `/metrics`, `/livez`, `/readyz` and `/healthz` there),
+//! `DEDUP_KEY_CONCURRENCY` (up to this many transactions of one partition
+//! at once, each account's payments still in order; the pool is sized for
+//! it; default 0: one at a time), `EFFECT_MS` (each payment's transaction
+//! also runs a statement taking this many milliseconds, or a random time in
+//! a range like `0-40`: a stand-in for a slow effect, for the benchmarks
+//! and crash tests).
 //! Flag: `--exit-when-idle <ttl>` exits 0 after that long without a message.
-//! Creates its tables on start; its last line is
+//! Creates its tables on start (`accounts`, and `ledger`: one row per
+//! payment applied, in the order applied); its last line is
 //! `applied=N skipped=N dead_lettered=N`.
 //!
 //! `cargo run -p dedup-examples --example payments -- --exit-when-idle 10s`
@@ -19,7 +26,7 @@
 use dedup_core::{HandlerError, HandlerExt, Ttl, idempotent};
 use dedup_examples::{env_or, exit_when_idle, until_idle};
 use dedup_kafka::Consumer;
-use dedup_postgres::{PgStore, PgTx};
+use dedup_postgres::{PgConfig, PgStore, PgTx};
 
 #[derive(serde::Deserialize)]
 struct PaymentReceived {
@@ -28,8 +35,41 @@ struct PaymentReceived {
     amount_cents: i64,
 }
 
+/// `EFFECT_MS`: the slow statement's duration in seconds, fixed or a
+/// range, read once.
+static EFFECT: std::sync::OnceLock<Option<(f64, f64)>> = std::sync::OnceLock::new();
+
+fn effect_seconds() -> Result<Option<(f64, f64)>, Box<dyn std::error::Error>> {
+    let Ok(ms) = std::env::var("EFFECT_MS") else {
+        return Ok(None);
+    };
+    let bad = || format!("EFFECT_MS must be milliseconds like 10 or 0-40, not {ms:?}");
+    let (low, high) = ms.split_once('-').unwrap_or((&ms, &ms));
+    let (low, high): (f64, f64) = (
+        low.trim().parse().map_err(|_| bad())?,
+        high.trim().parse().map_err(|_| bad())?,
+    );
+    if !(0.0..=high).contains(&low) {
+        return Err(bad().into());
+    }
+    Ok(Some((low / 1000.0, high / 1000.0)))
+}
+
 #[idempotent(key = "event_id", ttl = "4h", scope = "payments::record_payment")]
 async fn record_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), HandlerError> {
+    if let Some(&Some((low, high))) = EFFECT.get() {
+        sqlx::query("SELECT pg_sleep($1 + random() * ($2 - $1))")
+            .bind(low)
+            .bind(high)
+            .execute(&mut **tx)
+            .await?;
+    }
+    sqlx::query("INSERT INTO ledger (account_id, event_id, amount_cents) VALUES ($1, $2, $3)")
+        .bind(&ev.account_id)
+        .bind(ev.event_id)
+        .bind(ev.amount_cents)
+        .execute(&mut **tx)
+        .await?;
     sqlx::query(
         "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
          ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
@@ -48,13 +88,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let database_url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL must be set")?;
     let ttl: Ttl = env_or("DEDUP_TTL", "4h").parse()?;
 
-    let store = PgStore::connect(&database_url).await?;
-    store.migrate().await?;
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS accounts (id text PRIMARY KEY, balance bigint NOT NULL)",
+    let key_concurrency = dedup_examples::key_concurrency()?;
+    EFFECT
+        .set(effect_seconds()?)
+        .map_err(|_| "EFFECT_MS is read once")?;
+
+    // A transaction of each partition's at once holds a connection each.
+    let pool_size = u32::try_from(key_concurrency.max(10)).unwrap_or(u32::MAX);
+    let store = PgStore::connect_with(
+        &database_url,
+        PgConfig::default().with_max_connections(pool_size),
     )
-    .execute(store.pool())
     .await?;
+    store.migrate().await?;
+    for table in [
+        "CREATE TABLE IF NOT EXISTS accounts (id text PRIMARY KEY, balance bigint NOT NULL)",
+        "CREATE TABLE IF NOT EXISTS ledger (seq bigserial PRIMARY KEY, account_id text NOT NULL, \
+         event_id uuid NOT NULL, amount_cents bigint NOT NULL)",
+    ] {
+        sqlx::query(table).execute(store.pool()).await?;
+    }
 
     // Any librdkafka setting from KAFKA_CFG_<NAME> (e.g.
     // KAFKA_CFG_GROUP_PROTOCOL=consumer).
@@ -62,6 +115,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .set_from_env("KAFKA_CFG_")
         .brokers(env_or("KAFKA_BROKERS", "localhost:9092"))
         .group_id(env_or("GROUP_ID", "payments-v1"))
+        .key_concurrency(key_concurrency)
         .handle(env_or("TOPIC", "payments"), record_payment.with_ttl(ttl));
     if let Ok(ms) = std::env::var("KAFKA_SESSION_TIMEOUT_MS") {
         builder = builder.set("session.timeout.ms", ms);

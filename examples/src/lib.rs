@@ -79,6 +79,18 @@ pub fn metrics_addr() -> Option<String> {
     std::env::var("METRICS_ADDR").ok()
 }
 
+/// `DEDUP_KEY_CONCURRENCY`: how many handler calls of one partition may
+/// run at once, events of one key still in order (0 or unset: one at a
+/// time, in offset order).
+pub fn key_concurrency() -> Result<usize, Box<dyn std::error::Error>> {
+    match std::env::var("DEDUP_KEY_CONCURRENCY") {
+        Ok(n) => n
+            .parse()
+            .map_err(|_| format!("DEDUP_KEY_CONCURRENCY must be a whole number, not {n:?}").into()),
+        Err(_) => Ok(0),
+    }
+}
+
 /// `--exit-when-idle <ttl>`, the one flag of the consumer examples, if
 /// given; `example` names the binary in the usage message.
 pub fn exit_when_idle(

@@ -364,3 +364,82 @@ async fn a_consumer_killed_mid_effect_is_taken_over_with_a_greater_token(pool: P
     .expect("claims");
     assert_eq!(done, 10);
 }
+
+/// Key-ordered concurrency in lease mode: on one partition, ten keys of
+/// four numbered charges each, every provider call taking 100 ms; with
+/// key_concurrency(8) calls of different keys overlap (up to eight), and
+/// each key's calls run one at a time, in order, once each.
+#[sqlx::test(migrations = false)]
+async fn a_partition_runs_calls_of_different_keys_at_once_and_each_keys_in_order(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let account = unique("keyed");
+    let producer = producer();
+    let (keys, steps) = (10, 4);
+    for seq in 0..steps {
+        for key in 0..keys {
+            let id = format!("{account}-k{key}-{seq}");
+            let payload = format!(r#"{{"event_id":"{id}","account":"{account}","millis":100}}"#);
+            producer
+                .send(
+                    FutureRecord::to(&topic)
+                        .key(&format!("k{key}"))
+                        .payload(&payload),
+                    Duration::from_secs(10),
+                )
+                .await
+                .map_err(|(e, _)| e)
+                .expect("produced");
+        }
+    }
+
+    let running = start(
+        consumer(&store, &unique("g"))
+            .key_concurrency(8)
+            .handle_leased(&topic, charge),
+    );
+    running
+        .wait_for("all finished", |s| finished(&s) == keys * steps)
+        .await;
+    let stats = running.stop().await;
+    assert_eq!(
+        (stats.applied, stats.skipped),
+        (keys * steps, 0),
+        "{stats:?}"
+    );
+    let calls = calls(&account);
+    assert_eq!(calls.len() as u64, keys * steps, "one call per event");
+    for key in 0..keys {
+        let prefix = format!("{account}-k{key}-");
+        let mut of_key: Vec<&Call> = calls
+            .iter()
+            .filter(|c| c.event_id.starts_with(&prefix))
+            .collect();
+        of_key.sort_by_key(|c| c.started);
+        let seqs: Vec<String> = of_key
+            .iter()
+            .map(|c| c.event_id[prefix.len()..].to_owned())
+            .collect();
+        assert_eq!(seqs, ["0", "1", "2", "3"], "key {key}'s calls in order");
+        for pair in of_key.windows(2) {
+            assert!(
+                pair[0].finished <= pair[1].started,
+                "two calls of key {key} at once"
+            );
+        }
+    }
+    let most = calls
+        .iter()
+        .map(|c| {
+            calls
+                .iter()
+                .filter(|o| o.started <= c.started && c.started < o.finished)
+                .count()
+        })
+        .max()
+        .unwrap_or(0);
+    assert!(
+        (4..=8).contains(&most),
+        "calls of different keys overlap, at most 8 at once: {most}"
+    );
+}

@@ -289,3 +289,105 @@ fn committed(topic: &str, group: &str) -> Offset {
 async fn balance_of(pool: &PgPool, account: &str) -> i64 {
     dedup_tests::balance(pool, account).await
 }
+
+/// The payments example under key-ordered concurrency, in processes that
+/// are SIGKILLed mid-flight: four partitions, 200 accounts of ten numbered
+/// payments each (one in ten sent twice, as a producer retry does), every
+/// transaction slowed by a random 20-60 ms. Two members start; one is
+/// killed a fifth of the way in, another (the replacement or the
+/// survivor) at three fifths, each replaced at once. In the end every
+/// payment is in the ledger once and each account's in the order sent.
+#[sqlx::test(migrations = false)]
+async fn members_killed_mid_flight_apply_every_event_once_and_each_key_in_order(pool: PgPool) {
+    PgStore::from_pool(pool.clone())
+        .migrate()
+        .await
+        .expect("migrate");
+    // The example's tables, made before two of them race to make them.
+    for table in [
+        "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)",
+        "CREATE TABLE ledger (seq bigserial PRIMARY KEY, account_id text NOT NULL, \
+         event_id uuid NOT NULL, amount_cents bigint NOT NULL)",
+    ] {
+        sqlx::query(table).execute(&pool).await.expect("table");
+    }
+    let topic = create_topic(4).await;
+    let (accounts, per_account) = (200, 10);
+    let mut sent: std::collections::HashMap<String, Vec<uuid::Uuid>> = Default::default();
+    let mut records = Vec::new();
+    for n in 0..per_account {
+        for a in 0..accounts {
+            let account = format!("acct-{a}");
+            let id = uuid::Uuid::new_v4();
+            let body = payment(id, &account, n + 1);
+            records.push((account.clone(), body.clone()));
+            if (a + n) % 10 == 0 {
+                records.push((account.clone(), body));
+            }
+            sent.entry(account).or_default().push(id);
+        }
+    }
+    produce_all(&producer(), &topic, records).await;
+
+    let group = unique("g");
+    let member = || {
+        let mut cmd = common::payments(&pool, &topic, &group);
+        cmd.env("DEDUP_KEY_CONCURRENCY", "16")
+            .env("EFFECT_MS", "20-60")
+            .env("KAFKA_SESSION_TIMEOUT_MS", "6000")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        KillOnDrop(Some(cmd.spawn().expect("start payments")))
+    };
+    let total = accounts * per_account;
+    let mut members = vec![member(), member()];
+    for (killed_at, victim) in [(total / 5, 0), (total * 3 / 5, 1)] {
+        wait_for_ledger(&pool, killed_at).await;
+        // SIGKILL: mid-transaction, nothing committed to Kafka since the
+        // last commit interval.
+        drop(std::mem::replace(&mut members[victim], member()));
+    }
+    wait_for_ledger(&pool, total).await;
+    drop(members);
+
+    let (rows, distinct): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT event_id) FROM ledger")
+            .fetch_one(&pool)
+            .await
+            .expect("ledger");
+    assert_eq!((rows, distinct), (total, total), "every payment once");
+    let ledger: Vec<(String, uuid::Uuid)> =
+        sqlx::query_as("SELECT account_id, event_id FROM ledger ORDER BY seq")
+            .fetch_all(&pool)
+            .await
+            .expect("ledger");
+    let mut applied: std::collections::HashMap<String, Vec<uuid::Uuid>> = Default::default();
+    for (account, id) in ledger {
+        applied.entry(account).or_default().push(id);
+    }
+    for (account, ids) in &sent {
+        assert_eq!(
+            applied.get(account),
+            Some(ids),
+            "{account}'s payments in the order sent"
+        );
+    }
+    let expected: i64 = accounts * (1..=per_account).sum::<i64>();
+    assert_eq!(balance(&pool).await, expected);
+}
+
+/// Waits until the ledger holds `n` rows (or two minutes pass).
+async fn wait_for_ledger(pool: &PgPool, n: i64) {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM ledger")
+            .fetch_one(pool)
+            .await
+            .expect("ledger");
+        if rows >= n {
+            return;
+        }
+        assert!(Instant::now() < deadline, "stuck at {rows} of {n} payments");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

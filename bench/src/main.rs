@@ -65,6 +65,10 @@
 //! time a new owner takes to restore them and apply its first events,
 //! beside the same with no claims). See kafka_only.rs.
 //!
+//! With `--keyed`, key-ordered concurrency on one partition: a lease
+//! handler whose call takes 50 ms and a database handler whose statement
+//! takes 10 ms, at several `key_concurrency` values. See keyed.rs.
+//!
 //! Environment: `KAFKA_BROKERS` (default `127.0.0.1:9092`), `DATABASE_URL`.
 
 #![allow(clippy::print_stdout)]
@@ -87,6 +91,7 @@ use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::{Offset, TopicPartitionList};
 
 mod kafka_only;
+mod keyed;
 mod outbox;
 mod produce;
 mod steady;
@@ -237,6 +242,7 @@ struct Args {
     purge: bool,
     outbox: bool,
     kafka_only: bool,
+    keyed: bool,
     per_tx: usize,
     relay_batch: usize,
     mode: Option<String>,
@@ -267,6 +273,7 @@ fn args() -> Result<Args, String> {
         purge: false,
         outbox: false,
         kafka_only: false,
+        keyed: false,
         per_tx: 10,
         relay_batch: 500,
         mode: None,
@@ -295,6 +302,7 @@ fn args() -> Result<Args, String> {
             "--purge" => a.purge = true,
             "--outbox" => a.outbox = true,
             "--kafka-only" => a.kafka_only = true,
+            "--keyed" => a.keyed = true,
             "--relay-batch" => {
                 a.relay_batch = value()?
                     .parse()
@@ -329,7 +337,7 @@ fn args() -> Result<Args, String> {
             other => {
                 return Err(format!(
                     "unknown flag {other}; flags: --events --duplicates --partitions --json --purge \
-                     --outbox --kafka-only --per-tx --relay-batch --mode --rate --seconds --set key=value \
+                     --outbox --kafka-only --keyed --per-tx --relay-batch --mode --rate --seconds --set key=value \
                      --max-buffered --linger ms --dump file (with --mode steady or steady-purge)"
                 ));
             }
@@ -785,6 +793,9 @@ async fn main() -> Result<(), BoxError> {
         let work = Workload::new(args.events, args.duplicates, args.window);
         let brokers = env_or("KAFKA_BROKERS", "127.0.0.1:9092");
         return produce::produce(&brokers, topic, &work, args.rate);
+    }
+    if args.keyed {
+        return keyed::run(&args).await;
     }
     if let Some(mode) = &args.mode {
         let report = run_mode(mode, &args).await?;

@@ -273,7 +273,8 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// Routes `topic` to a lease-mode handler (`#[idempotent(lease =
     /// "30s")]`), whose effect lies outside the store: each message is
     /// acquired, its effect run under the lease, and completed, one message
-    /// at a time. A message whose event another holder's lease covers waits
+    /// of a partition at a time (up to [`key_concurrency`](Self::key_concurrency)
+    /// at once, one per ordering key). A message whose event another holder's lease covers waits
     /// (never dead-lettered for it) until that lease is done (then skipped)
     /// or expires (then taken over). Keep `attempt_timeout` above the
     /// longest effect: an abandoned attempt leaves its lease to expire.
@@ -326,8 +327,10 @@ impl<S: DedupStore> ConsumerBuilder<S> {
 
     /// How many partitions may run a handler at once (default 16, or the
     /// store's connections if it has fewer: each running partition holds
-    /// one). Messages of one partition always run one at a time, in order.
-    /// Set above the store's connections, the consumer warns at start-up:
+    /// one). Messages of one partition run one batch at a time, in order,
+    /// unless [`key_concurrency`](Self::key_concurrency) is set: then this
+    /// bounds the transactions running at once (default: the store's
+    /// connections). Set above the store's connections, the consumer warns at start-up:
     /// partitions would wait for connections.
     pub fn max_concurrent_partitions(mut self, n: usize) -> Self {
         self.runtime.max_concurrent_partitions = n.max(1);

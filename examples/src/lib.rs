@@ -35,6 +35,8 @@ mod book {
     mod introduction {}
     #[doc = include_str!("../../docs/src/kafka-to-kafka.md")]
     mod kafka_to_kafka {}
+    #[doc = include_str!("../../docs/src/key-concurrency.md")]
+    mod key_concurrency {}
     #[doc = include_str!("../../docs/src/lease-mode.md")]
     mod lease_mode {}
     #[doc = include_str!("../../docs/src/metrics.md")]

@@ -558,6 +558,17 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 "order_by({topic:?}, ..): the consumer has no handler for that topic"
             )));
         }
+        if runtime.key_concurrency == 0
+            && let Some(topic) = routes
+                .iter()
+                .find(|t| t.order_by != crate::OrderBy::default())
+        {
+            return Err(Error::Config(format!(
+                "order_by({:?}, ..) orders events only under key_concurrency(n): set it, or \
+                 drop order_by (a partition runs one event at a time, in offset order)",
+                topic.topic
+            )));
+        }
         if runtime.key_concurrency > runtime.max_concurrent_partitions
             && routes
                 .iter()

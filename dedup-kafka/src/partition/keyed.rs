@@ -55,8 +55,8 @@ pub(super) async fn worker<S: DedupStore>(
     let mut started_at: BTreeMap<u64, u64> = BTreeMap::new();
     let mut units = 0u64;
     // Per route, as in the serial worker: the offsets dead-lettered before,
-    // read once before the route's first unit.
-    let mut dead_lettered: Vec<Option<Arc<HashSet<String>>>> = vec![None; routes.all().len()];
+    // read once, before the first unit.
+    let mut dead_lettered: Option<Vec<Arc<HashSet<String>>>> = None;
     let mut jitter = Jitter::new(partition.partition as u64);
     let mut stopping = shared.stopping.subscribe();
     let mut revoked = partition.revoked.subscribe();
@@ -64,8 +64,25 @@ pub(super) async fn worker<S: DedupStore>(
     // Set on stop, revoke, release or an abandoned unit: no unit starts any
     // more, and the worker ends once the running ones have.
     let mut ending = false;
-    let admit =
-        |window: &mut Window<Held>, inbox: &mut Inbox, msg: OwnedMessage| match routes.pick(&msg) {
+    // Takes a received message in; `false` if its offset is not above the
+    // last one's (the fetch position moved back: a log truncation), which
+    // the window cannot order: the consumer stops, to resume from what it
+    // committed.
+    let admit = |window: &mut Window<Held>, inbox: &mut Inbox, msg: OwnedMessage| {
+        if let Some(last) = window.highest()
+            && msg.offset() <= last
+        {
+            shared.fail(format!(
+                "partition {}/{} went back from offset {last} to {} while running with \
+                 key_concurrency (a log truncation?): stopping, to resume from the committed \
+                 offset",
+                partition.topic,
+                partition.partition,
+                msg.offset()
+            ));
+            return false;
+        }
+        match routes.pick(&msg) {
             Pick::Route(index) => {
                 let key = routes.order_by.key_of(&msg);
                 window.push(msg.offset(), key, (index, msg));
@@ -80,13 +97,23 @@ pub(super) async fn worker<S: DedupStore>(
                 inbox.done(1);
                 shared.stats.touch();
             }
-        };
+        }
+        true
+    };
     loop {
+        // Looked at here too: under load a unit finishes at every turn, and
+        // the select below prefers those.
+        if *stopping.borrow() || *revoked.borrow() || *release.borrow() {
+            ending = true;
+        }
         if !ending {
             // What is queued already joins before units start, so a
             // transaction can take several events.
             while let Ok(msg) = inbox.try_recv() {
-                admit(&mut window, &mut inbox, msg);
+                if !admit(&mut window, &mut inbox, msg) {
+                    ending = true;
+                    break;
+                }
             }
         }
         while !ending && running.len() < n {
@@ -94,17 +121,27 @@ pub(super) async fn worker<S: DedupStore>(
                 break;
             };
             let route = routes.all()[index].clone();
-            if dead_lettered[index].is_none() {
-                // Every event not yet finished is at or above the lowest.
+            if dead_lettered.is_none() {
+                // Every route's, before the first unit starts: a unit that
+                // dead-letters holds the partition's dead-letter gate,
+                // which reading takes, and units move on only while this
+                // loop is not waiting. Every event not yet finished is at
+                // or above the lowest.
                 let from = window.lowest().expect("an event is ready");
-                match dead_letters::recorded(shared, &route, partition, from, &mut jitter).await {
-                    Some(ids) => dead_lettered[index] = Some(Arc::new(ids)),
-                    None => {
+                let mut sets = Vec::with_capacity(routes.all().len());
+                for route in routes.all() {
+                    match dead_letters::recorded(shared, route, partition, from, &mut jitter).await
+                    {
+                        Some(ids) => sets.push(Arc::new(ids)),
                         // Stopped while the store was unreachable.
-                        ending = true;
-                        break;
+                        None => break,
                     }
                 }
+                if sets.len() < routes.all().len() {
+                    ending = true;
+                    break;
+                }
+                dead_lettered = Some(sets);
             }
             let max = match route.handler.batches() {
                 Some(_) => share(window.ready(), n - running.len(), batch_size),
@@ -117,7 +154,7 @@ pub(super) async fn worker<S: DedupStore>(
                 .unzip();
             units += 1;
             started_at.insert(units, shared.stats.clock_ms());
-            let known = dead_lettered[index].clone().expect("read above");
+            let known = dead_lettered.as_ref().expect("read above")[index].clone();
             let (shared, partition, id) = (shared.clone(), partition.clone(), units);
             let mut jitter = Jitter::new(partition.partition as u64 ^ (id << 20));
             running.push(async move {
@@ -151,7 +188,7 @@ pub(super) async fn worker<S: DedupStore>(
             _ = revoked.wait_for(|r| *r), if !ending => ending = true,
             _ = release.wait_for(|r| *r), if !ending => ending = true,
             msg = inbox.recv(), if !ending => match msg {
-                Some(msg) => admit(&mut window, &mut inbox, msg),
+                Some(msg) => ending = !admit(&mut window, &mut inbox, msg),
                 None => ending = true,
             },
         }

@@ -109,7 +109,9 @@ impl<S: DedupStore> Runtime<S> {
         Fut::Output: Send + 'static,
     {
         let metrics = route.metrics();
-        let bounded = self.settings.key_concurrency == 0 || route.handler.batches().is_some();
+        // Every transactional route takes batches; a lease's does not.
+        let transaction = route.handler.batches().is_some();
+        let bounded = self.settings.key_concurrency == 0 || transaction;
         // Held (not `let _ =`, which would release it at once) until the
         // task is joined.
         let _permit = match bounded {
@@ -118,9 +120,12 @@ impl<S: DedupStore> Runtime<S> {
         };
         // Timed from here: the wait for a permit is not the transaction's.
         let started = std::time::Instant::now();
+        // A transaction is abandoned with its waiter; a lease's call is not
+        // (see attempt::run).
         let ran = attempt::run(
             span,
             self.settings.attempt_timeout,
+            transaction,
             call(self.store.clone()),
         )
         .await;

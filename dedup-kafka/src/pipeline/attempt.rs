@@ -37,8 +37,17 @@ pub(crate) fn timed_out(limit: Duration) -> dedup_core::StoreError {
 /// How long an abandoned attempt gets to stop.
 const ABORT_GRACE: Duration = Duration::from_secs(5);
 
-/// Runs `attempt` as its own task in `span`, for at most `limit`.
-pub(crate) async fn run<F>(span: tracing::Span, limit: Duration, attempt: F) -> Ran<F::Output>
+/// Runs `attempt` as its own task in `span`, for at most `limit`. If this
+/// future is dropped first (a worker aborted at the shutdown timeout), the
+/// task is aborted when `abort_on_drop` (a transaction: it rolls back, and
+/// its event is redelivered) and otherwise left to finish (a lease's call,
+/// whose completion is what keeps its effect from being done again).
+pub(crate) async fn run<F>(
+    span: tracing::Span,
+    limit: Duration,
+    abort_on_drop: bool,
+    attempt: F,
+) -> Ran<F::Output>
 where
     F: Future + Send + 'static,
     F::Output: Send + 'static,
@@ -47,8 +56,11 @@ where
     // `opentelemetry`), so what the handler writes carries it.
     #[cfg(feature = "opentelemetry")]
     let attempt = opentelemetry::context::FutureExt::with_current_context(attempt);
-    let mut task = AbortOnDrop(tokio::spawn(attempt.instrument(span)));
-    let task = &mut task.0;
+    let mut task = Attempt {
+        task: tokio::spawn(attempt.instrument(span)),
+        abort_on_drop,
+    };
+    let task = &mut task.task;
     match tokio::time::timeout(limit, &mut *task).await {
         Ok(Ok(out)) => Ran::Done(out),
         Ok(Err(joined)) => match joined.try_into_panic() {
@@ -73,14 +85,18 @@ where
     }
 }
 
-/// An attempt's task, aborted if whoever waits for it is dropped (a
-/// worker aborted at the shutdown timeout): its transaction rolls back
-/// instead of running on, unowned, into a commit nobody records.
-struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
+/// An attempt's task, aborted if whoever waits for it is dropped and
+/// `abort_on_drop` says so (see [`run`]).
+struct Attempt<T> {
+    task: tokio::task::JoinHandle<T>,
+    abort_on_drop: bool,
+}
 
-impl<T> Drop for AbortOnDrop<T> {
+impl<T> Drop for Attempt<T> {
     fn drop(&mut self) {
-        self.0.abort();
+        if self.abort_on_drop {
+            self.task.abort();
+        }
     }
 }
 
@@ -115,7 +131,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_panic_is_an_outcome_not_an_unwind() {
-        let ran = run(tracing::Span::none(), Duration::from_secs(5), async {
+        let ran = run(tracing::Span::none(), Duration::from_secs(5), true, async {
             if true {
                 panic!("bad amount");
             }
@@ -135,12 +151,16 @@ mod tests {
         let ran = run(
             tracing::Span::none(),
             Duration::from_millis(100),
+            true,
             std::future::pending::<()>(),
         )
         .await;
         assert!(matches!(ran, Ran::TimedOut(_)), "{ran:?}");
         assert!(started.elapsed() < Duration::from_secs(5));
-        let ran = run(tracing::Span::none(), Duration::from_secs(5), async { 7 }).await;
+        let ran = run(tracing::Span::none(), Duration::from_secs(5), true, async {
+            7
+        })
+        .await;
         assert!(matches!(ran, Ran::Done(7)), "{ran:?}");
     }
 }

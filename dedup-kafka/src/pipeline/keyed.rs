@@ -62,8 +62,9 @@ impl<M> Default for Window<M> {
 }
 
 impl<M> Window<M> {
-    /// A received event (offsets increase). One without an ordering key is
-    /// ordered with nothing.
+    /// A received event, above every one before it (the caller checks:
+    /// [`Window::highest`]). One without an ordering key is ordered with
+    /// nothing.
     pub(crate) fn push(&mut self, offset: i64, key: Option<OrderKey>, event: M) {
         debug_assert!(self.pending.back().is_none_or(|(o, _)| *o < offset));
         self.pending.push_back((offset, false));
@@ -154,6 +155,11 @@ impl<M> Window<M> {
             next = Some(offset + 1);
         }
         next.map(|n| (n, passed))
+    }
+
+    /// The highest offset received and not yet passed, if any.
+    pub(crate) fn highest(&self) -> Option<i64> {
+        self.pending.back().map(|(o, _)| *o)
     }
 
     /// The lowest offset not yet finished (or passed), if any.

@@ -183,11 +183,19 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 }
             };
             let handler = self.handler.clone();
-            let ran = attempt::run(tracing::Span::current(), self.attempt_timeout, async move {
-                let mut out = Outputs::default();
-                let result = handler.handle(&mut out, ev).await;
-                (out, result)
-            })
+            // Its outputs are only records in memory until the batch's
+            // transaction: left to finish if the consumer is dropped, as
+            // before (a handler's own outside calls are its business).
+            let ran = attempt::run(
+                tracing::Span::current(),
+                self.attempt_timeout,
+                false,
+                async move {
+                    let mut out = Outputs::default();
+                    let result = handler.handle(&mut out, ev).await;
+                    (out, result)
+                },
+            )
             .await;
             let (error, fault) = match ran {
                 Ran::Done((out, Ok(()))) => {

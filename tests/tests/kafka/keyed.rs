@@ -391,3 +391,33 @@ async fn wait_for_ledger(pool: &PgPool, n: i64) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// `order_by` that cannot take effect is refused at build, naming the
+/// topic: without key_concurrency, or for a topic with no handler.
+#[sqlx::test(migrations = false)]
+async fn an_ordering_that_would_do_nothing_is_refused(pool: PgPool) {
+    let store = steps_store(&pool).await;
+    let refused = |builder: ConsumerBuilder<PgStore>| match builder.build() {
+        Ok(_) => panic!("built"),
+        Err(e) => e.to_string(),
+    };
+    let without = refused(
+        consumer(&store, "g")
+            .order_by("steps", OrderBy::field("account_id"))
+            .handle("steps", run_step),
+    );
+    assert!(
+        without.contains("\"steps\"") && without.contains("key_concurrency"),
+        "{without}"
+    );
+    let elsewhere = refused(
+        consumer(&store, "g")
+            .key_concurrency(4)
+            .order_by("other", OrderBy::header("tenant"))
+            .handle("steps", run_step),
+    );
+    assert!(
+        elsewhere.contains("\"other\"") && elsewhere.contains("no handler"),
+        "{elsewhere}"
+    );
+}

@@ -778,3 +778,68 @@ async fn the_manifests_probe_what_the_examples_serve(pool: PgPool) {
     .await;
     serves_its_probes("outbox", "relay.yaml", "Deployment", &pool, &[]).await;
 }
+
+/// Key-ordered concurrency's gauges, from the payments example: while six
+/// accounts' payments run (each transaction held 3 s by `EFFECT_MS`), the
+/// two later payments of one account wait behind its first:
+/// `dedup_key_running` 6 and `dedup_key_waiting` 2 for the partition; both
+/// 0 once all eight are applied.
+#[sqlx::test(migrations = false)]
+async fn key_concurrency_shows_running_and_waiting_events_per_partition(pool: PgPool) {
+    let topic = create_topic(1).await;
+    let p = producer();
+    for (account, payments) in [("a", 3), ("b", 1), ("c", 1), ("d", 1), ("e", 1), ("f", 1)] {
+        for _ in 0..payments {
+            p.send(
+                FutureRecord::to(&topic).key(account).payload(&payment(
+                    uuid::Uuid::new_v4(),
+                    account,
+                    1,
+                )),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produced");
+        }
+    }
+    let port = free_port();
+    let child = common::payments(&pool, &topic, &unique("g"))
+        .env("METRICS_ADDR", format!("127.0.0.1:{port}"))
+        .env("DEDUP_KEY_CONCURRENCY", "8")
+        .env("EFFECT_MS", "3000")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start the payments example");
+    let _child = KillOnDrop(Some(child));
+    let partition = [("topic", topic.as_str()), ("partition", "0")];
+    let gauges = |text: &str| {
+        (
+            sample(text, "dedup_key_running", &partition),
+            sample(text, "dedup_key_waiting", &partition),
+        )
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(Instant::now() < deadline, "never six running, two waiting");
+        if let Some((200, text)) = get(port, "/metrics").await
+            && gauges(&text) == (Some(6.0), Some(2.0))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // a's three one after another: about 9 s.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        assert!(Instant::now() < deadline, "never all applied and idle");
+        if let Some((200, text)) = get(port, "/metrics").await
+            && outcome(&text, &topic, "applied") == 8
+            && gauges(&text) == (Some(0.0), Some(0.0))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -421,3 +421,57 @@ async fn an_ordering_that_would_do_nothing_is_refused(pool: PgPool) {
         "{elsewhere}"
     );
 }
+
+/// A rebalance under key-ordered concurrency: a second member joins while
+/// the first runs four partitions of 40 accounts' numbered steps (20 ms
+/// transactions, eight at once per partition), and the first then leaves.
+/// The revokes wait for the units running; whatever finished above a
+/// partition's first unfinished event is skipped by its next owner. Every
+/// step runs once, each account's in order, and none two at once.
+#[sqlx::test(migrations = false)]
+async fn a_rebalance_mid_flight_applies_every_event_once_and_each_key_in_order(pool: PgPool) {
+    let store = steps_store(&pool).await;
+    let topic = create_topic(4).await;
+    let (accounts, steps) = (40, 10);
+    let records = (0..steps).flat_map(|seq| {
+        (0..accounts).map(move |a| {
+            let account = format!("acct-{a}");
+            (account.clone(), step(&account, seq, 20, false))
+        })
+    });
+    produce_all(&producer(), &topic, records).await;
+    let group = unique("g");
+    let member = || {
+        start(
+            consumer(&store, &group)
+                .key_concurrency(8)
+                .handle(&topic, run_step),
+        )
+    };
+    let total = (accounts * steps) as u64;
+    let first = member();
+    first
+        .wait_for("a quarter applied", |s| s.applied >= total / 4)
+        .await;
+    let second = member();
+    second
+        .wait_for("the second member's first events", |s| s.applied > 0)
+        .await;
+    let first = first.stop().await;
+    second
+        .wait_for("the rest applied", |s| s.applied + first.applied >= total)
+        .await;
+    let second = second.stop().await;
+    assert_eq!(
+        first.applied + second.applied,
+        total,
+        "{first:?} {second:?}"
+    );
+    assert_eq!(
+        first.skipped + second.skipped,
+        first.redelivered + second.redelivered,
+        "every skip a redelivery: {first:?} {second:?}"
+    );
+    assert_in_order_one_at_a_time(&runs(&pool).await, accounts as usize, steps);
+    assert_eq!(balance(&pool).await, total as i64);
+}

@@ -53,7 +53,14 @@ struct Event {
     /// The output topic, if not the handler's.
     #[serde(default)]
     to: Option<String>,
+    /// Waits this long (a slow lookup), logged in [`RUNS`].
+    #[serde(default)]
+    sleep_ms: u64,
 }
+
+/// Each call with `sleep_ms`: its event id, when it started and ended.
+static RUNS: std::sync::Mutex<Vec<(String, std::time::Instant, std::time::Instant)>> =
+    std::sync::Mutex::new(Vec::new());
 
 /// When each event with `outage_secs` was first tried, by id.
 static OUTAGE_FROM: std::sync::Mutex<Vec<(String, std::time::Instant)>> =
@@ -123,6 +130,13 @@ impl Handler for Forward {
             .into());
         }
         let id = ev.event_id.unwrap_or_default();
+        if ev.sleep_ms > 0 {
+            let started = std::time::Instant::now();
+            tokio::time::sleep(Duration::from_millis(ev.sleep_ms)).await;
+            RUNS.lock()
+                .expect("lock")
+                .push((id.clone(), started, std::time::Instant::now()));
+        }
         if ev.big > 0 {
             out.push(
                 OutputRecord::new(&self.out)
@@ -1327,4 +1341,72 @@ async fn a_handler_sees_the_record_of_each_event_also_when_retried() {
         let parent = header(m, "traceparent").unwrap_or_default();
         assert!(parent.contains(&traces[id]), "{id}: {parent:?}");
     }
+}
+
+/// Key-ordered concurrency in the Kafka-only runtime: one partition, eight
+/// keys of five events whose handler waits 60 ms each, and a copy of one
+/// event under another record key. With key_concurrency(8) calls of
+/// different keys overlap while each key's run in order and never two at
+/// once; the copy is judged after its original whatever its key, and
+/// skipped; every distinct event is output once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_concurrency_runs_keys_at_once_each_in_order() {
+    let (topic, out, group) = topics(1).await;
+    let p = producer();
+    let tag = unique("kc");
+    let body = |id: &str, seq: i64| {
+        serde_json::json!({"event_id": id, "n": seq, "sleep_ms": 60})
+            .to_string()
+            .into_bytes()
+    };
+    for seq in 0..5 {
+        for k in 0..8 {
+            let id = format!("{tag}-k{k}-{seq}");
+            send(&p, &topic, &format!("k{k}"), &body(&id, seq), None).await;
+            if (k, seq) == (3, 2) {
+                // Its copy at once, under a key nothing else holds: only
+                // its claim makes it wait for the original.
+                send(&p, &topic, "elsewhere", &body(&id, seq), None).await;
+            }
+        }
+    }
+    let stats = drain_with(
+        TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+            .group_id(&group)
+            .key_concurrency(8),
+    )
+    .await;
+    assert_eq!((stats.applied, stats.skipped), (40, 1), "{stats}");
+    let output = read_all(&out, "read_committed").await;
+    let seen = ids(&output);
+    assert_eq!(seen.len(), 40, "one output per distinct event");
+    assert_eq!(seen.iter().collect::<HashSet<_>>().len(), 40);
+
+    let runs: Vec<_> = RUNS
+        .lock()
+        .expect("lock")
+        .iter()
+        .filter(|(id, _, _)| id.starts_with(&tag))
+        .cloned()
+        .collect();
+    assert_eq!(runs.len(), 40, "one call per distinct event");
+    for k in 0..8 {
+        let prefix = format!("{tag}-k{k}-");
+        let mut of_key: Vec<_> = runs.iter().filter(|r| r.0.starts_with(&prefix)).collect();
+        of_key.sort_by_key(|r| r.1);
+        let seqs: Vec<&str> = of_key.iter().map(|r| &r.0[prefix.len()..]).collect();
+        assert_eq!(seqs, ["0", "1", "2", "3", "4"], "k{k}'s calls in order");
+        for pair in of_key.windows(2) {
+            assert!(pair[0].2 <= pair[1].1, "two calls of k{k} at once");
+        }
+    }
+    let most = runs
+        .iter()
+        .map(|r| runs.iter().filter(|o| o.1 <= r.1 && r.1 < o.2).count())
+        .max()
+        .unwrap_or(0);
+    assert!(
+        (4..=8).contains(&most),
+        "calls of different keys overlap, at most 8: {most}"
+    );
 }

@@ -33,6 +33,8 @@ pub struct TransactionalConsumerBuilder<H> {
     retry: RetryPolicy,
     on_fingerprint_mismatch: OnFingerprintMismatch,
     attempt_timeout: Duration,
+    key_concurrency: usize,
+    order_by: crate::OrderBy,
     ttl_check: crate::TtlCheck,
     /// Where to serve metrics and health, if anywhere.
     #[cfg(feature = "http")]
@@ -71,6 +73,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             retry: RetryPolicy::default(),
             on_fingerprint_mismatch: OnFingerprintMismatch::default(),
             attempt_timeout: Duration::from_secs(60),
+            key_concurrency: 0,
+            order_by: crate::OrderBy::default(),
             ttl_check: crate::TtlCheck::Warn,
             #[cfg(feature = "http")]
             http: None,
@@ -157,6 +161,26 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         self
     }
 
+    /// Key-ordered concurrency: up to `n` handler calls of a batch run at
+    /// once (default 0: one after another, in offset order), as
+    /// [`ConsumerBuilder::key_concurrency`](crate::ConsumerBuilder::key_concurrency)
+    /// does for the database runtime (0 or 1: one after another). Events of
+    /// one ordering key, and events of one event id, each in their
+    /// partition, still run one at a time in offset order; the batch's outputs, claims and offsets still go in one
+    /// transaction, its outputs in offset order. For handlers that wait on
+    /// something slow (a lookup to enrich with).
+    pub fn key_concurrency(mut self, n: usize) -> Self {
+        self.key_concurrency = n;
+        self
+    }
+
+    /// What orders events under [`key_concurrency`](Self::key_concurrency)
+    /// (default: the record key).
+    pub fn order_by(mut self, order: crate::OrderBy) -> Self {
+        self.order_by = order;
+        self
+    }
+
     /// How long a batch that starts from idle waits for more messages once
     /// it has one (default 20 ms): each transaction costs a few round trips
     /// to the brokers. After a full batch, or one during which more came
@@ -219,6 +243,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             )
         });
         self.client.check_env()?;
+        if self.key_concurrency == 0 && self.order_by != crate::OrderBy::default() {
+            return Err(Error::Config(
+                "order_by(..) orders events only under key_concurrency(n): set it, or drop \
+                 order_by (a batch's events run one after another, in offset order)"
+                    .into(),
+            ));
+        }
         config::refuse_own_settings(
             &self.producer_settings,
             &config::TRANSACTIONAL_OWN_SETTINGS,
@@ -272,6 +303,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             retry: self.retry,
             on_fingerprint_mismatch: self.on_fingerprint_mismatch,
             attempt_timeout: self.attempt_timeout,
+            key_concurrency: self.key_concurrency,
+            order_by: self.order_by,
             ttl_check: self.ttl_check,
             stats,
             metrics: std::sync::OnceLock::new(),

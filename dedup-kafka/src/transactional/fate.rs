@@ -1,7 +1,10 @@
 //! Each message's fate: decoded, keyed, judged against the claims, and run
 //! (contained, with retries) into its outputs.
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
+
+use futures_util::StreamExt as _;
+use futures_util::stream::FuturesUnordered;
 
 use dedup_core::{DedupKey, DescribeExt as _, Handler};
 use rdkafka::message::{Message as _, OwnedMessage};
@@ -15,6 +18,7 @@ use crate::Error;
 use crate::config::OnFingerprintMismatch;
 use crate::pipeline::attempt::{self, Ran};
 use crate::pipeline::decision::{Decision, Fault};
+use crate::pipeline::keyed::OrderKey;
 use crate::pipeline::outage::Retrying;
 use crate::pipeline::{error_chain, meta_of};
 use crate::retry::Jitter;
@@ -52,6 +56,19 @@ pub(super) enum Fate {
     },
 }
 
+/// What a message is judged in order with under key-ordered concurrency:
+/// its ordering key and its claim, each in its partition.
+type OrderedBy = (Option<(i32, OrderKey)>, Option<(i32, ClaimDigest)>);
+
+/// A message decoded and keyed, for [`TransactionalConsumer::judge`].
+pub(super) struct Prepared<E> {
+    key: DedupKey,
+    pub(super) digest: ClaimDigest,
+    fingerprint: Option<dedup_core::Fingerprint>,
+    event: E,
+    headers: dedup_core::Meta,
+}
+
 /// Why a batch's judging ended before its transaction.
 pub(super) enum Halt {
     /// The consumer cannot go on.
@@ -75,6 +92,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         jitter: &mut Jitter,
         with: &With<'_>,
     ) -> Result<(Vec<Fate>, Staged), Halt> {
+        if self.key_concurrency > 1 {
+            return self.fates_at_once(batch, times, states, forced, with).await;
+        }
         let mut fates = Vec::with_capacity(batch.len());
         // Claims taken in this batch, on top of the partitions' committed ones.
         let mut staged = Staged::new();
@@ -83,17 +103,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 Some(fate) => fate.clone(),
                 None => {
                     let fate = self.fate(msg, at, states, &staged, jitter, with);
-                    // Each message's attempts run in its own span, so its
-                    // outputs carry its trace on (feature `opentelemetry`).
-                    #[cfg(feature = "opentelemetry")]
-                    let fate = opentelemetry::context::FutureExt::with_context(
-                        fate,
-                        crate::otel::process(
-                            msg,
-                            self.consumer_config.get("group.id").unwrap_or_default(),
-                        ),
-                    );
-                    fate.await?
+                    self.in_span(msg, fate).await?
                 }
             };
             if let Fate::Applied { digest, entry, .. } = &fate {
@@ -101,6 +111,159 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             }
             fates.push(fate);
         }
+        Ok((fates, staged))
+    }
+
+    /// `judging` in `msg`'s own span (feature `opentelemetry`), so its
+    /// attempts' outputs carry its trace on.
+    fn in_span<F: std::future::Future>(
+        &self,
+        msg: &OwnedMessage,
+        judging: F,
+    ) -> impl std::future::Future<Output = F::Output> {
+        #[cfg(feature = "opentelemetry")]
+        let judging = opentelemetry::context::FutureExt::with_context(
+            judging,
+            crate::otel::process(
+                msg,
+                self.consumer_config.get("group.id").unwrap_or_default(),
+            ),
+        );
+        #[cfg(not(feature = "opentelemetry"))]
+        let _ = msg;
+        judging
+    }
+
+    /// [`fates`](Self::fates) under key-ordered concurrency: up to
+    /// `key_concurrency` messages judged at once. A message waits while an
+    /// earlier one of its ordering key (in its partition) or of its claim
+    /// (its event id) is not judged yet, so each key's run in offset order
+    /// and a claim's duplicates are judged after it, against the claim it
+    /// staged, as one after another would. Messages whose fate needs no
+    /// handler (forced, or undecodable) wait for nothing and hold nothing.
+    async fn fates_at_once(
+        &self,
+        batch: &[OwnedMessage],
+        times: &[i64],
+        states: &HashMap<i32, PartitionClaims>,
+        forced: &HashMap<usize, Fate>,
+        with: &With<'_>,
+    ) -> Result<(Vec<Fate>, Staged), Halt> {
+        let n = batch.len();
+        let mut fates: Vec<Option<Fate>> = vec![None; n];
+        let mut prepared: Vec<Option<Prepared<H::Event>>> = (0..n).map(|_| None).collect();
+        // What each message is ordered by: its ordering key and its claim.
+        let mut order: Vec<OrderedBy> = Vec::with_capacity(n);
+        // The claims applied, by claim and index: a message sees the
+        // latest one before it, as when judged one after another.
+        let mut applied: HashMap<(i32, ClaimDigest), BTreeMap<usize, Entry>> = HashMap::new();
+        for (i, msg) in batch.iter().enumerate() {
+            let p = msg.partition();
+            let key = self.order_by.key_of(msg).map(|k| (p, k));
+            match forced.get(&i) {
+                Some(fate) => {
+                    if let Fate::Applied { digest, entry, .. } = fate {
+                        applied.entry((p, *digest)).or_default().insert(i, *entry);
+                    }
+                    fates[i] = Some(fate.clone());
+                    order.push((key, None));
+                }
+                None => match self.prepare(msg) {
+                    Ok(ready) => {
+                        order.push((key, Some((p, ready.digest))));
+                        prepared[i] = Some(ready);
+                    }
+                    Err(dead) => {
+                        fates[i] = Some(dead);
+                        order.push((key, None));
+                    }
+                },
+            }
+        }
+        let mut running = FuturesUnordered::new();
+        let mut busy_keys = HashSet::new();
+        let mut busy_claims = HashSet::new();
+        // Below it every message is judged.
+        let mut first = 0;
+        loop {
+            while first < n && fates[first].is_some() {
+                first += 1;
+            }
+            // In offset order, each message free to start: nothing of its
+            // key or claim running, nor waiting before it.
+            let (mut held_keys, mut held_claims) = (HashSet::new(), HashSet::new());
+            for i in first..n {
+                if running.len() >= self.key_concurrency {
+                    break;
+                }
+                if prepared[i].is_none() {
+                    continue;
+                }
+                let (key, claim) = order[i];
+                let free = key.is_none_or(|k| !busy_keys.contains(&k) && !held_keys.contains(&k))
+                    && claim.is_none_or(|c| !busy_claims.contains(&c) && !held_claims.contains(&c));
+                if !free {
+                    held_keys.extend(key);
+                    held_claims.extend(claim);
+                    continue;
+                }
+                busy_keys.extend(key);
+                busy_claims.extend(claim);
+                let ready = prepared[i].take().expect("checked above");
+                let mut view = Staged::new();
+                if let Some(c) = claim
+                    && let Some((_, entry)) =
+                        applied.get(&c).and_then(|by| by.range(..i).next_back())
+                {
+                    view.insert(c, *entry);
+                }
+                let (msg, at) = (&batch[i], times[i]);
+                let judging = async move {
+                    let mut jitter = Jitter::new(i as u64);
+                    let fate = self
+                        .judge(msg, ready, at, states, &view, &mut jitter, with)
+                        .await;
+                    (i, fate)
+                };
+                running.push(self.in_span(msg, judging));
+            }
+            let Some((i, fate)) = running.next().await else {
+                break;
+            };
+            let fate = match fate {
+                Ok(fate) => fate,
+                // The batch is dropped. Unless the consumer cannot go on,
+                // the others end first (one waiting to retry returns at
+                // once on a stop or a rebalance, one running within its
+                // attempt timeout), so none runs on beside the batch's
+                // next run. Their outputs were never sent.
+                Err(halt) => {
+                    if !matches!(halt, Halt::Fatal(_)) {
+                        while running.next().await.is_some() {}
+                    }
+                    return Err(halt);
+                }
+            };
+            let (key, claim) = order[i];
+            if let Some(k) = key {
+                busy_keys.remove(&k);
+            }
+            if let Some(c) = claim {
+                busy_claims.remove(&c);
+                if let Fate::Applied { entry, .. } = &fate {
+                    applied.entry(c).or_default().insert(i, *entry);
+                }
+            }
+            fates[i] = Some(fate);
+        }
+        let staged = applied
+            .into_iter()
+            .filter_map(|(c, by)| by.into_values().next_back().map(|e| (c, e)))
+            .collect();
+        let fates = fates
+            .into_iter()
+            .map(|f| f.expect("every message judged"))
+            .collect();
         Ok((fates, staged))
     }
 
@@ -120,15 +283,54 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         jitter: &mut Jitter,
         with: &With<'_>,
     ) -> Result<Fate, Halt> {
+        match self.prepare(msg) {
+            Ok(prepared) => {
+                self.judge(msg, prepared, at, states, staged, jitter, with)
+                    .await
+            }
+            Err(dead) => Ok(dead),
+        }
+    }
+
+    /// `msg` decoded and keyed, or the fate of one that cannot be.
+    // The fate is what the caller wants in either case, not an error to box.
+    #[allow(clippy::result_large_err)]
+    pub(super) fn prepare(&self, msg: &OwnedMessage) -> Result<Prepared<H::Event>, Fate> {
         let payload = msg.payload().unwrap_or_default();
         let headers = meta_of(msg);
-        let (key, fingerprint, event) =
-            match attempt::contained(|| self.handler.prepare(payload, &headers)) {
-                Ok(Ok(prepared)) => prepared,
-                Ok(Err(e)) => return Ok(dead(e.kind(), error_chain(&e), 1)),
-                Err(said) => return Ok(dead("panic", unprepared_panic(&said), 1)),
-            };
-        let digest = claims::digest(&key);
+        match attempt::contained(|| self.handler.prepare(payload, &headers)) {
+            Ok(Ok((key, fingerprint, event))) => Ok(Prepared {
+                digest: claims::digest(&key),
+                key,
+                fingerprint,
+                event,
+                headers,
+            }),
+            Ok(Err(e)) => Err(dead(e.kind(), error_chain(&e), 1)),
+            Err(said) => Err(dead("panic", unprepared_panic(&said), 1)),
+        }
+    }
+
+    /// [`fate`](Self::fate) of a message prepared.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) async fn judge(
+        &self,
+        msg: &OwnedMessage,
+        prepared: Prepared<H::Event>,
+        at: i64,
+        states: &HashMap<i32, PartitionClaims>,
+        staged: &Staged,
+        jitter: &mut Jitter,
+        with: &With<'_>,
+    ) -> Result<Fate, Halt> {
+        let payload = msg.payload().unwrap_or_default();
+        let Prepared {
+            key,
+            fingerprint,
+            event,
+            headers,
+            digest,
+        } = prepared;
         let live = staged
             .get(&(msg.partition(), digest))
             .filter(|e| e.covers(at))

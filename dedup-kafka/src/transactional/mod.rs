@@ -97,6 +97,10 @@ pub struct TransactionalConsumer<H> {
     retry: RetryPolicy,
     on_fingerprint_mismatch: OnFingerprintMismatch,
     attempt_timeout: Duration,
+    /// Handler calls of a batch at once, one per ordering key and claim;
+    /// 0 or 1: one after another.
+    key_concurrency: usize,
+    order_by: crate::OrderBy,
     ttl_check: crate::TtlCheck,
     stats: Arc<Stats>,
     /// Registered on first use, after the application installed its

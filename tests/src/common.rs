@@ -209,6 +209,24 @@ pub fn payments(pool: &PgPool, topic: &str, group: &str) -> Command {
     cmd
 }
 
+/// The offset `group` has committed for partition `partition` of `topic`
+/// (`Offset::Invalid` if none), read as a member that does not join.
+pub fn committed(topic: &str, group: &str, partition: i32) -> rdkafka::Offset {
+    let member: rdkafka::consumer::BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .create()
+        .expect("member");
+    let mut asked = rdkafka::TopicPartitionList::new();
+    asked.add_partition(topic, partition);
+    member
+        .committed_offsets(asked, Duration::from_secs(10))
+        .expect("committed offsets")
+        .find_partition(topic, partition)
+        .map(|p| p.offset())
+        .expect("asked for")
+}
+
 /// The last line the process printed on stdout.
 pub fn last_line(output: &std::process::Output) -> String {
     let stdout = String::from_utf8_lossy(&output.stdout);

@@ -963,19 +963,9 @@ async fn assert_nothing_committed(topic: &str, out: &str, group: &str) {
             .await
             .is_empty()
     );
-    let member: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("group.id", group)
-        .create()
-        .expect("member");
-    let mut partition = TopicPartitionList::new();
-    partition.add_partition(topic, 0);
-    let committed = member
-        .committed_offsets(partition, Duration::from_secs(10))
-        .expect("committed offsets");
     assert_eq!(
-        committed.find_partition(topic, 0).map(|p| p.offset()),
-        Some(Offset::Invalid),
+        common::committed(topic, group, 0),
+        Offset::Invalid,
         "no offset committed"
     );
 }

@@ -6,8 +6,7 @@
 use super::*;
 
 use dedup_kafka::OrderBy;
-use rdkafka::consumer::{BaseConsumer, Consumer as _};
-use rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use rdkafka::Offset;
 
 /// One step of an account's numbered sequence.
 #[derive(serde::Deserialize)]
@@ -231,7 +230,7 @@ async fn the_committed_offset_waits_for_the_first_unfinished_event(pool: PgPool)
         .await;
     // A few commit intervals: nothing at or past offset 5 may be committed.
     tokio::time::sleep(Duration::from_millis(800)).await;
-    assert_eq!(committed(&topic, &group), Offset::Offset(5));
+    assert_eq!(common::committed(&topic, &group, 0), Offset::Offset(5));
     assert_eq!(
         balance_of(&pool, "held").await,
         0,
@@ -266,24 +265,6 @@ async fn the_committed_offset_waits_for_the_first_unfinished_event(pool: PgPool)
         3,
     );
     assert_eq!(balance(&pool).await, 28, "every event once");
-}
-
-/// The offset the group has committed for partition 0 of `topic`.
-fn committed(topic: &str, group: &str) -> Offset {
-    let member: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("group.id", group)
-        .create()
-        .expect("member");
-    let mut partition = TopicPartitionList::new();
-    partition.add_partition(topic, 0);
-    let committed = member
-        .committed_offsets(partition, Duration::from_secs(10))
-        .expect("committed offsets");
-    committed
-        .find_partition(topic, 0)
-        .map(|p| p.offset())
-        .expect("asked for")
 }
 
 async fn balance_of(pool: &PgPool, account: &str) -> i64 {

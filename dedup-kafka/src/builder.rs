@@ -49,6 +49,8 @@ pub struct ConsumerBuilder<S> {
     /// What becomes of the other event types of a typed topic.
     other_types: HashMap<String, crate::OtherTypes>,
     order_by: HashMap<String, crate::OrderBy>,
+    /// The retry tiers of every handled topic, or why they are wrong.
+    tiers: Option<Result<crate::RetryTiers, String>>,
     runtime: Settings,
     /// Whether `max_concurrent_partitions` was set (else it is fitted to
     /// the store's connections).
@@ -130,6 +132,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             dead_letter_overrides: HashMap::new(),
             other_types: HashMap::new(),
             order_by: HashMap::new(),
+            tiers: None,
             runtime: Settings::default(),
             concurrency_set: false,
             #[cfg(feature = "http")]
@@ -263,6 +266,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self.routes.push(Route {
             dead_letter_topic: format!("{topic}.dlq"),
             topic,
+            tiers: None,
             event_type,
             handler,
             metrics: std::sync::OnceLock::new(),
@@ -288,6 +292,37 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             None,
             crate::route::Effect::Leased(Arc::new(crate::route::Leased(handler))),
         )
+    }
+
+    /// Non-blocking retries: after a few short attempts in place, an event
+    /// whose handler keeps failing transiently moves to the first of these
+    /// retry tiers (`<topic>.retry-30s` for `"30s"`), then the next, then
+    /// the dead-letter topic, while its partition moves on. Each tier's
+    /// records wait their delay (the tier's partition is paused until its
+    /// next record is due), and this consumer reads the tiers too unless
+    /// [`RetryTiers::read`] says otherwise. A move is recorded like a dead
+    /// letter, so a redelivery neither moves an event twice nor applies
+    /// it; failures of the environment (an outage, a timeout) are waited
+    /// out in place as always. Create the tier topics like the dead-letter
+    /// topic, with as many partitions as the handled topic. A bad delay is
+    /// reported by `build()`.
+    ///
+    /// Events of one key may be applied out of their order while an
+    /// earlier one waits in a tier (see the book's "Retry tiers").
+    pub fn retry_tiers<I>(mut self, delays: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: AsRef<str>,
+    {
+        self.tiers = Some(crate::RetryTiers::new(delays).map_err(|e| e.to_string()));
+        self
+    }
+
+    /// Retry tiers named and placed as `tiers` says (see
+    /// [`retry_tiers`](Self::retry_tiers)).
+    pub fn retry_tiers_with(mut self, tiers: crate::RetryTiers) -> Self {
+        self.tiers = Some(Ok(tiers));
+        self
     }
 
     /// Sends the dead letters of `topic` to `dead_letter_topic`.
@@ -512,6 +547,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             dead_letter_overrides,
             other_types,
             mut order_by,
+            tiers,
             mut runtime,
             concurrency_set,
             #[cfg(feature = "http")]
@@ -553,6 +589,11 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 topic.order_by = order;
             }
         }
+        let routes = match tiers {
+            None => routes,
+            Some(Err(why)) => return Err(Error::Config(why)),
+            Some(Ok(tiers)) => with_tiers(routes, &tiers)?,
+        };
         if let Some(topic) = order_by.keys().next() {
             return Err(Error::Config(format!(
                 "order_by({topic:?}, ..): the consumer has no handler for that topic"
@@ -605,6 +646,44 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     ) -> Result<StatsSnapshot, Error> {
         self.build()?.run_until(shutdown).await
     }
+}
+
+/// The handled topics' routes with their retry tiers: each handled
+/// topic's routes know their tiers, and (unless another process reads
+/// them) each tier has routes of its own; with [`ReadTiers::Only`](crate::ReadTiers::Only), only those.
+fn with_tiers<S: DedupStore>(
+    routes: Vec<crate::route::TopicRoutes<S>>,
+    tiers: &crate::RetryTiers,
+) -> Result<Vec<crate::route::TopicRoutes<S>>, Error> {
+    use crate::ReadTiers;
+    let handled: HashSet<String> = routes.iter().map(|t| t.topic.clone()).collect();
+    let mut out = Vec::new();
+    for mut topic in routes {
+        let place = crate::tiers::Place {
+            tiers: tiers.of(&topic.topic),
+            at: None,
+        };
+        for tier in &place.tiers.tiers {
+            let dead_letters = topic.all().iter().map(|r| &r.dead_letter_topic);
+            if handled.contains(&tier.topic) || dead_letters.clone().any(|d| *d == tier.topic) {
+                return Err(Error::Config(format!(
+                    "retry tier {:?} of {:?} would be read from {:?}, which is a handled or \
+                     dead-letter topic: name its tier's topic otherwise",
+                    tier.name, topic.topic, tier.topic
+                )));
+            }
+        }
+        topic.set_tiers(&place);
+        if tiers.reader() != ReadTiers::Elsewhere {
+            for at in 0..place.tiers.tiers.len() {
+                out.push(topic.for_tier(&place, at));
+            }
+        }
+        if tiers.reader() != ReadTiers::Only {
+            out.push(topic);
+        }
+    }
+    Ok(out)
 }
 
 /// The routes grouped by topic: one handler, or one per event type plus
@@ -678,6 +757,7 @@ fn topic_routes<S: DedupStore>(
             topic: topic.clone(),
             event_type: None,
             dead_letter_topic: routes[0].dead_letter_topic.clone(),
+            tiers: None,
             handler: crate::route::Effect::Leased(Arc::new(crate::route::Unrouted {
                 // The group's own: another group of the same store that
                 // leaves the same types unhandled dead-letters them too,

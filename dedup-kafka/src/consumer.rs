@@ -43,6 +43,8 @@ pub struct Consumer<S: DedupStore> {
     pub(crate) group: String,
     /// The partitions whose key-ordered gauges were last set.
     keyed_reported: std::sync::Mutex<HashSet<(String, i32)>>,
+    /// The retry tiers' partitions whose due gauges were last set.
+    tiers_reported: std::sync::Mutex<HashSet<(String, i32)>>,
     /// The metrics and health endpoints to serve while running.
     #[cfg(feature = "http")]
     pub(crate) http: Option<crate::http::HttpEndpoints>,
@@ -100,6 +102,7 @@ impl<S: DedupStore> Consumer<S> {
             admin_config,
             group,
             keyed_reported: std::sync::Mutex::default(),
+            tiers_reported: std::sync::Mutex::default(),
             #[cfg(feature = "http")]
             http: None,
         })
@@ -300,6 +303,7 @@ impl<S: DedupStore> Consumer<S> {
         if self.shared.settings.key_concurrency > 0 {
             self.refresh_keyed();
         }
+        self.refresh_tiers();
         gauges.report(stats, paused as usize, oldest);
         for (topic, n) in in_flight {
             crate::metrics::in_flight(topic, n);
@@ -325,6 +329,33 @@ impl<S: DedupStore> Consumer<S> {
         }
         for (topic, partition) in reported.difference(&now) {
             crate::metrics::keyed(topic, *partition, 0, 0);
+        }
+        *reported = now;
+    }
+
+    /// How long each assigned retry tier's partition waits for its next
+    /// record to be due (0 while it runs); a partition no longer assigned
+    /// goes to zero once.
+    fn refresh_tiers(&self) {
+        let mut reported = self
+            .tiers_reported
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let mut now = HashSet::new();
+        let clock = crate::tiers::now_ms();
+        for p in lock(&self.partitions).values() {
+            if !self.routes.get(&p.topic).is_some_and(|r| r.in_tier()) {
+                continue;
+            }
+            let due_in = match p.due_at_ms.load(Ordering::Relaxed) {
+                0 => 0,
+                at => at.saturating_sub(clock).max(0),
+            };
+            crate::metrics::tier_due(&p.topic, p.partition, due_in as f64 / 1000.0);
+            now.insert((p.topic.clone(), p.partition));
+        }
+        for (topic, partition) in reported.difference(&now) {
+            crate::metrics::tier_due(topic, *partition, 0.0);
         }
         *reported = now;
     }
@@ -401,7 +432,10 @@ impl<S: DedupStore> Consumer<S> {
         let Some(p) = partitions.get(&(topic.to_owned(), partition)) else {
             return;
         };
+        // A tier's partition waiting for its next record's due time stays
+        // paused: its worker resumes it when the record is due.
         if !p.is_revoked()
+            && !p.due_wait.load(Ordering::SeqCst)
             && p.paused.swap(false, Ordering::AcqRel)
             && let Err(e) = self.shared.kafka.resume(&p.tpl())
         {

@@ -1,4 +1,5 @@
-//! Dead-lettering a message once: the dead letter is produced, then recorded
+//! Dead-lettering a message once (or moving it to a retry tier once, the
+//! same way): the dead letter is produced, then recorded
 //! in the store (a claim per partition offset), so that a redelivery of the
 //! message (a crash or a rebalance before its offset was committed) is
 //! skipped instead of being dead-lettered again or, once the cause is gone,
@@ -25,18 +26,20 @@ use crate::pipeline::attempt::timed_out;
 use crate::pipeline::decision::{Decision, Fault};
 use crate::pipeline::outage::Retrying;
 use crate::retry::Jitter;
-use crate::route::Route;
+use crate::route::{Before, Route};
 
-/// Dead-letters `msg` once: unless the store says it was dead-lettered
-/// already, produces it, then records it. `false` if the message was not
-/// finished (the consumer stops, or the partition was revoked before its
-/// dead letter was produced): its offset is not stored.
+/// Dead-letters `msg` once, or (`why.moved`) moves it to a retry tier
+/// once: unless the store says either was done already, produces it, then
+/// records it. A move the broker refuses as too large dead-letters it
+/// instead. `false` if the message was not finished (the consumer stops,
+/// or the partition was revoked before its dead letter was produced): its
+/// offset is not stored.
 pub(crate) async fn dead_letter<S: DedupStore>(
     shared: &Runtime<S>,
     route: &Route<S>,
     partition: &Partition,
     msg: &OwnedMessage,
-    why: DeadLetter<'_>,
+    mut why: DeadLetter<'_>,
     jitter: &mut Jitter,
 ) -> bool {
     let gate = shared.dead_letter_gate(&partition.topic, partition.partition);
@@ -45,36 +48,84 @@ pub(crate) async fn dead_letter<S: DedupStore>(
     if partition.is_revoked() {
         return false;
     }
-    let record = route.dead_letter_record(msg);
-    match recorded_from(shared, partition, &record, jitter).await {
+    // A move's record sorts right after the dead letter's: one read finds
+    // either.
+    match recorded_from(shared, partition, &route.dead_letter_record(msg), jitter).await {
         None => return false,
-        Some(ids) if ids.contains(record.id()) => {
-            skip(shared, route, msg);
-            return true;
+        Some(ids) => {
+            if let Some(before) = route.finished_before(&ids, msg) {
+                skip(shared, route, msg, before);
+                return true;
+            }
         }
-        Some(_) => {}
     }
-    if !produce(shared, partition, msg, &why, jitter).await {
-        return false;
+    match produce(shared, partition, msg, &why, jitter).await {
+        Sent::Acknowledged => {}
+        Sent::No => return false,
+        Sent::TooLarge => {
+            let tier = why.moved.take().map(|m| m.tier).unwrap_or_default();
+            why.message = format!(
+                "it could not be moved to retry tier {tier:?}, being too large for {:?}; it \
+                 failed with: {}",
+                why.topic, why.message
+            );
+            why.topic = &route.dead_letter_topic;
+            if !matches!(
+                produce(shared, partition, msg, &why, jitter).await,
+                Sent::Acknowledged
+            ) {
+                return false;
+            }
+        }
     }
-    route.record(&shared.stats).dead_lettered();
+    let record = match &why.moved {
+        Some(moved) => {
+            route.record(&shared.stats).moved(moved.tier);
+            route.moved_record(msg)
+        }
+        None => {
+            route.record(&shared.stats).dead_lettered();
+            route.dead_letter_record(msg)
+        }
+    };
     record_it(shared, route, &record, jitter).await;
-    failpoint("after-dead-letter");
+    match why.moved {
+        Some(_) => failpoint("after-move"),
+        None => failpoint("after-dead-letter"),
+    }
     true
 }
 
-/// Counts and logs a redelivered message that was dead-lettered before.
-pub(crate) fn skip<S: 'static>(shared: &Runtime<S>, route: &Route<S>, msg: &OwnedMessage) {
-    shared
-        .stats
-        .already_dead_lettered
-        .fetch_add(1, Ordering::Relaxed);
-    route.metrics().already_dead_lettered();
-    tracing::info!(
-        offset = msg.offset(),
-        outcome = "already_dead_lettered",
-        "dead-lettered before; skipped"
-    );
+/// Counts and logs a redelivered message that was dead-lettered or moved
+/// to a retry tier before.
+pub(crate) fn skip<S: 'static>(
+    shared: &Runtime<S>,
+    route: &Route<S>,
+    msg: &OwnedMessage,
+    before: Before,
+) {
+    match before {
+        Before::DeadLettered => {
+            shared
+                .stats
+                .already_dead_lettered
+                .fetch_add(1, Ordering::Relaxed);
+            route.metrics().already_dead_lettered();
+            tracing::info!(
+                offset = msg.offset(),
+                outcome = "already_dead_lettered",
+                "dead-lettered before; skipped"
+            );
+        }
+        Before::Moved => {
+            route.record(&shared.stats).already_moved();
+            tracing::info!(
+                offset = msg.offset(),
+                outcome = "already_moved",
+                "moved to a retry tier before; skipped"
+            );
+        }
+    }
 }
 
 /// The records of the partition's messages dead-lettered within their
@@ -193,6 +244,18 @@ async fn record_it<S: DedupStore>(
     }
 }
 
+/// How a produce ended.
+enum Sent {
+    /// The broker acknowledged it.
+    Acknowledged,
+    /// The consumer stops, the partition was revoked, or the topic cannot
+    /// be written: not finished.
+    No,
+    /// A move to a retry tier too large for the broker (a move is never
+    /// cut): dead-letter it instead.
+    TooLarge,
+}
+
 /// Produces the dead letter, retrying until the broker acknowledges it: a
 /// message is never dropped because its dead letter could not be written.
 /// A broker that cannot take it is an outage like any other (health shows
@@ -205,7 +268,7 @@ async fn produce<S>(
     msg: &OwnedMessage,
     why: &DeadLetter<'_>,
     jitter: &mut Jitter,
-) -> bool {
+) -> Sent {
     let mut attempt = 0;
     // The payload kept: whole, then cut, then none, as long as the broker
     // refuses the record as too large (the original stays in its topic).
@@ -227,14 +290,25 @@ async fn produce<S>(
         .await
         {
             Ok(()) => {
-                tracing::warn!(
-                    outcome = "dead_lettered",
-                    dead_letter_topic = why.topic,
-                    kind = why.kind,
-                    error = %why.message,
-                );
-                return true;
+                match &why.moved {
+                    Some(moved) => tracing::warn!(
+                        outcome = "moved",
+                        tier = moved.tier,
+                        topic = why.topic,
+                        kind = why.kind,
+                        attempts = moved.attempts,
+                        error = %why.message,
+                    ),
+                    None => tracing::warn!(
+                        outcome = "dead_lettered",
+                        dead_letter_topic = why.topic,
+                        kind = why.kind,
+                        error = %why.message,
+                    ),
+                }
+                return Sent::Acknowledged;
             }
+            Err(e) if dlq::is_too_large(&e) && why.moved.is_some() => return Sent::TooLarge,
             Err(e) if dlq::is_too_large(&e) && keep != Some(0) => {
                 keep = Some(match keep {
                     None => dlq::TRUNCATED_PAYLOAD_BYTES,
@@ -248,35 +322,43 @@ async fn produce<S>(
                      headers exceed the topic's max.message.bytes): raise the limit of {:?}",
                     why.topic, why.topic
                 ));
-                return false;
+                return Sent::No;
             }
             Err(e) if dlq::is_unwritable(&e) => {
                 let since = *unwritable_since.get_or_insert_with(std::time::Instant::now);
                 let lasting = since.elapsed() >= dlq::UNWRITABLE_FOR && attempt >= 3;
                 if dlq::is_invalid(&e) || lasting {
-                    shared.fail(format!(
-                        "the dead-letter topic {:?} cannot be written ({e}): create it, or grant \
-                         the consumer's principal Write on it, or name another with \
-                         dead_letter_topic()",
-                        why.topic
-                    ));
-                    return false;
+                    shared.fail(match why.moved {
+                        Some(_) => format!(
+                            "the retry tier's topic {:?} cannot be written ({e}): create it (as \
+                             many partitions as its handled topic), or grant the consumer's \
+                             principal Write on it",
+                            why.topic
+                        ),
+                        None => format!(
+                            "the dead-letter topic {:?} cannot be written ({e}): create it, or \
+                             grant the consumer's principal Write on it, or name another with \
+                             dead_letter_topic()",
+                            why.topic
+                        ),
+                    });
+                    return Sent::No;
                 }
                 let Some(wait) = broker_failed(shared, &mut retrying, &e, jitter) else {
-                    return false;
+                    return Sent::No;
                 };
-                tracing::error!(error = %e, ?wait, topic = why.topic, "the dead-letter topic cannot be written; retrying");
+                tracing::error!(error = %e, ?wait, topic = why.topic, "the dead-letter or retry topic cannot be written; retrying");
                 if !wait_unless_stopped(shared, partition, wait).await {
-                    return false;
+                    return Sent::No;
                 }
             }
             Err(e) => {
                 let Some(wait) = broker_failed(shared, &mut retrying, &e, jitter) else {
-                    return false;
+                    return Sent::No;
                 };
-                tracing::error!(error = %e, ?wait, "producing the dead letter failed; retrying");
+                tracing::error!(error = %e, ?wait, topic = why.topic, "producing the dead letter or move failed; retrying");
                 if !wait_unless_stopped(shared, partition, wait).await {
-                    return false;
+                    return Sent::No;
                 }
             }
         }

@@ -58,13 +58,28 @@ pub(crate) fn is_unwritable(e: &KafkaError) -> bool {
     )
 }
 
-/// Why a message is dead-lettered.
+/// Why a message is dead-lettered (or moved to a retry tier).
 pub(crate) struct DeadLetter<'a> {
     pub(crate) topic: &'a str,
     pub(crate) kind: &'a str,
     pub(crate) message: String,
     pub(crate) attempts: u32,
     pub(crate) handler: &'a str,
+    /// Where the event was before any move to a retry tier: a dead
+    /// letter's `dedup.original.*`, a moved record's `dedup.origin.*`.
+    pub(crate) origin: crate::tiers::Origin,
+    /// Set for a move to a retry tier (`topic` is the tier's).
+    pub(crate) moved: Option<Moved<'a>>,
+}
+
+/// A move to a retry tier.
+pub(crate) struct Moved<'a> {
+    /// The tier's name.
+    pub(crate) tier: &'a str,
+    /// When the moved record is due (ms since the Unix epoch).
+    pub(crate) due_ms: i64,
+    /// Attempts in all so far, across the origin and the tiers.
+    pub(crate) attempts: u32,
 }
 
 fn truncate(s: &str, max: usize) -> &str {
@@ -102,13 +117,26 @@ pub const REPLAY_COUNT_HEADER: &str = "dedup.replay.count";
 pub const REPLAYED_FROM_HEADER: &str = "dedup.replayed.from";
 
 /// Whether a header of the original message is kept in its dead letter:
-/// all but the dead-letter headers of an earlier dead letter.
-fn kept(key: &str) -> bool {
+/// all but the dead-letter headers of an earlier dead letter; in a move to
+/// a retry tier, not the tier's headers of an earlier move either (they
+/// are set afresh).
+fn kept(key: &str, moving: bool) -> bool {
     !DEAD_LETTER_HEADERS.contains(&key)
+        && !(moving
+            && (crate::tiers::ORIGIN_HEADERS.contains(&key)
+                || [
+                    crate::tiers::RETRY_TIER_HEADER,
+                    crate::tiers::RETRY_DUE_HEADER,
+                    crate::tiers::RETRY_ATTEMPT_HEADER,
+                ]
+                .contains(&key)))
 }
 
 /// The dead-letter headers: the original ones, then `dedup.*`; with
-/// `truncated`, the payload's original size.
+/// `truncated`, the payload's original size. A dead letter's
+/// `dedup.original.*` name the event's origin (read from a retry tier, the
+/// topic it was first read from), so that a replay sends it home; a move
+/// to a tier gets `dedup.origin.*` and `dedup.retry.*` instead.
 pub(crate) fn headers(
     msg: &OwnedMessage,
     why: &DeadLetter<'_>,
@@ -116,15 +144,16 @@ pub(crate) fn headers(
 ) -> OwnedHeaders {
     let mut out = OwnedHeaders::new();
     if let Some(original) = msg.headers() {
-        for h in original.iter().filter(|h| kept(h.key)) {
+        for h in original.iter().filter(|h| kept(h.key, why.moved.is_some())) {
             out = out.insert(Header {
                 key: h.key,
                 value: h.value,
             });
         }
     }
-    let partition = msg.partition().to_string();
-    let offset = msg.offset().to_string();
+    let origin = &why.origin;
+    let partition = origin.partition.to_string();
+    let offset = origin.offset.to_string();
     let attempts = why.attempts.to_string();
     let [
         topic,
@@ -138,8 +167,23 @@ pub(crate) fn headers(
         size_key,
         timestamp_key,
     ] = DEAD_LETTER_HEADERS;
+    let [
+        origin_topic,
+        origin_partition,
+        origin_offset,
+        origin_timestamp,
+    ] = crate::tiers::ORIGIN_HEADERS;
+    let (topic, partition_key, offset_key, timestamp_key) = match why.moved {
+        Some(_) => (
+            origin_topic,
+            origin_partition,
+            origin_offset,
+            origin_timestamp,
+        ),
+        None => (topic, partition_key, offset_key, timestamp_key),
+    };
     let fields: [(&str, &str); 7] = [
-        (topic, msg.topic()),
+        (topic, &origin.topic),
         (partition_key, &partition),
         (offset_key, &offset),
         (kind, why.kind),
@@ -153,9 +197,22 @@ pub(crate) fn headers(
             value: Some(value.as_bytes()),
         });
     }
+    if let Some(moved) = &why.moved {
+        let (due, attempts) = (moved.due_ms.to_string(), moved.attempts.to_string());
+        for (key, value) in [
+            (crate::tiers::RETRY_TIER_HEADER, moved.tier),
+            (crate::tiers::RETRY_DUE_HEADER, due.as_str()),
+            (crate::tiers::RETRY_ATTEMPT_HEADER, attempts.as_str()),
+        ] {
+            out = out.insert(Header {
+                key,
+                value: Some(value.as_bytes()),
+            });
+        }
+    }
     // With the offset, which message it was: a topic created again reuses
     // offsets (`dedup dlq replay` tells such messages apart by it).
-    if let Some(millis) = msg.timestamp().to_millis() {
+    if let Some(millis) = origin.timestamp {
         let millis = millis.to_string();
         out = out.insert(Header {
             key: timestamp_key,
@@ -246,6 +303,8 @@ mod tests {
             message: "new".into(),
             attempts: 2,
             handler: "h",
+            origin: crate::tiers::origin_of(&msg, false),
+            moved: None,
         };
         let out = headers(&msg, &why, None);
         let all: Vec<(String, String)> = out
@@ -282,6 +341,97 @@ mod tests {
             Some("acme"),
             "also in dedup's namespace"
         );
+    }
+
+    fn all_headers(out: &OwnedHeaders) -> Vec<(String, String)> {
+        out.iter()
+            .map(|h| {
+                let value = String::from_utf8_lossy(h.value.unwrap_or_default()).into_owned();
+                (h.key.to_owned(), value)
+            })
+            .collect()
+    }
+
+    /// A move to the next tier keeps the event's origin and sets the
+    /// tier's headers afresh; a dead letter from a tier names the origin in
+    /// `dedup.original.*`, so that a replay sends it home.
+    #[test]
+    fn a_moved_record_keeps_its_origin_through_the_tiers() {
+        let mut original = OwnedHeaders::new();
+        for (key, value) in [
+            ("trace-id", "t-1"),
+            ("dedup.origin.topic", "payments"),
+            ("dedup.origin.partition", "2"),
+            ("dedup.origin.offset", "41"),
+            ("dedup.origin.timestamp", "1000"),
+            ("dedup.retry.tier", "30s"),
+            ("dedup.retry.due", "5000"),
+            ("dedup.retry.attempt", "4"),
+            ("dedup.error.kind", "handler"),
+        ] {
+            original = original.insert(Header {
+                key,
+                value: Some(value.as_bytes()),
+            });
+        }
+        let msg = OwnedMessage::new(
+            Some(b"{}".to_vec()),
+            None,
+            "payments.retry-30s".into(),
+            rdkafka::Timestamp::CreateTime(7_000),
+            0,
+            5,
+            Some(original),
+        );
+        let origin = crate::tiers::origin_of(&msg, true);
+        let onward = DeadLetter {
+            topic: "payments.retry-5m",
+            kind: "handler",
+            message: "503".into(),
+            attempts: 4,
+            handler: "h",
+            origin: origin.clone(),
+            moved: Some(Moved {
+                tier: "5m",
+                due_ms: 9_000,
+                attempts: 8,
+            }),
+        };
+        let all = all_headers(&headers(&msg, &onward, None));
+        let count = |key: &str| all.iter().filter(|(k, _)| k == key).count();
+        let value = |key: &str| all.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str());
+        for key in [
+            "dedup.origin.topic",
+            "dedup.origin.offset",
+            "dedup.retry.tier",
+            "dedup.retry.due",
+            "dedup.retry.attempt",
+            "dedup.error.kind",
+        ] {
+            assert_eq!(count(key), 1, "{key} once: {all:?}");
+        }
+        assert_eq!(value("dedup.origin.topic"), Some("payments"));
+        assert_eq!(value("dedup.origin.offset"), Some("41"));
+        assert_eq!(value("dedup.origin.timestamp"), Some("1000"));
+        assert_eq!(value("dedup.retry.tier"), Some("5m"));
+        assert_eq!(value("dedup.retry.due"), Some("9000"));
+        assert_eq!(value("dedup.retry.attempt"), Some("8"));
+        assert_eq!(value("dedup.error.message"), Some("503"));
+        assert_eq!(count("dedup.original.topic"), 0, "not a dead letter");
+        assert_eq!(value("trace-id"), Some("t-1"));
+
+        let dead = DeadLetter {
+            topic: "payments.dlq",
+            moved: None,
+            ..onward
+        };
+        let all = all_headers(&headers(&msg, &dead, None));
+        let value = |key: &str| all.iter().find(|(k, _)| k == key).map(|(_, v)| v.as_str());
+        assert_eq!(value("dedup.original.topic"), Some("payments"));
+        assert_eq!(value("dedup.original.partition"), Some("2"));
+        assert_eq!(value("dedup.original.offset"), Some("41"));
+        assert_eq!(value("dedup.original.timestamp"), Some("1000"));
+        assert_eq!(value("dedup.retry.tier"), Some("30s"), "where it was last");
     }
 
     #[test]

@@ -19,6 +19,7 @@ mod retry;
 mod route;
 mod shutdown;
 mod stats;
+mod tiers;
 mod transactional;
 mod ttl_check;
 
@@ -34,6 +35,10 @@ pub use retry::RetryPolicy;
 pub use route::{EventType, OrderBy, OtherTypes};
 pub use shutdown::shutdown_signal;
 pub use stats::{Health, LIVE_POLL_LIMIT, Stats, StatsSnapshot};
+pub use tiers::{
+    DEFAULT_ATTEMPTS_IN_PLACE, ORIGIN_HEADERS, RETRY_ATTEMPT_HEADER, RETRY_DUE_HEADER,
+    RETRY_TIER_HEADER, ReadTiers, RetryTier, RetryTiers,
+};
 pub use transactional::{
     OutputRecord, Outputs, TransactionalConsumer, TransactionalConsumerBuilder,
 };

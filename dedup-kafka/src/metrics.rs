@@ -18,6 +18,10 @@ pub(crate) struct RouteMetrics {
     skipped: Counter,
     dead_lettered: Counter,
     already_dead_lettered: Counter,
+    moved: Counter,
+    already_moved: Counter,
+    /// The route's topic and handler, for the per-tier counters.
+    labels: (String, String),
     redelivered: Counter,
     fingerprint_mismatch: Counter,
     retry_environment: Counter,
@@ -59,6 +63,9 @@ impl RouteMetrics {
             skipped: messages("skipped"),
             dead_lettered: messages("dead_lettered"),
             already_dead_lettered: messages("already_dead_lettered"),
+            moved: messages("moved"),
+            already_moved: messages("already_moved"),
+            labels: (topic.clone(), handler.clone()),
             redelivered: messages("redelivered"),
             fingerprint_mismatch: messages("fingerprint_mismatch"),
             retry_environment: retries("environment"),
@@ -119,6 +126,18 @@ impl RouteMetrics {
     pub(crate) fn lease_lost(&self) {
         self.lease_lost.increment(1);
         self.skipped.increment(1);
+    }
+
+    /// One message moved to retry tier `tier`: counted as an outcome of its
+    /// route and in `dedup_retry_moved_total{topic, handler, tier}`.
+    pub(crate) fn moved(&self, tier: &str) {
+        self.moved.increment(1);
+        let (topic, handler) = self.labels.clone();
+        counter!("dedup_retry_moved_total", "topic" => topic, "handler" => handler, "tier" => tier.to_owned()).increment(1);
+    }
+
+    pub(crate) fn already_moved(&self) {
+        self.already_moved.increment(1);
     }
 
     pub(crate) fn already_dead_lettered(&self) {
@@ -193,6 +212,13 @@ pub(crate) fn keyed(topic: &str, partition: i32, running: usize, waiting: usize)
     ];
     gauge!("dedup_key_running", &labels).set(running as f64);
     gauge!("dedup_key_waiting", &labels).set(waiting as f64);
+}
+
+/// How long a retry tier's partition waits, paused, for its next record
+/// to be due (0 while it runs).
+pub(crate) fn tier_due(topic: &str, partition: i32, seconds: f64) {
+    gauge!("dedup_retry_due_seconds", "topic" => topic.to_owned(), "partition" => partition.to_string())
+        .set(seconds);
 }
 
 /// Messages behind the partition's high watermark, from librdkafka's

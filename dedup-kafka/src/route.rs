@@ -258,6 +258,34 @@ impl<S: 'static> TopicRoutes<S> {
         }
     }
 
+    /// The routes of tier `at` of this topic (see [`Route::for_tier`]).
+    pub(crate) fn for_tier(&self, place: &crate::tiers::Place, at: usize) -> Self {
+        let routes: Vec<Arc<Route<S>>> = self
+            .routes
+            .iter()
+            .map(|r| Arc::new(r.for_tier(place, at)))
+            .collect();
+        TopicRoutes {
+            topic: routes[0].topic.clone(),
+            order_by: self.order_by.clone(),
+            by: self.by.clone(),
+            routes,
+            skip_others: self.skip_others,
+        }
+    }
+
+    /// Whether these are a retry tier's routes.
+    pub(crate) fn in_tier(&self) -> bool {
+        self.routes[0].in_tier()
+    }
+
+    /// Sets every route's place among the topic's tiers.
+    pub(crate) fn set_tiers(&mut self, place: &crate::tiers::Place) {
+        for route in &mut self.routes {
+            Arc::get_mut(route).expect("not shared yet").tiers = Some(place.clone());
+        }
+    }
+
     /// Every route, the other types' last.
     pub(crate) fn all(&self) -> &[Arc<Route<S>>] {
         &self.routes
@@ -339,6 +367,8 @@ pub(crate) struct Route<S> {
     pub(crate) event_type: Option<EventType>,
     pub(crate) handler: Effect<S>,
     pub(crate) dead_letter_topic: String,
+    /// Its place among its topic's retry tiers, if it has any.
+    pub(crate) tiers: Option<crate::tiers::Place>,
     /// Registered on first use, after the application installed its
     /// recorder.
     pub(crate) metrics: std::sync::OnceLock<crate::metrics::RouteMetrics>,
@@ -359,9 +389,10 @@ impl<S: 'static> Route<S> {
         }
     }
 
-    /// Why a message of this route is dead-lettered.
+    /// Why `msg`, a message of this route, is dead-lettered.
     pub(crate) fn dead_letter(
         &self,
+        msg: &rdkafka::message::OwnedMessage,
         kind: &'static str,
         message: String,
         attempts: u32,
@@ -372,6 +403,63 @@ impl<S: 'static> Route<S> {
             message,
             attempts,
             handler: self.handler.scope(),
+            origin: crate::tiers::origin_of(msg, self.in_tier()),
+            moved: None,
+        }
+    }
+
+    /// Where `msg`, failing transiently after `attempts` here, goes: the
+    /// next retry tier, or (from the last, or without tiers) the
+    /// dead-letter topic.
+    pub(crate) fn onward(
+        &self,
+        msg: &rdkafka::message::OwnedMessage,
+        kind: &'static str,
+        message: String,
+        attempts: u32,
+    ) -> crate::dlq::DeadLetter<'_> {
+        let mut why = self.dead_letter(msg, kind, message, attempts);
+        if let Some(next) = self.tiers.as_ref().and_then(|p| p.next()) {
+            why.topic = &next.topic;
+            why.moved = Some(crate::dlq::Moved {
+                tier: &next.name,
+                due_ms: crate::tiers::now_ms()
+                    .saturating_add(next.delay.as_millis().min(i64::MAX as u128) as i64),
+                attempts: crate::tiers::attempts_before(msg, self.in_tier())
+                    .saturating_add(attempts),
+            });
+        }
+        why
+    }
+
+    /// Whether this route reads a retry tier.
+    pub(crate) fn in_tier(&self) -> bool {
+        self.tiers.as_ref().is_some_and(|p| p.is_tier())
+    }
+
+    /// The retry policy of this route's attempts in place: with retry
+    /// tiers, transient failures get the tiers' few attempts before the
+    /// event moves on.
+    pub(crate) fn in_place(&self, policy: crate::RetryPolicy) -> crate::RetryPolicy {
+        match &self.tiers {
+            Some(place) => policy.with_max_attempts(place.tiers.attempts),
+            None => policy,
+        }
+    }
+
+    /// The route of tier `at` of this one's topic: the same handler, read
+    /// from the tier's topic, dead-lettering to the same topic.
+    pub(crate) fn for_tier(&self, place: &crate::tiers::Place, at: usize) -> Route<S> {
+        Route {
+            topic: place.tiers.tiers[at].topic.clone(),
+            event_type: self.event_type.clone(),
+            handler: self.handler.clone(),
+            dead_letter_topic: self.dead_letter_topic.clone(),
+            tiers: Some(crate::tiers::Place {
+                tiers: place.tiers.clone(),
+                at: Some(at),
+            }),
+            metrics: std::sync::OnceLock::new(),
         }
     }
 
@@ -386,6 +474,10 @@ impl<S: 'static> Route<S> {
     /// acknowledged the copy, it tells a redelivery of the message (a crash
     /// or a rebalance before its offset was committed) not to dead-letter
     /// it again, nor to apply it.
+    ///
+    /// A move to a retry tier is recorded the same way, its id ending in
+    /// [`MOVED`] (so that a redelivery skipped for it is counted as
+    /// `already_moved`).
     pub(crate) fn dead_letter_record(&self, msg: &rdkafka::message::OwnedMessage) -> DedupKey {
         use rdkafka::message::Message as _;
         let timestamp = msg
@@ -402,6 +494,31 @@ impl<S: 'static> Route<S> {
         self.dead_letter_key(msg.topic(), msg.partition(), id)
     }
 
+    /// The record of `msg`'s move to a retry tier.
+    pub(crate) fn moved_record(&self, msg: &rdkafka::message::OwnedMessage) -> DedupKey {
+        let record = self.dead_letter_record(msg);
+        DedupKey::new(record.scope(), format!("{}{MOVED}", record.id())).expect("never empty")
+    }
+
+    /// What the records read before a partition's first message say of
+    /// `msg`: dead-lettered, moved to a tier, or neither.
+    pub(crate) fn finished_before(
+        &self,
+        known: &std::collections::HashSet<String>,
+        msg: &rdkafka::message::OwnedMessage,
+    ) -> Option<Before> {
+        if known.is_empty() {
+            return None;
+        }
+        let id = self.dead_letter_record(msg).id().to_owned();
+        if known.contains(&id) {
+            return Some(Before::DeadLettered);
+        }
+        known
+            .contains(&format!("{id}{MOVED}"))
+            .then_some(Before::Moved)
+    }
+
     /// The first possible record of a message at `offset` or later.
     pub(crate) fn dead_letter_records_from(
         &self,
@@ -416,6 +533,16 @@ impl<S: 'static> Route<S> {
         let scope = ordered_scope(&format!("{}/{topic}/{partition}", self.handler.scope()));
         DedupKey::new(scope, id).expect("never empty")
     }
+}
+
+/// The end of a move's record id.
+pub(crate) const MOVED: &str = ".moved";
+
+/// What became of a redelivered message before.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Before {
+    DeadLettered,
+    Moved,
 }
 
 /// FNV-1a (64 bits) of a message's key and payload: stable across
@@ -448,6 +575,15 @@ pub(crate) enum Effect<S> {
     /// The body runs under a lease ([`LeaseHandler`]), one message at a
     /// time.
     Leased(Arc<dyn ErasedApply<S>>),
+}
+
+impl<S> Clone for Effect<S> {
+    fn clone(&self) -> Self {
+        match self {
+            Effect::Transactional(h) => Effect::Transactional(h.clone()),
+            Effect::Leased(h) => Effect::Leased(h.clone()),
+        }
+    }
 }
 
 impl<S: 'static> Effect<S> {

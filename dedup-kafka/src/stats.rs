@@ -20,6 +20,8 @@ pub struct Stats {
     pub(crate) redelivered: AtomicU64,
     pub(crate) revoked_partitions: AtomicU64,
     pub(crate) ignored: AtomicU64,
+    pub(crate) moved: AtomicU64,
+    pub(crate) already_moved: AtomicU64,
     /// Partitions waiting out a failure of the environment right now.
     waiting_out: AtomicU64,
     /// When the current outage began, in milliseconds since `started`.
@@ -149,6 +151,13 @@ pub struct StatsSnapshot {
     /// as `OtherTypes::Skip` says (not counted in `skipped`, which counts
     /// duplicates).
     pub ignored: u64,
+    /// Messages moved to a retry tier (each move counted: an event moved
+    /// through two tiers counts twice). Not counted in `dead_lettered`.
+    pub moved: u64,
+    /// Redelivered messages skipped because they were moved to a retry tier
+    /// before (a crash or a rebalance came between the move and its offset
+    /// commit): neither moved again nor applied here.
+    pub already_moved: u64,
 }
 
 impl fmt::Display for StatsSnapshot {
@@ -176,6 +185,8 @@ impl Stats {
             redelivered: AtomicU64::new(0),
             revoked_partitions: AtomicU64::new(0),
             ignored: AtomicU64::new(0),
+            moved: AtomicU64::new(0),
+            already_moved: AtomicU64::new(0),
             waiting_out: AtomicU64::new(0),
             outage_since_ms: AtomicU64::new(0),
             started: Instant::now(),
@@ -240,6 +251,8 @@ impl Stats {
             redelivered: self.redelivered.load(Ordering::Relaxed),
             revoked_partitions: self.revoked_partitions.load(Ordering::Relaxed),
             ignored: self.ignored.load(Ordering::Relaxed),
+            moved: self.moved.load(Ordering::Relaxed),
+            already_moved: self.already_moved.load(Ordering::Relaxed),
         }
     }
 

@@ -39,11 +39,27 @@ pub async fn create_topic_on(brokers: &str, partitions: i32) -> String {
 /// `brokers`.
 pub async fn create_topic_with(brokers: &str, partitions: i32, configs: &[(&str, &str)]) -> String {
     let name = unique("dedup-test");
+    create_named_topic_with(brokers, &name, partitions, configs).await;
+    name
+}
+
+/// Creates topic `name` of `partitions` partitions on the shared broker
+/// (a test's retry tiers, named after its topic).
+pub async fn create_named_topic(name: &str, partitions: i32) {
+    create_named_topic_with(&brokers(), name, partitions, &[]).await;
+}
+
+async fn create_named_topic_with(
+    brokers: &str,
+    name: &str,
+    partitions: i32,
+    configs: &[(&str, &str)],
+) {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()
         .expect("admin client");
-    let mut topic = NewTopic::new(&name, partitions, TopicReplication::Fixed(1));
+    let mut topic = NewTopic::new(name, partitions, TopicReplication::Fixed(1));
     for (key, value) in configs {
         topic = topic.set(key, value);
     }
@@ -54,7 +70,6 @@ pub async fn create_topic_with(brokers: &str, partitions: i32, configs: &[(&str,
     for r in results {
         r.expect("topic created");
     }
-    name
 }
 
 /// An idempotent producer to the shared broker.

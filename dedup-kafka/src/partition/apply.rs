@@ -20,7 +20,7 @@ use crate::pipeline::decision::{Decision, Fault};
 use crate::pipeline::outage::Retrying;
 use crate::pipeline::{error_chain, meta_of};
 use crate::retry::Jitter;
-use crate::route::{ErasedHandler, Route};
+use crate::route::{Before, ErasedHandler, Route};
 
 use super::state::Partition;
 use super::{Runtime, wait_unless_stopped};
@@ -65,8 +65,8 @@ pub(super) async fn process_batch<S: DedupStore>(
         .map(|msg| crate::otel::process(msg, &shared.group))
         .collect();
     for (i, msg) in batch.iter().enumerate() {
-        if was_dead_lettered(route, dead_lettered, msg) {
-            bad.push((i, Unprepared::DeadLettered));
+        if let Some(before) = route.finished_before(dead_lettered, msg) {
+            bad.push((i, Unprepared::Before(before)));
             continue;
         }
         let headers = meta_of(msg);
@@ -96,6 +96,11 @@ pub(super) async fn process_batch<S: DedupStore>(
     // retried attempts. One that failed for an event's fault (a panic, a
     // permanent error) is split to isolate it, not retried.
     let mut retried = None;
+    // Failed for an event's fault or a transient one: the failing events
+    // are found by halving the batch (a few transactions for one poison
+    // event in a large batch, not one per event), the others still applied
+    // in batches.
+    let mut split = false;
     let committed = if prepared.is_empty() {
         Ok(Vec::new())
     } else {
@@ -123,9 +128,13 @@ pub(super) async fn process_batch<S: DedupStore>(
                 ) {
                     retried = Some(RetryReason::of(fault, &e));
                 }
+                split = matches!(fault, Fault::Transient | Fault::Event);
                 e.to_string()
             }),
-            Ran::Panicked(said) => Err(format!("the handler panicked: {said}")),
+            Ran::Panicked(said) => {
+                split = true;
+                Err(format!("the handler panicked: {said}"))
+            }
             Ran::TimedOut(limit) => {
                 retried = Some(RetryReason::Timeout);
                 Err(AttemptTimedOut(limit).to_string())
@@ -190,6 +199,38 @@ pub(super) async fn process_batch<S: DedupStore>(
             }
             batch.len()
         }
+        Err(why) if split && batch.len() > 2 => {
+            shared.stats.batch_replays.fetch_add(1, Ordering::Relaxed);
+            if let Some(reason) = retried {
+                route.record(&shared.stats).retried_because(reason);
+            }
+            span.in_scope(|| tracing::warn!(error = %why, "batch rolled back; running each half as a batch of its own"));
+            let mid = batch.len() / 2;
+            let first = Box::pin(process_batch(
+                shared,
+                route,
+                handler,
+                partition,
+                &batch[..mid],
+                dead_lettered,
+                jitter,
+            ))
+            .await;
+            if first < mid {
+                return first;
+            }
+            let second = Box::pin(process_batch(
+                shared,
+                route,
+                handler,
+                partition,
+                &batch[mid..],
+                dead_lettered,
+                jitter,
+            ))
+            .await;
+            mid + second
+        }
         Err(why) => {
             shared.stats.batch_replays.fetch_add(1, Ordering::Relaxed);
             if let Some(reason) = retried {
@@ -232,8 +273,9 @@ enum Unprepared {
     Error(dedup_core::Error),
     /// Decoding it or reading its key panicked.
     Panic(String),
-    /// It was dead-lettered before (a redelivery): skipped.
-    DeadLettered,
+    /// It was dead-lettered or moved to a retry tier before (a
+    /// redelivery): skipped.
+    Before(Before),
 }
 
 /// Dead-letters a message that could not be prepared.
@@ -248,12 +290,12 @@ async fn dead_letter_unprepared<S: DedupStore>(
     let (kind, message) = match unprepared {
         Unprepared::Error(e) => (e.kind(), error_chain(e)),
         Unprepared::Panic(message) => ("panic", message.clone()),
-        Unprepared::DeadLettered => {
-            dead_letters::skip(shared, route, msg);
+        Unprepared::Before(before) => {
+            dead_letters::skip(shared, route, msg, *before);
             return true;
         }
     };
-    let why = route.dead_letter(kind, message, 1);
+    let why = route.dead_letter(msg, kind, message, 1);
     dead_letter(shared, route, partition, msg, why, jitter)
         .instrument(message_span(msg))
         .await
@@ -270,7 +312,8 @@ pub(super) async fn process<S: DedupStore>(
 ) -> bool {
     let headers = Arc::new(meta_of(msg));
     let payload: Arc<[u8]> = msg.payload().unwrap_or_default().into();
-    let policy = shared.settings.retry;
+    // With retry tiers, few attempts before the event moves on.
+    let policy = route.in_place(shared.settings.retry);
     // Every attempt, for logs and the dead letter's header.
     let mut attempt = 0;
     // The failures so far, by whose fault: the pipeline's decision rules.
@@ -369,7 +412,13 @@ pub(super) async fn process<S: DedupStore>(
                 let fault = fault.unwrap_or_else(|| Fault::of(&e));
                 let wait = match retrying.failed(fault, &e, jitter.next()) {
                     Decision::DeadLetter => {
-                        let why = route.dead_letter(fault.kind(&e), error_chain(&e), attempt);
+                        let (kind, message) = (fault.kind(&e), error_chain(&e));
+                        // A transient failure goes to the next retry tier,
+                        // if any; the event's own fault to the dead letters.
+                        let why = match fault {
+                            Fault::Transient => route.onward(msg, kind, message, attempt),
+                            _ => route.dead_letter(msg, kind, message, attempt),
+                        };
                         return dead_letter(shared, route, partition, msg, why, jitter).await;
                     }
                     Decision::Stop { failing_for } => {
@@ -410,15 +459,6 @@ fn skips_mismatch<S: 'static>(
         tracing::warn!(outcome = "skipped", kind = error.kind(), error = %error, "skipped as on_fingerprint_mismatch says");
     }
     skip
-}
-
-/// Whether `msg` is one of the partition's messages dead-lettered before.
-pub(super) fn was_dead_lettered<S: 'static>(
-    route: &Route<S>,
-    known: &HashSet<String>,
-    msg: &OwnedMessage,
-) -> bool {
-    !known.is_empty() && known.contains(route.dead_letter_record(msg).id())
 }
 
 /// The span a message is processed in; the core records its dedup key.

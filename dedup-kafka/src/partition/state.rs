@@ -42,6 +42,11 @@ pub(crate) struct Partition {
     /// behind an earlier event of their key (for the gauges).
     pub(crate) keyed_running: AtomicUsize,
     pub(crate) keyed_waiting: AtomicUsize,
+    /// A retry tier's partition paused until its next record is due: the
+    /// consumer loop does not resume it for having drained.
+    pub(crate) due_wait: AtomicBool,
+    /// When that record is due (ms since the Unix epoch); 0 otherwise.
+    pub(crate) due_at_ms: AtomicI64,
     pub(crate) sender: mpsc::UnboundedSender<OwnedMessage>,
 }
 
@@ -67,6 +72,8 @@ impl Partition {
             redelivered_below: AtomicI64::new(i64::MIN),
             keyed_running: AtomicUsize::new(0),
             keyed_waiting: AtomicUsize::new(0),
+            due_wait: AtomicBool::new(false),
+            due_at_ms: AtomicI64::new(0),
             sender,
         }
     }

@@ -17,7 +17,7 @@ use crate::retry::Jitter;
 use crate::route::{Pick, TopicRoutes};
 use crate::stats::Stats;
 
-use super::apply::{message_span, process, process_batch, was_dead_lettered};
+use super::apply::{message_span, process, process_batch};
 use super::state::Partition;
 use super::{Runtime, store_offset};
 
@@ -88,7 +88,9 @@ pub(crate) async fn worker<S: DedupStore>(
     };
     // Dropped after the loop, so after every offset this worker stores.
     let _exited = Exited(&partition);
-    if shared.settings.key_concurrency > 0 {
+    // A retry tier's partition runs in order, one due record after
+    // another: its records wait for their due time at its head.
+    if shared.settings.key_concurrency > 0 && !routes.in_tier() {
         return super::keyed::worker(&shared, &routes, &partition, inbox).await;
     }
     let mut jitter = Jitter::new(partition.partition as u64);
@@ -141,13 +143,22 @@ pub(crate) async fn worker<S: DedupStore>(
             }
         };
         let route = &routes.all()[index];
+        // A retry tier's record not yet due: the partition is paused until
+        // it is.
+        if route.in_tier() && !crate::tiers::until_due(&shared, &partition, &msg).await {
+            break;
+        }
         // Only a transactional handler takes batches; a lease-mode one
         // takes its messages one at a time.
         let batcher = route.handler.batches().cloned();
         let batch = match batcher {
             Some(_) => {
-                let same =
-                    |m: &OwnedMessage| matches!(routes.pick(m), Pick::Route(i) if i == index);
+                // In a tier, a batch takes only records already due.
+                let in_tier = route.in_tier();
+                let same = |m: &OwnedMessage| {
+                    matches!(routes.pick(m), Pick::Route(i) if i == index)
+                        && (!in_tier || crate::tiers::due_in(m).is_zero())
+                };
                 gather(&mut inbox, &mut carried, msg, idle, &shared.settings, same).await
             }
             None => vec![msg],
@@ -207,8 +218,8 @@ pub(super) async fn run_unit<S: DedupStore>(
     }
     // One message (a batch of one, or a lease-mode route's).
     let msg = &batch[0];
-    let done = if was_dead_lettered(route, dead_lettered, msg) {
-        dead_letters::skip(shared, route, msg);
+    let done = if let Some(before) = route.finished_before(dead_lettered, msg) {
+        dead_letters::skip(shared, route, msg, before);
         true
     } else {
         let processing =

@@ -69,6 +69,18 @@ impl Record<'_> {
         self.metrics.dead_lettered();
     }
 
+    /// One message moved to retry tier `tier`.
+    pub(crate) fn moved(&self, tier: &str) {
+        self.stats.moved.fetch_add(1, Ordering::Relaxed);
+        self.metrics.moved(tier);
+    }
+
+    /// A redelivered message moved to a retry tier before, skipped.
+    pub(crate) fn already_moved(&self) {
+        self.stats.already_moved.fetch_add(1, Ordering::Relaxed);
+        self.metrics.already_moved();
+    }
+
     /// An attempt that failed with `error`, of `fault`, is retried.
     pub(crate) fn retried(&self, fault: Fault, error: &dedup_core::Error) {
         self.retried_because(RetryReason::of(fault, error));

@@ -141,6 +141,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         message: message.clone(),
                         attempts: *attempts,
                         handler: self.handler.scope(),
+                        origin: crate::tiers::origin_of(msg, false),
+                        moved: None,
                     };
                     let payload = msg.payload().unwrap_or_default();
                     let kept = keep.map_or(payload, |n| &payload[..n.min(payload.len())]);

@@ -1,0 +1,476 @@
+//! Retry tiers: a transiently failing event waits in a tier topic while
+//! its partition moves on.
+//!
+//! After a few short attempts in place, an event whose handler keeps
+//! failing transiently is produced to the route's next tier
+//! (`<topic>.retry-<name>`) with headers saying why, when it is due, how
+//! many attempts it has had and where it came from; the move is recorded in
+//! the store like a dead letter (a claim per partition offset), so a
+//! redelivery of the original neither moves it twice nor applies it. The
+//! tier's consumer reads a record and, while it is not yet due, pauses that
+//! partition at the broker until it is: a tier holding a million waiting
+//! events costs no CPU. The last tier's failure dead-letters the event.
+//! Failures that are the environment's (an outage, a timeout) never go to a
+//! tier: they are waited out in place.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
+
+use crate::Error;
+use crate::partition::Runtime;
+use crate::partition::state::Partition;
+
+/// Which tier a record is in (its name).
+pub const RETRY_TIER_HEADER: &str = "dedup.retry.tier";
+/// When a tier's record is due, in milliseconds since the Unix epoch.
+pub const RETRY_DUE_HEADER: &str = "dedup.retry.due";
+/// Attempts the event has had in all, across the origin and its tiers.
+pub const RETRY_ATTEMPT_HEADER: &str = "dedup.retry.attempt";
+/// The event's origin: its topic, partition, offset and timestamp (ms)
+/// before its first move; kept as it moves on, and read back into a dead
+/// letter's `dedup.original.*` so that `dedup dlq replay` sends it home.
+pub const ORIGIN_HEADERS: [&str; 4] = [
+    "dedup.origin.topic",
+    "dedup.origin.partition",
+    "dedup.origin.offset",
+    "dedup.origin.timestamp",
+];
+
+/// How long a tier's records wait, and what they are called.
+///
+/// ```
+/// use std::time::Duration;
+/// use dedup_kafka::{RetryTier, RetryTiers};
+///
+/// // payments.retry-30s, payments.retry-5m, then payments.dlq.
+/// let tiers = RetryTiers::new(["30s", "5m"]).unwrap();
+/// // Named, with a topic of one's own ({topic}: the handled topic).
+/// let named = RetryTiers::from_tiers([
+///     RetryTier::new("soon", Duration::from_secs(10)),
+///     RetryTier::new("later", Duration::from_secs(600)).topic("{topic}.later"),
+/// ])
+/// .unwrap()
+/// .attempts_in_place(3);
+/// # let _ = (tiers, named);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryTier {
+    name: String,
+    delay: Duration,
+    topic: String,
+}
+
+impl RetryTier {
+    /// A tier called `name` whose records wait `delay`, in topic
+    /// `<topic>.retry-<name>` unless [`topic`](Self::topic) names another.
+    pub fn new(name: impl Into<String>, delay: Duration) -> Self {
+        RetryTier {
+            name: name.into(),
+            delay,
+            topic: "{topic}.retry-{name}".to_owned(),
+        }
+    }
+
+    /// The tier's topic; `{topic}` stands for the handled topic and
+    /// `{name}` for the tier's name.
+    pub fn topic(mut self, pattern: impl Into<String>) -> Self {
+        self.topic = pattern.into();
+        self
+    }
+
+    /// Its name (the `tier` label of its metrics, the `dedup.retry.tier`
+    /// header).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// How long its records wait.
+    pub fn delay(&self) -> Duration {
+        self.delay
+    }
+
+    /// Its topic for the handled topic `topic`.
+    pub fn topic_for(&self, topic: &str) -> String {
+        self.topic
+            .replace("{topic}", topic)
+            .replace("{name}", &self.name)
+    }
+}
+
+/// Who reads a consumer's retry tiers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ReadTiers {
+    /// This consumer reads its topics and their tiers (the default): the
+    /// tiers' routes are added for it.
+    #[default]
+    Here,
+    /// This consumer moves events to the tiers; another process, built
+    /// with [`Only`](Self::Only) and the same handlers, reads them.
+    Elsewhere,
+    /// This consumer reads only the tiers of its handled topics (the
+    /// other process of [`Elsewhere`](Self::Elsewhere)).
+    Only,
+}
+
+/// The retry tiers of a consumer's handled topics
+/// ([`ConsumerBuilder::retry_tiers`](crate::ConsumerBuilder::retry_tiers)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryTiers {
+    tiers: Vec<RetryTier>,
+    attempts: u32,
+    read: ReadTiers,
+}
+
+/// Attempts in place before an event moves on, by default: with the
+/// default back-off (100 ms doubling) about 0.7 s of waits in all.
+pub const DEFAULT_ATTEMPTS_IN_PLACE: u32 = 4;
+
+impl RetryTiers {
+    /// Tiers named by their delays (`"30s"`, `"5m"`, `"1h"`), in the
+    /// order an event goes through them.
+    pub fn new<I>(delays: I) -> Result<Self, Error>
+    where
+        I: IntoIterator,
+        I::Item: AsRef<str>,
+    {
+        let mut tiers = Vec::new();
+        for delay in delays {
+            let name = delay.as_ref().trim();
+            let parsed = dedup_core::Ttl::parse(name)
+                .map_err(|e| Error::Config(format!("retry tier {name:?} is not a delay: {e}")))?;
+            tiers.push(RetryTier::new(name, parsed.into()));
+        }
+        Self::from_tiers(tiers)
+    }
+
+    /// Tiers as given, in the order an event goes through them.
+    pub fn from_tiers(tiers: impl IntoIterator<Item = RetryTier>) -> Result<Self, Error> {
+        let tiers: Vec<RetryTier> = tiers.into_iter().collect();
+        if tiers.is_empty() {
+            return Err(Error::Config(
+                "retry tiers: name at least one (e.g. [\"30s\", \"5m\"])".into(),
+            ));
+        }
+        for (i, tier) in tiers.iter().enumerate() {
+            let valid = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+            if tier.name.is_empty() || !tier.name.chars().all(valid) {
+                return Err(Error::Config(format!(
+                    "retry tier name {:?}: use letters, digits, '.', '_' and '-' (it is part of \
+                     a topic's name)",
+                    tier.name
+                )));
+            }
+            if tier.delay.is_zero() {
+                return Err(Error::Config(format!(
+                    "retry tier {:?} has no delay",
+                    tier.name
+                )));
+            }
+            if !tier.topic.contains("{topic}") {
+                return Err(Error::Config(format!(
+                    "retry tier {:?}: its topic {:?} must contain {{topic}} (each handled \
+                     topic has its own tiers)",
+                    tier.name, tier.topic
+                )));
+            }
+            if tiers[..i].iter().any(|t| t.name == tier.name) {
+                return Err(Error::Config(format!(
+                    "two retry tiers are named {:?}",
+                    tier.name
+                )));
+            }
+        }
+        Ok(RetryTiers {
+            tiers,
+            attempts: DEFAULT_ATTEMPTS_IN_PLACE,
+            read: ReadTiers::Here,
+        })
+    }
+
+    /// Attempts of a transiently failing event before it moves to the next
+    /// tier (or, from the last, to the dead-letter topic), at the origin
+    /// and in each tier (default [`DEFAULT_ATTEMPTS_IN_PLACE`]; at least
+    /// 1). They wait the consumer's [`RetryPolicy`](crate::RetryPolicy)
+    /// back-off.
+    pub fn attempts_in_place(mut self, attempts: u32) -> Self {
+        self.attempts = attempts.max(1);
+        self
+    }
+
+    /// Who reads the tiers (default: this consumer).
+    pub fn read(mut self, read: ReadTiers) -> Self {
+        self.read = read;
+        self
+    }
+
+    /// The tiers, in order.
+    pub fn tiers(&self) -> &[RetryTier] {
+        &self.tiers
+    }
+
+    pub(crate) fn reader(&self) -> ReadTiers {
+        self.read
+    }
+
+    /// The tiers of handled topic `topic`.
+    pub(crate) fn of(&self, topic: &str) -> std::sync::Arc<TopicTiers> {
+        std::sync::Arc::new(TopicTiers {
+            attempts: self.attempts,
+            tiers: self
+                .tiers
+                .iter()
+                .map(|t| TierTopic {
+                    name: t.name.clone(),
+                    topic: t.topic_for(topic),
+                    delay: t.delay,
+                })
+                .collect(),
+        })
+    }
+}
+
+/// The tiers of one handled topic.
+#[derive(Debug)]
+pub(crate) struct TopicTiers {
+    pub(crate) attempts: u32,
+    pub(crate) tiers: Vec<TierTopic>,
+}
+
+/// One tier of one handled topic.
+#[derive(Debug)]
+pub(crate) struct TierTopic {
+    pub(crate) name: String,
+    pub(crate) topic: String,
+    pub(crate) delay: Duration,
+}
+
+/// Where a route stands among its topic's tiers: the handled topic
+/// (`at: None`) or one of its tiers.
+#[derive(Debug, Clone)]
+pub(crate) struct Place {
+    pub(crate) tiers: std::sync::Arc<TopicTiers>,
+    pub(crate) at: Option<usize>,
+}
+
+impl Place {
+    /// Where a transiently failing event of this route goes next; `None`
+    /// from the last tier (the dead-letter topic).
+    pub(crate) fn next(&self) -> Option<&TierTopic> {
+        self.tiers.tiers.get(self.at.map_or(0, |i| i + 1))
+    }
+
+    /// Whether the route reads a tier.
+    pub(crate) fn is_tier(&self) -> bool {
+        self.at.is_some()
+    }
+}
+
+/// Where an event came from before any move.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Origin {
+    pub(crate) topic: String,
+    pub(crate) partition: i32,
+    pub(crate) offset: i64,
+    pub(crate) timestamp: Option<i64>,
+}
+
+/// A header's value as text.
+pub(crate) fn header<'m>(msg: &'m OwnedMessage, key: &str) -> Option<&'m str> {
+    let headers = msg.headers()?;
+    // The last one wins, as for a consumer reading headers.
+    headers
+        .iter()
+        .filter(|h| h.key == key)
+        .last()
+        .and_then(|h| std::str::from_utf8(h.value?).ok())
+}
+
+/// `msg`'s origin: the message itself, or, read from a tier, what its
+/// `dedup.origin.*` headers say (the message itself if they are missing or
+/// unreadable).
+pub(crate) fn origin_of(msg: &OwnedMessage, in_tier: bool) -> Origin {
+    let own = || Origin {
+        topic: msg.topic().to_owned(),
+        partition: msg.partition(),
+        offset: msg.offset(),
+        timestamp: msg.timestamp().to_millis(),
+    };
+    if !in_tier {
+        return own();
+    }
+    let [topic, partition, offset, timestamp] = ORIGIN_HEADERS;
+    let read = || {
+        Some(Origin {
+            topic: header(msg, topic).filter(|t| !t.is_empty())?.to_owned(),
+            partition: header(msg, partition)?.parse().ok()?,
+            offset: header(msg, offset)?.parse().ok()?,
+            timestamp: header(msg, timestamp).and_then(|t| t.parse().ok()),
+        })
+    };
+    read().unwrap_or_else(own)
+}
+
+/// Attempts `msg` had before it came to this route (0 at the origin).
+pub(crate) fn attempts_before(msg: &OwnedMessage, in_tier: bool) -> u32 {
+    match in_tier {
+        true => header(msg, RETRY_ATTEMPT_HEADER)
+            .and_then(|a| a.parse().ok())
+            .unwrap_or(0),
+        false => 0,
+    }
+}
+
+/// Milliseconds since the Unix epoch, now.
+pub(crate) fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// How long until a tier's record is due; zero if it is, or says no due
+/// time.
+pub(crate) fn due_in(msg: &OwnedMessage) -> Duration {
+    let Some(due) = header(msg, RETRY_DUE_HEADER).and_then(|d| d.parse::<i64>().ok()) else {
+        return Duration::ZERO;
+    };
+    Duration::from_millis(due.saturating_sub(now_ms()).max(0) as u64)
+}
+
+/// Waits until `msg`, the next record of a tier's partition, is due: the
+/// partition is paused at the broker meanwhile (nothing more is fetched of
+/// it) and resumed after. `false` if the consumer stops or the partition
+/// is revoked or released first.
+pub(crate) async fn until_due<S>(
+    shared: &Runtime<S>,
+    partition: &Partition,
+    msg: &OwnedMessage,
+) -> bool {
+    let wait = due_in(msg);
+    if wait.is_zero() {
+        return true;
+    }
+    tracing::debug!(
+        offset = msg.offset(),
+        ?wait,
+        "waiting until the tier's record is due"
+    );
+    partition.due_wait.store(true, Ordering::SeqCst);
+    partition.due_at_ms.store(
+        now_ms().saturating_add(wait.as_millis() as i64),
+        Ordering::Relaxed,
+    );
+    if !partition.paused.swap(true, Ordering::SeqCst)
+        && let Err(e) = rdkafka::consumer::Consumer::pause(&shared.kafka, &partition.tpl())
+    {
+        tracing::warn!(error = %e, "pausing a partition until its record is due failed");
+        partition.paused.store(false, Ordering::SeqCst);
+    }
+    let due = crate::partition::wait_unless_stopped(shared, partition, wait).await;
+    partition.due_wait.store(false, Ordering::SeqCst);
+    partition.due_at_ms.store(0, Ordering::Relaxed);
+    // The consumer loop resumes it (unless its queue is still full).
+    let _ = shared
+        .drained
+        .send((partition.topic.clone(), partition.partition));
+    due
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdkafka::message::{Header, OwnedHeaders};
+
+    fn message(headers: &[(&str, &str)]) -> OwnedMessage {
+        let mut owned = OwnedHeaders::new();
+        for (key, value) in headers {
+            owned = owned.insert(Header {
+                key,
+                value: Some(value.as_bytes()),
+            });
+        }
+        OwnedMessage::new(
+            Some(b"{}".to_vec()),
+            None,
+            "payments.retry-30s".into(),
+            rdkafka::Timestamp::CreateTime(1_000),
+            3,
+            17,
+            Some(owned),
+        )
+    }
+
+    #[test]
+    fn tiers_are_named_by_their_delays_and_checked() {
+        let tiers = RetryTiers::new(["30s", "5m", "1h"]).unwrap();
+        let of = tiers.of("payments");
+        let topics: Vec<(&str, &str, u64)> = of
+            .tiers
+            .iter()
+            .map(|t| (t.name.as_str(), t.topic.as_str(), t.delay.as_secs()))
+            .collect();
+        assert_eq!(
+            topics,
+            [
+                ("30s", "payments.retry-30s", 30),
+                ("5m", "payments.retry-5m", 300),
+                ("1h", "payments.retry-1h", 3600)
+            ]
+        );
+        assert_eq!(of.attempts, DEFAULT_ATTEMPTS_IN_PLACE);
+        let place = |at| Place {
+            tiers: of.clone(),
+            at,
+        };
+        assert_eq!(place(None).next().unwrap().name, "30s");
+        assert_eq!(place(Some(1)).next().unwrap().name, "1h");
+        assert!(place(Some(2)).next().is_none(), "the last goes to the DLQ");
+
+        for bad in [&["soon"][..], &[][..], &["30s", "30s"][..], &["0s"][..]] {
+            assert!(RetryTiers::new(bad).is_err(), "{bad:?}");
+        }
+        let slash = RetryTiers::from_tiers([RetryTier::new("a/b", Duration::from_secs(1))]);
+        assert!(slash.is_err());
+        let fixed = RetryTiers::from_tiers([
+            RetryTier::new("x", Duration::from_secs(1)).topic("all-retries")
+        ]);
+        assert!(fixed.is_err(), "one topic for every handled topic");
+        let own = RetryTier::new("later", Duration::from_secs(600)).topic("{topic}.{name}.q");
+        assert_eq!(own.topic_for("orders"), "orders.later.q");
+    }
+
+    #[test]
+    fn a_tiers_record_says_its_origin_attempts_and_due_time() {
+        let moved = message(&[
+            ("dedup.origin.topic", "payments"),
+            ("dedup.origin.partition", "1"),
+            ("dedup.origin.offset", "99"),
+            ("dedup.origin.timestamp", "500"),
+            (RETRY_ATTEMPT_HEADER, "4"),
+            (RETRY_DUE_HEADER, &(now_ms() + 60_000).to_string()),
+        ]);
+        assert_eq!(
+            origin_of(&moved, true),
+            Origin {
+                topic: "payments".into(),
+                partition: 1,
+                offset: 99,
+                timestamp: Some(500)
+            }
+        );
+        // Read at the origin (a dead letter replayed home), it is itself.
+        assert_eq!(origin_of(&moved, false).offset, 17);
+        assert_eq!(attempts_before(&moved, true), 4);
+        assert_eq!(attempts_before(&moved, false), 0);
+        let wait = due_in(&moved);
+        assert!(wait > Duration::from_secs(58) && wait <= Duration::from_secs(60));
+
+        let bare = message(&[(RETRY_DUE_HEADER, "not a time")]);
+        assert_eq!(origin_of(&bare, true).topic, "payments.retry-30s");
+        assert_eq!(due_in(&bare), Duration::ZERO, "unreadable: due now");
+        let past = message(&[(RETRY_DUE_HEADER, "5")]);
+        assert_eq!(due_in(&past), Duration::ZERO);
+    }
+}

@@ -1,0 +1,324 @@
+//! Retry tiers (`retry_tiers`): an event whose handler fails transiently
+//! waits in a tier topic while its partition moves on, and is applied once
+//! when its failure has passed.
+
+use super::*;
+
+use std::collections::{BTreeMap, HashSet};
+
+use dedup_kafka::{ReadTiers, RetryTiers};
+
+/// A payment that says when it was produced.
+#[derive(serde::Deserialize)]
+struct Timed {
+    event_id: String,
+    account_id: String,
+    seq: i64,
+    produced_ms: i64,
+}
+
+fn timed(account: &str, seq: i64) -> Vec<u8> {
+    serde_json::json!({
+        "event_id": uuid::Uuid::new_v4(),
+        "account_id": account,
+        "seq": seq,
+        "produced_ms": now_ms(),
+        "amount_cents": 1,
+    })
+    .to_string()
+    .into_bytes()
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as i64
+}
+
+/// Records when it was applied, then credits the account. The `applied`
+/// table's trigger fails it (a transient error, as a downstream's 503
+/// would be) for account `acct-bad` while the `failing` table has a row.
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn apply_timed(tx: &mut PgTx, ev: Timed) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO applied (event_id, account, seq, produced_ms, applied_ms) \
+         VALUES ($1, $2, $3, $4, (extract(epoch FROM clock_timestamp()) * 1000)::bigint)",
+    )
+    .bind(&ev.event_id)
+    .bind(&ev.account_id)
+    .bind(ev.seq)
+    .bind(ev.produced_ms)
+    .execute(&mut **tx)
+    .await?;
+    credit(
+        tx,
+        &PaymentReceived {
+            event_id: ev.event_id,
+            account_id: ev.account_id,
+            amount_cents: 1,
+        },
+    )
+    .await
+}
+
+/// The store, the `applied` table and the trigger that fails `acct-bad`
+/// while `failing` has a row (it starts with one).
+async fn failing_store(pool: &PgPool) -> PgStore {
+    for statement in [
+        "CREATE TABLE applied (event_id text NOT NULL, account text NOT NULL, seq bigint NOT NULL, \
+         produced_ms bigint NOT NULL, applied_ms bigint NOT NULL)",
+        "CREATE TABLE failing (since timestamptz)",
+        "INSERT INTO failing VALUES (now())",
+        "CREATE FUNCTION fail_bad() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF NEW.account = 'acct-bad' AND EXISTS (SELECT 1 FROM failing) THEN \
+             RAISE EXCEPTION 'the downstream answers 503'; \
+           END IF; \
+           RETURN NEW; \
+         END $$",
+        "CREATE TRIGGER fail_bad BEFORE INSERT ON applied FOR EACH ROW EXECUTE FUNCTION fail_bad()",
+    ] {
+        sqlx::query(statement).execute(pool).await.expect(statement);
+    }
+    store(pool).await
+}
+
+/// Creates the tiers' topics of `topic` (as many partitions as it has).
+async fn create_tiers(topic: &str, delays: &[&str], partitions: i32) -> Vec<String> {
+    let mut topics = Vec::new();
+    for delay in delays {
+        let name = format!("{topic}.retry-{delay}");
+        common::create_named_topic(&name, partitions).await;
+        topics.push(name);
+    }
+    topics
+}
+
+/// Every record of `topic` now (up to its high watermarks).
+async fn read_all(topic: &str) -> Vec<rdkafka::message::OwnedMessage> {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    let reader: BaseConsumer = rdkafka::ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", unique("reader"))
+        .create()
+        .expect("reader");
+    let metadata = reader
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .expect("metadata");
+    let mut total = 0;
+    for p in metadata.topics()[0].partitions() {
+        let (low, high) = reader
+            .fetch_watermarks(topic, p.id(), Duration::from_secs(10))
+            .expect("watermarks");
+        total += (high - low) as usize;
+    }
+    drop(reader);
+    if total == 0 {
+        return Vec::new();
+    }
+    common::read_from(&brokers(), topic, total).await
+}
+
+/// The origin offsets (partition, offset) the records of a tier name,
+/// each once: no event was moved to a tier twice.
+fn origins_once(records: &[rdkafka::message::OwnedMessage], tier: &str) -> HashSet<(i32, i64)> {
+    let mut seen = HashSet::new();
+    for record in records {
+        let origin = (
+            header(record, "dedup.origin.partition")
+                .and_then(|p| p.parse().ok())
+                .expect("an origin partition"),
+            header(record, "dedup.origin.offset")
+                .and_then(|o| o.parse().ok())
+                .expect("an origin offset"),
+        );
+        assert!(seen.insert(origin), "{origin:?} moved to {tier} twice");
+    }
+    seen
+}
+
+/// 5,000 payments of 50 accounts stream through 2 partitions for 10 s
+/// while one account's handler fails transiently. With tiers of 2 s and
+/// 15 s (and 2 attempts in place), the
+/// other accounts' payments are applied while it fails, within seconds of
+/// being produced (its events hold their partition for the few attempts in
+/// place only); once the failure has passed, the failing account's events
+/// are applied from the tiers, once each. Nothing is dead-lettered and no
+/// event is moved to a tier twice.
+#[sqlx::test(migrations = false)]
+async fn a_failing_key_waits_in_a_tier_while_the_others_are_applied(pool: PgPool) {
+    let store = failing_store(&pool).await;
+    let topic = create_topic(2).await;
+    let tiers = create_tiers(&topic, &["2s", "15s"], 2).await;
+    let running = start(
+        consumer(&store, &unique("g"))
+            .retry_tiers_with(
+                RetryTiers::new(["2s", "15s"])
+                    .expect("tiers")
+                    .attempts_in_place(2),
+            )
+            .handle(&topic, apply_timed),
+    );
+
+    // 5,000 events of 50 accounts (one of them failing), keyed by account,
+    // produced in 20 rounds of 250 half a second apart: the failing
+    // account's 10 events a second all go to one partition.
+    let (accounts, rounds, per_round) = (50usize, 20i64, 250usize);
+    let account = |i: usize| match i % accounts {
+        0 => "acct-bad".to_owned(),
+        a => format!("acct-{a}"),
+    };
+    let producer = producer();
+    for round in 0..rounds {
+        let records = (0..per_round).map(|i| {
+            let seq = round * per_round as i64 + i as i64;
+            let a = account(i);
+            (a.clone(), timed(&a, seq))
+        });
+        produce_all(&producer, &topic, records).await;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let total = rounds as usize * per_round;
+    let bad = total / accounts;
+
+    // The others are applied while the failure lasts.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let applied: i64 = sqlx::query_scalar("SELECT count(*) FROM applied")
+            .fetch_one(&pool)
+            .await
+            .expect("count");
+        if applied as usize == total - bad {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the other accounts' events were not all applied: {applied}; {}",
+            running.stats.snapshot()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let longest: i64 = sqlx::query_scalar("SELECT max(applied_ms - produced_ms) FROM applied")
+        .fetch_one(&pool)
+        .await
+        .expect("longest");
+    eprintln!("longest delay of an unaffected event while one key failed: {longest} ms");
+    assert!(
+        longest < 10_000,
+        "an unaffected event waited {longest} ms behind the failing key"
+    );
+    let moving = running.stats.snapshot();
+    assert!(
+        moving.moved >= bad as u64,
+        "each failing event moved: {moving:?}"
+    );
+
+    // The failure passes: the failing account's events are applied from
+    // the tiers, once each.
+    sqlx::query("DELETE FROM failing")
+        .execute(&pool)
+        .await
+        .expect("failure over");
+    running
+        .wait_for("the failing account's events applied", |s| {
+            s.applied == total as u64
+        })
+        .await;
+    let stats = running.stop().await;
+    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    assert_eq!(balance(&pool).await, total as i64, "each applied once");
+    let per_event: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT event_id, count(*) FROM applied GROUP BY event_id HAVING count(*) > 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("doubles");
+    assert!(per_event.is_empty(), "applied twice: {per_event:?}");
+    let bad_applied: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM applied WHERE account = 'acct-bad'")
+            .fetch_one(&pool)
+            .await
+            .expect("count");
+    assert_eq!(bad_applied as usize, bad);
+
+    // Every failing event went to the first tier once, some on to the
+    // second (once); what a tier's record says of it.
+    let first = read_all(&tiers[0]).await;
+    let second = read_all(&tiers[1]).await;
+    assert_eq!(origins_once(&first, "the 2s tier").len(), bad);
+    origins_once(&second, "the 15s tier");
+    assert_eq!(
+        stats.moved as usize,
+        first.len() + second.len(),
+        "{stats:?}"
+    );
+    let record = &first[0];
+    assert_eq!(header(record, "dedup.origin.topic"), Some(topic.as_str()));
+    assert_eq!(header(record, "dedup.retry.tier"), Some("2s"));
+    assert_eq!(header(record, "dedup.error.kind"), Some("handler"));
+    assert!(
+        header(record, "dedup.error.message").is_some_and(|m| m.contains("503")),
+        "{:?}",
+        header(record, "dedup.error.message")
+    );
+    assert_eq!(header(record, "dedup.retry.attempt"), Some("2"));
+    let due: i64 = header(record, "dedup.retry.due")
+        .and_then(|d| d.parse().ok())
+        .expect("a due time");
+    let moved_at = record.timestamp().to_millis().expect("a timestamp");
+    assert!(
+        (moved_at + 1_900..=moved_at + 2_500).contains(&due),
+        "due 2 s after the move: {due} vs {moved_at}"
+    );
+}
+
+/// A tier's record is not applied before it is due: the tier's partition
+/// waits, paused, and the record is applied once the delay has passed.
+/// Another process can read the tiers ([`ReadTiers::Only`]) while the
+/// first only moves events there ([`ReadTiers::Elsewhere`]).
+#[sqlx::test(migrations = false)]
+async fn a_tier_record_waits_until_due_and_another_process_can_read_the_tiers(pool: PgPool) {
+    let store = failing_store(&pool).await;
+    let topic = create_topic(1).await;
+    create_tiers(&topic, &["3s"], 1).await;
+    let tiers = || RetryTiers::new(["3s"]).expect("tiers");
+    let group = unique("g");
+    let mover = start(
+        consumer(&store, &group)
+            .retry_tiers_with(tiers().read(ReadTiers::Elsewhere))
+            .handle(&topic, apply_timed),
+    );
+    produce(&producer(), &topic, "acct-bad", &timed("acct-bad", 0), None).await;
+    mover.wait_for("the event moved", |s| s.moved == 1).await;
+    let moved_at = Instant::now();
+    sqlx::query("DELETE FROM failing")
+        .execute(&pool)
+        .await
+        .expect("failure over");
+    // The tiers' reader, a process of its own in production.
+    let reader = start(
+        consumer(&store, &group)
+            .retry_tiers_with(tiers().read(ReadTiers::Only))
+            .handle(&topic, apply_timed),
+    );
+    reader
+        .wait_for("the event applied from the tier", |s| s.applied == 1)
+        .await;
+    let waited = moved_at.elapsed();
+    assert!(
+        waited >= Duration::from_millis(2_500),
+        "applied {waited:?} after its move, before its 3 s were up"
+    );
+    let (mover, reader) = (mover.stop().await, reader.stop().await);
+    assert_eq!((mover.applied, mover.moved), (0, 1), "{mover:?}");
+    assert_eq!((reader.applied, reader.moved), (1, 0), "{reader:?}");
+    assert_eq!(balance(&pool).await, 1);
+    let applied: BTreeMap<String, i64> =
+        sqlx::query_as("SELECT account, count(*) FROM applied GROUP BY account")
+            .fetch_all(&pool)
+            .await
+            .expect("applied")
+            .into_iter()
+            .collect();
+    assert_eq!(applied.get("acct-bad"), Some(&1));
+}

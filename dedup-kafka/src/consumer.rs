@@ -168,6 +168,7 @@ impl<S: DedupStore> Consumer<S> {
             );
         }
         self.check_ttls().await?;
+        self.check_tiers().await?;
         // Every route's series exist from the start (at 0), so that an
         // alert's increase() sees the first dead letter or reclaim.
         for route in self.routes.values().flat_map(|r| r.all()) {
@@ -277,6 +278,21 @@ impl<S: DedupStore> Consumer<S> {
             &handlers,
         )
         .await
+    }
+
+    /// Checks the retry tiers' topics (see `tiers::check_topics`).
+    async fn check_tiers(&self) -> Result<(), Error> {
+        let mut tiers: Vec<std::sync::Arc<crate::tiers::TopicTiers>> = Vec::new();
+        for route in self.routes.values().flat_map(|r| r.all()) {
+            if let Some(place) = &route.tiers
+                && !tiers
+                    .iter()
+                    .any(|t| std::sync::Arc::ptr_eq(t, &place.tiers))
+            {
+                tiers.push(place.tiers.clone());
+            }
+        }
+        crate::tiers::check_topics(&self.admin_config, tiers).await
     }
 
     /// Refreshes what health and the gauges report: the loop's turn, the

@@ -309,6 +309,14 @@ async fn produce<S>(
                 return Sent::Acknowledged;
             }
             Err(e) if dlq::is_too_large(&e) && why.moved.is_some() => return Sent::TooLarge,
+            Err(e) if dlq::is_missing_partition(&e) && why.moved.is_some() => {
+                shared.fail(format!(
+                    "the retry tier's topic {:?} has no partition {} ({e}): give it as many \
+                     partitions as {:?} (a move keeps its origin's partition)",
+                    why.topic, why.origin.partition, why.origin.topic
+                ));
+                return Sent::No;
+            }
             Err(e) if dlq::is_too_large(&e) && keep != Some(0) => {
                 keep = Some(match keep {
                     None => dlq::TRUNCATED_PAYLOAD_BYTES,

@@ -34,6 +34,15 @@ pub(crate) fn is_too_large(e: &KafkaError) -> bool {
 /// metadata settling (30 s) and a grant spreading across brokers.
 pub(crate) const UNWRITABLE_FOR: Duration = Duration::from_secs(60);
 
+/// The partition a record was sent to does not exist (a retry tier's
+/// topic with fewer partitions than its handled topic).
+pub(crate) fn is_missing_partition(e: &KafkaError) -> bool {
+    matches!(
+        e,
+        KafkaError::MessageProduction(RDKafkaErrorCode::UnknownPartition)
+    )
+}
+
 /// The dead-letter topic's name is invalid: no retry can help.
 pub(crate) fn is_invalid(e: &KafkaError) -> bool {
     matches!(
@@ -255,6 +264,11 @@ pub(crate) async fn send(
     }
     if msg.payload().is_some() {
         record = record.payload(kept);
+    }
+    // A move goes to its origin's partition number: a tier's partition
+    // keeps the order in which its origin partition's events moved.
+    if why.moved.is_some() {
+        record = record.partition(why.origin.partition);
     }
     producer
         .send(record, timeout)

@@ -218,6 +218,7 @@ impl RetryTiers {
     /// The tiers of handled topic `topic`.
     pub(crate) fn of(&self, topic: &str) -> std::sync::Arc<TopicTiers> {
         std::sync::Arc::new(TopicTiers {
+            origin: topic.to_owned(),
             attempts: self.attempts,
             tiers: self
                 .tiers
@@ -235,6 +236,8 @@ impl RetryTiers {
 /// The tiers of one handled topic.
 #[derive(Debug)]
 pub(crate) struct TopicTiers {
+    /// The handled topic.
+    pub(crate) origin: String,
     pub(crate) attempts: u32,
     pub(crate) tiers: Vec<TierTopic>,
 }
@@ -337,6 +340,73 @@ pub(crate) fn due_in(msg: &OwnedMessage) -> Duration {
         return Duration::ZERO;
     };
     Duration::from_millis(due.saturating_sub(now_ms()).max(0) as u64)
+}
+
+/// The start-up check: each retry tier's topic exists with at least as
+/// many partitions as its handled topic (a move keeps its origin's
+/// partition). A handled topic that cannot be read is left to the
+/// consumer; a broker that does not answer is only warned about.
+pub(crate) async fn check_topics(
+    admin: &rdkafka::ClientConfig,
+    tiers: Vec<std::sync::Arc<TopicTiers>>,
+) -> Result<(), Error> {
+    if tiers.is_empty() {
+        return Ok(());
+    }
+    let admin = admin.clone();
+    let counted = tokio::task::spawn_blocking(move || {
+        let client: rdkafka::consumer::BaseConsumer = admin.create()?;
+        let mut out = Vec::new();
+        for topic in &tiers {
+            let count = |name: &str| -> Result<usize, rdkafka::error::KafkaError> {
+                let metadata = rdkafka::consumer::Consumer::fetch_metadata(
+                    &client,
+                    Some(name),
+                    Duration::from_secs(10),
+                )?;
+                Ok(metadata
+                    .topics()
+                    .iter()
+                    .find(|t| t.name() == name && t.error().is_none())
+                    .map_or(0, |t| t.partitions().len()))
+            };
+            let origin = count(&topic.origin)?;
+            for tier in &topic.tiers {
+                out.push((
+                    topic.origin.clone(),
+                    origin,
+                    tier.topic.clone(),
+                    count(&tier.topic)?,
+                ));
+            }
+        }
+        Ok::<_, rdkafka::error::KafkaError>(out)
+    })
+    .await
+    .map_err(|e| Error::Fatal(format!("checking the retry tiers' topics: {e}")))?;
+    let counted = match counted {
+        Ok(counted) => counted,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot check the retry tiers' topics");
+            return Ok(());
+        }
+    };
+    for (origin, partitions, tier, has) in counted {
+        if partitions == 0 {
+            continue;
+        }
+        if has < partitions {
+            let what = match has {
+                0 => "does not exist".to_owned(),
+                n => format!("has {n} partitions"),
+            };
+            return Err(Error::Config(format!(
+                "the retry tier's topic {tier:?} {what}: create it with {partitions} \
+                 partitions, as many as {origin:?} (a move keeps its origin's partition)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Waits until `msg`, the next record of a tier's partition, is due: the

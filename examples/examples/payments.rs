@@ -13,7 +13,11 @@
 //! it; default 0: one at a time), `EFFECT_MS` (each payment's transaction
 //! also runs a statement taking this many milliseconds, or a random time in
 //! a range like `0-40`: a stand-in for a slow effect, for the benchmarks
-//! and crash tests).
+//! and crash tests), `DEDUP_RETRY_TIERS` (retry tiers by delay, like
+//! `5s,30s`: a payment that keeps failing transiently waits in
+//! `<TOPIC>.retry-5s`, then `<TOPIC>.retry-30s`, while its partition moves
+//! on; create those topics with as many partitions as `TOPIC`; unset: no
+//! tiers).
 //! Flag: `--exit-when-idle <ttl>` exits 0 after that long without a message.
 //! Creates its tables on start (`accounts`, and `ledger`: one row per
 //! payment applied, in the order applied); its last line is
@@ -117,6 +121,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .group_id(env_or("GROUP_ID", "payments-v1"))
         .key_concurrency(key_concurrency)
         .handle(env_or("TOPIC", "payments"), record_payment.with_ttl(ttl));
+    if let Ok(tiers) = std::env::var("DEDUP_RETRY_TIERS")
+        && !tiers.trim().is_empty()
+    {
+        builder = builder.retry_tiers(tiers.split(','));
+    }
     if let Ok(ms) = std::env::var("KAFKA_SESSION_TIMEOUT_MS") {
         builder = builder.set("session.timeout.ms", ms);
     }

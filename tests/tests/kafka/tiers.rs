@@ -204,7 +204,7 @@ async fn a_failing_key_waits_in_a_tier_while_the_others_are_applied(pool: PgPool
         .expect("longest");
     eprintln!("longest delay of an unaffected event while one key failed: {longest} ms");
     assert!(
-        longest < 10_000,
+        longest < 20_000,
         "an unaffected event waited {longest} ms behind the failing key"
     );
     let moving = running.stats.snapshot();
@@ -321,4 +321,127 @@ async fn a_tier_record_waits_until_due_and_another_process_can_read_the_tiers(po
             .into_iter()
             .collect();
     assert_eq!(applied.get("acct-bad"), Some(&1));
+}
+
+/// A consumer whose retry tiers' topics are missing, or have fewer
+/// partitions than the handled topic (a move keeps its origin's
+/// partition), does not start, and says what to create.
+#[sqlx::test(migrations = false)]
+async fn missing_tier_topics_are_named_at_start(pool: PgPool) {
+    let store = failing_store(&pool).await;
+    let topic = create_topic(2).await;
+    let run = |tiers: [&'static str; 2]| {
+        consumer(&store, &unique("g"))
+            .retry_tiers(tiers)
+            .handle(&topic, apply_timed)
+            .build()
+            .expect("consumer")
+            .run_until(std::future::pending())
+    };
+    let missing = run(["1s", "9s"]).await.expect_err("no tier topics");
+    assert!(
+        missing.to_string().contains(&format!(
+            "{topic}.retry-1s\" does not exist: create it with 2 partitions"
+        )),
+        "{missing}"
+    );
+    create_tiers(&topic, &["1s"], 2).await;
+    common::create_named_topic(&format!("{topic}.retry-9s"), 1).await;
+    let fewer = run(["1s", "9s"]).await.expect_err("too few partitions");
+    assert!(
+        fewer.to_string().contains("retry-9s\" has 1 partitions"),
+        "{fewer}"
+    );
+}
+
+/// The payments example with tiers of 1 s and 2 s, one account's payments
+/// failing transiently, killed (SIGABRT, as a crash) right after its 3rd
+/// move twice, then run to the end once the failure has passed (what was
+/// moved is applied from the tier, the rest where it is): no payment is
+/// lost or applied twice, none is dead-lettered, and no event was moved to
+/// a tier twice (a move recorded before the crash is skipped as already
+/// moved when its original is redelivered).
+#[sqlx::test(migrations = false)]
+async fn crashes_right_after_moves_lose_and_double_nothing(pool: PgPool) {
+    for statement in [
+        "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)",
+        "CREATE TABLE ledger (seq bigserial PRIMARY KEY, account_id text NOT NULL, \
+         event_id uuid NOT NULL, amount_cents bigint NOT NULL)",
+        "CREATE TABLE failing (since timestamptz)",
+        "INSERT INTO failing VALUES (now())",
+        "CREATE FUNCTION fail_bad() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF NEW.account_id = 'acct-bad' AND EXISTS (SELECT 1 FROM failing) THEN \
+             RAISE EXCEPTION 'the downstream answers 503'; \
+           END IF; \
+           RETURN NEW; \
+         END $$",
+        "CREATE TRIGGER fail_bad BEFORE INSERT ON ledger FOR EACH ROW EXECUTE FUNCTION fail_bad()",
+    ] {
+        sqlx::query(statement)
+            .execute(&pool)
+            .await
+            .expect(statement);
+    }
+    let topic = create_topic(2).await;
+    let tiers = create_tiers(&topic, &["1s", "2s"], 2).await;
+    let (accounts, each) = (10, 20);
+    let records = (0..accounts * each).map(|i| {
+        let account = match i % accounts {
+            0 => "acct-bad".to_owned(),
+            a => format!("acct-{a}"),
+        };
+        (account.clone(), payment(uuid::Uuid::new_v4(), &account, 1))
+    });
+    produce_all(&producer(), &topic, records).await;
+    let group = unique("g");
+    let run = |failpoint: Option<&str>| {
+        let mut cmd = common::payments(&pool, &topic, &group);
+        cmd.args(["--exit-when-idle", "4s"])
+            .env("KAFKA_SESSION_TIMEOUT_MS", "6000")
+            .env("DEDUP_RETRY_TIERS", "1s,2s");
+        if let Some(f) = failpoint {
+            cmd.env("DEDUP_FAILPOINT", f);
+        }
+        cmd.output().expect("run the payments example")
+    };
+    for _ in 0..2 {
+        let crashed = run(Some("after-move:3"));
+        assert!(
+            !crashed.status.success(),
+            "the failpoint must kill the process: {}",
+            String::from_utf8_lossy(&crashed.stderr)
+        );
+    }
+    sqlx::query("DELETE FROM failing")
+        .execute(&pool)
+        .await
+        .expect("failure over");
+    let finished = run(None);
+    assert!(
+        finished.status.success(),
+        "{}",
+        String::from_utf8_lossy(&finished.stderr)
+    );
+    assert!(
+        last_line(&finished).ends_with("dead_lettered=0"),
+        "{}",
+        last_line(&finished)
+    );
+    let total = (accounts * each) as i64;
+    assert_eq!(balance(&pool).await, total, "each payment applied once");
+    let doubled: Vec<(uuid::Uuid, i64)> = sqlx::query_as(
+        "SELECT event_id, count(*) FROM ledger GROUP BY event_id HAVING count(*) > 1",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("ledger");
+    assert!(doubled.is_empty(), "applied twice: {doubled:?}");
+    // Each crash came right after a move was recorded: its original,
+    // redelivered, was skipped as already moved, not moved again.
+    let moved = origins_once(&read_all(&tiers[0]).await, "the 1s tier").len();
+    assert!(
+        (3..=each).contains(&moved),
+        "the crashed runs moved at least 3 of the failing account's payments: {moved}"
+    );
+    origins_once(&read_all(&tiers[1]).await, "the 2s tier");
 }

@@ -660,7 +660,7 @@ fn with_tiers<S: DedupStore>(
     let mut out = Vec::new();
     for mut topic in routes {
         let place = crate::tiers::Place {
-            tiers: tiers.of(&topic.topic),
+            tiers: tiers.of(&topic.topic, topic.order_by.clone()),
             at: None,
         };
         for tier in &place.tiers.tiers {

@@ -78,17 +78,32 @@ pub(crate) async fn dead_letter<S: DedupStore>(
             }
         }
     }
-    let record = match &why.moved {
+    let mut records = Vec::with_capacity(2);
+    match &why.moved {
         Some(moved) => {
             route.record(&shared.stats).moved(moved.tier);
-            route.moved_record(msg)
+            records.push(route.moved_record(msg));
+            // Under key hold-back, an event leaving its origin topic holds
+            // its key, in the same transaction.
+            if !route.in_tier()
+                && let Some(key) = route.hold_key(msg)
+            {
+                records.push(crate::hold::in_record(route, &why.origin, key));
+                crate::hold::went_in(partition, key, why.origin.offset);
+            }
         }
         None => {
             route.record(&shared.stats).dead_lettered();
-            route.dead_letter_record(msg)
+            records.push(route.dead_letter_record(msg));
+            // Dead-lettered from a tier: it no longer holds its key.
+            if route.in_tier()
+                && let Some(key) = route.hold_key(msg)
+            {
+                records.push(crate::hold::out_record(route, &why.origin, key));
+            }
         }
-    };
-    record_it(shared, route, &record, jitter).await;
+    }
+    record_all(shared, route, &records, jitter).await;
     match why.moved {
         Some(_) => failpoint("after-move"),
         None => failpoint("after-dead-letter"),
@@ -151,6 +166,16 @@ pub(crate) async fn recorded<S: DedupStore>(
 }
 
 /// The live record ids from `first` on, waiting out the store.
+pub(crate) async fn live_ids<S: DedupStore>(
+    shared: &Runtime<S>,
+    partition: &Partition,
+    first: &DedupKey,
+    jitter: &mut Jitter,
+) -> Option<HashSet<String>> {
+    recorded_from(shared, partition, first, jitter).await
+}
+
+/// The live record ids from `first` on, waiting out the store.
 async fn recorded_from<S: DedupStore>(
     shared: &Runtime<S>,
     partition: &Partition,
@@ -186,10 +211,10 @@ async fn recorded_from<S: DedupStore>(
 /// its own, waiting out the store (also after a revoke: the next owner
 /// needs the record). Given up only when the consumer stops, or for a
 /// refusal no retry helps: then a redelivery may dead-letter it again.
-async fn record_it<S: DedupStore>(
+pub(crate) async fn record_all<S: DedupStore>(
     shared: &Runtime<S>,
     route: &Route<S>,
-    record: &DedupKey,
+    records: &[DedupKey],
     jitter: &mut Jitter,
 ) {
     let policy = shared.settings.retry;
@@ -199,13 +224,13 @@ async fn record_it<S: DedupStore>(
     loop {
         let attempt = async {
             let mut tx = shared.store.begin().await?;
-            match shared.store.claim(&mut tx, record, None, ttl).await {
-                Ok(_) => shared.store.commit(tx).await,
-                Err(e) => {
+            for record in records {
+                if let Err(e) = shared.store.claim(&mut tx, record, None, ttl).await {
                     let _ = shared.store.rollback(tx).await;
-                    Err(e)
+                    return Err(e);
                 }
             }
+            shared.store.commit(tx).await
         };
         let (error, fault) = match tokio::time::timeout(limit, attempt).await {
             Ok(Ok(())) => return,

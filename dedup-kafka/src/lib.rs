@@ -6,6 +6,7 @@ mod consumer;
 mod dead_letter;
 mod dlq;
 mod failpoint;
+mod hold;
 #[cfg(feature = "http")]
 pub mod http;
 mod metrics;

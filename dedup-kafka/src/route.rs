@@ -418,17 +418,67 @@ impl<S: 'static> Route<S> {
         message: String,
         attempts: u32,
     ) -> crate::dlq::DeadLetter<'_> {
-        let mut why = self.dead_letter(msg, kind, message, attempts);
-        if let Some(next) = self.tiers.as_ref().and_then(|p| p.next()) {
-            why.topic = &next.topic;
-            why.moved = Some(crate::dlq::Moved {
-                tier: &next.name,
-                due_ms: crate::tiers::now_ms()
-                    .saturating_add(next.delay.as_millis().min(i64::MAX as u128) as i64),
-                attempts: crate::tiers::attempts_before(msg, self.in_tier())
-                    .saturating_add(attempts),
-            });
+        let why = self.dead_letter(msg, kind, message, attempts);
+        match self.tiers.as_ref().and_then(|p| p.next()) {
+            Some(next) => self.moved_to(msg, why, next),
+            None => why,
         }
+    }
+
+    /// Whether its topic's tiers hold keys back.
+    pub(crate) fn holds_keys(&self) -> bool {
+        self.tiers.as_ref().is_some_and(|p| p.tiers.hold_keys)
+    }
+
+    /// The key `msg` holds under key hold-back (`RetryTiers::hold_keys`),
+    /// if it has an ordering key.
+    pub(crate) fn hold_key(
+        &self,
+        msg: &rdkafka::message::OwnedMessage,
+    ) -> Option<crate::pipeline::keyed::OrderKey> {
+        let place = self.tiers.as_ref()?;
+        place
+            .tiers
+            .hold_keys
+            .then(|| place.tiers.order_by.key_of(msg))
+            .flatten()
+    }
+
+    /// Where `msg` goes when an earlier event of its key (at origin offset
+    /// `earlier`) waits in a tier: on, without attempts, to the next tier
+    /// (from the last, back into it, behind the earlier one).
+    pub(crate) fn follow(
+        &self,
+        msg: &rdkafka::message::OwnedMessage,
+        earlier: i64,
+    ) -> crate::dlq::DeadLetter<'_> {
+        let message =
+            format!("an earlier event of its key (offset {earlier}) waits in a retry tier");
+        let why = self.dead_letter(msg, "held", message, 0);
+        match &self.tiers {
+            Some(place) => match place.next().or_else(|| place.tiers.tiers.last()) {
+                Some(tier) => self.moved_to(msg, why, tier),
+                None => why,
+            },
+            None => why,
+        }
+    }
+
+    /// `why` made a move of `msg` to `tier`.
+    fn moved_to<'a>(
+        &self,
+        msg: &rdkafka::message::OwnedMessage,
+        mut why: crate::dlq::DeadLetter<'a>,
+        tier: &'a crate::tiers::TierTopic,
+    ) -> crate::dlq::DeadLetter<'a> {
+        why.topic = &tier.topic;
+        why.moved = Some(crate::dlq::Moved {
+            tier: &tier.name,
+            due_ms: crate::tiers::now_ms()
+                .saturating_add(tier.delay.as_millis().min(i64::MAX as u128) as i64),
+            attempts: crate::tiers::attempts_before(msg, self.in_tier())
+                .saturating_add(why.attempts),
+        });
         why
     }
 

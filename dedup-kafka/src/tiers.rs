@@ -122,6 +122,7 @@ pub struct RetryTiers {
     tiers: Vec<RetryTier>,
     attempts: u32,
     read: ReadTiers,
+    hold_keys: bool,
 }
 
 /// Attempts in place before an event moves on, by default: with the
@@ -187,6 +188,7 @@ impl RetryTiers {
             tiers,
             attempts: DEFAULT_ATTEMPTS_IN_PLACE,
             read: ReadTiers::Here,
+            hold_keys: false,
         })
     }
 
@@ -197,6 +199,20 @@ impl RetryTiers {
     /// back-off.
     pub fn attempts_in_place(mut self, attempts: u32) -> Self {
         self.attempts = attempts.max(1);
+        self
+    }
+
+    /// Keeps each key's order (default: off). While an event of an
+    /// ordering key (the record's key, or what
+    /// [`order_by`](crate::ConsumerBuilder::order_by) names) waits in a
+    /// tier, the later events of that key in its partition follow it into
+    /// the tiers, without attempts, and are applied after it, in order; the
+    /// other keys are not held back. What is in the tiers is recorded in
+    /// the store, so the hold survives restarts. Off, a later event of the
+    /// key is applied as soon as it comes, before the one waiting in a tier
+    /// (as Spring Kafka's retry topics do).
+    pub fn hold_keys(mut self, hold: bool) -> Self {
+        self.hold_keys = hold;
         self
     }
 
@@ -215,10 +231,12 @@ impl RetryTiers {
         self.read
     }
 
-    /// The tiers of handled topic `topic`.
-    pub(crate) fn of(&self, topic: &str) -> std::sync::Arc<TopicTiers> {
+    /// The tiers of handled topic `topic`, whose events `order_by` orders.
+    pub(crate) fn of(&self, topic: &str, order_by: crate::OrderBy) -> std::sync::Arc<TopicTiers> {
         std::sync::Arc::new(TopicTiers {
             origin: topic.to_owned(),
+            hold_keys: self.hold_keys,
+            order_by,
             attempts: self.attempts,
             tiers: self
                 .tiers
@@ -238,6 +256,10 @@ impl RetryTiers {
 pub(crate) struct TopicTiers {
     /// The handled topic.
     pub(crate) origin: String,
+    /// Whether later events of a key follow one in a tier.
+    pub(crate) hold_keys: bool,
+    /// What orders the handled topic's events (the key held).
+    pub(crate) order_by: crate::OrderBy,
     pub(crate) attempts: u32,
     pub(crate) tiers: Vec<TierTopic>,
 }
@@ -475,7 +497,7 @@ mod tests {
     #[test]
     fn tiers_are_named_by_their_delays_and_checked() {
         let tiers = RetryTiers::new(["30s", "5m", "1h"]).unwrap();
-        let of = tiers.of("payments");
+        let of = tiers.of("payments", crate::OrderBy::default());
         let topics: Vec<(&str, &str, u64)> = of
             .tiers
             .iter()

@@ -17,7 +17,9 @@
 //! `5s,30s`: a payment that keeps failing transiently waits in
 //! `<TOPIC>.retry-5s`, then `<TOPIC>.retry-30s`, while its partition moves
 //! on; create those topics with as many partitions as `TOPIC`; unset: no
-//! tiers).
+//! tiers), `DEDUP_RETRY_HOLD_KEYS=1` (with tiers: while a payment of an
+//! account waits in a tier, that account's later payments follow it there,
+//! so each account's are applied in order).
 //! Flag: `--exit-when-idle <ttl>` exits 0 after that long without a message.
 //! Creates its tables on start (`accounts`, and `ledger`: one row per
 //! payment applied, in the order applied); its last line is
@@ -124,7 +126,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Ok(tiers) = std::env::var("DEDUP_RETRY_TIERS")
         && !tiers.trim().is_empty()
     {
-        builder = builder.retry_tiers(tiers.split(','));
+        let hold = std::env::var("DEDUP_RETRY_HOLD_KEYS").is_ok_and(|v| v == "1");
+        builder = builder
+            .retry_tiers_with(dedup_kafka::RetryTiers::new(tiers.split(','))?.hold_keys(hold));
     }
     if let Ok(ms) = std::env::var("KAFKA_SESSION_TIMEOUT_MS") {
         builder = builder.set("session.timeout.ms", ms);

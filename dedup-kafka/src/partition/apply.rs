@@ -69,6 +69,18 @@ pub(super) async fn process_batch<S: DedupStore>(
             bad.push((i, Unprepared::Before(before)));
             continue;
         }
+        // Under key hold-back, an event whose key waits in a tier follows it.
+        if let Some(key) = route.hold_key(msg) {
+            let origin = crate::tiers::origin_of(msg, route.in_tier());
+            match crate::hold::earlier(shared, route, partition, &origin, key, jitter).await {
+                None => return 0,
+                Some(Some(earlier)) => {
+                    bad.push((i, Unprepared::Follow(earlier)));
+                    continue;
+                }
+                Some(None) => {}
+            }
+        }
         let headers = meta_of(msg);
         // User code (a Deserialize impl, a key's Display, a custom decode):
         // a panic fails this message, never the worker, which would drop
@@ -276,6 +288,9 @@ enum Unprepared {
     /// It was dead-lettered or moved to a retry tier before (a
     /// redelivery): skipped.
     Before(Before),
+    /// An earlier event of its key (at this origin offset) waits in a
+    /// retry tier: it follows (key hold-back).
+    Follow(i64),
 }
 
 /// Dead-letters a message that could not be prepared.
@@ -294,6 +309,12 @@ async fn dead_letter_unprepared<S: DedupStore>(
             dead_letters::skip(shared, route, msg, *before);
             return true;
         }
+        Unprepared::Follow(earlier) => {
+            let why = route.follow(msg, *earlier);
+            return dead_letter(shared, route, partition, msg, why, jitter)
+                .instrument(message_span(msg))
+                .await;
+        }
     };
     let why = route.dead_letter(msg, kind, message, 1);
     dead_letter(shared, route, partition, msg, why, jitter)
@@ -303,6 +324,10 @@ async fn dead_letter_unprepared<S: DedupStore>(
 
 /// Runs one message to a final state. Returns `false` if it was abandoned
 /// (shutdown or revoke during a retry wait): then its offset is not stored.
+///
+/// Under key hold-back (`RetryTiers::hold_keys`), a message whose key
+/// waits in a retry tier follows it there at once, and a tier that
+/// finishes a message lets its key go.
 pub(super) async fn process<S: DedupStore>(
     shared: &Arc<Runtime<S>>,
     route: &Arc<Route<S>>,
@@ -310,6 +335,51 @@ pub(super) async fn process<S: DedupStore>(
     msg: &OwnedMessage,
     jitter: &mut Jitter,
 ) -> bool {
+    let Some(key) = route.hold_key(msg) else {
+        return !matches!(
+            attempts(shared, route, partition, msg, jitter).await,
+            Ended::Abandoned
+        );
+    };
+    let origin = crate::tiers::origin_of(msg, route.in_tier());
+    match crate::hold::earlier(shared, route, partition, &origin, key, jitter).await {
+        None => return false,
+        Some(Some(earlier)) => {
+            let why = route.follow(msg, earlier);
+            return dead_letter(shared, route, partition, msg, why, jitter).await;
+        }
+        Some(None) => {}
+    }
+    match attempts(shared, route, partition, msg, jitter).await {
+        Ended::Abandoned => false,
+        Ended::Elsewhere => true,
+        Ended::Here => {
+            if route.in_tier() {
+                crate::hold::let_out(shared, route, &origin, key, jitter).await;
+            }
+            true
+        }
+    }
+}
+
+/// How a message's attempts ended.
+enum Ended {
+    /// Applied, or skipped as finished before.
+    Here,
+    /// Dead-lettered or moved to a retry tier.
+    Elsewhere,
+    /// Abandoned (shutdown, revoke): its offset is not stored.
+    Abandoned,
+}
+
+/// Runs one message's attempts to a final state.
+async fn attempts<S: DedupStore>(
+    shared: &Arc<Runtime<S>>,
+    route: &Arc<Route<S>>,
+    partition: &Partition,
+    msg: &OwnedMessage,
+    jitter: &mut Jitter,
+) -> Ended {
     let headers = Arc::new(meta_of(msg));
     let payload: Arc<[u8]> = msg.payload().unwrap_or_default().into();
     // With retry tiers, few attempts before the event moves on.
@@ -356,7 +426,7 @@ pub(super) async fn process<S: DedupStore>(
                 route.record(&shared.stats).applied(reclaimed);
                 tracing::info!(outcome = "applied", reclaimed, attempt);
                 failpoint("after-commit");
-                return true;
+                return Ended::Here;
             }
             Outcome::Skipped { age, .. } => {
                 shared.stats.store_answered();
@@ -365,7 +435,7 @@ pub(super) async fn process<S: DedupStore>(
                 }
                 route.record(&shared.stats).skipped(age);
                 tracing::info!(outcome = "skipped", "duplicate within the TTL");
-                return true;
+                return Ended::Here;
             }
             Outcome::Failed(dedup_core::Error::LeaseHeld {
                 key,
@@ -391,7 +461,7 @@ pub(super) async fn process<S: DedupStore>(
                     tracing::info!(outcome = "waiting", %key, token, ?until_expiry, "another holder's lease covers this event");
                 }
                 if !wait_unless_stopped(shared, partition, wait).await {
-                    return false;
+                    return Ended::Abandoned;
                 }
             }
             Outcome::Failed(dedup_core::Error::LeaseLost { key, token }) => {
@@ -400,13 +470,13 @@ pub(super) async fn process<S: DedupStore>(
                 shared.stats.store_answered();
                 route.record(&shared.stats).lease_lost();
                 tracing::warn!(outcome = "skipped", %key, token, "the lease was taken over before the effect completed: extend long effects (lease.extend()) or lengthen the lease");
-                return true;
+                return Ended::Here;
             }
             Outcome::Failed(e @ dedup_core::Error::FingerprintMismatch { .. })
                 if skips_mismatch(shared, route, &e) =>
             {
                 shared.stats.store_answered();
-                return true;
+                return Ended::Here;
             }
             Outcome::Failed(e) => {
                 let fault = fault.unwrap_or_else(|| Fault::of(&e));
@@ -419,12 +489,15 @@ pub(super) async fn process<S: DedupStore>(
                             Fault::Transient => route.onward(msg, kind, message, attempt),
                             _ => route.dead_letter(msg, kind, message, attempt),
                         };
-                        return dead_letter(shared, route, partition, msg, why, jitter).await;
+                        return match dead_letter(shared, route, partition, msg, why, jitter).await {
+                            true => Ended::Elsewhere,
+                            false => Ended::Abandoned,
+                        };
                     }
                     Decision::Stop { failing_for } => {
                         // This message stays uncommitted for the next run.
                         shared.fail(retrying.outlasted(failing_for, &e));
-                        return false;
+                        return Ended::Abandoned;
                     }
                     Decision::Retry(wait) => {
                         tracing::warn!(outcome = "retry", attempt, ?wait, kind = e.kind(), error = %e);
@@ -438,7 +511,7 @@ pub(super) async fn process<S: DedupStore>(
                 };
                 route.record(&shared.stats).retried(fault, &e);
                 if !wait_unless_stopped(shared, partition, wait).await {
-                    return false;
+                    return Ended::Abandoned;
                 }
             }
         }

@@ -47,6 +47,9 @@ pub(crate) struct Partition {
     pub(crate) due_wait: AtomicBool,
     /// When that record is due (ms since the Unix epoch); 0 otherwise.
     pub(crate) due_at_ms: AtomicI64,
+    /// Under key hold-back, what the origin partition's worker knows of
+    /// its keys held by events in retry tiers; read at its first need.
+    pub(crate) holds: Mutex<Option<crate::hold::Held>>,
     pub(crate) sender: mpsc::UnboundedSender<OwnedMessage>,
 }
 
@@ -74,6 +77,7 @@ impl Partition {
             keyed_waiting: AtomicUsize::new(0),
             due_wait: AtomicBool::new(false),
             due_at_ms: AtomicI64::new(0),
+            holds: Mutex::new(None),
             sender,
         }
     }

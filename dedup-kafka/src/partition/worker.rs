@@ -150,7 +150,13 @@ pub(crate) async fn worker<S: DedupStore>(
         }
         // Only a transactional handler takes batches; a lease-mode one
         // takes its messages one at a time.
-        let batcher = route.handler.batches().cloned();
+        // Under key hold-back a tier's records go one at a time: each reads
+        // its key's hold from the store.
+        let batcher = route
+            .handler
+            .batches()
+            .filter(|_| !(route.in_tier() && route.holds_keys()))
+            .cloned();
         let batch = match batcher {
             Some(_) => {
                 // In a tier, a batch takes only records already due.

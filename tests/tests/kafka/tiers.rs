@@ -445,3 +445,65 @@ async fn crashes_right_after_moves_lose_and_double_nothing(pool: PgPool) {
     );
     origins_once(&read_all(&tiers[1]).await, "the 2s tier");
 }
+
+/// With key hold-back, while one account's payment waits in a tier, its
+/// later payments follow it there (without attempts) and the other
+/// accounts' are applied; once the failure has passed, the failing
+/// account's payments are applied once each, in the order produced.
+/// Without it, they would be applied out of order: a later one as soon as
+/// it comes, the earlier ones when their tier is due.
+#[sqlx::test(migrations = false)]
+async fn with_hold_back_a_failing_keys_events_are_applied_in_order(pool: PgPool) {
+    let store = failing_store(&pool).await;
+    let topic = create_topic(1).await;
+    create_tiers(&topic, &["1s", "3s"], 1).await;
+    let running = start(
+        consumer(&store, &unique("g"))
+            .retry_tiers_with(
+                RetryTiers::new(["1s", "3s"])
+                    .expect("tiers")
+                    .attempts_in_place(2)
+                    .hold_keys(true),
+            )
+            .handle(&topic, apply_timed),
+    );
+    let (accounts, each) = (10usize, 30i64);
+    let records: Vec<(String, Vec<u8>)> = (0..each)
+        .flat_map(|seq| {
+            (0..accounts).map(move |a| {
+                let account = match a {
+                    0 => "acct-bad".to_owned(),
+                    a => format!("acct-{a}"),
+                };
+                (account.clone(), timed(&account, seq))
+            })
+        })
+        .collect();
+    produce_all(&producer(), &topic, records).await;
+    let others = (accounts - 1) * each as usize;
+    running
+        .wait_for("the other accounts' payments applied", |s| {
+            s.applied == others as u64
+        })
+        .await;
+    sqlx::query("DELETE FROM failing")
+        .execute(&pool)
+        .await
+        .expect("failure over");
+    let total = accounts * each as usize;
+    running
+        .wait_for("the failing account's payments applied", |s| {
+            s.applied == total as u64
+        })
+        .await;
+    let stats = running.stop().await;
+    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    let order: Vec<i64> = sqlx::query_scalar(
+        "SELECT seq FROM applied WHERE account = 'acct-bad' ORDER BY applied_ms, seq",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("order");
+    assert_eq!(order, (0..each).collect::<Vec<_>>(), "once each, in order");
+    assert_eq!(balance(&pool).await, total as i64);
+}

@@ -1,0 +1,218 @@
+//! Key hold-back for retry tiers (`RetryTiers::hold_keys`): while an event
+//! of an ordering key waits in a retry tier, the later events of that key
+//! (of the same origin partition) follow it into the tiers instead of being
+//! applied before it, so each key's events are applied in their order.
+//!
+//! What is in the tiers is recorded in the store, per origin partition and
+//! handler, as claims that are only ever added (the store has no delete):
+//! `<key>.<origin offset>.in` when an event moves from its origin topic to a
+//! tier (in the move record's transaction), `<key>.<origin offset>.out` when
+//! a tier finishes it (applied, skipped, dead-lettered). A key is held
+//! while one of its events is in and not out. Both live as long as the
+//! handler's TTL.
+//!
+//! The origin partition's worker reads its partition's records once, when
+//! it starts, and keeps them: only it puts events in, so a key it does not
+//! know as held is not held; a key it knows as held is read again from the
+//! store (a tier, maybe in another process, may have let it out). A tier's
+//! worker reads the key's records from the store for each record it takes.
+
+use std::collections::{BTreeSet, HashMap};
+
+use dedup_core::{DedupKey, DedupStore};
+
+use crate::partition::Runtime;
+use crate::partition::state::Partition;
+use crate::pipeline::keyed::OrderKey;
+use crate::retry::Jitter;
+use crate::route::Route;
+use crate::tiers::Origin;
+
+/// Per ordering key, the origin offsets of its events in the tiers.
+pub(crate) type Held = HashMap<OrderKey, BTreeSet<i64>>;
+
+/// Where a hold record of `origin`'s partition lives, with id `id`.
+fn record<S: 'static>(route: &Route<S>, origin: &Origin, id: String) -> DedupKey {
+    let scope = dedup_core::ordered_scope(&format!(
+        "{}/hold/{}/{}",
+        route.handler.scope(),
+        origin.topic,
+        origin.partition
+    ));
+    DedupKey::new(scope, id).expect("never empty")
+}
+
+/// The record that `key`'s event at `origin` went into the tiers.
+pub(crate) fn in_record<S: 'static>(route: &Route<S>, origin: &Origin, key: OrderKey) -> DedupKey {
+    record(
+        route,
+        origin,
+        format!("{key:016x}.{:020}.in", origin.offset),
+    )
+}
+
+/// The record that a tier finished `key`'s event at `origin`.
+pub(crate) fn out_record<S: 'static>(route: &Route<S>, origin: &Origin, key: OrderKey) -> DedupKey {
+    record(
+        route,
+        origin,
+        format!("{key:016x}.{:020}.out", origin.offset),
+    )
+}
+
+/// What a list of record ids says is in the tiers; only `only`'s if given.
+fn held_in(ids: &[String], only: Option<OrderKey>) -> Held {
+    let mut ins: Held = HashMap::new();
+    let mut outs: Held = HashMap::new();
+    for id in ids {
+        let mut parts = id.split('.');
+        let (Some(key), Some(offset), Some(kind), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            continue;
+        };
+        let (Ok(key), Ok(offset)) = (u64::from_str_radix(key, 16), offset.parse::<i64>()) else {
+            continue;
+        };
+        if only.is_some_and(|k| k != key) {
+            continue;
+        }
+        match kind {
+            "in" => ins.entry(key).or_default().insert(offset),
+            "out" => outs.entry(key).or_default().insert(offset),
+            _ => continue,
+        };
+    }
+    for (key, out) in outs {
+        if let Some(offsets) = ins.get_mut(&key) {
+            offsets.retain(|o| !out.contains(o));
+        }
+    }
+    ins.retain(|_, offsets| !offsets.is_empty());
+    ins
+}
+
+/// The records read from the store from `from` on (waiting out the store);
+/// `None` if the consumer stops or the partition is revoked meanwhile.
+async fn read<S: DedupStore>(
+    shared: &Runtime<S>,
+    partition: &Partition,
+    from: &DedupKey,
+    only: Option<OrderKey>,
+    jitter: &mut Jitter,
+) -> Option<Held> {
+    let ids = crate::dead_letter::live_ids(shared, partition, from, jitter).await?;
+    let mut ids: Vec<String> = ids.into_iter().collect();
+    ids.sort_unstable();
+    Some(held_in(&ids, only))
+}
+
+/// The origin offset of an event of `key` in the tiers before `origin`'s
+/// (the latest such), if there is one: `msg`'s must then follow it. `None`
+/// inside if the consumer stops or the partition is revoked while the
+/// store is read.
+pub(crate) async fn earlier<S: DedupStore>(
+    shared: &Runtime<S>,
+    route: &Route<S>,
+    partition: &Partition,
+    origin: &Origin,
+    key: OrderKey,
+    jitter: &mut Jitter,
+) -> Option<Option<i64>> {
+    let first_of_key = record(route, origin, format!("{key:016x}"));
+    let before = |held: &Held| {
+        held.get(&key)
+            .and_then(|offsets| offsets.range(..origin.offset).next_back().copied())
+    };
+    if route.in_tier() {
+        let held = read(shared, partition, &first_of_key, Some(key), jitter).await?;
+        return Some(before(&held));
+    }
+    // The origin's worker: what it knows, read once at its start.
+    let known = partition
+        .holds
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    let known = match known {
+        Some(known) => known,
+        None => {
+            let all = record(route, origin, "0".to_owned());
+            let held = read(shared, partition, &all, None, jitter).await?;
+            *partition.holds.lock().unwrap_or_else(|p| p.into_inner()) = Some(held.clone());
+            held
+        }
+    };
+    if before(&known).is_none() {
+        return Some(None);
+    }
+    // Held as far as this worker knows: a tier may have let it out since.
+    let now = read(shared, partition, &first_of_key, Some(key), jitter).await?;
+    let mut holds = partition.holds.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(holds) = holds.as_mut() {
+        match now.get(&key) {
+            Some(offsets) => holds.insert(key, offsets.clone()),
+            None => holds.remove(&key),
+        };
+    }
+    Some(before(&now))
+}
+
+/// This worker put `key`'s event at `offset` into the tiers.
+pub(crate) fn went_in(partition: &Partition, key: OrderKey, offset: i64) {
+    if let Some(holds) = partition
+        .holds
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_mut()
+    {
+        holds.entry(key).or_default().insert(offset);
+    }
+}
+
+/// A tier finished `key`'s event at `origin`: records it, so the key is
+/// no longer held by it.
+pub(crate) async fn let_out<S: DedupStore>(
+    shared: &Runtime<S>,
+    route: &Route<S>,
+    origin: &Origin,
+    key: OrderKey,
+    jitter: &mut Jitter,
+) {
+    let out = out_record(route, origin, key);
+    crate::dead_letter::record_all(shared, route, &[out], jitter).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_key_is_held_while_an_event_of_it_is_in_and_not_out() {
+        let id = |key: u64, offset: i64, kind: &str| format!("{key:016x}.{offset:020}.{kind}");
+        let ids = vec![
+            id(7, 3, "in"),
+            id(7, 3, "out"),
+            id(7, 9, "in"),
+            id(7, 12, "in"),
+            id(9, 4, "in"),
+            id(9, 4, "out"),
+            id(11, 5, "out"),
+            "garbage".to_owned(),
+            "0000000000000007.x.in".to_owned(),
+        ];
+        let held = held_in(&ids, None);
+        assert_eq!(
+            held.get(&7).map(|o| o.iter().copied().collect::<Vec<_>>()),
+            Some(vec![9, 12])
+        );
+        assert!(!held.contains_key(&9), "in and out: not held");
+        assert!(!held.contains_key(&11), "out without in");
+        let only = held_in(&ids, Some(9));
+        assert!(only.is_empty());
+        // Ids sort as (key, offset): a key's records are read from its first.
+        let mut sorted = ids[..6].to_vec();
+        sorted.sort();
+        assert_eq!(sorted[0], id(7, 3, "in"));
+    }
+}

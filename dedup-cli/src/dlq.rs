@@ -786,7 +786,7 @@ fn target_of<'a>(letter: &'a DeadLetter, args: &'a ReplayArgs) -> Option<&'a str
 }
 
 /// The offsets the replay's group committed, by partition.
-fn committed_offsets(
+pub(crate) fn committed_offsets(
     consumer: &rdkafka::consumer::BaseConsumer,
     topic: &str,
 ) -> Result<HashMap<i32, (i64, String)>, Failure> {
@@ -796,7 +796,7 @@ fn committed_offsets(
     }
     let committed = consumer
         .committed_offsets(tpl, TIMEOUT)
-        .map_err(|e| Failure::new(format!("reading the replay group's offsets: {e}")))?;
+        .map_err(|e| Failure::new(format!("reading the group's committed offsets: {e}")))?;
     Ok(committed
         .elements_for_topic(topic)
         .into_iter()

@@ -121,6 +121,16 @@ pub(crate) fn read_to_end(
     consumer: &BaseConsumer,
     topic: &str,
 ) -> Result<Vec<OwnedMessage>, Failure> {
+    read_to_end_from(consumer, topic, &HashMap::new())
+}
+
+/// Reads `topic` to its end as of now, each partition from its offset in
+/// `from` (from its start where `from` has none).
+pub(crate) fn read_to_end_from(
+    consumer: &BaseConsumer,
+    topic: &str,
+    from: &HashMap<i32, i64>,
+) -> Result<Vec<OwnedMessage>, Failure> {
     let partitions = partitions(consumer, topic)?;
     let mut ends = HashMap::new();
     let mut assignment = TopicPartitionList::new();
@@ -128,6 +138,7 @@ pub(crate) fn read_to_end(
         let (low, high) = consumer
             .fetch_watermarks(topic, p, TIMEOUT)
             .map_err(|e| unreachable_brokers(&e))?;
+        let low = from.get(&p).map_or(low, |&at| at.max(low));
         if high > low {
             ends.insert(p, high);
             assignment

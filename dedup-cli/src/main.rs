@@ -1,7 +1,7 @@
 //! `dedup`: the operator's tool for a dedup deployment.
 //!
 //! Claims (`claims get|release|stats|purge`), dead letters (`dlq
-//! inspect|replay`), the outbox's backlog (`outbox pending`) and a TTL
+//! inspect|replay`), retry tiers (`retry list|release`), the outbox's backlog (`outbox pending`) and a TTL
 //! against a topic's retention (`check`). Connections come from
 //! `DATABASE_URL` and `KAFKA_BROKERS` (flags override). Text by default,
 //! `--json` for scripts; the exit code is 0 on success, 1 on any error (with
@@ -15,6 +15,7 @@ mod dlq;
 mod failpoint;
 mod kafka;
 mod outbox;
+mod retry;
 mod time;
 
 use std::fmt;
@@ -45,6 +46,9 @@ enum Command {
     /// Inspect and replay a dead-letter topic.
     #[command(subcommand)]
     Dlq(DlqCommand),
+    /// What waits in a retry tier, and releasing it early.
+    #[command(subcommand)]
+    Retry(RetryCommand),
     /// The transactional outbox.
     #[command(subcommand)]
     Outbox(OutboxCommand),
@@ -163,6 +167,47 @@ enum DlqCommand {
 }
 
 #[derive(Subcommand)]
+enum RetryCommand {
+    /// What waits in a retry tier (`<topic>.retry-<delay>`): the records
+    /// the consumer group has not taken yet, per partition with the next
+    /// due time; `--show N` prints N of them.
+    List {
+        #[command(flatten)]
+        kafka: KafkaArgs,
+        /// The retry tier's topic.
+        topic: String,
+        /// The consumer group that reads the tier.
+        #[arg(long)]
+        group: String,
+        /// Only the records of this Kafka key (repeatable).
+        #[arg(long)]
+        key: Vec<String>,
+        /// Print this many records.
+        #[arg(long, default_value_t = 0)]
+        show: usize,
+    },
+    /// Release what waits in a retry tier now: a copy of each goes back
+    /// to its origin topic and partition and is applied at once; the tier's
+    /// record is skipped as applied when it is due.
+    Release {
+        #[command(flatten)]
+        kafka: KafkaArgs,
+        /// The retry tier's topic.
+        topic: String,
+        /// The consumer group that reads the tier.
+        #[arg(long)]
+        group: String,
+        /// Only the records of this Kafka key (repeatable).
+        #[arg(long)]
+        key: Vec<String>,
+        /// Confirm: the released events are applied now, however long they
+        /// were to wait.
+        #[arg(long)]
+        yes: bool,
+    },
+}
+
+#[derive(Subcommand)]
 enum OutboxCommand {
     /// The backlog per topic: pending events, the oldest one's age, events
     /// backing off after a failure.
@@ -257,6 +302,27 @@ async fn run(command: Command) -> Result<Box<dyn Report>, Failure> {
             Box::new(dlq::inspect(&kafka, &topic, show).await?)
         }
         Command::Dlq(DlqCommand::Replay(args)) => Box::new(dlq::replay(&args).await?),
+        Command::Retry(RetryCommand::List {
+            kafka,
+            topic,
+            group,
+            key,
+            show,
+        }) => Box::new(retry::list(&kafka, &topic, &group, &key, show)?),
+        Command::Retry(RetryCommand::Release {
+            kafka,
+            topic,
+            group,
+            key,
+            yes,
+        }) => {
+            if !yes {
+                return Err(Failure::new(
+                    "releasing applies the waiting events now; add --yes to confirm",
+                ));
+            }
+            Box::new(retry::release(&kafka, &topic, &group, &key).await?)
+        }
         Command::Outbox(OutboxCommand::Pending {
             database_url,
             table,

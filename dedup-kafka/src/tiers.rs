@@ -28,6 +28,11 @@ pub const RETRY_TIER_HEADER: &str = "dedup.retry.tier";
 pub const RETRY_DUE_HEADER: &str = "dedup.retry.due";
 /// Attempts the event has had in all, across the origin and its tiers.
 pub const RETRY_ATTEMPT_HEADER: &str = "dedup.retry.attempt";
+/// Set on a copy `dedup retry release` sends back to the origin topic
+/// (`<tier>/<partition>/<offset>`): the copy stands for its origin (its
+/// `dedup.origin.*`), so it is applied before the later events of its key
+/// that follow it under key hold-back, and lets its key go.
+pub const RETRY_RELEASED_HEADER: &str = "dedup.retry.released";
 /// The event's origin: its topic, partition, offset and timestamp (ms)
 /// before its first move; kept as it moves on, and read back into a dead
 /// letter's `dedup.original.*` so that `dedup dlq replay` sends it home.
@@ -323,7 +328,7 @@ pub(crate) fn origin_of(msg: &OwnedMessage, in_tier: bool) -> Origin {
         offset: msg.offset(),
         timestamp: msg.timestamp().to_millis(),
     };
-    if !in_tier {
+    if !in_tier && header(msg, RETRY_RELEASED_HEADER).is_none() {
         return own();
     }
     let [topic, partition, offset, timestamp] = ORIGIN_HEADERS;
@@ -338,9 +343,14 @@ pub(crate) fn origin_of(msg: &OwnedMessage, in_tier: bool) -> Origin {
     read().unwrap_or_else(own)
 }
 
+/// Whether `msg` is a copy `dedup retry release` sent home.
+pub(crate) fn released(msg: &OwnedMessage) -> bool {
+    header(msg, RETRY_RELEASED_HEADER).is_some()
+}
+
 /// Attempts `msg` had before it came to this route (0 at the origin).
 pub(crate) fn attempts_before(msg: &OwnedMessage, in_tier: bool) -> u32 {
-    match in_tier {
+    match in_tier || header(msg, RETRY_RELEASED_HEADER).is_some() {
         true => header(msg, RETRY_ATTEMPT_HEADER)
             .and_then(|a| a.parse().ok())
             .unwrap_or(0),

@@ -354,7 +354,8 @@ pub(super) async fn process<S: DedupStore>(
         Ended::Abandoned => false,
         Ended::Elsewhere => true,
         Ended::Here => {
-            if route.in_tier() {
+            // A tier's record, or a copy released from one, lets its key go.
+            if route.in_tier() || crate::tiers::released(msg) {
                 crate::hold::let_out(shared, route, &origin, key, jitter).await;
             }
             true

@@ -507,3 +507,76 @@ async fn with_hold_back_a_failing_keys_events_are_applied_in_order(pool: PgPool)
     assert_eq!(order, (0..each).collect::<Vec<_>>(), "once each, in order");
     assert_eq!(balance(&pool).await, total as i64);
 }
+
+/// Runs `dedup args...` (the operator tool) against the brokers.
+async fn dedup_cli(args: &[&str]) -> serde_json::Value {
+    let mut cmd = Command::new(common::cli());
+    cmd.args(args)
+        .env("KAFKA_BROKERS", brokers())
+        .env_remove("DEDUP_FAILPOINT");
+    let output = tokio::task::spawn_blocking(move || cmd.output().expect("run dedup"))
+        .await
+        .expect("join");
+    assert!(
+        output.status.success(),
+        "dedup failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("JSON")
+}
+
+/// `dedup retry list` shows what waits in a tier (its key, due time,
+/// attempts, origin and reason), and `dedup retry release` sends it home
+/// to be applied now, long before its minute is up; the tier's record is
+/// then nothing more to wait for.
+#[sqlx::test(migrations = false)]
+async fn the_cli_lists_what_waits_in_a_tier_and_releases_it(pool: PgPool) {
+    let store = failing_store(&pool).await;
+    let topic = create_topic(1).await;
+    let tier = create_tiers(&topic, &["1m"], 1).await.remove(0);
+    let group = unique("g");
+    let running = start(
+        consumer(&store, &group)
+            .retry_tiers_with(RetryTiers::new(["1m"]).expect("tiers").attempts_in_place(1))
+            .handle(&topic, apply_timed),
+    );
+    let producer = producer();
+    produce(&producer, &topic, "acct-bad", &timed("acct-bad", 0), None).await;
+    produce(&producer, &topic, "acct-1", &timed("acct-1", 1), None).await;
+    running
+        .wait_for("one moved, one applied", |s| s.moved == 1 && s.applied == 1)
+        .await;
+
+    let listed = dedup_cli(&["--json", "retry", "list", &tier, "--group", &group]).await;
+    assert_eq!(listed["waiting"], 1, "{listed:#}");
+    let record = &listed["records"][0];
+    assert_eq!(record["key"], "acct-bad");
+    assert_eq!(record["tier"], "1m");
+    assert_eq!(record["attempts"], 1);
+    assert_eq!(record["origin"]["topic"], topic.as_str());
+    assert_eq!(record["origin"]["offset"], 0);
+    assert_eq!(record["error_kind"], "handler");
+    let due_in = record["due_in_seconds"].as_f64().expect("due");
+    assert!((30.0..=60.0).contains(&due_in), "{due_in}");
+    let other = dedup_cli(&[
+        "--json", "retry", "list", &tier, "--group", &group, "--key", "acct-1",
+    ])
+    .await;
+    assert_eq!(other["waiting"], 0, "filtered by key: {other:#}");
+
+    sqlx::query("DELETE FROM failing")
+        .execute(&pool)
+        .await
+        .expect("failure over");
+    let released = dedup_cli(&[
+        "--json", "retry", "release", &tier, "--group", &group, "--yes",
+    ])
+    .await;
+    assert_eq!(released["released"][0]["offset"], 0, "{released:#}");
+    running
+        .wait_for("the released event applied", |s| s.applied == 2)
+        .await;
+    let stats = running.stop().await;
+    assert_eq!((stats.moved, stats.dead_lettered), (1, 0), "{stats:?}");
+    assert_eq!(balance(&pool).await, 2);
+}

@@ -359,17 +359,27 @@ impl<S: DedupStore> Consumer<S> {
             .unwrap_or_else(|p| p.into_inner());
         let mut now = HashSet::new();
         let clock = crate::tiers::now_ms();
-        for p in lock(&self.partitions).values() {
-            if !self.routes.get(&p.topic).is_some_and(|r| r.in_tier()) {
+        // Every assigned partition of a tier, also one no record came from.
+        let Ok(assigned) = rdkafka::consumer::Consumer::assignment(&self.shared.kafka) else {
+            return;
+        };
+        let partitions = lock(&self.partitions);
+        for elem in assigned.elements() {
+            if !self.routes.get(elem.topic()).is_some_and(|r| r.in_tier()) {
                 continue;
             }
-            let due_in = match p.due_at_ms.load(Ordering::Relaxed) {
+            let key = (elem.topic().to_owned(), elem.partition());
+            let due_at = partitions
+                .get(&key)
+                .map_or(0, |p| p.due_at_ms.load(Ordering::Relaxed));
+            let due_in = match due_at {
                 0 => 0,
                 at => at.saturating_sub(clock).max(0),
             };
-            crate::metrics::tier_due(&p.topic, p.partition, due_in as f64 / 1000.0);
-            now.insert((p.topic.clone(), p.partition));
+            crate::metrics::tier_due(&key.0, key.1, due_in as f64 / 1000.0);
+            now.insert(key);
         }
+        drop(partitions);
         for (topic, partition) in reported.difference(&now) {
             crate::metrics::tier_due(topic, *partition, 0.0);
         }

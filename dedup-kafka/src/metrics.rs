@@ -132,8 +132,13 @@ impl RouteMetrics {
     /// route and in `dedup_retry_moved_total{topic, handler, tier}`.
     pub(crate) fn moved(&self, tier: &str) {
         self.moved.increment(1);
+        self.moved_series(tier).increment(1);
+    }
+
+    /// `dedup_retry_moved_total{topic, handler, tier}`.
+    pub(crate) fn moved_series(&self, tier: &str) -> Counter {
         let (topic, handler) = self.labels.clone();
-        counter!("dedup_retry_moved_total", "topic" => topic, "handler" => handler, "tier" => tier.to_owned()).increment(1);
+        counter!("dedup_retry_moved_total", "topic" => topic, "handler" => handler, "tier" => tier.to_owned())
     }
 
     pub(crate) fn already_moved(&self) {

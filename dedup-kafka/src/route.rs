@@ -377,8 +377,14 @@ pub(crate) struct Route<S> {
 impl<S: 'static> Route<S> {
     /// The route's metric handles.
     pub(crate) fn metrics(&self) -> &crate::metrics::RouteMetrics {
-        self.metrics
-            .get_or_init(|| crate::metrics::RouteMetrics::new(&self.topic, self.handler.scope()))
+        self.metrics.get_or_init(|| {
+            let metrics = crate::metrics::RouteMetrics::new(&self.topic, self.handler.scope());
+            // Its moves' series exist from the start, at 0.
+            if let Some(next) = self.tiers.as_ref().and_then(|p| p.next()) {
+                let _registered = metrics.moved_series(&next.name);
+            }
+            metrics
+        })
     }
 
     /// Where this route's outcomes are recorded: `stats` and its metrics.

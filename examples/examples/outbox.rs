@@ -168,12 +168,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let mut built = Vec::new();
     if !args.relay_only {
-        let payments = Consumer::builder(store.clone())
+        let mut payments = Consumer::builder(store.clone())
             .set_from_env("KAFKA_CFG_")
             .brokers(&brokers)
             .group_id(&group)
-            .handle(env_or("TOPIC", "payments"), record_payment)
-            .build()?;
+            .handle(env_or("TOPIC", "payments"), record_payment);
+        // DEDUP_RETRY_TIERS, as the payments example takes it.
+        if let Some(tiers) = dedup_examples::retry_tiers()? {
+            payments = payments.retry_tiers_with(tiers);
+        }
+        let payments = payments.build()?;
         let notices = Consumer::builder(store.clone())
             .set_from_env("KAFKA_CFG_")
             .brokers(&brokers)

@@ -123,12 +123,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .group_id(env_or("GROUP_ID", "payments-v1"))
         .key_concurrency(key_concurrency)
         .handle(env_or("TOPIC", "payments"), record_payment.with_ttl(ttl));
-    if let Ok(tiers) = std::env::var("DEDUP_RETRY_TIERS")
-        && !tiers.trim().is_empty()
-    {
-        let hold = std::env::var("DEDUP_RETRY_HOLD_KEYS").is_ok_and(|v| v == "1");
-        builder = builder
-            .retry_tiers_with(dedup_kafka::RetryTiers::new(tiers.split(','))?.hold_keys(hold));
+    if let Some(tiers) = dedup_examples::retry_tiers()? {
+        builder = builder.retry_tiers_with(tiers);
     }
     if let Ok(ms) = std::env::var("KAFKA_SESSION_TIMEOUT_MS") {
         builder = builder.set("session.timeout.ms", ms);

@@ -93,6 +93,21 @@ pub fn key_concurrency() -> Result<usize, Box<dyn std::error::Error>> {
     }
 }
 
+/// `DEDUP_RETRY_TIERS` (delays like `5s,30s`) and `DEDUP_RETRY_HOLD_KEYS=1`:
+/// the consumer's retry tiers, if any (`<topic>.retry-5s`...).
+pub fn retry_tiers() -> Result<Option<dedup_kafka::RetryTiers>, Box<dyn std::error::Error>> {
+    let Ok(delays) = std::env::var("DEDUP_RETRY_TIERS") else {
+        return Ok(None);
+    };
+    if delays.trim().is_empty() {
+        return Ok(None);
+    }
+    let hold = std::env::var("DEDUP_RETRY_HOLD_KEYS").is_ok_and(|v| v == "1");
+    Ok(Some(
+        dedup_kafka::RetryTiers::new(delays.split(','))?.hold_keys(hold),
+    ))
+}
+
 /// `--exit-when-idle <ttl>`, the one flag of the consumer examples, if
 /// given; `example` names the binary in the usage message.
 pub fn exit_when_idle(

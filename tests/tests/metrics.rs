@@ -446,6 +446,8 @@ async fn the_dashboard_queries_only_exported_metrics(pool: PgPool) {
 
     let payments = create_topic(1).await;
     let recorded = create_topic(1).await;
+    // With a retry tier, for the tiers' row.
+    common::create_named_topic(&format!("{payments}.retry-1m"), 1).await;
     let producer = producer();
     for i in 0..10 {
         let body = payment(uuid::Uuid::new_v4(), "acct", i);
@@ -465,6 +467,7 @@ async fn the_dashboard_queries_only_exported_metrics(pool: PgPool) {
         .env("TOPIC", &payments)
         .env("RECORDED_TOPIC", &recorded)
         .env("GROUP_ID", unique("g"))
+        .env("DEDUP_RETRY_TIERS", "1m")
         .env("METRICS_ADDR", format!("127.0.0.1:{port}"))
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -842,4 +845,78 @@ async fn key_concurrency_shows_running_and_waiting_events_per_partition(pool: Pg
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// Fails every event transiently: a downstream that answers 503.
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn always_unavailable(
+    _tx: &mut PgTx,
+    _ev: PaymentReceived,
+) -> Result<(), dedup_core::HandlerError> {
+    Err(dedup_core::HandlerError::transient(
+        "the downstream answers 503",
+    ))
+}
+
+/// A retry tier's metrics: the move is counted per tier
+/// (`dedup_retry_moved_total{tier}`) and as an outcome, and the tier's
+/// partition says how long until its next record is due
+/// (`dedup_retry_due_seconds`).
+#[sqlx::test(migrations = false)]
+async fn retry_tiers_show_moves_per_tier_and_when_the_next_is_due(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let tier = format!("{topic}.retry-1m");
+    common::create_named_topic(&tier, 1).await;
+    let port = free_port();
+    let consumer = Consumer::builder(store.clone())
+        .brokers(brokers())
+        .group_id(unique("g"))
+        .retry_tiers(["1m"])
+        .handle(&topic, always_unavailable)
+        .serve_http(format!("127.0.0.1:{port}"))
+        .build()
+        .expect("consumer");
+    let stats = consumer.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(consumer.run_until(async {
+        let _ = stopped.await;
+    }));
+    producer()
+        .send(
+            FutureRecord::to(&topic)
+                .key("acct")
+                .payload(&payment(uuid::Uuid::new_v4(), "acct", 5)),
+            Duration::from_secs(10),
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .expect("produced");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let text = loop {
+        assert!(
+            Instant::now() < deadline,
+            "no due time: {}",
+            stats.snapshot()
+        );
+        if let Some((200, text)) = get(port, "/metrics").await
+            && sample(&text, "dedup_retry_due_seconds", &[("topic", &tier)])
+                .is_some_and(|s| s > 0.0)
+        {
+            break text;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let moved = sample(
+        &text,
+        "dedup_retry_moved_total",
+        &[("topic", &topic), ("tier", "1m")],
+    );
+    assert_eq!(moved, Some(1.0), "{text}");
+    assert_eq!(outcome(&text, &topic, "moved"), 1, "{text}");
+    let due = sample(&text, "dedup_retry_due_seconds", &[("topic", &tier)]).expect("due");
+    assert!((30.0..=60.0).contains(&due), "{due}");
+    assert_eq!(stats.snapshot().moved, 1);
+    let _ = stop.send(());
+    running.await.expect("join").expect("ran");
 }

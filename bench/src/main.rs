@@ -69,6 +69,9 @@
 //! handler whose call takes 50 ms and a database handler whose statement
 //! takes 10 ms, at several `key_concurrency` values. See keyed.rs.
 //!
+//! With `--tiers`, how long the other keys wait while one key fails
+//! transiently for 60 s, with and without retry tiers. See tiers.rs.
+//!
 //! Environment: `KAFKA_BROKERS` (default `127.0.0.1:9092`), `DATABASE_URL`.
 
 #![allow(clippy::print_stdout)]
@@ -95,6 +98,7 @@ mod keyed;
 mod outbox;
 mod produce;
 mod steady;
+mod tiers;
 mod workload;
 
 use produce::{Producer, unix_micros};
@@ -243,6 +247,7 @@ struct Args {
     outbox: bool,
     kafka_only: bool,
     keyed: bool,
+    tiers: bool,
     per_tx: usize,
     relay_batch: usize,
     mode: Option<String>,
@@ -274,6 +279,7 @@ fn args() -> Result<Args, String> {
         outbox: false,
         kafka_only: false,
         keyed: false,
+        tiers: false,
         per_tx: 10,
         relay_batch: 500,
         mode: None,
@@ -303,6 +309,7 @@ fn args() -> Result<Args, String> {
             "--outbox" => a.outbox = true,
             "--kafka-only" => a.kafka_only = true,
             "--keyed" => a.keyed = true,
+            "--tiers" => a.tiers = true,
             "--relay-batch" => {
                 a.relay_batch = value()?
                     .parse()
@@ -337,7 +344,7 @@ fn args() -> Result<Args, String> {
             other => {
                 return Err(format!(
                     "unknown flag {other}; flags: --events --duplicates --partitions --json --purge \
-                     --outbox --kafka-only --keyed --per-tx --relay-batch --mode --rate --seconds --set key=value \
+                     --outbox --kafka-only --keyed --tiers --per-tx --relay-batch --mode --rate --seconds --set key=value \
                      --max-buffered --linger ms --dump file (with --mode steady or steady-purge)"
                 ));
             }
@@ -697,13 +704,19 @@ async fn watch_commits(
 /// A fresh topic for `mode`.
 async fn new_topic(brokers: &str, mode: &str, partitions: i32) -> Result<String, BoxError> {
     let topic = format!("bench-{mode}-{}", uuid::Uuid::new_v4().simple());
+    create_topic(brokers, &topic, partitions).await?;
+    Ok(topic)
+}
+
+/// Creates topic `topic` of `partitions` partitions.
+async fn create_topic(brokers: &str, topic: &str, partitions: i32) -> Result<(), BoxError> {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()?;
     for r in admin
         .create_topics(
             [&NewTopic::new(
-                &topic,
+                topic,
                 partitions,
                 TopicReplication::Fixed(1),
             )],
@@ -713,7 +726,7 @@ async fn new_topic(brokers: &str, mode: &str, partitions: i32) -> Result<String,
     {
         r.map_err(|(t, e)| format!("create {t}: {e}"))?;
     }
-    Ok(topic)
+    Ok(())
 }
 
 /// Records in `topic`, all partitions.
@@ -796,6 +809,9 @@ async fn main() -> Result<(), BoxError> {
     }
     if args.keyed {
         return keyed::run(&args).await;
+    }
+    if args.tiers {
+        return tiers::run(&args).await;
     }
     if let Some(mode) = &args.mode {
         let report = run_mode(mode, &args).await?;

@@ -28,7 +28,7 @@ use dedup_core::Ttl;
 #[command(
     name = "dedup",
     version,
-    about = "Operate dedup: claims, dead letters, the outbox, TTL checks"
+    about = "Operate dedup: claims, dead letters, retry tiers, the outbox, TTL checks"
 )]
 struct Cli {
     /// Print JSON instead of text, for scripts.

@@ -300,7 +300,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// the dead-letter topic, while its partition moves on. Each tier's
     /// records wait their delay (the tier's partition is paused until its
     /// next record is due), and this consumer reads the tiers too unless
-    /// [`RetryTiers::read`] says otherwise. A move is recorded like a dead
+    /// [`RetryTiers::read`](crate::RetryTiers::read) says otherwise. A move is recorded like a dead
     /// letter, so a redelivery neither moves an event twice nor applies
     /// it; failures of the environment (an outage, a timeout) are waited
     /// out in place as always. Create the tier topics like the dead-letter

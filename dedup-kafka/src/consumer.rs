@@ -38,7 +38,7 @@ pub struct Consumer<S: DedupStore> {
     shared: Arc<Runtime<S>>,
     pub(crate) routes: HashMap<String, Arc<TopicRoutes<S>>>,
     partitions: PartitionMap,
-    drained: mpsc::UnboundedReceiver<(String, i32)>,
+    drained: mpsc::UnboundedReceiver<(String, i32, crate::partition::Pace)>,
     admin_config: ClientConfig,
     pub(crate) group: String,
     /// The partitions whose key-ordered gauges were last set.
@@ -167,8 +167,10 @@ impl<S: DedupStore> Consumer<S> {
                  multi-thread runtime, or set revoke_timeout(Duration::ZERO) to silence this"
             );
         }
-        self.check_ttls().await?;
+        // The tiers' topics first: a missing one is named as such, not as a
+        // retention the TTL check cannot read.
         self.check_tiers().await?;
+        self.check_ttls().await?;
         // Every route's series exist from the start (at 0), so that an
         // alert's increase() sees the first dead letter or reclaim.
         for route in self.routes.values().flat_map(|r| r.all()) {
@@ -199,7 +201,10 @@ impl<S: DedupStore> Consumer<S> {
                     let why = self.shared.fatal.lock().unwrap_or_else(|p| p.into_inner()).take();
                     break Some(Error::Fatal(why.unwrap_or_default()));
                 }
-                Some((topic, partition)) = self.drained.recv() => self.resume(&topic, partition),
+                Some((topic, partition, pace)) = self.drained.recv() => match pace {
+                    crate::partition::Pace::Drained => self.resume(&topic, partition),
+                    crate::partition::Pace::WaitDue => self.pause_until_due(&topic, partition),
+                },
                 Some(done) = workers.join_next(), if !workers.is_empty() => {
                     if let Err(e) = done
                         && e.is_panic()
@@ -305,7 +310,9 @@ impl<S: DedupStore> Consumer<S> {
         let mut in_flight: HashMap<&str, usize> =
             self.routes.keys().map(|t| (t.as_str(), 0)).collect();
         for p in lock(&self.partitions).values() {
-            if p.paused.load(Ordering::Acquire) {
+            // Back-pressure only: a tier's partition waiting for a due
+            // record is not behind.
+            if p.paused.load(Ordering::Acquire) && !p.due_wait.load(Ordering::Acquire) {
                 paused += 1;
             }
             match p.busy_since_ms.load(Ordering::Acquire) {
@@ -319,7 +326,9 @@ impl<S: DedupStore> Consumer<S> {
         if self.shared.settings.key_concurrency > 0 {
             self.refresh_keyed();
         }
-        self.refresh_tiers();
+        if self.routes.values().any(|r| r.in_tier()) {
+            self.refresh_tiers();
+        }
         gauges.report(stats, paused as usize, oldest);
         for (topic, n) in in_flight {
             crate::metrics::in_flight(topic, n);
@@ -459,13 +468,33 @@ impl<S: DedupStore> Consumer<S> {
             return;
         };
         // A tier's partition waiting for its next record's due time stays
-        // paused: its worker resumes it when the record is due.
+        // paused (its worker asks again when the record is due), and so
+        // does a partition still over half its bound.
+        let low_water = self.shared.settings.max_buffered_per_partition / 2;
         if !p.is_revoked()
             && !p.due_wait.load(Ordering::SeqCst)
+            && p.queued.load(Ordering::SeqCst) <= low_water
             && p.paused.swap(false, Ordering::AcqRel)
             && let Err(e) = self.shared.kafka.resume(&p.tpl())
         {
             tracing::warn!(error = %e, "resuming a partition failed");
+        }
+    }
+
+    /// Pauses a retry tier's partition whose worker waits for its next
+    /// record to be due, if it still does.
+    fn pause_until_due(&self, topic: &str, partition: i32) {
+        let partitions = lock(&self.partitions);
+        let Some(p) = partitions.get(&(topic.to_owned(), partition)) else {
+            return;
+        };
+        if !p.is_revoked()
+            && p.due_wait.load(Ordering::SeqCst)
+            && !p.paused.swap(true, Ordering::AcqRel)
+            && let Err(e) = self.shared.kafka.pause(&p.tpl())
+        {
+            tracing::warn!(error = %e, "pausing a partition until its record is due failed");
+            p.paused.store(false, Ordering::Release);
         }
     }
 

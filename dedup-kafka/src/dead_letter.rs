@@ -89,7 +89,7 @@ pub(crate) async fn dead_letter<S: DedupStore>(
                 && let Some(key) = route.hold_key(msg)
             {
                 records.push(crate::hold::in_record(route, &why.origin, key));
-                crate::hold::went_in(partition, key, why.origin.offset);
+                crate::hold::went_in(partition, route, key, why.origin.offset);
             }
         }
         None => {
@@ -103,7 +103,12 @@ pub(crate) async fn dead_letter<S: DedupStore>(
             }
         }
     }
-    record_all(shared, route, &records, jitter).await;
+    // Under key hold-back an unrecorded move would let the key's next
+    // events pass it: it is not finished (its redelivery moves it again,
+    // and its claim makes the second copy a skip).
+    if !record_all(shared, route, &records, jitter).await && records.len() > 1 {
+        return false;
+    }
     match why.moved {
         Some(_) => failpoint("after-move"),
         None => failpoint("after-dead-letter"),
@@ -216,7 +221,7 @@ pub(crate) async fn record_all<S: DedupStore>(
     route: &Route<S>,
     records: &[DedupKey],
     jitter: &mut Jitter,
-) {
+) -> bool {
     let policy = shared.settings.retry;
     let limit = shared.settings.attempt_timeout;
     let ttl = route.handler.ttl();
@@ -233,7 +238,7 @@ pub(crate) async fn record_all<S: DedupStore>(
             shared.store.commit(tx).await
         };
         let (error, fault) = match tokio::time::timeout(limit, attempt).await {
-            Ok(Ok(())) => return,
+            Ok(Ok(())) => return true,
             Ok(Err(e)) => {
                 let fault = Fault::from_class(e.classification());
                 (e, fault)
@@ -244,7 +249,7 @@ pub(crate) async fn record_all<S: DedupStore>(
             Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
             Decision::Stop { failing_for } => {
                 shared.fail(retrying.outlasted(failing_for, &error));
-                return;
+                return false;
             }
             Decision::DeadLetter => {
                 tracing::warn!(
@@ -252,7 +257,7 @@ pub(crate) async fn record_all<S: DedupStore>(
                     "the dead letter cannot be recorded in the store; a redelivery of this \
                      message may dead-letter it again"
                 );
-                return;
+                return false;
             }
         };
         let mut stopping = shared.stopping.subscribe();
@@ -263,7 +268,7 @@ pub(crate) async fn record_all<S: DedupStore>(
                     "stopping before the dead letter was recorded; a redelivery of this \
                      message may dead-letter it again"
                 );
-                return;
+                return false;
             }
         }
     }

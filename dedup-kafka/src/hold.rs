@@ -128,28 +128,22 @@ pub(crate) async fn earlier<S: DedupStore>(
         let held = read(shared, partition, &first_of_key, Some(key), jitter).await?;
         return Some(before(&held));
     }
-    // The origin's worker: what it knows, read once at its start.
-    let known = partition
-        .holds
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .clone();
-    let known = match known {
-        Some(known) => known,
-        None => {
-            let all = record(route, origin, "0".to_owned());
-            let held = read(shared, partition, &all, None, jitter).await?;
-            *partition.holds.lock().unwrap_or_else(|p| p.into_inner()) = Some(held.clone());
-            held
-        }
-    };
-    if before(&known).is_none() {
+    // The origin's worker: what it knows of this handler's holds, read
+    // once at its first need (set only if no other unit set it meanwhile:
+    // what that one added since is newer).
+    let scope = route.handler.scope();
+    let loaded = lock(partition).contains_key(scope);
+    if !loaded {
+        let all = record(route, origin, "0".to_owned());
+        let held = read(shared, partition, &all, None, jitter).await?;
+        lock(partition).entry(scope.to_owned()).or_insert(held);
+    }
+    if lock(partition).get(scope).and_then(before).is_none() {
         return Some(None);
     }
     // Held as far as this worker knows: a tier may have let it out since.
     let now = read(shared, partition, &first_of_key, Some(key), jitter).await?;
-    let mut holds = partition.holds.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(holds) = holds.as_mut() {
+    if let Some(holds) = lock(partition).get_mut(scope) {
         match now.get(&key) {
             Some(offsets) => holds.insert(key, offsets.clone()),
             None => holds.remove(&key),
@@ -158,29 +152,36 @@ pub(crate) async fn earlier<S: DedupStore>(
     Some(before(&now))
 }
 
-/// This worker put `key`'s event at `offset` into the tiers.
-pub(crate) fn went_in(partition: &Partition, key: OrderKey, offset: i64) {
-    if let Some(holds) = partition
-        .holds
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .as_mut()
-    {
+/// The origin worker's holds, by handler scope.
+fn lock(partition: &Partition) -> std::sync::MutexGuard<'_, HashMap<String, Held>> {
+    partition.holds.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// This worker put `key`'s event at `offset` (of `route`'s handler) into
+/// the tiers.
+pub(crate) fn went_in<S: 'static>(
+    partition: &Partition,
+    route: &Route<S>,
+    key: OrderKey,
+    offset: i64,
+) {
+    if let Some(holds) = lock(partition).get_mut(route.handler.scope()) {
         holds.entry(key).or_default().insert(offset);
     }
 }
 
 /// A tier finished `key`'s event at `origin`: records it, so the key is
-/// no longer held by it.
+/// no longer held by it. `false` if it could not be recorded (the
+/// consumer stops): the event is then not finished.
 pub(crate) async fn let_out<S: DedupStore>(
     shared: &Runtime<S>,
     route: &Route<S>,
     origin: &Origin,
     key: OrderKey,
     jitter: &mut Jitter,
-) {
+) -> bool {
     let out = out_record(route, origin, key);
-    crate::dead_letter::record_all(shared, route, &[out], jitter).await;
+    crate::dead_letter::record_all(shared, route, &[out], jitter).await
 }
 
 #[cfg(test)]

@@ -184,7 +184,22 @@ impl OrderBy {
         &self,
         msg: &rdkafka::message::OwnedMessage,
     ) -> Option<crate::pipeline::keyed::OrderKey> {
-        use crate::pipeline::keyed::order_key;
+        self.key_with(msg, crate::pipeline::keyed::order_key)
+    }
+
+    /// The ordering key of `msg` as a hash that is the same in every build
+    /// and on every platform (FNV-1a): what is stored of it (key
+    /// hold-back's records).
+    pub(crate) fn stored_key_of(&self, msg: &rdkafka::message::OwnedMessage) -> Option<u64> {
+        self.key_with(msg, |bytes| fingerprint(bytes, &[]))
+    }
+
+    /// The ordering key of `msg`, hashed by `order_key`.
+    fn key_with(
+        &self,
+        msg: &rdkafka::message::OwnedMessage,
+        order_key: fn(&[u8]) -> u64,
+    ) -> Option<u64> {
         use dedup_core::Headers as _;
         use rdkafka::message::Message as _;
         match &self.0 {
@@ -409,7 +424,7 @@ impl<S: 'static> Route<S> {
             message,
             attempts,
             handler: self.handler.scope(),
-            origin: crate::tiers::origin_of(msg, self.in_tier()),
+            origin: self.origin(msg),
             moved: None,
         }
     }
@@ -446,7 +461,7 @@ impl<S: 'static> Route<S> {
         place
             .tiers
             .hold_keys
-            .then(|| place.tiers.order_by.key_of(msg))
+            .then(|| place.tiers.order_by.stored_key_of(msg))
             .flatten()
     }
 
@@ -482,10 +497,23 @@ impl<S: 'static> Route<S> {
             tier: &tier.name,
             due_ms: crate::tiers::now_ms()
                 .saturating_add(tier.delay.as_millis().min(i64::MAX as u128) as i64),
-            attempts: crate::tiers::attempts_before(msg, self.in_tier())
+            attempts: crate::tiers::attempts_before(msg, self.reads_origin_headers(msg))
                 .saturating_add(why.attempts),
         });
         why
+    }
+
+    /// Where `msg` came from before any move: itself, or (read from a tier,
+    /// or a copy released from one to a topic with tiers) what its
+    /// `dedup.origin.*` say.
+    pub(crate) fn origin(&self, msg: &rdkafka::message::OwnedMessage) -> crate::tiers::Origin {
+        crate::tiers::origin_of(msg, self.reads_origin_headers(msg))
+    }
+
+    /// Whether `msg`'s `dedup.origin.*` and `dedup.retry.attempt` are its
+    /// own story: read from a tier, or released from one.
+    fn reads_origin_headers(&self, msg: &rdkafka::message::OwnedMessage) -> bool {
+        self.in_tier() || (self.tiers.is_some() && crate::tiers::released(msg))
     }
 
     /// Whether this route reads a retry tier.

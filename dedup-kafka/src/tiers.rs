@@ -318,17 +318,17 @@ pub(crate) fn header<'m>(msg: &'m OwnedMessage, key: &str) -> Option<&'m str> {
         .and_then(|h| std::str::from_utf8(h.value?).ok())
 }
 
-/// `msg`'s origin: the message itself, or, read from a tier, what its
-/// `dedup.origin.*` headers say (the message itself if they are missing or
-/// unreadable).
-pub(crate) fn origin_of(msg: &OwnedMessage, in_tier: bool) -> Origin {
+/// `msg`'s origin: the message itself, or (`from_headers`: read from a
+/// tier, or released from one) what its `dedup.origin.*` headers say (the
+/// message itself if they are missing or unreadable).
+pub(crate) fn origin_of(msg: &OwnedMessage, from_headers: bool) -> Origin {
     let own = || Origin {
         topic: msg.topic().to_owned(),
         partition: msg.partition(),
         offset: msg.offset(),
         timestamp: msg.timestamp().to_millis(),
     };
-    if !in_tier && header(msg, RETRY_RELEASED_HEADER).is_none() {
+    if !from_headers {
         return own();
     }
     let [topic, partition, offset, timestamp] = ORIGIN_HEADERS;
@@ -348,9 +348,10 @@ pub(crate) fn released(msg: &OwnedMessage) -> bool {
     header(msg, RETRY_RELEASED_HEADER).is_some()
 }
 
-/// Attempts `msg` had before it came to this route (0 at the origin).
-pub(crate) fn attempts_before(msg: &OwnedMessage, in_tier: bool) -> u32 {
-    match in_tier || header(msg, RETRY_RELEASED_HEADER).is_some() {
+/// Attempts `msg` had before it came to this route (`from_headers`: read
+/// from a tier, or released from one; else 0).
+pub(crate) fn attempts_before(msg: &OwnedMessage, from_headers: bool) -> u32 {
+    match from_headers {
         true => header(msg, RETRY_ATTEMPT_HEADER)
             .and_then(|a| a.parse().ok())
             .unwrap_or(0),
@@ -396,11 +397,17 @@ pub(crate) async fn check_topics(
                     Some(name),
                     Duration::from_secs(10),
                 )?;
-                Ok(metadata
-                    .topics()
-                    .iter()
-                    .find(|t| t.name() == name && t.error().is_none())
-                    .map_or(0, |t| t.partitions().len()))
+                let Some(topic) = metadata.topics().iter().find(|t| t.name() == name) else {
+                    return Ok(0);
+                };
+                match topic.error() {
+                    None => Ok(topic.partitions().len()),
+                    Some(
+                        rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART,
+                    ) => Ok(0),
+                    // Not authorized, no leader yet...: not known to be missing.
+                    Some(e) => Err(rdkafka::error::KafkaError::MetadataFetch(e.into())),
+                }
             };
             let origin = count(&topic.origin)?;
             for tier in &topic.tiers {
@@ -441,6 +448,9 @@ pub(crate) async fn check_topics(
     Ok(())
 }
 
+/// Waits shorter than this are slept without pausing the partition.
+const PAUSE_FROM: Duration = Duration::from_millis(200);
+
 /// Waits until `msg`, the next record of a tier's partition, is due: the
 /// partition is paused at the broker meanwhile (nothing more is fetched of
 /// it) and resumed after. `false` if the consumer stops or the partition
@@ -454,6 +464,11 @@ pub(crate) async fn until_due<S>(
     if wait.is_zero() {
         return true;
     }
+    // A short wait is slept: pausing would make librdkafka drop and fetch
+    // again what it had fetched of the partition.
+    if wait < PAUSE_FROM {
+        return crate::partition::wait_unless_stopped(shared, partition, wait).await;
+    }
     tracing::debug!(
         offset = msg.offset(),
         ?wait,
@@ -464,19 +479,20 @@ pub(crate) async fn until_due<S>(
         now_ms().saturating_add(wait.as_millis() as i64),
         Ordering::Relaxed,
     );
-    if !partition.paused.swap(true, Ordering::SeqCst)
-        && let Err(e) = rdkafka::consumer::Consumer::pause(&shared.kafka, &partition.tpl())
-    {
-        tracing::warn!(error = %e, "pausing a partition until its record is due failed");
-        partition.paused.store(false, Ordering::SeqCst);
-    }
+    // The consumer loop pauses and resumes it: only it calls librdkafka's
+    // pause and resume, in the order they are asked for.
+    let ask = |pace| {
+        let _ = shared
+            .drained
+            .send((partition.topic.clone(), partition.partition, pace));
+    };
+    ask(crate::partition::Pace::WaitDue);
     let due = crate::partition::wait_unless_stopped(shared, partition, wait).await;
     partition.due_wait.store(false, Ordering::SeqCst);
     partition.due_at_ms.store(0, Ordering::Relaxed);
-    // The consumer loop resumes it (unless its queue is still full).
-    let _ = shared
-        .drained
-        .send((partition.topic.clone(), partition.partition));
+    // Resumed unless its queue is still over half its bound (then the
+    // worker asks again once it has drained).
+    ask(crate::partition::Pace::Drained);
     due
 }
 

@@ -47,6 +47,8 @@ mod book {
     mod outbox {}
     #[doc = include_str!("../../docs/src/performance.md")]
     mod performance {}
+    #[doc = include_str!("../../docs/src/retry-tiers.md")]
+    mod retry_tiers {}
     #[doc = include_str!("../../docs/src/scaling.md")]
     mod scaling {}
     #[doc = include_str!("../../docs/src/semantics.md")]

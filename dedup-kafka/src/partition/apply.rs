@@ -71,7 +71,7 @@ pub(super) async fn process_batch<S: DedupStore>(
         }
         // Under key hold-back, an event whose key waits in a tier follows it.
         if let Some(key) = route.hold_key(msg) {
-            let origin = crate::tiers::origin_of(msg, route.in_tier());
+            let origin = route.origin(msg);
             match crate::hold::earlier(shared, route, partition, &origin, key, jitter).await {
                 None => return 0,
                 Some(Some(earlier)) => {
@@ -341,7 +341,7 @@ pub(super) async fn process<S: DedupStore>(
             Ended::Abandoned
         );
     };
-    let origin = crate::tiers::origin_of(msg, route.in_tier());
+    let origin = route.origin(msg);
     match crate::hold::earlier(shared, route, partition, &origin, key, jitter).await {
         None => return false,
         Some(Some(earlier)) => {
@@ -353,13 +353,13 @@ pub(super) async fn process<S: DedupStore>(
     match attempts(shared, route, partition, msg, jitter).await {
         Ended::Abandoned => false,
         Ended::Elsewhere => true,
-        Ended::Here => {
-            // A tier's record, or a copy released from one, lets its key go.
-            if route.in_tier() || crate::tiers::released(msg) {
-                crate::hold::let_out(shared, route, &origin, key, jitter).await;
-            }
-            true
+        // A tier's record, or a copy released from one, lets its key go;
+        // until that is recorded it is not finished (a redelivery is
+        // skipped by its claim and lets the key go then).
+        Ended::Here if route.in_tier() || crate::tiers::released(msg) => {
+            crate::hold::let_out(shared, route, &origin, key, jitter).await
         }
+        Ended::Here => true,
     }
 }
 

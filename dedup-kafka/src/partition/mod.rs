@@ -51,8 +51,10 @@ pub(crate) struct Runtime<S> {
     /// Bounds how many partitions run a handler at once.
     pub(crate) permits: Semaphore,
     pub(crate) stopping: watch::Sender<bool>,
-    /// Workers report here when a paused partition has drained.
-    pub(crate) drained: mpsc::UnboundedSender<(String, i32)>,
+    /// Workers ask the consumer loop here to pause or resume a partition:
+    /// only the loop calls librdkafka's pause and resume, so their order is
+    /// the order of the requests.
+    pub(crate) drained: mpsc::UnboundedSender<(String, i32, Pace)>,
     /// Why the consumer must stop, set by a worker that cannot go on (a
     /// dead-letter topic that cannot be written); the consumer loop is woken
     /// by `fatal_set`.
@@ -61,6 +63,16 @@ pub(crate) struct Runtime<S> {
     /// Per partition: held while a dead letter is produced and recorded,
     /// taken by a new worker of the partition before it reads the records.
     pub(crate) dead_letter_gates: Mutex<HashMap<(String, i32), Gate>>,
+}
+
+/// What a worker asks of the consumer loop for its partition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Pace {
+    /// Its queue is down to half its bound (or a wait for a due record is
+    /// over): resume it, unless it waits for a due record or is still full.
+    Drained,
+    /// It waits for its next record to be due: pause it.
+    WaitDue,
 }
 
 impl<S> Runtime<S> {

@@ -49,7 +49,8 @@ pub(crate) struct Partition {
     pub(crate) due_at_ms: AtomicI64,
     /// Under key hold-back, what the origin partition's worker knows of
     /// its keys held by events in retry tiers; read at its first need.
-    pub(crate) holds: Mutex<Option<crate::hold::Held>>,
+    /// By handler scope (a typed topic's handlers hold keys apart).
+    pub(crate) holds: Mutex<HashMap<String, crate::hold::Held>>,
     pub(crate) sender: mpsc::UnboundedSender<OwnedMessage>,
 }
 
@@ -77,7 +78,7 @@ impl Partition {
             keyed_waiting: AtomicUsize::new(0),
             due_wait: AtomicBool::new(false),
             due_at_ms: AtomicI64::new(0),
-            holds: Mutex::new(None),
+            holds: Mutex::new(HashMap::new()),
             sender,
         }
     }

@@ -246,9 +246,11 @@ pub(super) fn counted_out<S: DedupStore>(shared: &Runtime<S>, partition: &Partit
     let low_water = shared.settings.max_buffered_per_partition / 2;
     let left = partition.queued.fetch_sub(n, Ordering::SeqCst) - n;
     if left <= low_water && partition.paused.load(Ordering::SeqCst) {
-        let _ = shared
-            .drained
-            .send((partition.topic.clone(), partition.partition));
+        let _ = shared.drained.send((
+            partition.topic.clone(),
+            partition.partition,
+            super::Pace::Drained,
+        ));
     }
 }
 

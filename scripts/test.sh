@@ -53,6 +53,17 @@ cargo_home="${CARGO_HOME:-$HOME/.cargo}"
 for registry in "$cargo_home"/registry/src/-* "$cargo_home"/registry/cache/-*; do
     if [ -d "$registry" ]; then rm -rf "$registry"/dedup-*; fi
 done
+# And what was built from them: a package's files keep the fixed time the
+# archive gives them, older than any build, so cargo takes a build of an
+# earlier package of the same version as fresh (a crate that gained an API
+# fails to verify against it). Dropping its fingerprint rebuilds it.
+target_dir="${CARGO_TARGET_DIR:-target}"
+for dep_info in "$target_dir"/debug/deps/dedup_*.d; do
+    if [ -e "$dep_info" ] && grep -q "/registry/src/-" "$dep_info"; then
+        hash="${dep_info##*-}"
+        rm -rf "$target_dir"/debug/.fingerprint/dedup-*-"${hash%.d}"
+    fi
+done
 cargo package --workspace --locked --allow-dirty \
     --exclude dedup-examples --exclude dedup-tests --exclude dedup-bench
 

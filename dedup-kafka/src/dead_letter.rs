@@ -88,8 +88,9 @@ pub(crate) async fn dead_letter<S: DedupStore>(
             if !route.in_tier()
                 && let Some(key) = route.hold_key(msg)
             {
-                records.push(crate::hold::in_record(route, &why.origin, key));
-                crate::hold::went_in(partition, route, key, why.origin.offset);
+                let held = crate::hold::in_record(&shared.group, &why.origin, key);
+                crate::hold::went_in(partition, &held, key, &why.origin);
+                records.push(held);
             }
         }
         None => {
@@ -99,7 +100,7 @@ pub(crate) async fn dead_letter<S: DedupStore>(
             if route.in_tier()
                 && let Some(key) = route.hold_key(msg)
             {
-                records.push(crate::hold::out_record(route, &why.origin, key));
+                records.push(crate::hold::out_record(&shared.group, &why.origin, key));
             }
         }
     }

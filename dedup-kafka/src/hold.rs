@@ -3,8 +3,9 @@
 //! (of the same origin partition) follow it into the tiers instead of being
 //! applied before it, so each key's events are applied in their order.
 //!
-//! What is in the tiers is recorded in the store, per origin partition and
-//! handler, as claims that are only ever added (the store has no delete):
+//! What is in the tiers is recorded in the store, per consumer group and
+//! origin partition (a typed topic's handlers hold a key together), as
+//! claims that are only ever added (the store has no delete):
 //! `<key>.<origin offset>.in` when an event moves from its origin topic to a
 //! tier (in the move record's transaction), `<key>.<origin offset>.out` when
 //! a tier finishes it (applied, skipped, dead-lettered). A key is held
@@ -31,30 +32,31 @@ use crate::tiers::Origin;
 /// Per ordering key, the origin offsets of its events in the tiers.
 pub(crate) type Held = HashMap<OrderKey, BTreeSet<i64>>;
 
-/// Where a hold record of `origin`'s partition lives, with id `id`.
-fn record<S: 'static>(route: &Route<S>, origin: &Origin, id: String) -> DedupKey {
+/// Where a hold record of `origin`'s partition lives, with id `id`: per
+/// consumer group and origin partition, so that a topic's handlers of
+/// several event types hold a key together (as `key_concurrency` orders
+/// it) and another group's holds are its own.
+fn record(group: &str, origin: &Origin, id: String) -> DedupKey {
     let scope = dedup_core::ordered_scope(&format!(
-        "{}/hold/{}/{}",
-        route.handler.scope(),
-        origin.topic,
-        origin.partition
+        "hold/{group}/{}/{}",
+        origin.topic, origin.partition
     ));
     DedupKey::new(scope, id).expect("never empty")
 }
 
 /// The record that `key`'s event at `origin` went into the tiers.
-pub(crate) fn in_record<S: 'static>(route: &Route<S>, origin: &Origin, key: OrderKey) -> DedupKey {
+pub(crate) fn in_record(group: &str, origin: &Origin, key: OrderKey) -> DedupKey {
     record(
-        route,
+        group,
         origin,
         format!("{key:016x}.{:020}.in", origin.offset),
     )
 }
 
 /// The record that a tier finished `key`'s event at `origin`.
-pub(crate) fn out_record<S: 'static>(route: &Route<S>, origin: &Origin, key: OrderKey) -> DedupKey {
+pub(crate) fn out_record(group: &str, origin: &Origin, key: OrderKey) -> DedupKey {
     record(
-        route,
+        group,
         origin,
         format!("{key:016x}.{:020}.out", origin.offset),
     )
@@ -119,7 +121,7 @@ pub(crate) async fn earlier<S: DedupStore>(
     key: OrderKey,
     jitter: &mut Jitter,
 ) -> Option<Option<i64>> {
-    let first_of_key = record(route, origin, format!("{key:016x}"));
+    let first_of_key = record(&shared.group, origin, format!("{key:016x}"));
     let before = |held: &Held| {
         held.get(&key)
             .and_then(|offsets| offsets.range(..origin.offset).next_back().copied())
@@ -128,13 +130,13 @@ pub(crate) async fn earlier<S: DedupStore>(
         let held = read(shared, partition, &first_of_key, Some(key), jitter).await?;
         return Some(before(&held));
     }
-    // The origin's worker: what it knows of this handler's holds, read
+    // The origin's worker: what it knows of the partition's holds, read
     // once at its first need (set only if no other unit set it meanwhile:
     // what that one added since is newer).
-    let scope = route.handler.scope();
+    let all = record(&shared.group, origin, "0".to_owned());
+    let scope = all.scope();
     let loaded = lock(partition).contains_key(scope);
     if !loaded {
-        let all = record(route, origin, "0".to_owned());
         let held = read(shared, partition, &all, None, jitter).await?;
         lock(partition).entry(scope.to_owned()).or_insert(held);
     }
@@ -152,21 +154,16 @@ pub(crate) async fn earlier<S: DedupStore>(
     Some(before(&now))
 }
 
-/// The origin worker's holds, by handler scope.
+/// The origin worker's holds, by the scope of their records.
 fn lock(partition: &Partition) -> std::sync::MutexGuard<'_, HashMap<String, Held>> {
     partition.holds.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// This worker put `key`'s event at `offset` (of `route`'s handler) into
-/// the tiers.
-pub(crate) fn went_in<S: 'static>(
-    partition: &Partition,
-    route: &Route<S>,
-    key: OrderKey,
-    offset: i64,
-) {
-    if let Some(holds) = lock(partition).get_mut(route.handler.scope()) {
-        holds.entry(key).or_default().insert(offset);
+/// This worker put `key`'s event at `origin` into the tiers: `record`
+/// (its `in` record) says so.
+pub(crate) fn went_in(partition: &Partition, record: &DedupKey, key: OrderKey, origin: &Origin) {
+    if let Some(holds) = lock(partition).get_mut(record.scope()) {
+        holds.entry(key).or_default().insert(origin.offset);
     }
 }
 
@@ -180,7 +177,7 @@ pub(crate) async fn let_out<S: DedupStore>(
     key: OrderKey,
     jitter: &mut Jitter,
 ) -> bool {
-    let out = out_record(route, origin, key);
+    let out = out_record(&shared.group, origin, key);
     crate::dead_letter::record_all(shared, route, &[out], jitter).await
 }
 

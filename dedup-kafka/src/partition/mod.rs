@@ -45,8 +45,8 @@ pub(crate) struct Runtime<S> {
     pub(crate) producer: FutureProducer,
     pub(crate) stats: Arc<Stats>,
     pub(crate) settings: Settings,
-    /// The consumer group, for the spans' attributes.
-    #[cfg_attr(not(feature = "opentelemetry"), allow(dead_code))]
+    /// The consumer group: the spans' attributes, the scope of key
+    /// hold-back's records.
     pub(crate) group: String,
     /// Bounds how many partitions run a handler at once.
     pub(crate) permits: Semaphore,

@@ -49,7 +49,7 @@ pub(crate) struct Partition {
     pub(crate) due_at_ms: AtomicI64,
     /// Under key hold-back, what the origin partition's worker knows of
     /// its keys held by events in retry tiers; read at its first need.
-    /// By handler scope (a typed topic's handlers hold keys apart).
+    /// By the scope of their records.
     pub(crate) holds: Mutex<HashMap<String, crate::hold::Held>>,
     pub(crate) sender: mpsc::UnboundedSender<OwnedMessage>,
 }

@@ -41,6 +41,11 @@ fn now_ms() -> i64 {
 /// would be) for account `acct-bad` while the `failing` table has a row.
 #[idempotent(key = "event_id", ttl = "4h")]
 async fn apply_timed(tx: &mut PgTx, ev: Timed) -> Result<(), sqlx::Error> {
+    record_timed(tx, ev).await
+}
+
+/// What `apply_timed` does, for the handlers that share it.
+async fn record_timed(tx: &mut PgTx, ev: Timed) -> Result<(), sqlx::Error> {
     sqlx::query(
         "INSERT INTO applied (event_id, account, seq, produced_ms, applied_ms) \
          VALUES ($1, $2, $3, $4, (extract(epoch FROM clock_timestamp()) * 1000)::bigint)",
@@ -363,6 +368,34 @@ async fn missing_tier_topics_are_named_at_start(pool: PgPool) {
 /// moved when its original is redelivered).
 #[sqlx::test(migrations = false)]
 async fn crashes_right_after_moves_lose_and_double_nothing(pool: PgPool) {
+    crash_after_moves(&pool, false).await;
+}
+
+/// The same with key hold-back: what is in the tiers is recorded in the
+/// store, so across the crashes the failing account's later payments still
+/// follow its first, and all of its payments are applied in the order
+/// produced.
+#[sqlx::test(migrations = false)]
+async fn with_hold_back_crashes_keep_each_keys_order(pool: PgPool) {
+    let produced = crash_after_moves(&pool, true).await;
+    let applied: Vec<uuid::Uuid> = sqlx::query_scalar(
+        "SELECT event_id FROM ledger WHERE account_id = 'acct-bad' ORDER BY seq",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("ledger");
+    assert_eq!(
+        applied, produced,
+        "the failing account's payments, in order"
+    );
+}
+
+/// Runs the payments example over one failing account among ten, killed
+/// right after its 3rd move twice, then to the end; checks that nothing
+/// was lost, doubled, dead-lettered or moved twice. Returns the failing
+/// account's event ids in the order produced.
+async fn crash_after_moves(pool: &PgPool, hold: bool) -> Vec<uuid::Uuid> {
+    let pool = pool.clone();
     for statement in [
         "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)",
         "CREATE TABLE ledger (seq bigserial PRIMARY KEY, account_id text NOT NULL, \
@@ -385,20 +418,28 @@ async fn crashes_right_after_moves_lose_and_double_nothing(pool: PgPool) {
     let topic = create_topic(2).await;
     let tiers = create_tiers(&topic, &["1s", "2s"], 2).await;
     let (accounts, each) = (10, 20);
-    let records = (0..accounts * each).map(|i| {
-        let account = match i % accounts {
-            0 => "acct-bad".to_owned(),
-            a => format!("acct-{a}"),
-        };
-        (account.clone(), payment(uuid::Uuid::new_v4(), &account, 1))
-    });
+    let mut produced = Vec::new();
+    let records: Vec<(String, Vec<u8>)> = (0..accounts * each)
+        .map(|i| {
+            let account = match i % accounts {
+                0 => "acct-bad".to_owned(),
+                a => format!("acct-{a}"),
+            };
+            let id = uuid::Uuid::new_v4();
+            if account == "acct-bad" {
+                produced.push(id);
+            }
+            (account.clone(), payment(id, &account, 1))
+        })
+        .collect();
     produce_all(&producer(), &topic, records).await;
     let group = unique("g");
     let run = |failpoint: Option<&str>| {
         let mut cmd = common::payments(&pool, &topic, &group);
         cmd.args(["--exit-when-idle", "4s"])
             .env("KAFKA_SESSION_TIMEOUT_MS", "6000")
-            .env("DEDUP_RETRY_TIERS", "1s,2s");
+            .env("DEDUP_RETRY_TIERS", "1s,2s")
+            .env("DEDUP_RETRY_HOLD_KEYS", if hold { "1" } else { "0" });
         if let Some(f) = failpoint {
             cmd.env("DEDUP_FAILPOINT", f);
         }
@@ -444,6 +485,41 @@ async fn crashes_right_after_moves_lose_and_double_nothing(pool: PgPool) {
         "the crashed runs moved at least 3 of the failing account's payments: {moved}"
     );
     origins_once(&read_all(&tiers[1]).await, "the 2s tier");
+    produced
+}
+
+/// Ends the failure, waits until `total` events are applied, stops the
+/// consumer (nothing dead-lettered) and returns the `seq` of the failing
+/// account's events in the order applied.
+async fn end_failure(pool: &PgPool, running: common::Running, total: u64) -> Vec<i64> {
+    sqlx::query("DELETE FROM failing")
+        .execute(pool)
+        .await
+        .expect("failure over");
+    running
+        .wait_for("the failing account's events applied", |s| {
+            s.applied == total
+        })
+        .await;
+    let stats = running.stop().await;
+    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    sqlx::query_scalar(
+        "SELECT seq FROM applied WHERE account = 'acct-bad' ORDER BY applied_ms, seq",
+    )
+    .fetch_all(pool)
+    .await
+    .expect("order")
+}
+
+/// A consumer with tiers of 1 s and 3 s, 2 attempts in place, and key
+/// hold-back.
+fn holding_back(store: &PgStore) -> ConsumerBuilder<PgStore> {
+    consumer(store, &unique("g")).retry_tiers_with(
+        RetryTiers::new(["1s", "3s"])
+            .expect("tiers")
+            .attempts_in_place(2)
+            .hold_keys(true),
+    )
 }
 
 /// With key hold-back, while one account's payment waits in a tier, its
@@ -457,16 +533,7 @@ async fn with_hold_back_a_failing_keys_events_are_applied_in_order(pool: PgPool)
     let store = failing_store(&pool).await;
     let topic = create_topic(1).await;
     create_tiers(&topic, &["1s", "3s"], 1).await;
-    let running = start(
-        consumer(&store, &unique("g"))
-            .retry_tiers_with(
-                RetryTiers::new(["1s", "3s"])
-                    .expect("tiers")
-                    .attempts_in_place(2)
-                    .hold_keys(true),
-            )
-            .handle(&topic, apply_timed),
-    );
+    let running = start(holding_back(&store).handle(&topic, apply_timed));
     let (accounts, each) = (10usize, 30i64);
     let records: Vec<(String, Vec<u8>)> = (0..each)
         .flat_map(|seq| {
@@ -486,24 +553,8 @@ async fn with_hold_back_a_failing_keys_events_are_applied_in_order(pool: PgPool)
             s.applied == others as u64
         })
         .await;
-    sqlx::query("DELETE FROM failing")
-        .execute(&pool)
-        .await
-        .expect("failure over");
     let total = accounts * each as usize;
-    running
-        .wait_for("the failing account's payments applied", |s| {
-            s.applied == total as u64
-        })
-        .await;
-    let stats = running.stop().await;
-    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
-    let order: Vec<i64> = sqlx::query_scalar(
-        "SELECT seq FROM applied WHERE account = 'acct-bad' ORDER BY applied_ms, seq",
-    )
-    .fetch_all(&pool)
-    .await
-    .expect("order");
+    let order = end_failure(&pool, running, total as u64).await;
     assert_eq!(order, (0..each).collect::<Vec<_>>(), "once each, in order");
     assert_eq!(balance(&pool).await, total as i64);
 }
@@ -579,4 +630,70 @@ async fn the_cli_lists_what_waits_in_a_tier_and_releases_it(pool: PgPool) {
     let stats = running.stop().await;
     assert_eq!((stats.moved, stats.dead_lettered), (1, 0), "{stats:?}");
     assert_eq!(balance(&pool).await, 2);
+}
+
+/// A refund: another event type on the payments' topic, by its `type`
+/// field, recorded by its own handler.
+#[derive(serde::Deserialize)]
+struct Refund {
+    event_id: String,
+    account_id: String,
+    seq: i64,
+    produced_ms: i64,
+}
+
+#[idempotent(key = "event_id", ttl = "4h")]
+async fn apply_refund(tx: &mut PgTx, ev: Refund) -> Result<(), sqlx::Error> {
+    let timed = Timed {
+        event_id: ev.event_id,
+        account_id: ev.account_id,
+        seq: ev.seq,
+        produced_ms: ev.produced_ms,
+    };
+    record_timed(tx, timed).await
+}
+
+/// On a topic of two event types (payments and refunds, each its own
+/// handler), key hold-back holds a key across types, as the partition
+/// orders it: while one account's payment waits in a tier, its later
+/// refunds and payments follow it, and all are applied in the order
+/// produced once the failure passes.
+#[sqlx::test(migrations = false)]
+async fn hold_back_keeps_a_keys_order_across_the_event_types_of_a_topic(pool: PgPool) {
+    let store = failing_store(&pool).await;
+    let topic = create_topic(1).await;
+    create_tiers(&topic, &["1s", "3s"], 1).await;
+    let running = start(
+        holding_back(&store)
+            .handle_type(
+                &topic,
+                dedup_kafka::EventType::field("type", "payment"),
+                apply_timed,
+            )
+            .handle_type(
+                &topic,
+                dedup_kafka::EventType::field("type", "refund"),
+                apply_refund,
+            ),
+    );
+    let typed = |account: &str, seq: i64| {
+        let kind = if seq % 2 == 0 { "payment" } else { "refund" };
+        let mut body: serde_json::Value =
+            serde_json::from_slice(&timed(account, seq)).expect("json");
+        body["type"] = kind.into();
+        (account.to_owned(), body.to_string().into_bytes())
+    };
+    let records: Vec<(String, Vec<u8>)> = (0..12)
+        .flat_map(|seq| [typed("acct-bad", seq), typed("acct-1", seq)])
+        .collect();
+    produce_all(&producer(), &topic, records).await;
+    running
+        .wait_for("the other account's events applied", |s| s.applied == 12)
+        .await;
+    let order = end_failure(&pool, running, 24).await;
+    assert_eq!(
+        order,
+        (0..12).collect::<Vec<_>>(),
+        "payments and refunds in order"
+    );
 }

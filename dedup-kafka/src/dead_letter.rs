@@ -107,7 +107,8 @@ pub(crate) async fn dead_letter<S: DedupStore>(
     // Under key hold-back an unrecorded move would let the key's next
     // events pass it: it is not finished (its redelivery moves it again,
     // and its claim makes the second copy a skip).
-    if !record_all(shared, route, &records, jitter).await && records.len() > 1 {
+    let holds = records.len() > 1;
+    if !record_all(shared, route, &records, holds, jitter).await && holds {
         return false;
     }
     match why.moved {
@@ -217,10 +218,16 @@ async fn recorded_from<S: DedupStore>(
 /// its own, waiting out the store (also after a revoke: the next owner
 /// needs the record). Given up only when the consumer stops, or for a
 /// refusal no retry helps: then a redelivery may dead-letter it again.
+///
+/// With `needed` (key hold-back's records are among them: without them a
+/// key would be let go, or passed, unrecorded), a refusal stops the
+/// consumer with its reason instead: the caller leaves the event
+/// unfinished.
 pub(crate) async fn record_all<S: DedupStore>(
     shared: &Runtime<S>,
     route: &Route<S>,
     records: &[DedupKey],
+    needed: bool,
     jitter: &mut Jitter,
 ) -> bool {
     let policy = shared.settings.retry;
@@ -250,6 +257,13 @@ pub(crate) async fn record_all<S: DedupStore>(
             Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
             Decision::Stop { failing_for } => {
                 shared.fail(retrying.outlasted(failing_for, &error));
+                return false;
+            }
+            Decision::DeadLetter if needed => {
+                shared.fail(format!(
+                    "the store refuses to record what is in the retry tiers ({error}): \
+                     stopping, so that no key held back is let go or passed unrecorded"
+                ));
                 return false;
             }
             Decision::DeadLetter => {

@@ -130,7 +130,9 @@ pub const REPLAYED_FROM_HEADER: &str = "dedup.replayed.from";
 /// a retry tier, not the tier's headers of an earlier move either (they
 /// are set afresh).
 fn kept(key: &str, moving: bool) -> bool {
-    !DEAD_LETTER_HEADERS.contains(&key)
+    // A released copy's mark: its dead letter or move is the event's own.
+    key != crate::tiers::RETRY_RELEASED_HEADER
+        && !DEAD_LETTER_HEADERS.contains(&key)
         && !(moving
             && (crate::tiers::ORIGIN_HEADERS.contains(&key)
                 || [
@@ -382,6 +384,7 @@ mod tests {
             ("dedup.retry.due", "5000"),
             ("dedup.retry.attempt", "4"),
             ("dedup.error.kind", "handler"),
+            ("dedup.retry.released", "payments.retry-30s/0/5"),
         ] {
             original = original.insert(Header {
                 key,
@@ -432,6 +435,7 @@ mod tests {
         assert_eq!(value("dedup.retry.attempt"), Some("8"));
         assert_eq!(value("dedup.error.message"), Some("503"));
         assert_eq!(count("dedup.original.topic"), 0, "not a dead letter");
+        assert_eq!(count("dedup.retry.released"), 0, "the move is the event's own");
         assert_eq!(value("trace-id"), Some("t-1"));
 
         let dead = DeadLetter {
@@ -446,6 +450,10 @@ mod tests {
         assert_eq!(value("dedup.original.offset"), Some("41"));
         assert_eq!(value("dedup.original.timestamp"), Some("1000"));
         assert_eq!(value("dedup.retry.tier"), Some("30s"), "where it was last");
+        assert!(
+            all.iter().all(|(k, _)| k != "dedup.retry.released"),
+            "a replay of the dead letter is no released copy: {all:?}"
+        );
     }
 
     #[test]

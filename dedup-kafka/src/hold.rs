@@ -178,7 +178,7 @@ pub(crate) async fn let_out<S: DedupStore>(
     jitter: &mut Jitter,
 ) -> bool {
     let out = out_record(&shared.group, origin, key);
-    crate::dead_letter::record_all(shared, route, &[out], jitter).await
+    crate::dead_letter::record_all(shared, route, &[out], true, jitter).await
 }
 
 #[cfg(test)]

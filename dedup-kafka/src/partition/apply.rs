@@ -69,7 +69,13 @@ pub(super) async fn process_batch<S: DedupStore>(
             bad.push((i, Unprepared::Before(before)));
             continue;
         }
-        // Under key hold-back, an event whose key waits in a tier follows it.
+        // Under key hold-back, a copy released from a tier goes alone (it
+        // lets its key go), and an event whose key waits in a tier follows
+        // it.
+        if route.hold_key(msg).is_some() && crate::tiers::released(msg) {
+            bad.push((i, Unprepared::Alone));
+            continue;
+        }
         if let Some(key) = route.hold_key(msg) {
             let origin = route.origin(msg);
             match crate::hold::earlier(shared, route, partition, &origin, key, jitter).await {
@@ -291,12 +297,16 @@ enum Unprepared {
     /// An earlier event of its key (at this origin offset) waits in a
     /// retry tier: it follows (key hold-back).
     Follow(i64),
+    /// A copy released from a tier, under key hold-back: run on its own,
+    /// in offset order with the others, so that it lets its key go.
+    Alone,
 }
 
-/// Dead-letters a message that could not be prepared.
+/// Finishes a message that was not prepared for its batch: dead-letters
+/// it, skips it, moves it behind its key, or runs it alone.
 async fn dead_letter_unprepared<S: DedupStore>(
-    shared: &Runtime<S>,
-    route: &Route<S>,
+    shared: &Arc<Runtime<S>>,
+    route: &Arc<Route<S>>,
     partition: &Partition,
     msg: &OwnedMessage,
     unprepared: &Unprepared,
@@ -312,6 +322,11 @@ async fn dead_letter_unprepared<S: DedupStore>(
         Unprepared::Follow(earlier) => {
             let why = route.follow(msg, *earlier);
             return dead_letter(shared, route, partition, msg, why, jitter)
+                .instrument(message_span(msg))
+                .await;
+        }
+        Unprepared::Alone => {
+            return process(shared, route, partition, msg, jitter)
                 .instrument(message_span(msg))
                 .await;
         }

@@ -435,7 +435,11 @@ mod tests {
         assert_eq!(value("dedup.retry.attempt"), Some("8"));
         assert_eq!(value("dedup.error.message"), Some("503"));
         assert_eq!(count("dedup.original.topic"), 0, "not a dead letter");
-        assert_eq!(count("dedup.retry.released"), 0, "the move is the event's own");
+        assert_eq!(
+            count("dedup.retry.released"),
+            0,
+            "the move is the event's own"
+        );
         assert_eq!(value("trace-id"), Some("t-1"));
 
         let dead = DeadLetter {

@@ -173,17 +173,7 @@ pub(crate) async fn recorded<S: DedupStore>(
 }
 
 /// The live record ids from `first` on, waiting out the store.
-pub(crate) async fn live_ids<S: DedupStore>(
-    shared: &Runtime<S>,
-    partition: &Partition,
-    first: &DedupKey,
-    jitter: &mut Jitter,
-) -> Option<HashSet<String>> {
-    recorded_from(shared, partition, first, jitter).await
-}
-
-/// The live record ids from `first` on, waiting out the store.
-async fn recorded_from<S: DedupStore>(
+pub(crate) async fn recorded_from<S: DedupStore>(
     shared: &Runtime<S>,
     partition: &Partition,
     first: &DedupKey,

@@ -103,7 +103,7 @@ async fn read<S: DedupStore>(
     only: Option<OrderKey>,
     jitter: &mut Jitter,
 ) -> Option<Held> {
-    let ids = crate::dead_letter::live_ids(shared, partition, from, jitter).await?;
+    let ids = crate::dead_letter::recorded_from(shared, partition, from, jitter).await?;
     let mut ids: Vec<String> = ids.into_iter().collect();
     ids.sort_unstable();
     Some(held_in(&ids, only))

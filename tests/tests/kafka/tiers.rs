@@ -67,24 +67,46 @@ async fn record_timed(tx: &mut PgTx, ev: Timed) -> Result<(), sqlx::Error> {
     .await
 }
 
-/// The store, the `applied` table and the trigger that fails `acct-bad`
-/// while `failing` has a row (it starts with one).
-async fn failing_store(pool: &PgPool) -> PgStore {
-    for statement in [
-        "CREATE TABLE applied (event_id text NOT NULL, account text NOT NULL, seq bigint NOT NULL, \
-         produced_ms bigint NOT NULL, applied_ms bigint NOT NULL)",
-        "CREATE TABLE failing (since timestamptz)",
-        "INSERT INTO failing VALUES (now())",
+/// Makes inserts into `table` fail for account `acct-bad` (its `column`)
+/// while the `failing` table has a row, as a downstream's 503 would: a
+/// trigger's `RAISE`, a transient error. It starts with one.
+async fn fail_bad_account(pool: &PgPool, table: &str, column: &str) {
+    let function = format!(
         "CREATE FUNCTION fail_bad() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
-           IF NEW.account = 'acct-bad' AND EXISTS (SELECT 1 FROM failing) THEN \
+           IF NEW.{column} = 'acct-bad' AND EXISTS (SELECT 1 FROM failing) THEN \
              RAISE EXCEPTION 'the downstream answers 503'; \
            END IF; \
            RETURN NEW; \
-         END $$",
-        "CREATE TRIGGER fail_bad BEFORE INSERT ON applied FOR EACH ROW EXECUTE FUNCTION fail_bad()",
+         END $$"
+    );
+    let trigger = format!(
+        "CREATE TRIGGER fail_bad BEFORE INSERT ON {table} FOR EACH ROW EXECUTE FUNCTION fail_bad()"
+    );
+    for statement in [
+        "CREATE TABLE failing (since timestamptz)",
+        "INSERT INTO failing VALUES (now())",
+        &function,
+        &trigger,
     ] {
-        sqlx::query(statement).execute(pool).await.expect(statement);
+        // Identifiers of this file's own tables, not input.
+        sqlx::query(sqlx::AssertSqlSafe(statement))
+            .execute(pool)
+            .await
+            .expect(statement);
     }
+}
+
+/// The store, the `applied` table and the trigger that fails `acct-bad`
+/// while `failing` has a row (it starts with one).
+async fn failing_store(pool: &PgPool) -> PgStore {
+    sqlx::query(
+        "CREATE TABLE applied (event_id text NOT NULL, account text NOT NULL, seq bigint NOT NULL, \
+         produced_ms bigint NOT NULL, applied_ms bigint NOT NULL)",
+    )
+    .execute(pool)
+    .await
+    .expect("applied");
+    fail_bad_account(pool, "applied", "account").await;
     store(pool).await
 }
 
@@ -400,21 +422,13 @@ async fn crash_after_moves(pool: &PgPool, hold: bool) -> Vec<uuid::Uuid> {
         "CREATE TABLE accounts (id text PRIMARY KEY, balance bigint NOT NULL)",
         "CREATE TABLE ledger (seq bigserial PRIMARY KEY, account_id text NOT NULL, \
          event_id uuid NOT NULL, amount_cents bigint NOT NULL)",
-        "CREATE TABLE failing (since timestamptz)",
-        "INSERT INTO failing VALUES (now())",
-        "CREATE FUNCTION fail_bad() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
-           IF NEW.account_id = 'acct-bad' AND EXISTS (SELECT 1 FROM failing) THEN \
-             RAISE EXCEPTION 'the downstream answers 503'; \
-           END IF; \
-           RETURN NEW; \
-         END $$",
-        "CREATE TRIGGER fail_bad BEFORE INSERT ON ledger FOR EACH ROW EXECUTE FUNCTION fail_bad()",
     ] {
         sqlx::query(statement)
             .execute(&pool)
             .await
             .expect(statement);
     }
+    fail_bad_account(&pool, "ledger", "account_id").await;
     let topic = create_topic(2).await;
     let tiers = create_tiers(&topic, &["1s", "2s"], 2).await;
     let (accounts, each) = (10, 20);

@@ -25,12 +25,12 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use rdkafka::Offset;
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::Message as _;
-use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::watch;
 
-use super::rebalance::{Change, Membership};
+use super::rebalance::{Change, Lane, Membership, Topics};
 use crate::Error;
 
 /// How often the run loop polls while a batch runs: well inside any
@@ -44,18 +44,19 @@ pub(super) struct Busy {
     /// A poll saw the group rebalance: the batch's waits end.
     rebalanced: watch::Sender<bool>,
     seen: Mutex<Seen>,
+    topics: Topics,
 }
 
 /// What the polls of one batch saw.
 #[derive(Default)]
 struct Seen {
     /// Partitions paused because a message of theirs came in.
-    paused: BTreeSet<i32>,
+    paused: BTreeSet<Lane>,
     /// Per partition, the first offset that came in (since its last
     /// revoke): where it goes back to.
-    unread: BTreeMap<i32, i64>,
+    unread: BTreeMap<Lane, i64>,
     /// Partitions revoked while the batch ran (possibly assigned again).
-    moved: BTreeSet<i32>,
+    moved: BTreeSet<Lane>,
     /// Rebalance changes already looked at.
     changes: usize,
 }
@@ -70,11 +71,12 @@ impl Busy {
             .len()
     }
 
-    pub(super) fn new() -> Self {
+    pub(super) fn new(topics: Topics) -> Self {
         Self {
             open: AtomicBool::new(false),
             rebalanced: watch::Sender::new(false),
             seen: Mutex::default(),
+            topics,
         }
     }
 
@@ -91,7 +93,7 @@ impl Busy {
     /// Polls once if no transaction is open: the group sees the consumer
     /// alive, the rebalance callbacks run. A message that comes in pauses
     /// its partition.
-    pub(super) async fn poll(&self, consumer: &StreamConsumer<Membership>, topic: &str) {
+    pub(super) async fn poll(&self, consumer: &StreamConsumer<Membership>) {
         // Bounded: each message pauses its partition.
         for _ in 0..64 {
             if !self.open.load(Ordering::Acquire) {
@@ -104,17 +106,15 @@ impl Busy {
                 Err(_) => return,
                 Ok(Err(e)) => tracing::warn!(error = %e, "consumer error"),
                 Ok(Ok(msg)) => {
-                    let p = msg.partition();
+                    let lane = self.topics.lane(&msg);
                     let mut seen = lock(&self.seen);
-                    let at = seen.unread.entry(p).or_insert(msg.offset());
+                    let at = seen.unread.entry(lane).or_insert(msg.offset());
                     *at = (*at).min(msg.offset());
-                    if !seen.paused.contains(&p) {
-                        let mut list = TopicPartitionList::new();
-                        list.add_partition(topic, p);
+                    if !seen.paused.contains(&lane) {
                         // Paused even if this fails: resumed all the same.
-                        seen.paused.insert(p);
-                        if let Err(e) = consumer.pause(&list) {
-                            tracing::warn!(partition = p, error = %e, "pausing a partition while a batch runs failed");
+                        seen.paused.insert(lane);
+                        if let Err(e) = consumer.pause(&self.topics.list([lane])) {
+                            tracing::warn!(topic = self.topics.name(lane), partition = lane.partition, error = %e, "pausing a partition while a batch runs failed");
                         }
                     }
                 }
@@ -129,11 +129,11 @@ impl Busy {
         let mut rebalanced = false;
         context.each_change_from(from, |change| {
             seen.changes += 1;
-            rebalanced |= !change.partitions().is_empty();
-            if let Change::Revoked(partitions) = change {
-                for p in partitions {
-                    seen.unread.remove(p);
-                    seen.moved.insert(*p);
+            rebalanced |= !change.lanes().is_empty();
+            if let Change::Revoked(lanes) = change {
+                for lane in lanes {
+                    seen.unread.remove(lane);
+                    seen.moved.insert(*lane);
                 }
             }
         });
@@ -158,14 +158,10 @@ impl Busy {
 
     /// The batch ended: what came in meanwhile is fetched again. `true` if
     /// anything did (the next batch has a backlog to take).
-    pub(super) fn finish(
-        &self,
-        consumer: &StreamConsumer<Membership>,
-        topic: &str,
-    ) -> Result<bool, Error> {
+    pub(super) fn finish(&self, consumer: &StreamConsumer<Membership>) -> Result<bool, Error> {
         let came_in = !lock(&self.seen).unread.is_empty();
         self.close();
-        self.rewind(consumer, topic, &BTreeMap::new())?;
+        self.rewind(consumer, &BTreeMap::new())?;
         self.rebalanced.send_replace(false);
         let mut seen = lock(&self.seen);
         // A resume that failed is tried again at the next batch's end.
@@ -183,23 +179,18 @@ impl Busy {
     pub(super) fn rewind(
         &self,
         consumer: &StreamConsumer<Membership>,
-        topic: &str,
-        first: &BTreeMap<i32, i64>,
+        first: &BTreeMap<Lane, i64>,
     ) -> Result<(), Error> {
         self.look_at_changes(consumer.context());
         let mut seen = lock(&self.seen);
         // Every partition paused, assigned or not: librdkafka keeps a
         // partition paused across its revoke and its next assignment.
         let paused = std::mem::take(&mut seen.paused);
-        if !paused.is_empty() {
-            let mut list = TopicPartitionList::new();
-            for &p in &paused {
-                list.add_partition(topic, p);
-            }
-            if let Err(e) = consumer.resume(&list) {
-                tracing::warn!(error = %e, "resuming partitions paused while a batch ran failed");
-                seen.paused = paused;
-            }
+        if !paused.is_empty()
+            && let Err(e) = consumer.resume(&self.topics.list(paused.iter().copied()))
+        {
+            tracing::warn!(error = %e, "resuming partitions paused while a batch ran failed");
+            seen.paused = paused;
         }
         let mut back = std::mem::take(&mut seen.unread);
         for (&p, &o) in first {
@@ -212,7 +203,8 @@ impl Busy {
             return Ok(());
         }
         let assigned = consumer.assignment()?;
-        for (p, o) in back {
+        for (lane, o) in back {
+            let (topic, p) = (self.topics.name(lane), lane.partition);
             if assigned.find_partition(topic, p).is_none() {
                 continue;
             }
@@ -221,8 +213,8 @@ impl Busy {
             });
             if let Err(e) = sought {
                 return Err(Error::Fatal(format!(
-                    "rewinding partition {p} to offset {o} failed ({e}): stopping, so that a \
-                     restart resumes from the committed offsets"
+                    "rewinding partition {p} of {topic} to offset {o} failed ({e}): stopping, so \
+                     that a restart resumes from the committed offsets"
                 )));
             }
         }

@@ -6,32 +6,87 @@ use std::sync::Mutex;
 
 use rdkafka::TopicPartitionList;
 use rdkafka::consumer::BaseConsumer;
+use rdkafka::message::Message;
 
 use crate::pipeline::membership::OnRebalance;
+
+/// A partition of one of the consumer's topics: its input's (topic 0) or
+/// one of its retry tiers' (1, 2, ...). Partition `p` of every tier is
+/// assigned with partition `p` of the input (the range assignor, on
+/// topics of as many partitions) and shares its claims.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub(super) struct Lane {
+    pub(super) topic: usize,
+    pub(super) partition: i32,
+}
+
+/// The consumer's topics: its input's first, then its retry tiers', in
+/// order.
+#[derive(Debug, Clone)]
+pub(super) struct Topics(Vec<String>);
+
+impl Topics {
+    pub(super) fn new(names: Vec<String>) -> Self {
+        Topics(names)
+    }
+
+    /// Every topic, the input's first.
+    pub(super) fn names(&self) -> &[String] {
+        &self.0
+    }
+
+    /// The topic of `lane`.
+    pub(super) fn name(&self, lane: Lane) -> &str {
+        &self.0[lane.topic]
+    }
+
+    /// The lane of partition `partition` of `topic`, if it is one of ours.
+    pub(super) fn find(&self, topic: &str, partition: i32) -> Option<Lane> {
+        let topic = self.0.iter().position(|t| t == topic)?;
+        Some(Lane { topic, partition })
+    }
+
+    /// The lane `msg` came from (only our topics are subscribed to).
+    pub(super) fn lane(&self, msg: &impl Message) -> Lane {
+        self.find(msg.topic(), msg.partition()).unwrap_or(Lane {
+            topic: 0,
+            partition: msg.partition(),
+        })
+    }
+
+    /// `lanes` as a partition list.
+    pub(super) fn list(&self, lanes: impl IntoIterator<Item = Lane>) -> TopicPartitionList {
+        let mut list = TopicPartitionList::new();
+        for lane in lanes {
+            list.add_partition(self.name(lane), lane.partition);
+        }
+        list
+    }
+}
 
 /// What the rebalance callbacks saw, in order, for the loop to act on.
 #[derive(Debug)]
 pub(super) enum Change {
-    Assigned(Vec<i32>),
-    Revoked(Vec<i32>),
+    Assigned(Vec<Lane>),
+    Revoked(Vec<Lane>),
 }
 
 impl Change {
     /// The partitions that moved (none: an incremental rebalance that
     /// left this member as it was).
-    pub(super) fn partitions(&self) -> &[i32] {
+    pub(super) fn lanes(&self) -> &[Lane] {
         match self {
-            Change::Assigned(partitions) | Change::Revoked(partitions) => partitions,
+            Change::Assigned(lanes) | Change::Revoked(lanes) => lanes,
         }
     }
 }
 
-/// The changes to what this member owns of the input topic, in order,
+/// The changes to what this member owns of its topics, in order,
 /// for the loop (and a batch that polls) to act on. The callbacks run
 /// inside `recv`, which the loop calls only while no transaction is open
 /// (see [`busy`](super::busy)): none is when partitions are revoked.
 pub(super) struct Changes {
-    pub(super) topic: String,
+    pub(super) topics: Topics,
     pub(super) changes: Mutex<Vec<Change>>,
 }
 
@@ -39,9 +94,9 @@ pub(super) struct Changes {
 pub(super) type Membership = crate::pipeline::membership::Membership<Changes>;
 
 impl Changes {
-    pub(super) fn new(topic: String) -> Self {
+    pub(super) fn new(topics: Topics) -> Self {
         Changes {
-            topic,
+            topics,
             changes: Mutex::new(Vec::new()),
         }
     }
@@ -59,7 +114,7 @@ impl Changes {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
-            .any(|change| !change.partitions().is_empty())
+            .any(|change| !change.lanes().is_empty())
     }
 
     /// Calls `f` with each change from the `from`th on, in order.
@@ -72,21 +127,21 @@ impl Changes {
         std::mem::take(&mut *self.changes.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    pub(super) fn partitions(&self, list: &TopicPartitionList) -> Vec<i32> {
+    /// Our topics' partitions in `list`.
+    pub(super) fn lanes(&self, list: &TopicPartitionList) -> Vec<Lane> {
         list.elements()
             .iter()
-            .filter(|e| e.topic() == self.topic)
-            .map(|e| e.partition())
+            .filter_map(|e| self.topics.find(e.topic(), e.partition()))
             .collect()
     }
 }
 
 impl OnRebalance for Changes {
     fn revoking(&self, _: &BaseConsumer<Membership>, list: &TopicPartitionList) {
-        self.push(Change::Revoked(self.partitions(list)));
+        self.push(Change::Revoked(self.lanes(list)));
     }
 
     fn assigned(&self, _: &BaseConsumer<Membership>, list: &TopicPartitionList) {
-        self.push(Change::Assigned(self.partitions(list)));
+        self.push(Change::Assigned(self.lanes(list)));
     }
 }

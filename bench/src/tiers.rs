@@ -8,7 +8,12 @@
 //!   10 s): the failing key's events stall the partition, then go to the
 //!   dead-letter topic;
 //! - `tiers 5s,1m`: `retry_tiers(["5s", "1m"])`, 4 attempts in place;
-//! - `tiers 5s,1m, hold keys`: the same with `hold_keys(true)`.
+//! - `tiers 5s,1m, hold keys`: the same with `hold_keys(true)`;
+//! - `kafka-only, in place` and `kafka-only, tiers 5s,1m`: the same stream
+//!   through the `TransactionalConsumer`, its handler forwarding each event
+//!   to an output topic (and failing for the first key while a flag says
+//!   so); delays are an output's timestamp (sent in the transaction that
+//!   commits it) minus its event's produce time.
 //!
 //! Printed per configuration: the longest and the 99th-percentile delay
 //! (applied minus produced) of the other keys' events, and what became of
@@ -16,10 +21,14 @@
 
 use std::time::{Duration, Instant};
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use dedup_core::{HandlerError, idempotent};
-use dedup_kafka::RetryTiers;
+use dedup_kafka::{Outputs, RetryTiers, TransactionalConsumer};
 use dedup_postgres::{PgStore, PgTx};
 use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::message::Message as _;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
 use crate::{Args, BoxError, ConsumerRun, configure, env_or, new_topic};
@@ -29,11 +38,25 @@ const RATE: u64 = 50;
 const STREAM: Duration = Duration::from_secs(90);
 const FAILING: Duration = Duration::from_secs(60);
 
-#[derive(serde::Deserialize)]
+#[derive(serde::Deserialize, serde::Serialize)]
 struct Event {
     event_id: uuid::Uuid,
     key: String,
     produced_ms: i64,
+}
+
+/// The Kafka-only configurations' output topic, and whether the first key
+/// fails.
+static OUTPUT: std::sync::Mutex<String> = std::sync::Mutex::new(String::new());
+static K0_FAILING: AtomicBool = AtomicBool::new(false);
+
+#[idempotent(key = "event_id", ttl = "4h", scope = "bench::tiers-kafka")]
+async fn forward(out: &mut Outputs, ev: Event) -> Result<(), HandlerError> {
+    if ev.key == "k0" && K0_FAILING.load(Ordering::Relaxed) {
+        return Err(HandlerError::transient("the downstream answers 503"));
+    }
+    let topic = OUTPUT.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    out.send(&topic, &ev.key, &ev)
 }
 
 #[idempotent(key = "event_id", ttl = "4h", scope = "bench::tiers")]
@@ -95,10 +118,7 @@ pub(crate) async fn run(args: &Args) -> Result<(), BoxError> {
         sqlx::query("INSERT INTO bench_tiers_failing VALUES (now())")
             .execute(&admin)
             .await?;
-        let topic = new_topic(&brokers, "tiers", 1).await?;
-        for tier in ["5s", "1m"] {
-            crate::create_topic(&brokers, &format!("{topic}.retry-{tier}"), 1).await?;
-        }
+        let topic = tier_topics(&brokers).await?;
         let store = PgStore::connect(&url).await?;
         let group = format!("bench-tiers-{}", uuid::Uuid::new_v4().simple());
         let mut builder = configure(store, args, &brokers, &group, 200);
@@ -106,7 +126,7 @@ pub(crate) async fn run(args: &Args) -> Result<(), BoxError> {
             builder = builder.retry_tiers_with(RetryTiers::new(["5s", "1m"])?.hold_keys(hold));
         }
         let run = ConsumerRun::spawn(builder.handle(&topic, apply));
-        let ended = stream(&brokers, &topic, &admin).await?;
+        let ended = stream(&brokers, &topic, Some(&admin)).await?;
         // Drained: the last tier's wait, then a settle.
         let total = (RATE * STREAM.as_secs()) as i64;
         let deadline = Instant::now() + Duration::from_secs(90);
@@ -143,12 +163,123 @@ pub(crate) async fn run(args: &Args) -> Result<(), BoxError> {
             stats.moved,
         );
     }
+    for (name, tiers) in [
+        ("kafka-only, in place (8 attempts)", false),
+        ("kafka-only, tiers 5s,1m", true),
+    ] {
+        kafka_only(name, tiers, &brokers, args).await?;
+    }
     Ok(())
 }
 
+/// A fresh one-partition topic and its tiers' topics (`5s`, `1m`).
+async fn tier_topics(brokers: &str) -> Result<String, BoxError> {
+    let topic = new_topic(brokers, "tiers", 1).await?;
+    for tier in ["5s", "1m"] {
+        crate::create_topic(brokers, &format!("{topic}.retry-{tier}"), 1).await?;
+    }
+    Ok(topic)
+}
+
+/// One Kafka-only configuration: the stream through a
+/// `TransactionalConsumer` (with tiers or not), then its row.
+async fn kafka_only(name: &str, tiers: bool, brokers: &str, args: &Args) -> Result<(), BoxError> {
+    let topic = tier_topics(brokers).await?;
+    let output = new_topic(brokers, "tiers-out", 1).await?;
+    *OUTPUT.lock().unwrap_or_else(|p| p.into_inner()) = output.clone();
+    K0_FAILING.store(true, Ordering::Relaxed);
+    let mut builder = TransactionalConsumer::builder(&topic, forward)
+        .brokers(brokers)
+        .group_id(format!("bench-tiers-{}", uuid::Uuid::new_v4().simple()));
+    for (k, v) in &args.settings {
+        builder = builder.set(k, v);
+    }
+    if tiers {
+        builder = builder.retry_tiers(["5s", "1m"]);
+    }
+    let consumer = builder.build()?;
+    let live = consumer.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run_until(async {
+        let _ = stopped.await;
+    }));
+    let ended = stream(brokers, &topic, None).await?;
+    let total = RATE * STREAM.as_secs();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let stats = live.snapshot();
+        if stats.applied + stats.dead_lettered >= total || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let _ = stop.send(());
+    let stats = task.await??;
+    let mut delays = Vec::new();
+    let mut failing_applied = 0;
+    for (key, delay) in output_delays(brokers, &output)? {
+        match key.as_str() {
+            "k0" => failing_applied += 1,
+            _ => delays.push(delay),
+        }
+    }
+    delays.sort_unstable();
+    let p99 = delays
+        .get((delays.len() * 99 / 100).min(delays.len().saturating_sub(1)))
+        .copied()
+        .unwrap_or(0);
+    eprintln!("  {name}: stream ended {ended:?} after its start; {stats}");
+    println!(
+        "| {name} | {:.1} s | {:.1} s | {failing_applied} of {} | {} | {} |",
+        delays.last().copied().unwrap_or(0) as f64 / 1000.0,
+        p99 as f64 / 1000.0,
+        total / KEYS as u64,
+        stats.dead_lettered,
+        stats.moved,
+    );
+    Ok(())
+}
+
+/// Each committed output of `topic` (one partition): its key and its
+/// delay, its timestamp minus its event's produce time (ms).
+fn output_delays(brokers: &str, topic: &str) -> Result<Vec<(String, i64)>, BoxError> {
+    let reader: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", format!("{topic}-read"))
+        .set("isolation.level", "read_committed")
+        .set("enable.auto.commit", "false")
+        .set("enable.partition.eof", "true")
+        .create()?;
+    let mut list = rdkafka::TopicPartitionList::new();
+    list.add_partition_offset(topic, 0, rdkafka::Offset::Beginning)?;
+    reader.assign(&list)?;
+    let mut out = Vec::new();
+    let started = Instant::now();
+    loop {
+        match reader.poll(Duration::from_millis(500)) {
+            Some(Ok(msg)) => {
+                let ev: Event = serde_json::from_slice(msg.payload().unwrap_or_default())?;
+                let at = msg.timestamp().to_millis().unwrap_or(ev.produced_ms);
+                out.push((ev.key, at - ev.produced_ms));
+            }
+            Some(Err(rdkafka::error::KafkaError::PartitionEOF(_))) => return Ok(out),
+            Some(Err(e)) => return Err(e.into()),
+            None if started.elapsed() > Duration::from_secs(60) => {
+                return Err(format!("{topic} not read to its end in 60 s").into());
+            }
+            None => {}
+        }
+    }
+}
+
 /// Produces `RATE` events a second for `STREAM`, round robin over the
-/// keys, ending the failure `FAILING` after the start.
-async fn stream(brokers: &str, topic: &str, admin: &sqlx::PgPool) -> Result<Duration, BoxError> {
+/// keys, ending the failure `FAILING` after the start (emptying the
+/// failing table through `admin`, or clearing the Kafka-only flag).
+async fn stream(
+    brokers: &str,
+    topic: &str,
+    admin: Option<&sqlx::PgPool>,
+) -> Result<Duration, BoxError> {
     let producer: FutureProducer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("linger.ms", "5")
@@ -161,9 +292,14 @@ async fn stream(brokers: &str, topic: &str, admin: &sqlx::PgPool) -> Result<Dura
         let at = started + Duration::from_millis(i * 1000 / RATE);
         tokio::time::sleep_until(at.into()).await;
         if failing && started.elapsed() >= FAILING {
-            sqlx::query("TRUNCATE bench_tiers_failing")
-                .execute(admin)
-                .await?;
+            match admin {
+                Some(admin) => {
+                    sqlx::query("TRUNCATE bench_tiers_failing")
+                        .execute(admin)
+                        .await?;
+                }
+                None => K0_FAILING.store(false, Ordering::Relaxed),
+            }
             failing = false;
         }
         let key = format!("k{}", i as usize % KEYS);

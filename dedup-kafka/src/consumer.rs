@@ -288,6 +288,15 @@ impl<S: DedupStore> Consumer<S> {
     /// Checks the retry tiers' topics (see `tiers::check_topics`).
     async fn check_tiers(&self) -> Result<(), Error> {
         let mut tiers: Vec<std::sync::Arc<crate::tiers::TopicTiers>> = Vec::new();
+        for route in self.routes.values().flat_map(|r| r.handlers()) {
+            if let Some(place) = route.tiers.as_ref().filter(|p| !p.is_tier()) {
+                crate::tiers::warn_short_ttl(
+                    route.handler.scope(),
+                    route.handler.ttl(),
+                    &place.tiers,
+                );
+            }
+        }
         for route in self.routes.values().flat_map(|r| r.all()) {
             if let Some(place) = &route.tiers
                 && !tiers
@@ -297,7 +306,7 @@ impl<S: DedupStore> Consumer<S> {
                 tiers.push(place.tiers.clone());
             }
         }
-        crate::tiers::check_topics(&self.admin_config, tiers).await
+        crate::tiers::check_topics(&self.admin_config, tiers, false).await
     }
 
     /// Refreshes what health and the gauges report: the loop's turn, the

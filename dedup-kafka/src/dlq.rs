@@ -256,6 +256,20 @@ pub(crate) async fn send(
     timeout: Duration,
     keep: Option<usize>,
 ) -> Result<(), KafkaError> {
+    producer
+        .send(record(msg, why, keep), timeout)
+        .await
+        .map(|_| ())
+        .map_err(|(e, _)| e)
+}
+
+/// The record of `msg`'s dead letter or move `why`: its key, its payload
+/// (the first `keep` bytes of it, if set) and its headers.
+pub(crate) fn record<'a>(
+    msg: &'a OwnedMessage,
+    why: &'a DeadLetter<'_>,
+    keep: Option<usize>,
+) -> FutureRecord<'a, [u8], [u8]> {
     let payload = msg.payload().unwrap_or_default();
     let kept = keep.map_or(payload, |n| &payload[..n.min(payload.len())]);
     let truncated = (kept.len() < payload.len()).then_some(payload.len());
@@ -272,11 +286,7 @@ pub(crate) async fn send(
     if why.moved.is_some() {
         record = record.partition(why.origin.partition);
     }
-    producer
-        .send(record, timeout)
-        .await
-        .map(|_| ())
-        .map_err(|(e, _)| e)
+    record
 }
 
 #[cfg(test)]

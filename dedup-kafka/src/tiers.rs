@@ -232,6 +232,10 @@ impl RetryTiers {
         &self.tiers
     }
 
+    pub(crate) fn holds_keys(&self) -> bool {
+        self.hold_keys
+    }
+
     pub(crate) fn reader(&self) -> ReadTiers {
         self.read
     }
@@ -377,11 +381,14 @@ pub(crate) fn due_in(msg: &OwnedMessage) -> Duration {
 
 /// The start-up check: each retry tier's topic exists with at least as
 /// many partitions as its handled topic (a move keeps its origin's
-/// partition). A handled topic that cannot be read is left to the
-/// consumer; a broker that does not answer is only warned about.
+/// partition), exactly as many if `exact` (the Kafka-only runtime reads a
+/// tier's partition with its input's). A handled topic that cannot be read
+/// is left to the consumer; a broker that does not answer is only warned
+/// about.
 pub(crate) async fn check_topics(
     admin: &rdkafka::ClientConfig,
     tiers: Vec<std::sync::Arc<TopicTiers>>,
+    exact: bool,
 ) -> Result<(), Error> {
     if tiers.is_empty() {
         return Ok(());
@@ -434,18 +441,40 @@ pub(crate) async fn check_topics(
         if partitions == 0 {
             continue;
         }
-        if has < partitions {
+        if has < partitions || (exact && has != partitions) {
             let what = match has {
                 0 => "does not exist".to_owned(),
                 n => format!("has {n} partitions"),
             };
+            let why = match exact {
+                true => "a tier's partition is read with its input partition",
+                false => "a move keeps its origin's partition",
+            };
             return Err(Error::Config(format!(
                 "the retry tier's topic {tier:?} {what}: create it with {partitions} \
-                 partitions, as many as {origin:?} (a move keeps its origin's partition)"
+                 partitions, as many as {origin:?} ({why})"
             )));
         }
     }
     Ok(())
+}
+
+/// Warns when handler `scope`'s TTL is shorter than the way through its
+/// topic's tiers (their delays together): a duplicate applied at the origin
+/// while its event waits in a tier may have expired by the time the tier's
+/// copy is applied, which is then applied again.
+pub(crate) fn warn_short_ttl(scope: &str, ttl: dedup_core::Ttl, tiers: &TopicTiers) {
+    let path: Duration = tiers.tiers.iter().map(|t| t.delay).sum();
+    if ttl.as_duration() < path {
+        tracing::warn!(
+            handler = scope,
+            ttl = %ttl,
+            tiers = ?path,
+            "the handler's TTL is shorter than its retry tiers' delays together: a duplicate \
+             applied while its event waits in a tier may have expired when the tier's copy is \
+             applied, and the event is applied twice; give the TTL more than the tiers' delays"
+        );
+    }
 }
 
 /// Waits shorter than this are slept without pausing the partition.

@@ -15,8 +15,8 @@ use super::outputs::Outputs;
 use super::TransactionalConsumer;
 use super::busy::Busy;
 use super::claims::{self, ClaimDigest, PartitionClaims};
-use super::fate::{Fate, Halt, Staged, independent_of, now_ms, timestamp};
-use super::rebalance::Membership;
+use super::fate::{Fate, Halt, Staged, independent_of, now_ms};
+use super::rebalance::{Lane, Membership, Topics};
 use super::transact::Attempt;
 use crate::Error;
 use crate::dlq;
@@ -90,7 +90,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     // No transaction is open: the group sees the member.
                     with.busy.open();
                     self.stats.polled();
-                    with.busy.poll(with.consumer, &self.topic).await;
+                    with.busy.poll(with.consumer).await;
                 }
                 Processed::Dropped => return Ok(()),
             }
@@ -116,9 +116,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         // One transaction's attempt, for dedup_handler_duration_seconds:
         // its handlers and its transaction.
         let started = Instant::now();
-        let mut first: BTreeMap<i32, i64> = BTreeMap::new();
+        let mut first: BTreeMap<Lane, i64> = BTreeMap::new();
         for msg in batch {
-            let f = first.entry(msg.partition()).or_insert(msg.offset());
+            let f = first.entry(self.topics.lane(msg)).or_insert(msg.offset());
             *f = (*f).min(msg.offset());
         }
         // Fates that a refused record decided, or that the batch's earlier
@@ -134,7 +134,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         // Each message's stream time, from its partition's committed one
         // (a later transaction of the batch starts where the earlier ended).
         let times = claims::stream_times(
-            batch.iter().map(|m| (m.partition(), timestamp(m))),
+            batch.iter().map(|m| (m.partition(), self.stream_stamp(m))),
             |p| states.get(&p).map_or(0, |s| s.stream_time),
             wall,
         );
@@ -168,7 +168,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         tracing::info!(
                             "the group rebalanced while a message waited to be retried: the batch is dropped and runs again from its first offsets"
                         );
-                        busy.rewind(consumer, &self.topic, &first)?;
+                        busy.rewind(consumer, &first)?;
                         return Ok(Processed::Dropped);
                     }
                 };
@@ -185,14 +185,14 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 let n = newest.entry(msg.partition()).or_insert(at);
                 *n = (*n).max(at);
             }
-            let offsets = next_offsets(&self.topic, &batch[..take], &newest)?;
+            let offsets = next_offsets(&self.topics, &batch[..take], &newest)?;
             let mut tombstones: BTreeMap<i32, Vec<ClaimDigest>> = BTreeMap::new();
             // Per partition of the batch: the sweep's stream time, and
             // whether it tombstones all it found (at most MAX_TOMBSTONES per
             // transaction; the rest in the next batches).
             sweeps.clear();
             for (&p, state) in states.iter() {
-                if !first.contains_key(&p) {
+                if !first.keys().any(|lane| lane.partition == p) {
                     continue;
                 }
                 let now = sweep_time(
@@ -223,7 +223,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 tracing::info!(
                     "the group rebalanced while the batch ran: it is dropped before its transaction and runs again from its first offsets"
                 );
-                busy.rewind(consumer, &self.topic, &first)?;
+                busy.rewind(consumer, &first)?;
                 return Ok(Processed::Dropped);
             }
             match self
@@ -288,6 +288,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 }
                 Fate::Skipped { mismatch: true, .. } => record.fingerprint_mismatch(true),
                 Fate::Skipped { age, .. } => record.skipped(age),
+                Fate::Moved { tier, .. } => record.moved(&self.tier(tier).name),
                 Fate::Dead { kind, .. } => {
                     if kind == "fingerprint_mismatch" {
                         record.fingerprint_mismatch(false);
@@ -342,6 +343,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         + changelog
                 }
                 Fate::Dead { .. } => usize::from(isolate.contains(&self.dead_letter_topic)),
+                Fate::Moved { tier, .. } => usize::from(isolate.contains(&self.tier(*tier).topic)),
                 Fate::Skipped { .. } => 0,
             };
             if alone > ALONE_PER_TRANSACTION && i > 0 {
@@ -365,7 +367,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         &self,
         consumer: &StreamConsumer<Membership>,
         busy: &Busy,
-        first: &BTreeMap<i32, i64>,
+        first: &BTreeMap<Lane, i64>,
         why: &str,
         unwritable: bool,
         jitter: &mut Jitter,
@@ -392,30 +394,32 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             ?wait,
             "transaction aborted; the batch runs again from its first offsets"
         );
-        busy.rewind(consumer, &self.topic, first)?;
+        busy.rewind(consumer, first)?;
         busy.open();
         tokio::time::sleep(wait).await;
         Ok(())
     }
 }
 
-/// The offsets to commit after `messages`: each partition's next, with
-/// its stream time (`stream_times`) in the offset's metadata.
+/// The offsets to commit after `messages`: each partition's next (of the
+/// input or a retry tier), with its stream time (`stream_times`, shared by
+/// a partition of the input and the same of its tiers) in the offset's
+/// metadata.
 pub(super) fn next_offsets(
-    topic: &str,
+    topics: &Topics,
     messages: &[OwnedMessage],
     stream_times: &BTreeMap<i32, i64>,
 ) -> Result<TopicPartitionList, Error> {
-    let mut next: BTreeMap<i32, i64> = BTreeMap::new();
+    let mut next: BTreeMap<Lane, i64> = BTreeMap::new();
     for msg in messages {
-        let n = next.entry(msg.partition()).or_insert(msg.offset() + 1);
+        let n = next.entry(topics.lane(msg)).or_insert(msg.offset() + 1);
         *n = (*n).max(msg.offset() + 1);
     }
     let mut offsets = TopicPartitionList::new();
-    for (p, o) in next {
-        let mut elem = offsets.add_partition(topic, p);
+    for (lane, o) in next {
+        let mut elem = offsets.add_partition(topics.name(lane), lane.partition);
         elem.set_offset(Offset::Offset(o))?;
-        if let Some(&at) = stream_times.get(&p) {
+        if let Some(&at) = stream_times.get(&lane.partition) {
             elem.set_metadata(claims::stream_time_metadata(at));
         }
     }

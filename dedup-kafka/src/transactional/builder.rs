@@ -36,6 +36,8 @@ pub struct TransactionalConsumerBuilder<H> {
     key_concurrency: usize,
     order_by: crate::OrderBy,
     ttl_check: crate::TtlCheck,
+    /// The retry tiers, or why they cannot be (reported by `build`).
+    tiers: Option<Result<crate::RetryTiers, String>>,
     /// Where to serve metrics and health, if anywhere.
     #[cfg(feature = "http")]
     http: Option<String>,
@@ -76,6 +78,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             key_concurrency: 0,
             order_by: crate::OrderBy::default(),
             ttl_check: crate::TtlCheck::Warn,
+            tiers: None,
             #[cfg(feature = "http")]
             http: None,
         }
@@ -215,6 +218,40 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         self
     }
 
+    /// Non-blocking retries, as
+    /// [`ConsumerBuilder::retry_tiers`](crate::ConsumerBuilder::retry_tiers)
+    /// has them: after a few short attempts in place, an event whose
+    /// handler keeps failing transiently moves to the first of these retry
+    /// tiers (`<topic>.retry-30s` for `"30s"`), then the next, then the
+    /// dead-letter topic, while its partition moves on. The move is a
+    /// record of the batch's transaction, committed with its offset: it
+    /// happens once or not at all.
+    ///
+    /// This consumer reads the tiers itself: partition `p` of each tier is
+    /// assigned with partition `p` of the input (the range assignor, which
+    /// `build()` sets) and shares its claims, so a duplicate met in the
+    /// input after its event was applied from a tier is skipped. Create
+    /// the tier topics with exactly as many partitions as the input. A
+    /// tier's partition is paused until its next record is due. Key
+    /// hold-back ([`RetryTiers::hold_keys`](crate::RetryTiers::hold_keys))
+    /// and reading the tiers elsewhere are the database runtime's only:
+    /// `build()` refuses them here.
+    pub fn retry_tiers<I>(mut self, delays: I) -> Self
+    where
+        I: IntoIterator,
+        I::Item: AsRef<str>,
+    {
+        self.tiers = Some(crate::RetryTiers::new(delays).map_err(|e| e.to_string()));
+        self
+    }
+
+    /// Retry tiers named and placed as `tiers` says (see
+    /// [`retry_tiers`](Self::retry_tiers)).
+    pub fn retry_tiers_with(mut self, tiers: crate::RetryTiers) -> Self {
+        self.tiers = Some(Ok(tiers));
+        self
+    }
+
     /// What a duplicate whose fingerprint differs from its claim's gets.
     pub fn on_fingerprint_mismatch(mut self, action: OnFingerprintMismatch) -> Self {
         self.on_fingerprint_mismatch = action;
@@ -257,7 +294,69 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             "transactional_id() and transaction_timeout() set them; idempotence and acks=all \
              are always on",
         )?;
+        let tiers = match self.tiers {
+            None => None,
+            Some(Err(e)) => return Err(Error::Config(e)),
+            Some(Ok(tiers)) => Some(tiers),
+        };
+        if let Some(tiers) = &tiers {
+            if tiers.holds_keys() {
+                return Err(Error::Config(
+                    "key hold-back (RetryTiers::hold_keys) is the database runtime's only: the \
+                     Kafka-only runtime's tiers let later events of a key go ahead"
+                        .into(),
+                ));
+            }
+            if tiers.reader() != crate::ReadTiers::Here {
+                return Err(Error::Config(
+                    "the Kafka-only runtime reads its retry tiers itself (a tier's partition \
+                     shares its input partition's claims): drop RetryTiers::read(..)"
+                        .into(),
+                ));
+            }
+            if self
+                .client
+                .get("group.protocol")
+                .is_some_and(|p| p.trim().eq_ignore_ascii_case("consumer"))
+            {
+                return Err(Error::Config(
+                    "retry tiers need the classic group protocol here (a tier's partition is \
+                     assigned with its input partition by the range assignor): drop \
+                     group.protocol=consumer"
+                        .into(),
+                ));
+            }
+            if let Some(other) = self
+                .client
+                .get("partition.assignment.strategy")
+                .filter(|s| !s.trim().eq_ignore_ascii_case("range"))
+            {
+                return Err(Error::Config(format!(
+                    "retry tiers need partition.assignment.strategy=range here (a tier's \
+                     partition is assigned with its input partition), not {other:?}"
+                )));
+            }
+        }
+        let tiers = tiers.map(|t| t.of(&self.topic, self.order_by.clone()));
+        let mut topics = vec![self.topic.clone()];
+        topics.extend(
+            tiers
+                .iter()
+                .flat_map(|t| t.tiers.iter().map(|t| t.topic.clone())),
+        );
+        if let Some(repeated) = topics
+            .iter()
+            .enumerate()
+            .find_map(|(i, t)| topics[..i].contains(t).then_some(t))
+        {
+            return Err(Error::Config(format!(
+                "the topic {repeated:?} is both the input and a retry tier, or two tiers"
+            )));
+        }
         let mut consumer = self.client.consumer_config()?;
+        if tiers.is_some() {
+            consumer.set("partition.assignment.strategy", "range");
+        }
         // Only what upstream committed, and offsets only through the
         // transactions.
         consumer.set("isolation.level", "read_committed");
@@ -280,6 +379,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         let producer: FutureProducer = producer.create()?;
         let stats = Arc::new(Stats::new());
         Ok(TransactionalConsumer {
+            topics: super::rebalance::Topics::new(topics),
+            tiers,
             #[cfg(feature = "http")]
             http: crate::http::bind(self.http, &group, stats.clone())?,
             changelog: self

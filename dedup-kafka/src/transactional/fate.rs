@@ -54,6 +54,16 @@ pub(super) enum Fate {
         /// refused the whole.
         keep: Option<usize>,
     },
+    /// Failing transiently after its `attempts` here: sent on to retry
+    /// tier `tier` (its index among the tiers), due at `due_ms`, in the
+    /// batch's transaction with its offset.
+    Moved {
+        tier: usize,
+        kind: &'static str,
+        message: String,
+        attempts: u32,
+        due_ms: i64,
+    },
 }
 
 /// What a message is judged in order with under key-ordered concurrency:
@@ -370,7 +380,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             .is_some_and(|s| s.holds(&digest));
         let mut event = Some(event);
         let mut attempt = 0u32;
-        let mut retrying = Retrying::new(&self.stats, self.retry);
+        let mut retrying = Retrying::new(&self.stats, self.in_place());
         loop {
             attempt += 1;
             let ev = match event.take() {
@@ -428,7 +438,22 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             };
             let wait = match retrying.failed(fault, &error, jitter.next()) {
                 Decision::DeadLetter => {
-                    return Ok(dead(fault.kind(&error), error_chain(&error), attempt));
+                    let (kind, message) = (fault.kind(&error), error_chain(&error));
+                    // A transient failure goes to the next retry tier, if
+                    // any; the event's own fault to the dead letters.
+                    return Ok(match (fault, self.next_tier(msg)) {
+                        (Fault::Transient, Some((tier, next))) => Fate::Moved {
+                            tier,
+                            kind,
+                            message,
+                            attempts: attempt,
+                            due_ms:
+                                now_ms().saturating_add(
+                                    next.delay.as_millis().min(i64::MAX as u128) as i64,
+                                ),
+                        },
+                        _ => dead(kind, message, attempt),
+                    });
                 }
                 Decision::Stop { failing_for } => {
                     return Err(Halt::Fatal(Error::Fatal(
@@ -473,7 +498,7 @@ pub(super) fn independent_of(
                 && match fate {
                     Fate::Skipped { digest, .. } => Some(*digest) == claim,
                     Fate::Dead { kind, .. } => *kind == "fingerprint_mismatch",
-                    Fate::Applied { .. } => false,
+                    Fate::Applied { .. } | Fate::Moved { .. } => false,
                 };
             *j != refused && !relied
         })

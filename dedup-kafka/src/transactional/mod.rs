@@ -25,6 +25,7 @@ mod fate;
 mod outputs;
 mod rebalance;
 mod restore;
+mod tiered;
 mod transact;
 
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -47,7 +48,8 @@ pub use outputs::{OutputRecord, Outputs};
 use self::batch::With;
 use self::busy::Busy;
 use self::claims::PartitionClaims;
-use self::rebalance::{Change, Changes, Membership};
+use self::rebalance::{Change, Changes, Membership, Topics};
+use self::tiered::Waiting;
 use crate::Error;
 use crate::config::OnFingerprintMismatch;
 use crate::metrics::{ConsumerGauges, RouteMetrics};
@@ -83,6 +85,10 @@ use crate::stats::{Stats, StatsSnapshot};
 /// ```
 pub struct TransactionalConsumer<H> {
     topic: String,
+    /// The input topic, then its retry tiers' topics.
+    topics: Topics,
+    /// The input topic's retry tiers, if any.
+    tiers: Option<Arc<crate::tiers::TopicTiers>>,
     /// Shared with the tasks its attempts run in.
     handler: Arc<H>,
     changelog: String,
@@ -239,12 +245,27 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         // Its series exist from the start (at 0), so that an alert's
         // increase() sees the first dead letter or reclaim.
         let _ = self.record();
-        let checked = crate::ttl_check::Checked {
-            topic: &self.topic,
-            scope: self.handler.scope(),
-            ttl: self.handler.ttl(),
-        };
-        crate::ttl_check::check(self.ttl_check, &self.shared_config, &[checked]).await?;
+        // The input's retention, and its tiers' (a tier's record is judged
+        // against the same claims).
+        let checked: Vec<crate::ttl_check::Checked<'_>> = self
+            .topics
+            .names()
+            .iter()
+            .map(|topic| crate::ttl_check::Checked {
+                topic,
+                scope: self.handler.scope(),
+                ttl: self.handler.ttl(),
+            })
+            .collect();
+        crate::ttl_check::check(self.ttl_check, &self.shared_config, &checked).await?;
+        if let Some(tiers) = &self.tiers {
+            crate::tiers::check_topics(&self.shared_config, vec![tiers.clone()], true).await?;
+            crate::tiers::warn_short_ttl(self.handler.scope(), self.handler.ttl(), tiers);
+            // Their series exist from the start too.
+            for tier in &tiers.tiers {
+                let _registered = self.record().metrics.moved_series(&tier.name);
+            }
+        }
         restore::ensure_changelog(
             &self.shared_config,
             &self.topic,
@@ -256,20 +277,23 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         drop(starting);
         // Readiness: the transaction coordinator (this consumer's store) answered.
         self.stats.store_answered();
-        let context = Membership::new(self.stats.clone(), Changes::new(self.topic.clone()));
+        let context = Membership::new(self.stats.clone(), Changes::new(self.topics.clone()));
         let gauges = ConsumerGauges::new(self.consumer_config.get("group.id").unwrap_or_default());
         let consumer: StreamConsumer<Membership> =
             self.consumer_config.create_with_context(context)?;
         // However the loop ends, what dropping the consumer revokes is not
         // a rebalance.
         let _closing = Closing(consumer.context());
-        consumer.subscribe(&[&self.topic])?;
+        let names: Vec<&str> = self.topics.names().iter().map(String::as_str).collect();
+        consumer.subscribe(&names)?;
         tracing::info!(topic = %self.topic, changelog = %self.changelog, transactional_id = %self.transactional_id, "transactional consumer started");
         let mut states: HashMap<i32, PartitionClaims> = HashMap::new();
         let mut jitter = Jitter::new(u64::from(std::process::id()));
         let mut stopping = false;
         let (stop_tx, stop_rx) = watch::channel(false);
-        let busy = Busy::new();
+        let busy = Busy::new(self.topics.clone());
+        // The tiers' partitions paused until their next record is due.
+        let mut waiting = Waiting::default();
         // Topics whose records go one at a time, to find the one a broker
         // refuses: kept while a batch is rewound and runs again.
         let mut isolate: BTreeSet<String> = BTreeSet::new();
@@ -289,9 +313,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             };
             // From the batch's first message on.
             let mut gathering: Option<Gathering> = None;
-            self.refresh(&gauges, None, 0, 0);
+            self.refresh(&gauges, None, 0, waiting.len());
+            waiting.report(&self.topics);
             loop {
                 self.stats.polled();
+                waiting.resume_due(&consumer, &self.topics);
                 let wait = match &gathering {
                     None => IDLE_WAIT,
                     Some(gathering) => match gathering.wait(batch.len()) {
@@ -299,6 +325,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         None => break,
                     },
                 };
+                // Wakes up for the next tier partition due.
+                let wait = waiting.next_in().map_or(wait, |due| wait.min(due));
                 let received = tokio::select! {
                     biased;
                     () = &mut stop => {
@@ -309,7 +337,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     }
                     received = within(wait, consumer.recv()) => received,
                 };
-                Self::apply_changes(consumer.context(), &mut states, &mut batch);
+                self.apply_changes(&consumer, &mut states, &mut batch, &mut waiting);
                 held.count(batch.len());
                 match received {
                     // An idle wait: the next batch starts from idle.
@@ -325,7 +353,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     }
                 }
             }
-            Self::apply_changes(consumer.context(), &mut states, &mut batch);
+            self.apply_changes(&consumer, &mut states, &mut batch, &mut waiting);
+            waiting.hold_undue(&consumer, &self.topics, &mut batch)?;
             held.count(batch.len());
             let restored = tokio::select! {
                 restored = self.restore_assigned(&consumer, &mut states, &batch, &mut jitter, &stop_rx) => restored?,
@@ -363,12 +392,12 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     _ = poll.tick() => {
                         // The loop turns: liveness.
                         self.stats.polled();
-                        self.refresh(&gauges, Some(began), batch.len(), busy.paused());
-                        busy.poll(&consumer, &self.topic).await;
+                        self.refresh(&gauges, Some(began), batch.len(), busy.paused() + waiting.len());
+                        busy.poll(&consumer).await;
                     }
                 }
             };
-            let finished = busy.finish(&consumer, &self.topic);
+            let finished = busy.finish(&consumer);
             drop(held);
             self.stats.touch();
             done?;
@@ -398,23 +427,31 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// them from the committed offsets); an assigned one is restored before
     /// its first message runs. (What the member owns, health's count of it
     /// and the rebalance counters the shared context keeps.)
+    ///
+    /// A tier's partition waiting for its due time is resumed when revoked;
+    /// one assigned without its input partition waits for a rebalance that
+    /// assigns them together (see [`Waiting`]).
     fn apply_changes(
-        context: &Membership,
+        &self,
+        consumer: &StreamConsumer<Membership>,
         states: &mut HashMap<i32, PartitionClaims>,
         batch: &mut Vec<OwnedMessage>,
+        waiting: &mut Waiting,
     ) {
-        for change in context.take() {
+        for change in consumer.context().take() {
             match change {
-                Change::Revoked(partitions) => {
-                    for p in &partitions {
-                        states.remove(p);
+                Change::Revoked(lanes) => {
+                    for lane in &lanes {
+                        states.remove(&lane.partition);
                     }
-                    batch.retain(|m| !partitions.contains(&m.partition()));
+                    batch.retain(|m| !lanes.contains(&self.topics.lane(m)));
+                    waiting.revoked(consumer, &self.topics, &lanes);
                 }
-                Change::Assigned(partitions) => {
+                Change::Assigned(lanes) => {
+                    waiting.assigned(consumer, &self.topics, &lanes);
                     // Restored before their first message runs.
-                    for p in partitions {
-                        states.remove(&p);
+                    for lane in lanes {
+                        states.remove(&lane.partition);
                     }
                 }
             }
@@ -447,21 +484,25 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             match tokio::task::block_in_place(|| {
                 let mut restored =
                     restore::restore(&self.shared_config, &self.changelog, &missing)?;
-                let committed = restore::committed(consumer, &self.topic, &missing)?;
-                for (
-                    p,
-                    restore::Committed {
-                        offset,
-                        stream_time,
-                    },
-                ) in committed
-                {
-                    if let (Some(claims), Some(at)) = (restored.get_mut(&p), stream_time) {
-                        claims.advance(at);
-                    }
-                    // Lag counts from here until the first transaction.
-                    if let Some(offset) = offset {
-                        consumer.context().committed_at(&self.topic, p, offset);
+                // The stream time committed with the input partition's
+                // offset and its tiers' (the same, or the input's ahead).
+                for topic in self.topics.names() {
+                    let committed = restore::committed(consumer, topic, &missing)?;
+                    for (
+                        p,
+                        restore::Committed {
+                            offset,
+                            stream_time,
+                        },
+                    ) in committed
+                    {
+                        if let (Some(claims), Some(at)) = (restored.get_mut(&p), stream_time) {
+                            claims.advance(at);
+                        }
+                        // Lag counts from here until the first transaction.
+                        if let Some(offset) = offset {
+                            consumer.context().committed_at(topic, p, offset);
+                        }
                     }
                 }
                 Ok::<_, Error>(restored)

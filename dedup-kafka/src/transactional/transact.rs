@@ -25,6 +25,7 @@ use crate::dlq::{self, DeadLetter};
 pub(super) enum Source {
     Output(usize),
     DeadLetter(usize),
+    Move(usize),
     Changelog,
 }
 
@@ -141,22 +142,23 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         message: message.clone(),
                         attempts: *attempts,
                         handler: self.handler.scope(),
-                        origin: crate::tiers::origin_of(msg, false),
+                        origin: self.origin(msg),
                         moved: None,
                     };
-                    let payload = msg.payload().unwrap_or_default();
-                    let kept = keep.map_or(payload, |n| &payload[..n.min(payload.len())]);
-                    let truncated = (kept.len() < payload.len()).then_some(payload.len());
-                    let mut record = FutureRecord::<[u8], [u8]>::to(&self.dead_letter_topic)
-                        .headers(dlq::headers(msg, &why, truncated));
-                    if let Some(k) = msg.key() {
-                        record = record.key(k);
-                    }
-                    if msg.payload().is_some() {
-                        record = record.payload(kept);
-                    }
+                    let record = dlq::record(msg, &why, *keep);
                     self.send(record, Source::DeadLetter(i), &mut sent, isolate)
                         .await
+                }
+                Fate::Moved {
+                    tier,
+                    kind,
+                    message,
+                    attempts,
+                    due_ms,
+                } => {
+                    let why = self.move_to(msg, *tier, kind, message.clone(), *attempts, *due_ms);
+                    let record = dlq::record(msg, &why, None);
+                    self.send(record, Source::Move(i), &mut sent, isolate).await
                 }
             };
             if let Err((source, e)) = sent_one {
@@ -408,6 +410,60 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         keep,
                     },
                 ))
+            }
+            // A move is never cut: one its tier refuses for its own sake
+            // (too large, or keyless for a compacted tier) is dead-lettered
+            // instead. A tier missing a partition is the environment's.
+            Source::Move(i)
+                if matches!(
+                    e,
+                    KafkaError::MessageProduction(
+                        RDKafkaErrorCode::MessageSizeTooLarge
+                            | RDKafkaErrorCode::InvalidMessageSize
+                            | RDKafkaErrorCode::InvalidRecord
+                    )
+                ) =>
+            {
+                let Fate::Moved {
+                    tier,
+                    kind,
+                    message,
+                    attempts,
+                    ..
+                } = &fates[i]
+                else {
+                    unreachable!("a move's source is moved");
+                };
+                tracing::warn!(error = %e, tier = self.tier(*tier).name, "the retry tier refused the move; the event is dead-lettered");
+                Ok(Attempt::Refused(
+                    i,
+                    dead(
+                        kind,
+                        format!(
+                            "it could not be moved to retry tier {:?}: {:?} refused it ({e}); it \
+                             failed with: {message}",
+                            self.tier(*tier).name,
+                            self.tier(*tier).topic
+                        ),
+                        *attempts,
+                    ),
+                ))
+            }
+            Source::Move(i)
+                if matches!(
+                    e,
+                    KafkaError::MessageProduction(RDKafkaErrorCode::UnknownPartition)
+                ) =>
+            {
+                let Fate::Moved { tier, .. } = &fates[i] else {
+                    unreachable!("a move's source is moved");
+                };
+                Err(Error::Fatal(format!(
+                    "the retry tier's topic {:?} lost partitions ({e}): it needs exactly as many \
+                     as {:?}",
+                    self.tier(*tier).topic,
+                    self.topic
+                )))
             }
             Source::Changelog
                 if matches!(

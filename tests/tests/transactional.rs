@@ -2,7 +2,8 @@
 //! broker: each distinct event's output exactly once for `read_committed`
 //! readers, duplicates skipped through claims restored from the changelog,
 //! poison dead-lettered inside the transaction, claims expiring on record
-//! timestamps, and crashes at each step of the transaction.
+//! timestamps, crashes at each step of the transaction, and retry tiers
+//! (moves in the transaction, tiers read with their input partitions).
 
 use dedup_tests::common;
 
@@ -56,7 +57,15 @@ struct Event {
     /// Waits this long (a slow lookup), logged in [`RUNS`].
     #[serde(default)]
     sleep_ms: u64,
+    /// Fails transiently (a downstream's 503) for this many seconds after
+    /// the event's first attempt; its success is logged in [`SUCCEEDED`].
+    #[serde(default)]
+    transient_secs: u64,
 }
+
+/// When each event with `transient_secs` succeeded, by id.
+static SUCCEEDED: std::sync::Mutex<Vec<(String, std::time::Instant)>> =
+    std::sync::Mutex::new(Vec::new());
 
 /// Each call with `sleep_ms`: its event id, when it started and ended.
 static RUNS: std::sync::Mutex<Vec<(String, std::time::Instant, std::time::Instant)>> =
@@ -122,6 +131,18 @@ impl Handler for Forward {
             return Err(
                 dedup_core::StoreError::environment("the enrichment service is down").into(),
             );
+        }
+        if ev.transient_secs > 0 {
+            let id = ev.event_id.as_deref().unwrap_or_default();
+            if first_tried(id) < Duration::from_secs(ev.transient_secs) {
+                return Err(HandlerError::transient(
+                    "the enrichment service answers 503",
+                ));
+            }
+            SUCCEEDED
+                .lock()
+                .expect("lock")
+                .push((id.to_owned(), std::time::Instant::now()));
         }
         if ev.outage {
             return Err(dedup_core::StoreError::environment(
@@ -726,21 +747,7 @@ async fn enrich_killed_anywhere_outputs_each_distinct_event_once() {
         })
     };
     let run = |failpoint: Option<&str>, transactional_id: &str| {
-        let mut cmd = Command::new(common::example("enrich"));
-        cmd.env("KAFKA_BROKERS", brokers())
-            .env("TOPIC", &topic)
-            .env("OUTPUT_TOPIC", &out)
-            .env("GROUP_ID", &group)
-            .env("TRANSACTIONAL_ID", transactional_id)
-            .env("KAFKA_CFG_SESSION_TIMEOUT_MS", "6000")
-            .env_remove("DEDUP_FAILPOINT")
-            .args(["--exit-when-idle", "5s"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null());
-        if let Some(point) = failpoint {
-            cmd.env("DEDUP_FAILPOINT", point);
-        }
-        cmd
+        enrich(&topic, &out, &group, transactional_id, failpoint, "5s")
     };
     let id = unique("enrich-tx");
     // Each step of the transaction, on the 2nd batch of a run: the process
@@ -759,22 +766,8 @@ async fn enrich_killed_anywhere_outputs_each_distinct_event_once() {
     // transactional id each time (its open transaction then ends by the
     // broker's timeout).
     for extra_ms in [0u64, 150, 400] {
-        let before = records_in(&out);
-        let mut child = KillOnDrop(Some(
-            run(None, &unique("enrich-tx")).spawn().expect("spawned"),
-        ));
-        let started = std::time::Instant::now();
-        while records_in(&out) == before {
-            assert!(
-                started.elapsed() < Duration::from_secs(90),
-                "the run wrote nothing"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        tokio::time::sleep(Duration::from_millis(extra_ms)).await;
-        let pid = child.0.as_ref().map(|c| c.id()).expect("pid");
-        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
-        let _ = child.0.take().map(|mut c| c.wait());
+        let child = run(None, &unique("enrich-tx")).spawn().expect("spawned");
+        kill_once_written(child, &[&out], extra_ms).await;
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let sent = stream.await.expect("stream");
@@ -787,16 +780,8 @@ async fn enrich_killed_anywhere_outputs_each_distinct_event_once() {
     // draining run, joining before, could be given no partition and stop
     // idle after 5 s, having run nothing.
     tokio::time::sleep(Duration::from_secs(7)).await;
-    let last = run(Some("transaction-fails-before-commit:1:4"), &id)
-        .stderr(Stdio::piped())
-        .output()
-        .expect("enrich ran");
-    let log = String::from_utf8_lossy(&last.stderr);
+    let log = drain_run(run(Some("transaction-fails-before-commit:1:4"), &id));
     let tail: Vec<&str> = log.lines().rev().take(30).collect();
-    assert!(
-        last.status.success(),
-        "the last run ends by idleness: {tail:?}"
-    );
     assert!(
         log.contains("failpoint: failing here once")
             && log.contains("running the batch again")
@@ -847,6 +832,66 @@ fn records_in(topic: &str) -> i64 {
             high - low
         })
         .sum()
+}
+
+/// The enrich example from `topic` to `out` in `group`, failing at
+/// `failpoint` if set, exiting when idle for `idle`; its stderr dropped.
+fn enrich(
+    topic: &str,
+    out: &str,
+    group: &str,
+    transactional_id: &str,
+    failpoint: Option<&str>,
+    idle: &str,
+) -> Command {
+    let mut cmd = Command::new(common::example("enrich"));
+    cmd.env("KAFKA_BROKERS", brokers())
+        .env("TOPIC", topic)
+        .env("OUTPUT_TOPIC", out)
+        .env("GROUP_ID", group)
+        .env("TRANSACTIONAL_ID", transactional_id)
+        .env("KAFKA_CFG_SESSION_TIMEOUT_MS", "6000")
+        .env_remove("DEDUP_FAILPOINT")
+        .args(["--exit-when-idle", idle])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null());
+    if let Some(point) = failpoint {
+        cmd.env("DEDUP_FAILPOINT", point);
+    }
+    cmd
+}
+
+/// Runs `cmd` to its end, which must be idleness; its log.
+fn drain_run(mut cmd: Command) -> String {
+    let last = cmd.stderr(Stdio::piped()).output().expect("enrich ran");
+    let log = String::from_utf8_lossy(&last.stderr).into_owned();
+    let tail: Vec<&str> = log.lines().rev().take(30).collect();
+    assert!(
+        last.status.success(),
+        "the last run ends by idleness: {tail:?}"
+    );
+    log
+}
+
+/// Kills `child` (SIGKILL) `extra_ms` after it first wrote to one of
+/// `topics` (any record, even one of a transaction still open); fails if it
+/// wrote nothing in 90 s.
+async fn kill_once_written(child: std::process::Child, topics: &[&str], extra_ms: u64) {
+    let written = || topics.iter().map(|t| records_in(t)).sum::<i64>();
+    let before = written();
+    let mut child = KillOnDrop(Some(child));
+    let started = std::time::Instant::now();
+    while written() == before {
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "the run wrote nothing to {topics:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(extra_ms)).await;
+    let pid = child.0.as_ref().map(|c| c.id()).expect("pid");
+    let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+    let _ = child.0.take().map(|mut c| c.wait());
 }
 
 /// Waits for `child` to exit, killing it and failing after `limit`.
@@ -1399,4 +1444,372 @@ async fn key_concurrency_runs_keys_at_once_each_in_order() {
         (4..=8).contains(&most),
         "calls of different keys overlap, at most 8: {most}"
     );
+}
+
+/// Retry tiers in the Kafka-only runtime: an event failing transiently
+/// for 8 s moves (in its batch's transaction) to the 2 s tier, then the
+/// 5 s tier, while the 50 events behind it are output within a second or
+/// two; it is output once when its failure has passed, and a duplicate of
+/// it met in the input afterwards is skipped (the tier's partition shares
+/// its input partition's claims). Each tier holds one copy, saying its
+/// origin, tier, attempts and due time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transiently_failing_event_waits_in_tiers_while_the_rest_go_on_and_is_output_once() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let (topic, out, group) = topics(2).await;
+    let (first, second) = (format!("{topic}.retry-2s"), format!("{topic}.retry-5s"));
+    common::create_named_topic(&first, 2).await;
+    common::create_named_topic(&second, 2).await;
+    let id = unique("slow");
+    let slow = serde_json::json!({"event_id": id, "n": -1, "transient_secs": 8})
+        .to_string()
+        .into_bytes();
+    let p = producer();
+    send_raw(&p, &topic, &id, &slow).await;
+    send_events(&p, &topic, 0..50).await;
+    let consumer = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+        .brokers(brokers())
+        .group_id(&group)
+        .retry_tiers(["2s", "5s"])
+        .build()
+        .expect("consumer");
+    let member = Member::start(consumer);
+    let stats = member.stats.clone();
+    wait_until("the other 50 events output", 30, || {
+        stats.snapshot().applied >= 50
+    })
+    .await;
+    let succeeded = |id: &str| {
+        SUCCEEDED
+            .lock()
+            .expect("lock")
+            .iter()
+            .any(|(seen, _)| seen == id)
+    };
+    assert!(
+        !succeeded(&id),
+        "the other events were output while the failing one waited in a tier"
+    );
+    wait_until("the failing event output from the second tier", 60, || {
+        stats.snapshot().applied >= 51
+    })
+    .await;
+    // A duplicate of it, met in the input: its claim was taken from the
+    // tier's partition of the same number.
+    send_raw(&p, &topic, &id, &slow).await;
+    wait_until("the duplicate skipped", 30, || {
+        stats.snapshot().skipped >= 1
+    })
+    .await;
+    let done = member.stop().await;
+    assert_eq!(
+        (done.applied, done.skipped, done.moved, done.dead_lettered),
+        (51, 1, 2, 0),
+        "{done:?}"
+    );
+    assert_eq!(outputs(&out).await, each_once(50, &[id.as_str()]));
+    let origin = read_all(&topic, "read_committed")
+        .await
+        .into_iter()
+        .find(|m| ids(std::slice::from_ref(m)) == std::slice::from_ref(&id))
+        .expect("the original");
+    for (tier, name, attempts) in [(&first, "2s", 4), (&second, "5s", 8)] {
+        let copies = read_all(tier, "read_committed").await;
+        assert_eq!(
+            ids(&copies),
+            std::slice::from_ref(&id),
+            "{tier} holds one copy"
+        );
+        let copy = &copies[0];
+        assert_eq!(
+            copy.partition(),
+            origin.partition(),
+            "a move keeps its partition"
+        );
+        assert_eq!(header(copy, "dedup.retry.tier"), Some(name));
+        assert_eq!(header(copy, "dedup.origin.topic"), Some(topic.as_str()));
+        assert_eq!(
+            header(copy, "dedup.origin.offset"),
+            Some(origin.offset().to_string().as_str())
+        );
+        assert_eq!(
+            header(copy, "dedup.retry.attempt"),
+            Some(attempts.to_string().as_str())
+        );
+        assert_eq!(header(copy, "dedup.error.kind"), Some("handler"));
+        let due: i64 = header(copy, "dedup.retry.due")
+            .expect("due")
+            .parse()
+            .expect("ms");
+        let stamped = copy.timestamp().to_millis().expect("timestamp");
+        assert!(due > stamped, "due after its move: {due} <= {stamped}");
+    }
+}
+
+/// Tiers that cannot be read with their input partitions are refused:
+/// a tier topic of another partition count at start-up, key hold-back
+/// and reading tiers elsewhere at build.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiers_the_kafka_only_runtime_cannot_keep_are_refused() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let (topic, out, group) = topics(2).await;
+    common::create_named_topic(&format!("{topic}.retry-2s"), 3).await;
+    let builder = || {
+        TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+            .brokers(brokers())
+            .group_id(&group)
+    };
+    let refused = builder()
+        .retry_tiers(["2s"])
+        .run_until(std::future::pending())
+        .await
+        .expect_err("a tier of 3 partitions for an input of 2");
+    assert!(
+        refused.to_string().contains("has 3 partitions"),
+        "{refused}"
+    );
+    for tiers in [
+        dedup_kafka::RetryTiers::new(["2s"])
+            .expect("tiers")
+            .hold_keys(true),
+        dedup_kafka::RetryTiers::new(["2s"])
+            .expect("tiers")
+            .read(dedup_kafka::ReadTiers::Elsewhere),
+    ] {
+        let refused = builder()
+            .retry_tiers_with(tiers)
+            .build()
+            .expect_err("refused");
+        assert!(
+            refused.to_string().contains("Kafka-only runtime"),
+            "{refused}"
+        );
+    }
+}
+
+/// The enrich example with retry tiers, its reference data lacking one
+/// account (one payment in 50): that account's payments move to the 1 s tier, then
+/// the 10 s tier, while the others are output. Killed at each step of a
+/// transaction holding moves and at random moments, then drained after
+/// the account appeared: each payment is output once or dead-lettered
+/// once, never both, and each tier holds at most one committed copy of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enrich_killed_while_moving_to_tiers_outputs_or_dead_letters_each_event_once() {
+    let topic = create_topic(3).await;
+    let out = create_topic(3).await;
+    let tiers = [format!("{topic}.retry-1s"), format!("{topic}.retry-10s")];
+    for tier in &tiers {
+        common::create_named_topic(tier, 3).await;
+    }
+    let group = unique("enrich-tiers");
+    let accounts = std::env::temp_dir().join(format!("{}.json", unique("accounts")));
+    let write_accounts = |late: bool| {
+        let mut listed: serde_json::Map<String, serde_json::Value> = (0..7)
+            .map(|a| (format!("acct-{a}"), format!("Account {a}").into()))
+            .collect();
+        if late {
+            listed.insert("acct-late".into(), "Account late".into());
+        }
+        std::fs::write(&accounts, serde_json::Value::from(listed).to_string()).expect("written");
+    };
+    write_accounts(false);
+    // Before each run, 300 more payments: every run has moves to make.
+    let chunk = 300u64;
+    let mut sent = 0u64;
+    let p = producer();
+    // One transactional id for every run: each aborts its killed
+    // predecessor's open transaction as it starts, which would otherwise
+    // hold the partitions' read_committed readers (and its successor's
+    // idleness clock) until the broker times it out.
+    let transactional_id = unique("enrich-tx");
+    let run = |failpoint: Option<&str>| {
+        let mut cmd = enrich(&topic, &out, &group, &transactional_id, failpoint, "15s");
+        cmd.env("DEDUP_RETRY_TIERS", "1s,10s")
+            .env("ACCOUNTS_FILE", &accounts);
+        cmd
+    };
+    // Each step of the transaction, on a run's 2nd batch (likely one with
+    // moves).
+    for point in [
+        "transaction-before-offsets:2",
+        "transaction-before-commit:2",
+        "transaction-after-commit:2",
+    ] {
+        send_late_payments(&p, &topic, sent..sent + chunk).await;
+        sent += chunk;
+        let child = run(Some(point)).spawn().expect("spawned");
+        let status = exit_within(child, Duration::from_secs(90));
+        assert!(!status.success(), "{point}: the failpoint must stop it");
+    }
+    // kill -9 once a run has moved something, a moment later.
+    for extra_ms in [0u64, 300, 1_500] {
+        send_late_payments(&p, &topic, sent..sent + chunk).await;
+        sent += chunk;
+        let child = run(None).spawn().expect("spawned");
+        kill_once_written(child, &[&tiers[0], &tiers[1]], extra_ms).await;
+    }
+    // The account appears; the killed runs' sessions (6 s) expire.
+    write_accounts(true);
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    drain_run(run(None));
+    let output = ids(&read_all(&out, "read_committed").await);
+    let dead = ids(&read_all(&format!("{topic}.dlq"), "read_committed").await);
+    let distinct: HashSet<String> = output.iter().chain(&dead).cloned().collect();
+    let all: HashSet<String> = (0..sent).map(|i| format!("p{i}")).collect();
+    let failing: HashSet<String> = (0..sent)
+        .filter(|&i| is_late(i))
+        .map(|i| format!("p{i}"))
+        .collect();
+    assert_eq!(distinct, all, "every payment output or dead-lettered");
+    assert_eq!(
+        output.len() + dead.len(),
+        all.len(),
+        "none output twice, dead-lettered twice, or both"
+    );
+    for tier in &tiers {
+        let copies = ids(&read_all(tier, "read_committed").await);
+        let once: HashSet<&String> = copies.iter().collect();
+        assert_eq!(
+            once.len(),
+            copies.len(),
+            "{tier}: a payment moved there twice"
+        );
+        assert!(
+            copies.iter().all(|id| failing.contains(id)),
+            "{tier}: only the failing account's payments move"
+        );
+    }
+    let _ = std::fs::remove_file(&accounts);
+    let moved = ids(&read_all(&tiers[0], "read_committed").await);
+    assert!(
+        moved.iter().any(|id| output.contains(id)),
+        "payments moved were output once their account appeared"
+    );
+}
+
+/// Whether payment `i` of [`send_late_payments`] is of the account that
+/// the reference data lacks at first.
+fn is_late(i: u64) -> bool {
+    i % 50 == 3
+}
+
+/// Produces the payments `p<i>` of `range`, one in 50 of account
+/// `acct-late`, the others of `acct-0`..`acct-6`.
+async fn send_late_payments(p: &FutureProducer, topic: &str, range: std::ops::Range<u64>) {
+    for i in range {
+        let id = format!("p{i}");
+        let account = match is_late(i) {
+            true => "acct-late".to_owned(),
+            false => format!("acct-{}", i % 7),
+        };
+        let payload = serde_json::json!({"event_id": id, "account_id": account, "amount_cents": i});
+        send(p, topic, &id, payload.to_string().as_bytes(), None).await;
+    }
+}
+
+/// A rolling deploy that adds retry tiers: a member without them and one
+/// with them share a group. The range assignor gives the new member every
+/// tier partition, some without their input partition (the old member
+/// reads it); it leaves those unread instead of stopping, and reads them
+/// once the old member has gone. Every event, and a record waiting in
+/// each tier partition, is output once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn members_with_and_without_tiers_share_a_group_through_a_deploy() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let (topic, out, group) = topics(2).await;
+    let tier = format!("{topic}.retry-2s");
+    common::create_named_topic(&tier, 2).await;
+    let p = producer();
+    // A record waiting in each tier partition, moved there before.
+    for partition in 0..2 {
+        let id = format!("waiting-{partition}");
+        let at = chrono_ms();
+        let (origin_partition, due) = (partition.to_string(), at.to_string());
+        let mut headers = rdkafka::message::OwnedHeaders::new();
+        for (key, value) in [
+            ("dedup.origin.topic", topic.as_str()),
+            ("dedup.origin.partition", origin_partition.as_str()),
+            ("dedup.origin.offset", "0"),
+            ("dedup.origin.timestamp", due.as_str()),
+            ("dedup.retry.tier", "2s"),
+            ("dedup.retry.due", due.as_str()),
+            ("dedup.retry.attempt", "4"),
+        ] {
+            headers = headers.insert(rdkafka::message::Header {
+                key,
+                value: Some(value),
+            });
+        }
+        p.send(
+            FutureRecord::to(&tier)
+                .partition(partition)
+                .key(&id)
+                .payload(&event(&id, -1))
+                .headers(headers),
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("produced");
+    }
+    let member = |tiers: bool| {
+        let mut builder = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+            .brokers(brokers())
+            .group_id(&group)
+            .set("session.timeout.ms", "6000");
+        if tiers {
+            builder = builder.retry_tiers(["2s"]);
+        }
+        Member::start(builder.build().expect("consumer"))
+    };
+    let old = member(false);
+    let old_stats = old.stats.clone();
+    wait_until("the old member assigned", 60, || {
+        old_stats.health().assigned_partitions == 2
+    })
+    .await;
+    let new = member(true);
+    let new_stats = new.stats.clone();
+    // The input split between them, both tier partitions the new one's.
+    wait_until("the new member assigned beside the old one", 60, || {
+        old_stats.health().assigned_partitions == 1 && new_stats.health().assigned_partitions == 3
+    })
+    .await;
+    send_events(&p, &topic, 0..100).await;
+    let applied = || old_stats.snapshot().applied + new_stats.snapshot().applied;
+    wait_until(
+        "the input's events and the record waiting with its input partition output",
+        60,
+        || applied() >= 101,
+    )
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        applied(),
+        101,
+        "the tier partition whose input partition the old member reads stays unread"
+    );
+    assert!(
+        !new.task.is_finished(),
+        "the member with tiers runs beside the one without"
+    );
+    let old_done = old.stop().await;
+    wait_until(
+        "the waiting records output once the old member left",
+        60,
+        || new_stats.snapshot().applied + old_done.applied >= 102,
+    )
+    .await;
+    new.stop().await;
+    assert_eq!(
+        outputs(&out).await,
+        each_once(100, &["waiting-0", "waiting-1"])
+    );
+}
+
+/// Milliseconds since the epoch.
+fn chrono_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("after 1970")
+        .as_millis() as i64
 }

@@ -660,7 +660,11 @@ fn with_tiers<S: DedupStore>(
     let mut out = Vec::new();
     for mut topic in routes {
         let place = crate::tiers::Place {
-            tiers: tiers.of(&topic.topic, topic.order_by.clone()),
+            tiers: tiers.of(
+                &topic.topic,
+                topic.order_by.clone(),
+                crate::tiers::DEFAULT_ATTEMPTS_IN_PLACE,
+            ),
             at: None,
         };
         for tier in &place.tiers.tiers {

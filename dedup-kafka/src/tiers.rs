@@ -125,14 +125,21 @@ pub enum ReadTiers {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RetryTiers {
     tiers: Vec<RetryTier>,
-    attempts: u32,
+    /// `None`: the runtime's default.
+    attempts: Option<u32>,
     read: ReadTiers,
     hold_keys: bool,
 }
 
-/// Attempts in place before an event moves on, by default: with the
-/// default back-off (100 ms doubling) about 0.7 s of waits in all.
+/// Attempts in place before an event moves on, by default, in the
+/// database runtime: with the default back-off (100 ms doubling) about
+/// 0.7 s of waits in all, during which the event's partition waits.
 pub const DEFAULT_ATTEMPTS_IN_PLACE: u32 = 4;
+
+/// The same in the Kafka-only runtime: one. Its batch spans every
+/// partition the member reads and commits as one transaction, so an
+/// attempt's back-off there holds all of them, not one partition.
+pub const KAFKA_ONLY_ATTEMPTS_IN_PLACE: u32 = 1;
 
 impl RetryTiers {
     /// Tiers named by their delays (`"30s"`, `"5m"`, `"1h"`), in the
@@ -191,7 +198,7 @@ impl RetryTiers {
         }
         Ok(RetryTiers {
             tiers,
-            attempts: DEFAULT_ATTEMPTS_IN_PLACE,
+            attempts: None,
             read: ReadTiers::Here,
             hold_keys: false,
         })
@@ -199,11 +206,12 @@ impl RetryTiers {
 
     /// Attempts of a transiently failing event before it moves to the next
     /// tier (or, from the last, to the dead-letter topic), at the origin
-    /// and in each tier (default [`DEFAULT_ATTEMPTS_IN_PLACE`]; at least
-    /// 1). They wait the consumer's [`RetryPolicy`](crate::RetryPolicy)
+    /// and in each tier (default [`DEFAULT_ATTEMPTS_IN_PLACE`], in the
+    /// Kafka-only runtime [`KAFKA_ONLY_ATTEMPTS_IN_PLACE`]; at least 1).
+    /// They wait the consumer's [`RetryPolicy`](crate::RetryPolicy)
     /// back-off.
     pub fn attempts_in_place(mut self, attempts: u32) -> Self {
-        self.attempts = attempts.max(1);
+        self.attempts = Some(attempts.max(1));
         self
     }
 
@@ -240,13 +248,19 @@ impl RetryTiers {
         self.read
     }
 
-    /// The tiers of handled topic `topic`, whose events `order_by` orders.
-    pub(crate) fn of(&self, topic: &str, order_by: crate::OrderBy) -> std::sync::Arc<TopicTiers> {
+    /// The tiers of handled topic `topic`, whose events `order_by` orders,
+    /// with `attempts` in place unless set.
+    pub(crate) fn of(
+        &self,
+        topic: &str,
+        order_by: crate::OrderBy,
+        attempts: u32,
+    ) -> std::sync::Arc<TopicTiers> {
         std::sync::Arc::new(TopicTiers {
             origin: topic.to_owned(),
             hold_keys: self.hold_keys,
             order_by,
-            attempts: self.attempts,
+            attempts: self.attempts.unwrap_or(attempts),
             tiers: self
                 .tiers
                 .iter()
@@ -552,7 +566,11 @@ mod tests {
     #[test]
     fn tiers_are_named_by_their_delays_and_checked() {
         let tiers = RetryTiers::new(["30s", "5m", "1h"]).unwrap();
-        let of = tiers.of("payments", crate::OrderBy::default());
+        let of = tiers.of(
+            "payments",
+            crate::OrderBy::default(),
+            DEFAULT_ATTEMPTS_IN_PLACE,
+        );
         let topics: Vec<(&str, &str, u64)> = of
             .tiers
             .iter()

@@ -337,7 +337,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
                 )));
             }
         }
-        let tiers = tiers.map(|t| t.of(&self.topic, self.order_by.clone()));
+        let tiers = tiers.map(|t| {
+            t.of(
+                &self.topic,
+                self.order_by.clone(),
+                crate::tiers::KAFKA_ONLY_ATTEMPTS_IN_PLACE,
+            )
+        });
         let mut topics = vec![self.topic.clone()];
         topics.extend(
             tiers

@@ -68,17 +68,15 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         crate::tiers::origin_of(msg, self.reads_origin_headers(msg))
     }
 
-    /// The timestamp `msg` counts with in its partition's stream time: a
-    /// tier's record its origin's, as its `dedup.origin.timestamp` says (it
-    /// does not move stream time on; without the header, not at all), any
-    /// other its own.
+    /// The timestamp `msg` counts with in its partition's stream time: its
+    /// own, or none for a tier's record (judged at the stream time its
+    /// partition has reached: its origin counted already, and its move's
+    /// time would expire claims early in a backlog).
     pub(super) fn stream_stamp(&self, msg: &OwnedMessage) -> i64 {
-        if self.topics.lane(msg).topic == 0 {
-            return super::fate::timestamp(msg);
+        match self.topics.lane(msg).topic {
+            0 => super::fate::timestamp(msg),
+            _ => i64::MIN,
         }
-        crate::tiers::header(msg, crate::tiers::ORIGIN_HEADERS[3])
-            .and_then(|t| t.parse().ok())
-            .unwrap_or(i64::MIN)
     }
 
     /// The move of `msg` to tier `tier` after `attempts` here, due at
@@ -136,7 +134,8 @@ impl Waiting {
 
     /// The member was assigned `lanes` (its whole assignment: the eager
     /// protocol): the tiers' partitions among them without their input
-    /// partition are parked.
+    /// partition are parked, and whatever waited that is not among them (a
+    /// revoke not seen) is resumed and forgotten.
     pub(super) fn assigned(
         &mut self,
         consumer: &StreamConsumer<Membership>,
@@ -144,6 +143,14 @@ impl Waiting {
         lanes: &[Lane],
     ) {
         let parked = apart(lanes);
+        let stale: Vec<Lane> = self
+            .parked
+            .iter()
+            .chain(self.due.keys())
+            .copied()
+            .filter(|lane| !parked.contains(lane))
+            .collect();
+        self.revoked(consumer, topics, &stale);
         if parked.is_empty() {
             return;
         }

@@ -411,16 +411,15 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     },
                 ))
             }
-            // A move is never cut: one its tier refuses for its own sake
-            // (too large, or keyless for a compacted tier) is dead-lettered
-            // instead. A tier missing a partition is the environment's.
+            // A move is never cut: one too large for its tier is
+            // dead-lettered instead. A tier that refuses records (compacted)
+            // or lacks a partition is the environment's.
             Source::Move(i)
                 if matches!(
                     e,
                     KafkaError::MessageProduction(
                         RDKafkaErrorCode::MessageSizeTooLarge
                             | RDKafkaErrorCode::InvalidMessageSize
-                            | RDKafkaErrorCode::InvalidRecord
                     )
                 ) =>
             {
@@ -452,17 +451,27 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             Source::Move(i)
                 if matches!(
                     e,
-                    KafkaError::MessageProduction(RDKafkaErrorCode::UnknownPartition)
+                    KafkaError::MessageProduction(
+                        RDKafkaErrorCode::UnknownPartition | RDKafkaErrorCode::InvalidRecord
+                    )
                 ) =>
             {
                 let Fate::Moved { tier, .. } = &fates[i] else {
                     unreachable!("a move's source is moved");
                 };
+                let why = match e {
+                    KafkaError::MessageProduction(RDKafkaErrorCode::InvalidRecord) => {
+                        "refuses moves: is it compacted? A tier must keep every record it is \
+                         given until it is read"
+                    }
+                    _ => {
+                        "has fewer partitions than the input (the input gained some): add as \
+                         many to the tier"
+                    }
+                };
                 Err(Error::Fatal(format!(
-                    "the retry tier's topic {:?} lost partitions ({e}): it needs exactly as many \
-                     as {:?}",
-                    self.tier(*tier).topic,
-                    self.topic
+                    "the retry tier's topic {:?} {why} ({e})",
+                    self.tier(*tier).topic
                 )))
             }
             Source::Changelog

@@ -321,12 +321,16 @@ async fn plain(
     }
 }
 
-/// The records of `topic` a `read_committed` consumer sees (the high
-/// watermarks also count transaction markers and aborted records).
-fn committed_records(brokers: &str, topic: &str, partitions: i32) -> Result<i64, BoxError> {
+/// A `read_committed` reader of `topic`'s `partitions` from their start,
+/// reporting each partition's end (`PartitionEOF`).
+pub(crate) fn committed_reader(
+    brokers: &str,
+    topic: &str,
+    partitions: i32,
+) -> Result<BaseConsumer, BoxError> {
     let reader: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
-        .set("group.id", format!("{topic}-count"))
+        .set("group.id", format!("{topic}-read"))
         .set("isolation.level", "read_committed")
         .set("enable.partition.eof", "true")
         .set("enable.auto.commit", "false")
@@ -336,6 +340,13 @@ fn committed_records(brokers: &str, topic: &str, partitions: i32) -> Result<i64,
         assignment.add_partition_offset(topic, p, rdkafka::Offset::Beginning)?;
     }
     reader.assign(&assignment)?;
+    Ok(reader)
+}
+
+/// The records of `topic` a `read_committed` consumer sees (the high
+/// watermarks also count transaction markers and aborted records).
+fn committed_records(brokers: &str, topic: &str, partitions: i32) -> Result<i64, BoxError> {
+    let reader = committed_reader(brokers, topic, partitions)?;
     let (mut count, mut at_end) = (0i64, 0);
     let started = Instant::now();
     while at_end < partitions {

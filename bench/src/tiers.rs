@@ -27,7 +27,6 @@ use dedup_core::{HandlerError, idempotent};
 use dedup_kafka::{Outputs, RetryTiers, TransactionalConsumer};
 use dedup_postgres::{PgStore, PgTx};
 use rdkafka::ClientConfig;
-use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::Message as _;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
@@ -243,16 +242,7 @@ async fn kafka_only(name: &str, tiers: bool, brokers: &str, args: &Args) -> Resu
 /// Each committed output of `topic` (one partition): its key and its
 /// delay, its timestamp minus its event's produce time (ms).
 fn output_delays(brokers: &str, topic: &str) -> Result<Vec<(String, i64)>, BoxError> {
-    let reader: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("group.id", format!("{topic}-read"))
-        .set("isolation.level", "read_committed")
-        .set("enable.auto.commit", "false")
-        .set("enable.partition.eof", "true")
-        .create()?;
-    let mut list = rdkafka::TopicPartitionList::new();
-    list.add_partition_offset(topic, 0, rdkafka::Offset::Beginning)?;
-    reader.assign(&list)?;
+    let reader = crate::kafka_only::committed_reader(brokers, topic, 1)?;
     let mut out = Vec::new();
     let started = Instant::now();
     loop {

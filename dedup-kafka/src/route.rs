@@ -493,13 +493,12 @@ impl<S: 'static> Route<S> {
         tier: &'a crate::tiers::TierTopic,
     ) -> crate::dlq::DeadLetter<'a> {
         why.topic = &tier.topic;
-        why.moved = Some(crate::dlq::Moved {
-            tier: &tier.name,
-            due_ms: crate::tiers::now_ms()
-                .saturating_add(tier.delay.as_millis().min(i64::MAX as u128) as i64),
-            attempts: crate::tiers::attempts_before(msg, self.reads_origin_headers(msg))
-                .saturating_add(why.attempts),
-        });
+        why.moved = Some(tier.moved(
+            msg,
+            self.reads_origin_headers(msg),
+            why.attempts,
+            tier.due_from_now(),
+        ));
         why
     }
 

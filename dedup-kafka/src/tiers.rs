@@ -295,6 +295,30 @@ pub(crate) struct TierTopic {
     pub(crate) delay: Duration,
 }
 
+impl TierTopic {
+    /// When a record moved to this tier now is due (ms since the epoch).
+    pub(crate) fn due_from_now(&self) -> i64 {
+        now_ms().saturating_add(self.delay.as_millis().min(i64::MAX as u128) as i64)
+    }
+
+    /// The move of `msg` to this tier, due at `due_ms`, after `attempts`
+    /// where it was read (`from_headers`: a tier, or a released copy, whose
+    /// `dedup.retry.attempt` counts those before).
+    pub(crate) fn moved(
+        &self,
+        msg: &OwnedMessage,
+        from_headers: bool,
+        attempts: u32,
+        due_ms: i64,
+    ) -> crate::dlq::Moved<'_> {
+        crate::dlq::Moved {
+            tier: &self.name,
+            due_ms,
+            attempts: attempts_before(msg, from_headers).saturating_add(attempts),
+        }
+    }
+}
+
 /// Where a route stands among its topic's tiers: the handled topic
 /// (`at: None`) or one of its tiers.
 #[derive(Debug, Clone)]
@@ -491,8 +515,10 @@ pub(crate) fn warn_short_ttl(scope: &str, ttl: dedup_core::Ttl, tiers: &TopicTie
     }
 }
 
-/// Waits shorter than this are slept without pausing the partition.
-const PAUSE_FROM: Duration = Duration::from_millis(200);
+/// Waits shorter than this do not pause a tier's partition: the database
+/// runtime sleeps them, the Kafka-only runtime runs the record that much
+/// early.
+pub(crate) const PAUSE_FROM: Duration = Duration::from_millis(200);
 
 /// Waits until `msg`, the next record of a tier's partition, is due: the
 /// partition is paused at the broker meanwhile (nothing more is fetched of

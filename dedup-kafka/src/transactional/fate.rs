@@ -447,10 +447,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                             kind,
                             message,
                             attempts: attempt,
-                            due_ms:
-                                now_ms().saturating_add(
-                                    next.delay.as_millis().min(i64::MAX as u128) as i64,
-                                ),
+                            due_ms: next.due_from_now(),
                         },
                         _ => dead(kind, message, attempt),
                     });

@@ -28,9 +28,9 @@ use super::TransactionalConsumer;
 use super::outputs::Outputs;
 use super::rebalance::{Lane, Membership, Topics};
 use crate::Error;
-use crate::dlq::{DeadLetter, Moved};
+use crate::dlq::DeadLetter;
 use crate::retry::RetryPolicy;
-use crate::tiers::{Origin, TierTopic};
+use crate::tiers::{Origin, PAUSE_FROM, TierTopic};
 
 impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// The retry policy of attempts in place: with retry tiers, transient
@@ -98,20 +98,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             attempts,
             handler: self.handler.scope(),
             origin: self.origin(msg),
-            moved: Some(Moved {
-                tier: &to.name,
-                due_ms,
-                attempts: crate::tiers::attempts_before(msg, self.reads_origin_headers(msg))
-                    .saturating_add(attempts),
-            }),
+            moved: Some(to.moved(msg, self.reads_origin_headers(msg), attempts, due_ms)),
         }
     }
 }
-
-/// Waits shorter than this are not waited: the record runs now, at most
-/// this much before its due time, rather than its partition being paused,
-/// sought back and fetched again.
-const PAUSE_FROM: Duration = Duration::from_millis(200);
 
 /// The tiers' partitions not read for now: paused and sought back to
 /// their first record not taken.
@@ -188,6 +178,9 @@ impl Waiting {
                 continue;
             }
             let wait = crate::tiers::due_in(msg);
+            // A shorter wait is not waited: the record runs now, at most
+            // that much early, rather than its partition being paused,
+            // sought back and fetched again.
             if wait >= PAUSE_FROM {
                 let due = crate::tiers::now_ms().saturating_add(wait.as_millis() as i64);
                 cut.insert(lane, (msg.offset(), Some(due)));

@@ -2,7 +2,7 @@
 //! messages replayed one by one if it fails), or one message with its
 //! retries, and the dead letter of one that cannot be applied.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -57,6 +57,9 @@ pub(super) async fn process_batch<S: DedupStore>(
     let mut members = Vec::with_capacity(batch.len());
     let mut prepared = Vec::with_capacity(batch.len());
     let mut bad = Vec::new();
+    // Under key hold-back: the keys of the batch that follow an event in a
+    // tier, with the origin offset of their last follower so far.
+    let mut following: HashMap<crate::pipeline::keyed::OrderKey, i64> = HashMap::new();
     // Each message's own span (feature `opentelemetry`), continuing its
     // trace: its event is prepared, run, dead-lettered or replayed in it.
     #[cfg(feature = "opentelemetry")]
@@ -78,9 +81,19 @@ pub(super) async fn process_batch<S: DedupStore>(
         }
         if let Some(key) = route.hold_key(msg) {
             let origin = route.origin(msg);
+            // Once an event of a key follows one in a tier, the key's later
+            // events in this batch follow it too: its `in` record is
+            // written only after the batch, and the store may say the key
+            // free meanwhile (a tier let its earlier events out).
+            if let Some(&earlier) = following.get(&key) {
+                following.insert(key, origin.offset);
+                bad.push((i, Unprepared::Follow(earlier)));
+                continue;
+            }
             match crate::hold::earlier(shared, route, partition, &origin, key, jitter).await {
                 None => return 0,
                 Some(Some(earlier)) => {
+                    following.insert(key, origin.offset);
                     bad.push((i, Unprepared::Follow(earlier)));
                     continue;
                 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command that runs every check and test. It installs and starts what
-# the tests need (build packages, PostgreSQL, a real Apache Kafka on
+# the tests need (build packages, PostgreSQL, MariaDB, a real Apache Kafka on
 # 127.0.0.1:9092), then runs the gate: fmt, clippy, tests, docs, the book,
 # packaging, and the quickstart as a smoke test.
 set -euo pipefail
@@ -10,10 +10,12 @@ cd "$(dirname "$0")/.."
 echo "test: $(df -Ph . | awk 'NR == 2 { print $4 }') free on the disk"
 bash scripts/deps.sh
 bash scripts/postgres.sh start
+bash scripts/mariadb.sh start
 bash scripts/kafka.sh start
 DATABASE_URL="$(bash scripts/postgres.sh url)"
+MYSQL_URL="$(bash scripts/mariadb.sh url)"
 KAFKA_BROKERS="127.0.0.1:9092"
-export DATABASE_URL KAFKA_BROKERS
+export DATABASE_URL MYSQL_URL KAFKA_BROKERS
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings

@@ -19,6 +19,13 @@ pub trait Dialect: Send + Sync + 'static {
     /// never from message text.
     fn classify_code(code: &str) -> Classification;
 
+    /// The code of a database error that [`classify_code`](Dialect::classify_code)
+    /// reads: its SQLSTATE by default (MySQL overrides it: its SQLSTATE
+    /// `HY000` covers most errors, its error number tells them apart).
+    fn database_code(error: &dyn sqlx::error::DatabaseError) -> Option<String> {
+        error.code().map(Into::into)
+    }
+
     /// The code as reported in [`dedup_core::StoreError::code`] (SQLite
     /// prefixes its numeric codes, say).
     fn code_label(code: &str) -> String {

@@ -76,7 +76,7 @@ impl Error {
 /// value that does not decode or encode, a missing row): permanent.
 pub fn classify_sqlx<D: Dialect>(e: &sqlx::Error) -> Classification {
     match e {
-        sqlx::Error::Database(db) => match db.code() {
+        sqlx::Error::Database(db) => match D::database_code(db.as_ref()) {
             Some(code) => D::classify_code(&code),
             // A database error without a code says nothing about the event.
             None => Classification::Environment,
@@ -131,7 +131,7 @@ fn sqlx_errors<'a>(error: &'a (dyn StdError + 'static)) -> impl Iterator<Item = 
 /// A database error's code, as `D` labels it.
 fn code_of<D: Dialect>(e: &sqlx::Error) -> Option<String> {
     match e {
-        sqlx::Error::Database(db) => db.code().map(|c| D::code_label(&c)),
+        sqlx::Error::Database(db) => D::database_code(db.as_ref()).map(|c| D::code_label(&c)),
         _ => None,
     }
 }

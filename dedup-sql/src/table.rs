@@ -34,6 +34,8 @@ pub struct InvalidTableName {
 pub struct TableName {
     schema: Option<String>,
     table: String,
+    /// The identifier quote: `"` (standard SQL) or a backtick (MySQL).
+    quote: char,
 }
 
 fn is_identifier(s: &str) -> bool {
@@ -60,6 +62,7 @@ impl TableName {
         Ok(TableName {
             schema: schema.map(str::to_owned),
             table: table.to_owned(),
+            quote: '"',
         })
     }
 
@@ -78,10 +81,12 @@ impl TableName {
     /// `"schema"."table"` with `suffix` appended to the table part (for
     /// companion tables such as `<table>_migrations`).
     pub fn quoted_with_suffix(&self, suffix: &str) -> String {
-        // Validation admits no `"`, so wrapping in quotes is exact quoting.
+        // Validation admits no quote character, so wrapping in quotes is
+        // exact quoting.
+        let q = self.quote;
         match &self.schema {
-            Some(schema) => format!("\"{schema}\".\"{}{suffix}\"", self.table),
-            None => format!("\"{}{suffix}\"", self.table),
+            Some(schema) => format!("{q}{schema}{q}.{q}{}{suffix}{q}", self.table),
+            None => format!("{q}{}{suffix}{q}", self.table),
         }
     }
 
@@ -93,12 +98,21 @@ impl TableName {
     /// The quoted name of an index on this table (indexes live in the
     /// table's schema, so they are never qualified).
     pub fn quoted_index(&self, suffix: &str) -> String {
-        format!("\"{}{suffix}\"", self.table)
+        let q = self.quote;
+        format!("{q}{}{suffix}{q}", self.table)
     }
 
     /// The quoted schema, if the name is qualified.
     pub fn quoted_schema(&self) -> Option<String> {
-        self.schema.as_ref().map(|s| format!("\"{s}\""))
+        let q = self.quote;
+        self.schema.as_ref().map(|s| format!("{q}{s}{q}"))
+    }
+
+    /// The same name quoted the MySQL way, with backticks (its default
+    /// `sql_mode` reads double quotes as string literals).
+    pub fn with_backticks(mut self) -> Self {
+        self.quote = '`';
+        self
     }
 }
 
@@ -175,6 +189,16 @@ mod tests {
             t.render("{{table}} {{index:pending_idx}} {{object:notify}}() '{{name}}'"),
             "\"billing\".\"outbox\" \"outbox_pending_idx\" \"billing\".\"outbox_notify\"() 'billing.outbox'"
         );
+    }
+
+    #[test]
+    fn quotes_with_backticks_for_mysql() {
+        let t = TableName::parse("billing.outbox").unwrap().with_backticks();
+        assert_eq!(
+            t.render("{{table}} {{index:pending_idx}} {{object:tokens}} '{{name}}'"),
+            "`billing`.`outbox` `outbox_pending_idx` `billing`.`outbox_tokens` 'billing.outbox'"
+        );
+        assert_eq!(t.quoted_schema().as_deref(), Some("`billing`"));
     }
 
     #[test]

@@ -1,0 +1,25 @@
+//! The dedup-core conformance suite against a real MySQL or MariaDB server,
+//! each case in its own database, at InnoDB's default isolation (REPEATABLE
+//! READ) and at READ COMMITTED.
+
+mod common;
+
+use common::{Isolation, fresh_store};
+
+mod repeatable_read {
+    use super::*;
+
+    dedup_core::conformance_tests!(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        || fresh_store(Isolation::RepeatableRead).await
+    );
+}
+
+mod read_committed {
+    use super::*;
+
+    dedup_core::conformance_tests!(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        || fresh_store(Isolation::ReadCommitted).await
+    );
+}

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Makes a local MariaDB server ready for the tests: installs Debian's
+# mariadb-server if missing, and runs an instance of our own (its own data
+# directory, port and socket; the package's system service is never used),
+# with a `dedup` user that may create databases (each test makes its own).
+# Idempotent.
+#   scripts/mariadb.sh start   # then: export MYSQL_URL=$(scripts/mariadb.sh url)
+#   scripts/mariadb.sh url
+#   scripts/mariadb.sh stop
+#   scripts/mariadb.sh kill    # the server gone at once, as in a crash
+#   scripts/mariadb.sh drop    # stop and delete the instance's data
+# A test that stops the server runs an instance of its own, so the tests
+# beside it never notice: MYSQL_PORT=<port> scripts/mariadb.sh start
+set -euo pipefail
+
+PORT="${MYSQL_PORT:-3306}"
+BASE="${DEDUP_MARIADB_DIR:-/var/tmp/dedup-mariadb}/$PORT"
+DATA="$BASE/data"
+SOCKET="$BASE/mariadb.sock"
+PIDFILE="$BASE/mariadb.pid"
+URL="mysql://dedup:dedup@127.0.0.1:${PORT}/dedup"
+
+sudo_() {
+    if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+running() {
+    [ -f "$PIDFILE" ] && sudo_ kill -0 "$(cat "$PIDFILE")" 2>/dev/null
+}
+
+client() {
+    sudo_ mariadb --no-defaults --protocol=socket -S "$SOCKET" -uroot "$@"
+}
+
+start() {
+    if ! command -v mariadbd >/dev/null && [ ! -x /usr/sbin/mariadbd ]; then
+        echo "mariadb: installing the server" >&2
+        local sudo=""
+        [ "$(id -u)" = 0 ] || sudo="sudo"
+        $sudo apt-get update -qq
+        # Without its recommends (a mail agent, extra tools): the server and
+        # its client are all the tests use.
+        DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+            mariadb-server >/dev/null
+    fi
+    local daemon
+    daemon="$(command -v mariadbd || echo /usr/sbin/mariadbd)"
+    if [ ! -d "$DATA/mysql" ]; then
+        sudo_ mkdir -p "$BASE"
+        sudo_ chown mysql:mysql "$BASE"
+        sudo_ mariadb-install-db --no-defaults --user=mysql --datadir="$DATA" \
+            --auth-root-authentication-method=socket --skip-test-db >/dev/null
+    fi
+    if ! running; then
+        # Durable as a production server is (flush the log at every commit);
+        # no binary log, no name resolution. Detached, so it outlives this
+        # script (and the session's shell) like PostgreSQL's cluster does.
+        sudo_ setsid "$daemon" --no-defaults --user=mysql --datadir="$DATA" \
+            --port="$PORT" --bind-address=127.0.0.1 --socket="$SOCKET" --pid-file="$PIDFILE" \
+            --skip-name-resolve --skip-log-bin --max-connections=500 \
+            --innodb-buffer-pool-size=128M --log-error="$BASE/error.log" \
+            </dev/null >/dev/null 2>&1 &
+    fi
+    for _ in $(seq 1 120); do
+        client -e "SELECT 1" >/dev/null 2>&1 && break
+        sleep 0.5
+    done
+    client -e "SELECT 1" >/dev/null 2>&1 ||
+        { echo "mariadb: not ready on port $PORT (log: $BASE/error.log)" >&2; exit 1; }
+    client <<'SQL'
+CREATE USER IF NOT EXISTS 'dedup'@'127.0.0.1' IDENTIFIED BY 'dedup';
+CREATE USER IF NOT EXISTS 'dedup'@'localhost' IDENTIFIED BY 'dedup';
+GRANT ALL PRIVILEGES ON *.* TO 'dedup'@'127.0.0.1';
+GRANT ALL PRIVILEGES ON *.* TO 'dedup'@'localhost';
+CREATE DATABASE IF NOT EXISTS dedup;
+SQL
+    # The databases of an earlier run's tests (each test makes its own).
+    local stale
+    stale="$(client -N -e "SELECT schema_name FROM information_schema.schemata WHERE schema_name LIKE 'dedup\\_test\\_%'")"
+    for db in $stale; do client -e "DROP DATABASE \`$db\`"; done
+    echo "mariadb: ready at mysql://dedup:***@127.0.0.1:${PORT}/dedup" >&2
+}
+
+stop() {
+    if running; then
+        sudo_ kill -TERM "$(cat "$PIDFILE")"
+        for _ in $(seq 1 120); do running || return 0; sleep 0.5; done
+        echo "mariadb: still running after 60 s" >&2
+        exit 1
+    fi
+}
+
+case "${1:-start}" in
+    start) start ;;
+    url) echo "$URL" ;;
+    stop) stop ;;
+    kill) if running; then sudo_ kill -KILL "$(cat "$PIDFILE")"; fi ;;
+    drop) stop; sudo_ rm -rf "$BASE" ;;
+    *) echo "usage: $0 start|url|stop|kill|drop" >&2; exit 2 ;;
+esac

@@ -198,6 +198,29 @@ fn build_once(built: &OnceLock<()>, args: &[&str]) -> std::path::PathBuf {
         .to_owned()
 }
 
+/// A new, empty database of the test's own on the MySQL or MariaDB server
+/// `MYSQL_URL` names (scripts/mariadb.sh starts one; its `start` drops
+/// the `dedup_test_` databases of earlier runs): its URL, for a child
+/// process, and a pool on it.
+pub async fn mysql_database() -> (String, sqlx::MySqlPool) {
+    use sqlx::{ConnectOptions as _, Executor as _};
+    let server = std::env::var("MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://dedup:dedup@127.0.0.1:3306/dedup".into());
+    let options: sqlx::mysql::MySqlConnectOptions = server.parse().expect("MYSQL_URL");
+    let name = format!("dedup_test_{}", uuid::Uuid::new_v4().simple());
+    let mut admin = options.connect().await.expect("connect to MYSQL_URL");
+    admin
+        .execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE `{name}`")))
+        .await
+        .expect("create the test database");
+    let pool = sqlx::mysql::MySqlPoolOptions::new()
+        .connect_with(options.database(&name))
+        .await
+        .expect("connect to the test database");
+    let (base, _) = server.rsplit_once('/').expect("URL with a database");
+    (format!("{base}/{name}"), pool)
+}
+
 /// The binary of an example of `examples/`.
 pub fn example(name: &str) -> std::path::PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();

@@ -17,6 +17,8 @@
 //! Expiry is tested with a 1 s TTL and real sleeps, because a database's
 //! clock cannot be moved from outside.
 
+pub mod outbox;
+
 use std::time::{Duration, SystemTime};
 
 use crate::{

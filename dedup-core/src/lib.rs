@@ -10,6 +10,7 @@ mod lease;
 mod memory;
 mod meta;
 pub mod outbox;
+mod outbox_memory;
 mod purge;
 mod store;
 #[cfg(feature = "opentelemetry")]
@@ -28,7 +29,8 @@ pub use key::{DedupKey, KeyError, MAX_KEY_BYTES, composite_id};
 pub use lease::{Acquire, Lease, LeaseError, LeaseHandler, LeaseHandlerExt, LeaseStore, Token};
 pub use memory::{MemoryStore, MemoryTx};
 pub use meta::{Meta, WithMeta};
-pub use outbox::{OutboxMessage, OutboxRecord, OutboxSource, PublishFailure};
+pub use outbox::{OutboxMessage, OutboxRecord, OutboxSource, PublishFailure, Retention};
+pub use outbox_memory::{MemoryLease, MemoryOutbox};
 pub use purge::{PurgeConfig, Purger};
 pub use store::{Claim, DedupStore, ORDERED_SCOPE_PREFIX, PurgeExpired, ordered_scope};
 pub use ttl::{Ttl, TtlError, TtlErrorKind};

@@ -190,6 +190,57 @@ impl OutboxRecord {
     }
 }
 
+/// What happens to an event once the broker acknowledged it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Retention {
+    /// Delete the row in the transaction that marks it published.
+    Delete,
+    /// Keep the row marked sent for this long (for inspection and audit),
+    /// then let the relay's purge delete it.
+    Keep(Duration),
+}
+
+impl Default for Retention {
+    /// Kept for one hour.
+    fn default() -> Self {
+        Retention::Keep(Duration::from_secs(3600))
+    }
+}
+
+/// The first pause of [`poll_for_events`].
+pub const POLL_FIRST: Duration = Duration::from_millis(5);
+
+/// The longest pause of [`poll_for_events`]: the latency, at most, of an
+/// event committed while a relay of a store without notifications waits.
+pub const POLL_MAX: Duration = Duration::from_millis(250);
+
+/// [`OutboxSource::wait_for_events`] for a store that cannot notify (SQLite,
+/// MySQL): asks `changed` whether events were enqueued since the relay
+/// last looked, after [`POLL_FIRST`], then at pauses doubling to
+/// [`POLL_MAX`], until it says yes or `timeout` has passed. A relay that
+/// keeps finding events waits a few milliseconds; an idle one asks four
+/// times a second. An error of `changed` counts as a change: the relay's
+/// next look reports it.
+pub async fn poll_for_events<F, Fut>(timeout: Duration, mut changed: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<bool, StoreError>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut pause = POLL_FIRST;
+    loop {
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            return;
+        }
+        tokio::time::sleep(pause.min(deadline - now)).await;
+        if changed().await.unwrap_or(true) {
+            return;
+        }
+        pause = (pause * 2).min(POLL_MAX);
+    }
+}
+
 /// A publish attempt that failed: the event stays pending and is not
 /// offered again (nor any later event of its topic and key) before
 /// `retry_after` has passed.

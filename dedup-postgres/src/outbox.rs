@@ -16,50 +16,12 @@ use crate::{Error, InvalidTableName, Pg, store_error};
 /// The outbox migrations, rendered with the configured table name.
 static OUTBOX_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./outbox-migrations");
 
-/// What happens to an event once the broker acknowledged it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Retention {
-    /// Delete the row in the transaction that marks it published.
-    Delete,
-    /// Keep the row with `sent_at` set for this long (for inspection and
-    /// audit), then let the relay's purge delete it.
-    Keep(Duration),
-}
+/// What happens to an event once the broker acknowledged it (shared by
+/// every store's outbox).
+pub use dedup_core::outbox::Retention;
 
-/// Settings of an [`OutboxWriter`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct OutboxConfig {
-    /// The outbox table, optionally schema-qualified (default
-    /// `dedup_outbox`). Relays `LISTEN` on a channel of the same name.
-    pub table: String,
-    /// What happens to published rows (default: kept for one hour).
-    pub retention: Retention,
-}
-
-impl Default for OutboxConfig {
-    fn default() -> Self {
-        OutboxConfig {
-            table: "dedup_outbox".to_owned(),
-            retention: Retention::Keep(Duration::from_secs(3600)),
-        }
-    }
-}
-
-impl OutboxConfig {
-    /// Sets the outbox table name.
-    pub fn with_table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
-        self
-    }
-
-    /// Sets what happens to published rows.
-    pub fn with_retention(mut self, retention: Retention) -> Self {
-        self.retention = retention;
-        self
-    }
-}
+/// Settings of an [`OutboxWriter`] (shared by every SQL store's outbox).
+pub use dedup_sql::OutboxConfig;
 
 /// The statements of one outbox, built once from its validated name.
 struct Statements {
@@ -535,17 +497,7 @@ impl OutboxSource for OutboxReader {
                 .await
                 .map_err(store_error)?;
         }
-        let settled: std::collections::HashSet<i64> = published
-            .iter()
-            .copied()
-            .chain(failed.iter().map(|f| f.seq))
-            .collect();
-        let held: Vec<i64> = lease
-            .seqs
-            .iter()
-            .copied()
-            .filter(|seq| !settled.contains(seq))
-            .collect();
+        let held = dedup_sql::unsettled(&lease.seqs, published, failed);
         if !held.is_empty() {
             sqlx::query(sql(&self.statements.release))
                 .bind(&held)

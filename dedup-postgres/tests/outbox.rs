@@ -1,6 +1,7 @@
-//! The outbox on a real PostgreSQL, each test in its own database: what
-//! enqueue writes, what a relay may take (order across relays), how
-//! published and failed events are recorded, and the notification.
+//! What PostgreSQL's outbox adds to the conformance suite
+//! (outbox_conformance.rs), each test in its own database: what its rows
+//! hold, that a lease keeps no transaction open, schema-qualified tables,
+//! and notifications.
 
 use std::time::{Duration, Instant};
 
@@ -205,65 +206,6 @@ async fn an_event_backing_off_holds_back_its_key_and_nothing_else(pool: PgPool) 
 }
 
 #[sqlx::test(migrations = false)]
-async fn kept_events_are_marked_sent_and_purged_after_their_retention(pool: PgPool) {
-    let source = outbox(&pool, Retention::Keep(Duration::from_secs(3600))).await;
-    enqueue_all(&pool, &[(Some("k"), "a"), (Some("k"), "b")]).await;
-    let (lease, records) = source.lease_pending(10, LEASE).await.expect("lock");
-    source
-        .finish(&lease, &[records[0].seq, records[1].seq], &[])
-        .await
-        .expect("finish");
-    assert_eq!(source.pending().await.expect("pending"), 0);
-    let sent: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM dedup_outbox WHERE sent_at IS NOT NULL")
-            .fetch_one(&pool)
-            .await
-            .expect("count");
-    assert_eq!(sent, 2, "kept, marked sent");
-    assert_eq!(
-        source.purge_sent(100).await.expect("purge"),
-        0,
-        "not yet past retention"
-    );
-
-    // An hour later (moved back rather than waited for).
-    sqlx::query("UPDATE dedup_outbox SET sent_at = sent_at - interval '61 minutes'")
-        .execute(&pool)
-        .await
-        .expect("age");
-    assert_eq!(source.purge_sent(1).await.expect("purge"), 1, "bounded");
-    assert_eq!(source.purge_sent(100).await.expect("purge"), 1);
-}
-
-#[sqlx::test(migrations = false)]
-async fn a_commit_that_enqueued_wakes_a_waiting_relay(pool: PgPool) {
-    let source = outbox(&pool, Retention::Delete).await;
-    // The first look starts listening.
-    let (lease, none) = source.lease_pending(10, LEASE).await.expect("lock");
-    assert!(none.is_empty());
-    source.finish(&lease, &[], &[]).await.expect("finish");
-
-    let writer = {
-        let pool = pool.clone();
-        tokio::spawn(async move {
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            enqueue_all(&pool, &[(Some("k"), "wake up")]).await;
-        })
-    };
-    let started = Instant::now();
-    source.wait_for_events(Duration::from_secs(60)).await;
-    let waited = started.elapsed();
-    writer.await.expect("writer");
-    assert!(
-        waited < Duration::from_secs(30),
-        "woken by the notification, not the 60 s poll: {waited:?}"
-    );
-    let (lease, records) = source.lease_pending(10, LEASE).await.expect("lock");
-    assert_eq!(payloads(&records), ["wake up"]);
-    source.finish(&lease, &[], &[]).await.expect("finish");
-}
-
-#[sqlx::test(migrations = false)]
 async fn outbox_tables_are_validated_and_can_live_in_a_schema(pool: PgPool) {
     assert!(OutboxWriter::new(OutboxConfig::default().with_table("outbox; DROP TABLE x")).is_err());
     let outbox =
@@ -374,72 +316,6 @@ async fn a_relay_whose_lease_expired_still_marks_what_was_acknowledged(pool: PgP
         .await
         .expect("finish B");
     assert_eq!(source.pending().await.expect("pending"), 0);
-}
-
-/// Relays leasing at the same moment: no event goes to two of them, and a
-/// key's events are never split between two (that would publish a later
-/// one beside an earlier one held elsewhere).
-#[sqlx::test(migrations = false)]
-async fn concurrent_leases_never_share_an_event_nor_split_a_key(pool: PgPool) {
-    outbox(&pool, Retention::Delete).await; // migrated
-    let mut events = Vec::new();
-    for n in 0..10 {
-        for k in 0..40 {
-            events.push((format!("k{k}"), format!("k{k}-{n}")));
-        }
-    }
-    let borrowed: Vec<(Option<&str>, &str)> = events
-        .iter()
-        .map(|(k, p)| (Some(k.as_str()), p.as_str()))
-        .collect();
-    enqueue_all(&pool, &borrowed).await;
-
-    // Eight relays, each its own reader (and listener connection), as in
-    // production.
-    let relays_pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(20)
-        .connect_with((*pool.connect_options()).clone())
-        .await
-        .expect("pool");
-    let writer = OutboxWriter::new(OutboxConfig::default().with_retention(Retention::Delete))
-        .expect("config");
-    let readers: Vec<OutboxReader> = (0..8).map(|_| writer.reader(relays_pool.clone())).collect();
-    for round in 0..5 {
-        let tasks: Vec<_> = readers
-            .iter()
-            .map(|r| {
-                let r = r.clone();
-                tokio::spawn(async move { r.lease_pending(25, LEASE).await })
-            })
-            .collect();
-        let mut batches = Vec::new();
-        for task in tasks {
-            batches.push(task.await.expect("task"));
-        }
-        let mut owner_of_key: std::collections::HashMap<String, usize> = Default::default();
-        let mut seen = std::collections::HashSet::new();
-        for (relay, batch) in batches.iter().enumerate() {
-            let (_, records) = batch.as_ref().expect("lease");
-            for record in records {
-                assert!(
-                    seen.insert(record.seq),
-                    "round {round}: {} leased twice",
-                    record.seq
-                );
-                let key = String::from_utf8(record.key.clone().expect("key")).expect("utf-8");
-                let owner = *owner_of_key.entry(key.clone()).or_insert(relay);
-                assert_eq!(owner, relay, "round {round}: {key} split between relays");
-            }
-        }
-        // Each relay publishes what it took; the next round starts afresh.
-        for (reader, batch) in readers.iter().zip(&batches) {
-            let (lease, records) = batch.as_ref().expect("lease");
-            reader
-                .finish(lease, &seqs(records), &[])
-                .await
-                .expect("finish");
-        }
-    }
 }
 
 #[sqlx::test(migrations = false)]

@@ -5,6 +5,7 @@ mod config;
 mod dialect;
 mod error;
 mod migrate;
+mod outbox;
 mod table;
 
 use std::sync::Arc;
@@ -17,6 +18,7 @@ pub use config::SqlConfig;
 pub use dialect::Dialect;
 pub use error::{Error, classify, classify_sqlx, error_code, store_error};
 pub use migrate::run_migrations;
+pub use outbox::{OutboxConfig, decode_headers, encode_headers, unsettled};
 pub use table::{InvalidTableName, MAX_TABLE_LEN, TableName};
 
 /// A statement the store built once from constants and a validated, quoted

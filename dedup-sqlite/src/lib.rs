@@ -17,7 +17,11 @@ use dedup_sql::{
 use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
-pub use dedup_sql::{Error, InvalidTableName};
+pub use dedup_sql::{Error, InvalidTableName, OutboxConfig};
+
+mod outbox;
+pub use dedup_core::outbox::Retention;
+pub use outbox::{OutboxReader, OutboxWriter, SqlLease, enqueue};
 
 /// The sqlx this backend is built on, so handlers can use the same version.
 pub use sqlx;
@@ -69,7 +73,7 @@ pub type SqliteConfig = SqlConfig<Sqlite>;
 
 /// SQLite's clock, in microseconds since the Unix epoch (millisecond
 /// resolution). `'now'` is fixed for the duration of one statement.
-const NOW_US: &str = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
+pub(crate) const NOW_US: &str = "CAST(unixepoch('subsec') * 1000000 AS INTEGER)";
 
 struct Statements {
     table: TableName,

@@ -16,7 +16,11 @@ use dedup_sql::{
 use sqlx::MySqlPool;
 use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPoolOptions};
 
-pub use dedup_sql::{Error, InvalidTableName};
+pub use dedup_sql::{Error, InvalidTableName, OutboxConfig, SqlLease};
+
+mod outbox;
+pub use dedup_core::outbox::Retention;
+pub use outbox::{OutboxReader, OutboxWriter, enqueue};
 
 /// The sqlx this backend is built on, so handlers can use the same version.
 pub use sqlx;
@@ -653,7 +657,7 @@ impl PurgeExpired for MySqlStore {
         // them, so claimers inserting beside them never wait for the purge.
         let mut tx = self
             .pool
-            .begin_with("SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION")
+            .begin_with(outbox::BEGIN_READ_COMMITTED)
             .await
             .map_err(store_error)?;
         let rows: Vec<(Vec<u8>, Vec<u8>)> = sqlx::query_as(sql(&self.statements.purge_take))

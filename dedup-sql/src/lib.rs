@@ -18,7 +18,10 @@ pub use config::SqlConfig;
 pub use dialect::Dialect;
 pub use error::{Error, classify, classify_sqlx, error_code, store_error};
 pub use migrate::run_migrations;
-pub use outbox::{OutboxConfig, decode_headers, encode_headers, unsettled};
+pub use outbox::{
+    OutboxConfig, OutboxRow, SqlLease, decode_headers, encode_headers, json_seqs, millis,
+    outbox_record, unsettled,
+};
 pub use table::{InvalidTableName, MAX_TABLE_LEN, TableName};
 
 /// A statement the store built once from constants and a validated, quoted

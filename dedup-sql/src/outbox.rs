@@ -4,7 +4,7 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use dedup_core::outbox::{PublishFailure, Retention};
+use dedup_core::outbox::{OutboxRecord, PublishFailure, Retention};
 
 /// Settings of an SQL store's outbox writer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,6 +72,62 @@ pub fn decode_headers(mut bytes: &[u8]) -> Option<Vec<(String, Vec<u8>)>> {
         headers.push((name, part(&mut bytes)?.to_vec()));
     }
     Some(headers)
+}
+
+/// A batch an SQL outbox leased: its id and its events' sequence numbers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SqlLease {
+    id: i64,
+    seqs: Vec<i64>,
+}
+
+impl SqlLease {
+    /// Lease `id` of the events `seqs`.
+    pub fn new(id: i64, seqs: Vec<i64>) -> Self {
+        SqlLease { id, seqs }
+    }
+
+    /// A new random lease id.
+    pub fn new_id() -> i64 {
+        i64::from_ne_bytes(uuid::Uuid::new_v4().as_u64_pair().0.to_ne_bytes())
+    }
+
+    /// The lease's id, as the rows it holds carry it.
+    pub fn id(&self) -> i64 {
+        self.id
+    }
+
+    /// The sequence numbers of its events.
+    pub fn seqs(&self) -> &[i64] {
+        &self.seqs
+    }
+}
+
+/// A row of an SQL outbox (sequence number, event id, topic, key, payload,
+/// headers as [`encode_headers`] wrote them, failed attempts) as the relay
+/// reads it.
+pub type OutboxRow = (i64, String, String, Option<Vec<u8>>, Vec<u8>, Vec<u8>, i64);
+
+/// An [`OutboxRow`] as the relay's record.
+pub fn outbox_record(
+    (seq, event_id, topic, key, payload, headers, attempts): OutboxRow,
+) -> OutboxRecord {
+    OutboxRecord::new(seq, event_id, topic, payload)
+        .with_key(key)
+        // Only the store writes the column.
+        .with_headers(decode_headers(&headers).unwrap_or_default())
+        .with_attempts(u32::try_from(attempts).unwrap_or(0))
+}
+
+/// `d` in whole milliseconds, as the SQL outboxes bind durations.
+pub fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// `seqs` as a JSON array, for `json_each` or `JSON_TABLE`.
+pub fn json_seqs(seqs: &[i64]) -> String {
+    let items: Vec<String> = seqs.iter().map(i64::to_string).collect();
+    format!("[{}]", items.join(","))
 }
 
 /// The events of a leased batch (`leased`) that were neither published

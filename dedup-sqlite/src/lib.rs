@@ -17,11 +17,11 @@ use dedup_sql::{
 use sqlx::SqlitePool;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 
-pub use dedup_sql::{Error, InvalidTableName, OutboxConfig};
+pub use dedup_sql::{Error, InvalidTableName, OutboxConfig, SqlLease};
 
 mod outbox;
 pub use dedup_core::outbox::Retention;
-pub use outbox::{OutboxReader, OutboxWriter, SqlLease, enqueue};
+pub use outbox::{OutboxReader, OutboxWriter, enqueue};
 
 /// The sqlx this backend is built on, so handlers can use the same version.
 pub use sqlx;

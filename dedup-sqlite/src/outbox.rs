@@ -10,7 +10,10 @@ use dedup_core::StoreError;
 use dedup_core::outbox::{
     OutboxMessage, OutboxRecord, OutboxSource, PublishFailure, Retention, poll_for_events,
 };
-use dedup_sql::{OutboxConfig, TableName, decode_headers, encode_headers, run_migrations, sql};
+use dedup_sql::{
+    OutboxConfig, OutboxRow, SqlLease, TableName, encode_headers, json_seqs, millis, outbox_record,
+    run_migrations, sql,
+};
 use sqlx::{SqliteConnection, SqlitePool};
 
 use crate::{Error, InvalidTableName, NOW_US, Sqlite, store_error};
@@ -236,44 +239,6 @@ impl fmt::Debug for OutboxReader {
     }
 }
 
-/// A batch leased by an SQL [`OutboxReader`]: its id and rows.
-#[derive(Debug)]
-pub struct SqlLease {
-    id: i64,
-    seqs: Vec<i64>,
-}
-
-/// A pending row as the lease returns it.
-#[derive(sqlx::FromRow)]
-struct PendingRow {
-    seq: i64,
-    event_id: String,
-    topic: String,
-    key: Option<Vec<u8>>,
-    payload: Vec<u8>,
-    headers: Vec<u8>,
-    attempts: i64,
-}
-
-impl From<PendingRow> for OutboxRecord {
-    fn from(row: PendingRow) -> Self {
-        OutboxRecord::new(row.seq, row.event_id, row.topic, row.payload)
-            .with_key(row.key)
-            // Only this crate writes the column.
-            .with_headers(decode_headers(&row.headers).unwrap_or_default())
-            .with_attempts(u32::try_from(row.attempts).unwrap_or(0))
-    }
-}
-
-/// `seqs` as a JSON array, for `json_each`.
-fn json_seqs(seqs: &[i64]) -> String {
-    serde_json::Value::from(seqs.to_vec()).to_string()
-}
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
-}
-
 impl OutboxSource for OutboxReader {
     type Lease = SqlLease;
 
@@ -282,7 +247,7 @@ impl OutboxSource for OutboxReader {
         limit: usize,
         lease_for: Duration,
     ) -> Result<(SqlLease, Vec<OutboxRecord>), StoreError> {
-        let id = i64::from_ne_bytes(uuid::Uuid::new_v4().as_u64_pair().0.to_ne_bytes());
+        let id = SqlLease::new_id();
         let mut tx = self
             .pool
             .begin_with("BEGIN IMMEDIATE")
@@ -292,7 +257,7 @@ impl OutboxSource for OutboxReader {
             .fetch_one(&mut *tx)
             .await
             .map_err(store_error)?;
-        let mut rows: Vec<PendingRow> = sqlx::query_as(sql(&self.statements.lease))
+        let mut rows: Vec<OutboxRow> = sqlx::query_as(sql(&self.statements.lease))
             .bind(id)
             .bind(millis(lease_for))
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
@@ -302,12 +267,9 @@ impl OutboxSource for OutboxReader {
         tx.commit().await.map_err(store_error)?;
         self.seen.store(last, Ordering::Release);
         // RETURNING keeps no order.
-        rows.sort_unstable_by_key(|row| row.seq);
-        let lease = SqlLease {
-            id,
-            seqs: rows.iter().map(|row| row.seq).collect(),
-        };
-        Ok((lease, rows.into_iter().map(OutboxRecord::from).collect()))
+        rows.sort_unstable_by_key(|row| row.0);
+        let lease = SqlLease::new(id, rows.iter().map(|row| row.0).collect());
+        Ok((lease, rows.into_iter().map(outbox_record).collect()))
     }
 
     async fn finish(
@@ -316,7 +278,7 @@ impl OutboxSource for OutboxReader {
         published: &[i64],
         failed: &[PublishFailure],
     ) -> Result<(), StoreError> {
-        if lease.seqs.is_empty() && published.is_empty() {
+        if lease.seqs().is_empty() && published.is_empty() {
             return Ok(());
         }
         let mut tx = self
@@ -336,16 +298,16 @@ impl OutboxSource for OutboxReader {
                 .bind(&failure.reason)
                 .bind(millis(failure.retry_after))
                 .bind(failure.seq)
-                .bind(lease.id)
+                .bind(lease.id())
                 .execute(&mut *tx)
                 .await
                 .map_err(store_error)?;
         }
-        let held = dedup_sql::unsettled(&lease.seqs, published, failed);
+        let held = dedup_sql::unsettled(lease.seqs(), published, failed);
         if !held.is_empty() {
             sqlx::query(sql(&self.statements.release))
                 .bind(json_seqs(&held))
-                .bind(lease.id)
+                .bind(lease.id())
                 .execute(&mut *tx)
                 .await
                 .map_err(store_error)?;

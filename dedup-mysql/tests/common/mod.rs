@@ -34,6 +34,7 @@ pub(crate) async fn fresh_database() -> MySqlConnectOptions {
 }
 
 /// A migrated store on a database of its own.
+#[allow(dead_code)] // not every test binary uses it
 pub(crate) async fn fresh_store(isolation: Isolation) -> MySqlStore {
     let options = fresh_database().await;
     let pool = MySqlPoolOptions::new()

@@ -1,87 +1,24 @@
-//! `dedup claims`: one claim, all of them, purging the expired.
+//! `dedup claims`: one claim, all of them, purging the expired, on any
+//! store (its admin functions do the SQL).
 
-use std::time::Duration;
-
-use dedup_core::{DedupKey, PurgeExpired};
-use dedup_postgres::{PgConfig, PgStore};
-use dedup_sql::TableName;
+use dedup_core::DedupKey;
+use dedup_core::admin::{ClaimRecord, ScopeSummary, TableSize};
 use serde_json::json;
-use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
 
-use crate::time::human_seconds;
+use crate::store::Claims as Table;
+use crate::time::{human_seconds, rfc3339};
 use crate::{Database, Failure, Report};
-
-/// A timestamp column as RFC 3339 text in UTC, on the database's clock.
-macro_rules! utc {
-    ($column:literal) => {
-        concat!(
-            "to_char(",
-            $column,
-            " AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
-        )
-    };
-}
-
-/// Connects to PostgreSQL with `url`; the URL (it holds the password) is
-/// never part of the message.
-pub(crate) async fn connect(url: &str) -> Result<PgPool, Failure> {
-    PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(Duration::from_secs(15))
-        .connect(url)
-        .await
-        .map_err(|e| {
-            Failure::new(format!(
-                "cannot connect to PostgreSQL ({e}): check --database-url / DATABASE_URL"
-            ))
-        })
-}
-
-/// Checks that `table` names an existing table; `what` says whose.
-pub(crate) async fn existing(pool: &PgPool, table: &str, what: &str) -> Result<TableName, Failure> {
-    let name = TableName::parse(table)
-        .map_err(|e| Failure::new(format!("--table {table:?} is not a valid table name: {e}")))?;
-    // The quoted name, parsed by the server as a relation name: a value,
-    // never spliced into SQL.
-    let found: Option<String> = sqlx::query_scalar("SELECT to_regclass($1)::text")
-        .bind(name.quoted())
-        .fetch_one(pool)
-        .await
-        .map_err(|e| Failure::new(format!("looking up {table:?}: {e}")))?;
-    if found.is_none() {
-        return Err(Failure::new(format!(
-            "there is no {what} table {table:?} in this database: check --table (and the \
-             database in --database-url); the consumer creates it when it first migrates"
-        )));
-    }
-    Ok(name)
-}
 
 /// The claims table of one database.
 pub(crate) struct Claims {
-    pool: PgPool,
-    table: TableName,
+    table: Table,
     raw_table: String,
-}
-
-/// One claim as stored.
-#[derive(Debug, sqlx::FromRow)]
-struct Row {
-    claimed_at: String,
-    expires_at: String,
-    live: bool,
-    /// Seconds until expiry (negative: since).
-    expires_in: f64,
 }
 
 impl Claims {
     pub(crate) async fn connect(db: &Database) -> Result<Self, Failure> {
-        let pool = connect(&db.database_url).await?;
-        let table = existing(&pool, &db.table, "claims").await?;
         Ok(Claims {
-            pool,
-            table,
+            table: Table::open(&db.database_url, &db.table).await?,
             raw_table: db.table.clone(),
         })
     }
@@ -91,27 +28,15 @@ impl Claims {
         DedupKey::new(scope, id).map_err(|e| Failure::new(format!("--scope/--key: {e}")))
     }
 
-    fn select(&self) -> String {
-        format!(
-            "SELECT {} AS claimed_at, {} AS expires_at, expires_at > now() AS live, \
-             extract(epoch FROM expires_at - now())::float8 AS expires_in \
-             FROM {} WHERE id = $1",
-            utc!("claimed_at"),
-            utc!("expires_at"),
-            self.table.quoted()
-        )
-    }
-
     /// Whether `key` holds a live claim now.
     pub(crate) async fn is_live(&self, key: &DedupKey) -> Result<bool, Failure> {
         let row = self.fetch(key).await?;
-        Ok(row.is_some_and(|r| r.live))
+        Ok(row.is_some_and(|r| r.live()))
     }
 
-    async fn fetch(&self, key: &DedupKey) -> Result<Option<Row>, Failure> {
-        sqlx::query_as::<_, Row>(sqlx::AssertSqlSafe(self.select()))
-            .bind(dedup_postgres::claim_id(key))
-            .fetch_optional(&self.pool)
+    async fn fetch(&self, key: &DedupKey) -> Result<Option<ClaimRecord>, Failure> {
+        self.table
+            .claim(key)
             .await
             .map_err(|e| Failure::new(format!("reading the claim: {e}")))
     }
@@ -129,33 +54,11 @@ impl Claims {
 
     pub(crate) async fn release(&self, scope: &str, id: &str) -> Result<ClaimReport, Failure> {
         let key = Self::key(scope, id)?;
-        let mut tx = self
-            .pool
-            .begin()
-            .await
-            .map_err(|e| Failure::new(e.to_string()))?;
-        // A claim held by a running transaction is waited for, not forever.
-        sqlx::query("SET LOCAL lock_timeout = '5s'")
-            .execute(&mut *tx)
-            .await
-            .map_err(|e| Failure::new(e.to_string()))?;
-        let delete = format!(
-            "DELETE FROM {} WHERE id = $1 RETURNING {} AS claimed_at, \
-             {} AS expires_at, expires_at > now() AS live, \
-             extract(epoch FROM expires_at - now())::float8 AS expires_in",
-            self.table.quoted(),
-            utc!("claimed_at"),
-            utc!("expires_at"),
-        );
-        let row = sqlx::query_as::<_, Row>(sqlx::AssertSqlSafe(delete))
-            .bind(dedup_postgres::claim_id(&key))
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(|e| {
-                Failure::new(format!(
-                    "deleting the claim: {e} (a transaction still holding it? try again)"
-                ))
-            })?;
+        let row = self.table.release(&key).await.map_err(|e| {
+            Failure::new(format!(
+                "deleting the claim: {e} (a transaction still holding it? try again)"
+            ))
+        })?;
         let Some(row) = row else {
             return Err(Failure::new(format!(
                 "no claim for scope {scope:?} and key {id:?} in {:?}: nothing released (check \
@@ -163,9 +66,6 @@ impl Claims {
                 self.raw_table
             )));
         };
-        tx.commit()
-            .await
-            .map_err(|e| Failure::new(format!("committing the release: {e}")))?;
         Ok(ClaimReport {
             key,
             given: id.to_owned(),
@@ -175,57 +75,37 @@ impl Claims {
     }
 
     pub(crate) async fn stats(&self) -> Result<StatsReport, Failure> {
-        let per_scope = format!(
-            "SELECT scope, count(*)::int8 AS rows, \
-             count(*) FILTER (WHERE expires_at > now())::int8 AS live, \
-             {} AS oldest_expiry, {} AS newest_expiry \
-             FROM {} GROUP BY scope ORDER BY scope",
-            utc!("min(expires_at)"),
-            utc!("max(expires_at)"),
-            self.table.quoted()
-        );
-        let scopes = sqlx::query_as::<_, ScopeStats>(sqlx::AssertSqlSafe(per_scope))
-            .fetch_all(&self.pool)
+        let scopes = self
+            .table
+            .scopes()
             .await
             .map_err(|e| Failure::new(format!("counting claims: {e}")))?;
-        let (table_bytes, index_bytes, total_bytes): (i64, i64, i64) = sqlx::query_as(
-            "SELECT pg_relation_size($1::regclass), pg_indexes_size($1::regclass), \
-             pg_total_relation_size($1::regclass)",
-        )
-        .bind(self.table.quoted())
-        .fetch_one(&self.pool)
-        .await
-        .map_err(|e| Failure::new(format!("reading the table's size: {e}")))?;
+        let size = self
+            .table
+            .size()
+            .await
+            .map_err(|e| Failure::new(format!("reading the table's size: {e}")))?;
         Ok(StatsReport {
             table: self.raw_table.clone(),
             scopes,
-            table_bytes,
-            index_bytes,
-            total_bytes,
+            size,
         })
     }
 
     pub(crate) async fn purge(&self, batch_size: u32) -> Result<PurgeReport, Failure> {
-        let expired: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
-            "SELECT count(*) FROM {} WHERE expires_at <= now()",
-            self.table.quoted()
-        )))
-        .fetch_one(&self.pool)
-        .await
-        .map_err(|e| Failure::new(format!("counting expired claims: {e}")))?;
-        let store = PgStore::from_pool_with(
-            self.pool.clone(),
-            PgConfig::default().with_table(self.raw_table.clone()),
-        )
-        .map_err(|e| Failure::new(e.to_string()))?;
-        let bar = indicatif::ProgressBar::new(u64::try_from(expired).unwrap_or(0));
+        let expired = self
+            .table
+            .expired()
+            .await
+            .map_err(|e| Failure::new(format!("counting expired claims: {e}")))?;
+        let bar = indicatif::ProgressBar::new(expired);
         let started = std::time::Instant::now();
         let (mut deleted, mut batches) = (0u64, 0u64);
         loop {
-            let n = store
-                .purge_expired(batch_size)
-                .await
-                .map_err(|e| Failure::new(format!("purging: {e} ({deleted} deleted so far)")))?;
+            let n =
+                self.table.purge(batch_size).await.map_err(|e| {
+                    Failure::new(format!("purging: {e} ({deleted} deleted so far)"))
+                })?;
             deleted += n;
             batches += 1;
             bar.inc(n);
@@ -246,7 +126,7 @@ impl Claims {
 pub(crate) struct ClaimReport {
     key: DedupKey,
     given: String,
-    row: Option<Row>,
+    row: Option<ClaimRecord>,
     released: bool,
 }
 
@@ -263,15 +143,23 @@ impl Report for ClaimReport {
         }
         out.push_str(&format!(
             "  claimed at  {} (database clock)\n",
-            row.claimed_at
+            rfc3339(row.claimed_at)
         ));
-        out.push_str(&format!("  expires at  {}\n", row.expires_at));
-        let state = if row.live {
-            format!("live, expires in {}", human_seconds(row.expires_in))
+        out.push_str(&format!("  expires at  {}\n", rfc3339(row.expires_at)));
+        let state = if row.in_progress && row.live() {
+            format!(
+                "lease in progress, ends in {}",
+                human_seconds(row.expires_in_seconds())
+            )
+        } else if row.live() {
+            format!(
+                "live, expires in {}",
+                human_seconds(row.expires_in_seconds())
+            )
         } else {
             format!(
                 "expired {} ago (a redelivery would apply the event again)",
-                human_seconds(-row.expires_in)
+                human_seconds(-row.expires_in_seconds())
             )
         };
         out.push_str(&format!("  state       {state}\n"));
@@ -284,41 +172,33 @@ impl Report for ClaimReport {
             "key": self.key.id(),
             "found": self.row.is_some(),
             "released": self.released,
-            "claimed_at": self.row.as_ref().map(|r| &r.claimed_at),
-            "expires_at": self.row.as_ref().map(|r| &r.expires_at),
-            "live": self.row.as_ref().map(|r| r.live),
-            "expires_in_seconds": self.row.as_ref().map(|r| r.expires_in),
+            "claimed_at": self.row.as_ref().map(|r| rfc3339(r.claimed_at)),
+            "expires_at": self.row.as_ref().map(|r| rfc3339(r.expires_at)),
+            "live": self.row.as_ref().map(ClaimRecord::live),
+            "expires_in_seconds": self.row.as_ref().map(ClaimRecord::expires_in_seconds),
+            "fingerprint": self.row.as_ref().and_then(|r| r.fingerprint).map(|f| f.to_string()),
+            "lease_in_progress": self.row.as_ref().map(|r| r.in_progress),
         })
     }
-}
-
-#[derive(Debug, sqlx::FromRow)]
-struct ScopeStats {
-    scope: String,
-    rows: i64,
-    live: i64,
-    oldest_expiry: String,
-    newest_expiry: String,
 }
 
 /// `claims stats`.
 pub(crate) struct StatsReport {
     table: String,
-    scopes: Vec<ScopeStats>,
-    table_bytes: i64,
-    index_bytes: i64,
-    total_bytes: i64,
+    scopes: Vec<ScopeSummary>,
+    /// Where the store can tell.
+    size: Option<TableSize>,
 }
 
 impl StatsReport {
-    fn totals(&self) -> (i64, i64) {
+    fn totals(&self) -> (u64, u64) {
         self.scopes
             .iter()
             .fold((0, 0), |(rows, live), s| (rows + s.rows, live + s.live))
     }
 }
 
-fn mib(bytes: i64) -> String {
+fn mib(bytes: u64) -> String {
     format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
 }
 
@@ -326,14 +206,19 @@ impl Report for StatsReport {
     fn text(&self) -> String {
         let (rows, live) = self.totals();
         let mut out = format!(
-            "{}: {rows} claims, {live} live, {} expired (waiting for purge); table {}, \
-             indexes {}, total {}\n",
+            "{}: {rows} claims, {live} live, {} expired (waiting for purge)",
             self.table,
             rows - live,
-            mib(self.table_bytes),
-            mib(self.index_bytes),
-            mib(self.total_bytes)
         );
+        if let Some(size) = self.size {
+            out.push_str(&format!(
+                "; table {}, indexes {}, total {}",
+                mib(size.table_bytes),
+                mib(size.index_bytes),
+                mib(size.total_bytes)
+            ));
+        }
+        out.push('\n');
         for s in &self.scopes {
             out.push_str(&format!(
                 "  {}: {} claims, {} live, {} expired; expiries {} .. {}\n",
@@ -341,8 +226,8 @@ impl Report for StatsReport {
                 s.rows,
                 s.live,
                 s.rows - s.live,
-                s.oldest_expiry,
-                s.newest_expiry
+                rfc3339(s.oldest_expiry),
+                rfc3339(s.newest_expiry)
             ));
         }
         out
@@ -355,18 +240,18 @@ impl Report for StatsReport {
             "rows": rows,
             "live": live,
             "expired": rows - live,
-            "oldest_expiry": self.scopes.iter().map(|s| &s.oldest_expiry).min(),
-            "newest_expiry": self.scopes.iter().map(|s| &s.newest_expiry).max(),
-            "table_bytes": self.table_bytes,
-            "index_bytes": self.index_bytes,
-            "total_bytes": self.total_bytes,
+            "oldest_expiry": self.scopes.iter().map(|s| s.oldest_expiry).min().map(rfc3339),
+            "newest_expiry": self.scopes.iter().map(|s| s.newest_expiry).max().map(rfc3339),
+            "table_bytes": self.size.map(|s| s.table_bytes),
+            "index_bytes": self.size.map(|s| s.index_bytes),
+            "total_bytes": self.size.map(|s| s.total_bytes),
             "scopes": self.scopes.iter().map(|s| json!({
                 "scope": s.scope,
                 "rows": s.rows,
                 "live": s.live,
                 "expired": s.rows - s.live,
-                "oldest_expiry": s.oldest_expiry,
-                "newest_expiry": s.newest_expiry,
+                "oldest_expiry": rfc3339(s.oldest_expiry),
+                "newest_expiry": rfc3339(s.newest_expiry),
             })).collect::<Vec<_>>(),
         })
     }

@@ -16,6 +16,7 @@ mod failpoint;
 mod kafka;
 mod outbox;
 mod retry;
+mod store;
 mod time;
 
 use std::fmt;
@@ -60,10 +61,11 @@ enum Command {
 /// Where the claims are.
 #[derive(Args)]
 pub(crate) struct Database {
-    /// PostgreSQL URL.
+    /// The database: `postgres://..`, `mysql://..` (MariaDB too) or
+    /// `sqlite://path`.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     database_url: String,
-    /// The claims table (`schema.name` or `name`).
+    /// The claims table (`name`, or `schema.name` on PostgreSQL).
     #[arg(long, default_value = "dedup_claims")]
     table: String,
 }
@@ -212,7 +214,8 @@ enum OutboxCommand {
     /// The backlog per topic: pending events, the oldest one's age, events
     /// backing off after a failure.
     Pending {
-        /// PostgreSQL URL.
+        /// The database: `postgres://..`, `mysql://..` (MariaDB too) or
+        /// `sqlite://path`.
         #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
         database_url: String,
         /// The outbox table.

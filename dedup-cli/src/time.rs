@@ -13,6 +13,22 @@ pub(crate) fn rfc3339_millis(millis: i64) -> String {
     )
 }
 
+/// `2026-11-30T08:01:02.345678Z` for a point in time (UTC), to the
+/// microsecond.
+pub(crate) fn rfc3339(at: std::time::SystemTime) -> String {
+    let micros: i64 = match at.duration_since(std::time::UNIX_EPOCH) {
+        Ok(after) => i64::try_from(after.as_micros()).unwrap_or(i64::MAX),
+        Err(before) => -i64::try_from(before.duration().as_micros()).unwrap_or(i64::MAX),
+    };
+    let millis = rfc3339_millis(micros.div_euclid(1000));
+    // `...SS.mmmZ` and the remaining microseconds.
+    format!(
+        "{}{:03}Z",
+        &millis[..millis.len() - 1],
+        micros.rem_euclid(1000)
+    )
+}
+
 /// The proleptic Gregorian date of a day count since 1970-01-01 (Howard
 /// Hinnant's `civil_from_days`).
 fn civil_from_days(days: i64) -> (i64, i64, i64) {
@@ -56,6 +72,15 @@ mod tests {
             "2026-11-30T08:01:02.345Z"
         );
         assert_eq!(rfc3339_millis(-1), "1969-12-31T23:59:59.999Z");
+    }
+
+    #[test]
+    fn formats_microseconds() {
+        use std::time::{Duration, UNIX_EPOCH};
+        let at = UNIX_EPOCH + Duration::from_micros(1_796_025_662_345_678);
+        assert_eq!(rfc3339(at), "2026-11-30T08:01:02.345678Z");
+        let before = UNIX_EPOCH - Duration::from_micros(1);
+        assert_eq!(rfc3339(before), "1969-12-31T23:59:59.999999Z");
     }
 
     #[test]

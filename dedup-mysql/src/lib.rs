@@ -18,6 +18,7 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPoolOptions};
 
 pub use dedup_sql::{Error, InvalidTableName, OutboxConfig, SqlLease};
 
+pub mod admin;
 mod outbox;
 pub use dedup_core::outbox::Retention;
 pub use outbox::{OutboxReader, OutboxWriter, enqueue};
@@ -108,7 +109,7 @@ pub type MySqlConfig = SqlConfig<MySql>;
 /// The server's clock, in microseconds since the Unix epoch: `NOW(6)` is
 /// fixed for the duration of one statement, and read in UTC (sqlx sets
 /// each connection's `time_zone` to `+00:00`).
-const NOW_US: &str = "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)";
+pub(crate) const NOW_US: &str = "CAST(UNIX_TIMESTAMP(NOW(6)) * 1000000 AS SIGNED)";
 
 /// A batch's keys as rows, from a JSON array of `[scope, id, fingerprint as
 /// hex or null]` (MySQL 8.0.4+, MariaDB 10.6+).

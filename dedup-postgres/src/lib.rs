@@ -21,6 +21,7 @@ use uuid::Uuid;
 
 pub use dedup_sql::{Error, InvalidTableName};
 
+pub mod admin;
 mod outbox;
 pub use outbox::{OutboxConfig, OutboxReader, OutboxWriter, PgLease, Retention, enqueue};
 

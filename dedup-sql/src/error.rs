@@ -26,6 +26,17 @@ pub enum Error {
         /// What sqlx reported.
         source: sqlx::Error,
     },
+    /// The table an operator named does not exist in the database.
+    #[error(
+        "there is no {what} table {table:?} in this database: check the table name (and the \
+         database in the URL); the service creates it when it first migrates"
+    )]
+    NoSuchTable {
+        /// Whose table (`claims`, `outbox`).
+        what: &'static str,
+        /// The name as given.
+        table: String,
+    },
     /// Applying the migrations failed.
     #[error("migrating: {source}")]
     Migrate {
@@ -61,7 +72,7 @@ impl Error {
     /// Whether retrying may help (a lost connection, the server starting).
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::InvalidTableName(_) => false,
+            Error::InvalidTableName(_) | Error::NoSuchTable { .. } => false,
             Error::Database { retryable, .. } | Error::Migrate { retryable, .. } => *retryable,
         }
     }

@@ -19,6 +19,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 
 pub use dedup_sql::{Error, InvalidTableName, OutboxConfig, SqlLease};
 
+pub mod admin;
 mod outbox;
 pub use dedup_core::outbox::Retention;
 pub use outbox::{OutboxReader, OutboxWriter, enqueue};

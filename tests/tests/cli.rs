@@ -6,9 +6,9 @@ use dedup_tests::common;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use dedup_core::{HandlerError, OutboxMessage, OutboxSource as _, idempotent};
+use dedup_core::{HandlerError, idempotent};
 use dedup_kafka::Consumer;
-use dedup_postgres::{OutboxWriter, PgStore, PgTx};
+use dedup_postgres::{PgStore, PgTx};
 use dedup_tests::{PaymentReceived, credit, payment, store, total_balance};
 use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
@@ -237,50 +237,6 @@ async fn claims_get_release_stats_and_purge(pool: PgPool) {
         143,
         "the released event applied again"
     );
-}
-
-#[sqlx::test(migrations = false)]
-async fn a_composite_key_is_found_by_its_parts(pool: PgPool) {
-    migrated(&pool).await;
-    // As `#[idempotent(key = "tenant_id, event_id")]` claims ("a,b", "c").
-    sqlx::query(
-        "INSERT INTO dedup_claims (id, scope, key, claimed_at, expires_at) \
-         VALUES (dedup_claims_claim_id($1, $2), $1, $2, now(), now() + interval '1 hour')",
-    )
-    .bind(SCOPE)
-    .bind(dedup_core::composite_id(["a,b", "c"]))
-    .execute(&pool)
-    .await
-    .expect("claim");
-    let get = |parts: &'static [&'static str]| {
-        let mut args = vec!["claims", "get", "--scope", SCOPE, "--json"];
-        for part in parts {
-            args.extend(["--key", part]);
-        }
-        let pool = pool.clone();
-        async move { json(&dedup(&pool, &args).await) }
-    };
-    assert_eq!(get(&["a,b", "c"]).await["found"], true);
-    assert_eq!(get(&["a", "b,c"]).await["found"], false);
-    assert_eq!(get(&["c", "a,b"]).await["found"], false, "order matters");
-    let empty = dedup(
-        &pool,
-        &["claims", "get", "--scope", SCOPE, "--key", "a", "--key", ""],
-    )
-    .await;
-    assert!(!empty.status.success());
-    assert!(stderr(&empty).contains("empty"), "{}", stderr(&empty));
-    let released = json(
-        &dedup(
-            &pool,
-            &[
-                "claims", "release", "--scope", SCOPE, "--key", "a,b", "--key", "c", "--yes",
-                "--json",
-            ],
-        )
-        .await,
-    );
-    assert_eq!(released["released"], true, "{released}");
 }
 
 #[sqlx::test(migrations = false)]
@@ -709,59 +665,6 @@ async fn check_compares_the_ttl_with_the_topics_retention(pool: PgPool) {
         "{}",
         stdout(&warned)
     );
-}
-
-#[sqlx::test(migrations = false)]
-async fn outbox_pending_shows_the_backlog_per_topic(pool: PgPool) {
-    let outbox = OutboxWriter::default();
-    outbox.migrate(&pool).await.expect("migrate outbox");
-    let mut tx = pool.begin().await.expect("begin");
-    for topic in ["orders", "orders", "invoices"] {
-        dedup_postgres::enqueue(&mut tx, OutboxMessage::bytes(topic, b"{}".to_vec()))
-            .await
-            .expect("enqueue");
-    }
-    tx.commit().await.expect("commit");
-    let pending = json(&dedup(&pool, &["outbox", "pending", "--json"]).await);
-    assert_eq!(pending["pending"], 3, "{pending}");
-    let topics = pending["topics"].as_array().expect("topics");
-    assert_eq!(topics.len(), 2, "{pending}");
-    assert_eq!(topics[1]["topic"], "orders");
-    assert_eq!(topics[1]["pending"], 2);
-    assert_eq!(
-        (
-            topics[1]["leased"].clone(),
-            topics[1]["lease_expired"].clone()
-        ),
-        (0.into(), 0.into())
-    );
-
-    // A relay holds the first event; another's lease on the second ran out:
-    // its relay stopped (both are orders).
-    let reader = outbox.reader(pool.clone());
-    let (_held, first) = reader
-        .lease_pending(1, Duration::from_secs(600))
-        .await
-        .expect("lease");
-    let (_abandoned, second) = reader
-        .lease_pending(1, Duration::from_millis(1))
-        .await
-        .expect("lease");
-    assert_eq!((first.len(), second.len()), (1, 1));
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let pending = json(&dedup(&pool, &["outbox", "pending", "--json"]).await);
-    let topics = pending["topics"].as_array().expect("topics");
-    assert_eq!(
-        (
-            topics[1]["leased"].clone(),
-            topics[1]["lease_expired"].clone()
-        ),
-        (1.into(), 1.into()),
-        "{pending}"
-    );
-    let text = stdout(&dedup(&pool, &["outbox", "pending"]).await);
-    assert!(text.contains("1 being published (leased)"), "{text}");
-    assert!(text.contains("1 left by a relay that stopped"), "{text}");
 }
 
 /// `url` with its password replaced by `password`, whatever role and

@@ -1,0 +1,217 @@
+//! The database a command works on, chosen by its URL's scheme: the tables
+//! through the admin functions of the backend that owns them (no SQL here).
+
+use std::time::Duration;
+
+use dedup_core::admin::{
+    ClaimRecord, ClaimsAdmin, OutboxAdmin, ScopeSummary, TableSize, TopicBacklog,
+};
+use dedup_core::{DedupKey, StoreError};
+
+use crate::Failure;
+
+/// Which database a URL names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Postgres,
+    MySql,
+    Sqlite,
+}
+
+impl Backend {
+    fn of(url: &str) -> Result<Self, Failure> {
+        let scheme = url.split_once(':').map_or("", |(scheme, _)| scheme);
+        match scheme {
+            "postgres" | "postgresql" => Ok(Backend::Postgres),
+            "mysql" | "mariadb" => Ok(Backend::MySql),
+            "sqlite" => Ok(Backend::Sqlite),
+            _ => Err(Failure::new(
+                "--database-url / DATABASE_URL: use a postgres://, mysql:// (MariaDB too) or \
+                 sqlite:// URL",
+            )),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Backend::Postgres => "PostgreSQL",
+            Backend::MySql => "MySQL",
+            Backend::Sqlite => "SQLite",
+        }
+    }
+}
+
+/// Applies `$body` to whichever backend's table `$table` holds.
+macro_rules! each {
+    ($value:expr, $enum:ident, $table:ident => $body:expr) => {
+        match $value {
+            $enum::Postgres($table) => $body,
+            $enum::MySql($table) => $body,
+            $enum::Sqlite($table) => $body,
+        }
+    };
+}
+
+/// The connection failed; the URL (it holds the password) is never part of
+/// the message.
+fn cannot_connect(backend: Backend, e: impl std::fmt::Display) -> Failure {
+    Failure::new(format!(
+        "cannot connect to {} ({e}): check --database-url / DATABASE_URL",
+        backend.name()
+    ))
+}
+
+/// Opening a table failed: an invalid name, no such table, or the database.
+fn cannot_open(flag: &str, table: &str, e: dedup_sql::Error) -> Failure {
+    match e {
+        dedup_sql::Error::InvalidTableName(e) => {
+            Failure::new(format!("{flag} {table:?} is not a valid table name: {e}"))
+        }
+        e @ dedup_sql::Error::NoSuchTable { .. } => Failure::new(format!("{e} ({flag})")),
+        e => Failure::new(format!("looking up {table:?}: {e}")),
+    }
+}
+
+/// A pool of two connections that waits 15 s for one at most.
+macro_rules! pool {
+    ($options:ty, $url:expr, $backend:expr) => {
+        <$options>::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(15))
+            .connect($url)
+            .await
+            .map_err(|e| cannot_connect($backend, e))?
+    };
+}
+
+/// A claims table of any backend.
+pub(crate) enum Claims {
+    Postgres(dedup_postgres::admin::ClaimsTable),
+    MySql(dedup_mysql::admin::ClaimsTable),
+    Sqlite(dedup_sqlite::admin::ClaimsTable),
+}
+
+impl Claims {
+    /// The claims table `table` of the database at `url`.
+    pub(crate) async fn open(url: &str, table: &str) -> Result<Self, Failure> {
+        let backend = Backend::of(url)?;
+        let fail = |e| cannot_open("--table", table, e);
+        Ok(match backend {
+            Backend::Postgres => {
+                let pool = pool!(sqlx::postgres::PgPoolOptions, url, backend);
+                Claims::Postgres(
+                    dedup_postgres::admin::ClaimsTable::open(pool, table)
+                        .await
+                        .map_err(fail)?,
+                )
+            }
+            Backend::MySql => {
+                let pool = pool!(sqlx::mysql::MySqlPoolOptions, url, backend);
+                Claims::MySql(
+                    dedup_mysql::admin::ClaimsTable::open(pool, table)
+                        .await
+                        .map_err(fail)?,
+                )
+            }
+            Backend::Sqlite => {
+                let pool = pool!(sqlx::sqlite::SqlitePoolOptions, url, backend);
+                Claims::Sqlite(
+                    dedup_sqlite::admin::ClaimsTable::open(pool, table)
+                        .await
+                        .map_err(fail)?,
+                )
+            }
+        })
+    }
+
+    pub(crate) async fn claim(&self, key: &DedupKey) -> Result<Option<ClaimRecord>, StoreError> {
+        each!(self, Claims, t => t.claim(key).await)
+    }
+
+    pub(crate) async fn release(&self, key: &DedupKey) -> Result<Option<ClaimRecord>, StoreError> {
+        each!(self, Claims, t => t.release(key).await)
+    }
+
+    pub(crate) async fn scopes(&self) -> Result<Vec<ScopeSummary>, StoreError> {
+        each!(self, Claims, t => t.scopes().await)
+    }
+
+    pub(crate) async fn size(&self) -> Result<Option<TableSize>, StoreError> {
+        each!(self, Claims, t => t.size().await)
+    }
+
+    pub(crate) async fn expired(&self) -> Result<u64, StoreError> {
+        each!(self, Claims, t => t.expired().await)
+    }
+
+    pub(crate) async fn purge(&self, limit: u32) -> Result<u64, StoreError> {
+        each!(self, Claims, t => t.purge(limit).await)
+    }
+}
+
+/// An outbox table of any backend.
+pub(crate) enum Outbox {
+    Postgres(dedup_postgres::admin::OutboxTable),
+    MySql(dedup_mysql::admin::OutboxTable),
+    Sqlite(dedup_sqlite::admin::OutboxTable),
+}
+
+impl Outbox {
+    /// The outbox table `table` of the database at `url`.
+    pub(crate) async fn open(url: &str, table: &str) -> Result<Self, Failure> {
+        let backend = Backend::of(url)?;
+        let fail = |e| cannot_open("--table", table, e);
+        Ok(match backend {
+            Backend::Postgres => {
+                let pool = pool!(sqlx::postgres::PgPoolOptions, url, backend);
+                Outbox::Postgres(
+                    dedup_postgres::admin::OutboxTable::open(pool, table)
+                        .await
+                        .map_err(fail)?,
+                )
+            }
+            Backend::MySql => {
+                let pool = pool!(sqlx::mysql::MySqlPoolOptions, url, backend);
+                Outbox::MySql(
+                    dedup_mysql::admin::OutboxTable::open(pool, table)
+                        .await
+                        .map_err(fail)?,
+                )
+            }
+            Backend::Sqlite => {
+                let pool = pool!(sqlx::sqlite::SqlitePoolOptions, url, backend);
+                Outbox::Sqlite(
+                    dedup_sqlite::admin::OutboxTable::open(pool, table)
+                        .await
+                        .map_err(fail)?,
+                )
+            }
+        })
+    }
+
+    pub(crate) async fn backlog_by_topic(&self) -> Result<Vec<TopicBacklog>, StoreError> {
+        each!(self, Outbox, t => t.backlog_by_topic().await)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_scheme_picks_the_backend() {
+        for (url, backend) in [
+            ("postgres://u:p@h/db", Backend::Postgres),
+            ("postgresql://h/db", Backend::Postgres),
+            ("mysql://u:p@h:3306/db", Backend::MySql),
+            ("mariadb://h/db", Backend::MySql),
+            ("sqlite:///var/lib/app/dedup.db", Backend::Sqlite),
+            ("sqlite:dedup.db", Backend::Sqlite),
+        ] {
+            assert_eq!(Backend::of(url).expect(url), backend, "{url}");
+        }
+        let err = Backend::of("redis://secret@h").unwrap_err();
+        assert!(!err.0.contains("secret"), "{err}");
+        assert!(err.0.contains("postgres://"), "{err}");
+    }
+}

@@ -11,9 +11,11 @@
 #   scripts/mariadb.sh drop    # stop and delete the instance's data
 # A test that stops the server runs an instance of its own, so the tests
 # beside it never notice: MYSQL_PORT=<port> scripts/mariadb.sh start
+# The default port is 3307, not 3306: the package's own service (started by
+# its install where the machine lets it) may hold 3306.
 set -euo pipefail
 
-PORT="${MYSQL_PORT:-3306}"
+PORT="${MYSQL_PORT:-3307}"
 BASE="${DEDUP_MARIADB_DIR:-/var/tmp/dedup-mariadb}/$PORT"
 DATA="$BASE/data"
 SOCKET="$BASE/mariadb.sock"
@@ -24,8 +26,13 @@ sudo_() {
     if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi
 }
 
+# Our server runs: its pid file names a live mariadbd (not a process that
+# reused the pid of one that died).
 running() {
-    [ -f "$PIDFILE" ] && sudo_ kill -0 "$(cat "$PIDFILE")" 2>/dev/null
+    [ -f "$PIDFILE" ] || return 1
+    local pid
+    pid="$(cat "$PIDFILE")"
+    [ -n "$pid" ] && [ "$(ps -p "$pid" -o comm= 2>/dev/null)" = mariadbd ]
 }
 
 client() {
@@ -39,9 +46,18 @@ start() {
         [ "$(id -u)" = 0 ] || sudo="sudo"
         $sudo apt-get update -qq
         # Without its recommends (a mail agent, extra tools): the server and
-        # its client are all the tests use.
+        # its client are all the tests use. The package's own service is
+        # not wanted: where no policy says otherwise, one that refuses
+        # service starts is in place for the install (and removed after).
+        local policy=/usr/sbin/policy-rc.d added=""
+        if [ ! -e "$policy" ]; then
+            printf '#!/bin/sh\nexit 101\n' | $sudo tee "$policy" >/dev/null
+            $sudo chmod +x "$policy"
+            added=1
+        fi
         DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
-            mariadb-server >/dev/null
+            mariadb-server >/dev/null || { [ -z "$added" ] || $sudo rm -f "$policy"; exit 1; }
+        [ -z "$added" ] || $sudo rm -f "$policy"
     fi
     local daemon
     daemon="$(command -v mariadbd || echo /usr/sbin/mariadbd)"

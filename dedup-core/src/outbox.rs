@@ -220,7 +220,11 @@ pub const POLL_MAX: Duration = Duration::from_millis(250);
 /// [`POLL_MAX`], until it says yes or `timeout` has passed. A relay that
 /// keeps finding events waits a few milliseconds; an idle one asks four
 /// times a second. An error of `changed` counts as a change: the relay's
-/// next look reports it.
+/// next look reports it. A probe still unanswered at `timeout` is dropped.
+///
+/// It notices events enqueued since the relay last looked; events that
+/// become available otherwise (released by another relay, a back-off or a
+/// lease that ran out) wait for the relay's next look, at most `timeout`.
 pub async fn poll_for_events<F, Fut>(timeout: Duration, mut changed: F)
 where
     F: FnMut() -> Fut,
@@ -234,10 +238,49 @@ where
             return;
         }
         tokio::time::sleep(pause.min(deadline - now)).await;
-        if changed().await.unwrap_or(true) {
-            return;
+        // A probe that hangs (a half-open connection, a pool with none to
+        // give) ends with the timeout, as the wait must.
+        match tokio::time::timeout_at(deadline, changed()).await {
+            Ok(Ok(false)) => {}
+            Ok(_) | Err(_) => return,
         }
         pause = (pause * 2).min(POLL_MAX);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_poll_ends_at_its_timeout_even_if_a_probe_hangs() {
+        let started = tokio::time::Instant::now();
+        poll_for_events(Duration::from_secs(3), std::future::pending).await;
+        assert_eq!(started.elapsed(), Duration::from_secs(3));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_poll_backs_off_to_its_longest_pause_and_stops_at_a_change() {
+        let probes = std::sync::atomic::AtomicU32::new(0);
+        let started = tokio::time::Instant::now();
+        poll_for_events(Duration::from_secs(60), || {
+            let n = probes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            std::future::ready(Ok(n == 11))
+        })
+        .await;
+        // 5, 10, .., 160 ms, then 250 ms pauses: 0.315 s + 6 x 0.25 s.
+        assert_eq!(started.elapsed(), Duration::from_millis(1815));
+        let probes = std::sync::atomic::AtomicU32::new(0);
+        poll_for_events(Duration::from_secs(1), || {
+            probes.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            std::future::ready(Err(StoreError::environment(std::io::Error::other("down"))))
+        })
+        .await;
+        assert_eq!(
+            probes.into_inner(),
+            1,
+            "an error ends the wait: the next look reports it"
+        );
     }
 }
 

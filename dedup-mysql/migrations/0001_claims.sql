@@ -32,6 +32,11 @@ CREATE TABLE IF NOT EXISTS {{table}} (
 -- Lease tokens come from a one-row counter, so they grow with every lease
 -- and are never reused, not even after the purge deletes the claim that
 -- held one.
-CREATE TABLE IF NOT EXISTS {{object:tokens}} (last BIGINT NOT NULL) ENGINE = InnoDB;
+-- (A primary key, for servers that require one: sql_require_primary_key,
+-- Galera.)
+CREATE TABLE IF NOT EXISTS {{object:tokens}} (
+    id   TINYINT NOT NULL DEFAULT 1 PRIMARY KEY,
+    last BIGINT  NOT NULL
+) ENGINE = InnoDB;
 INSERT INTO {{object:tokens}} (last)
     SELECT 0 FROM DUAL WHERE NOT EXISTS (SELECT 1 FROM {{object:tokens}});

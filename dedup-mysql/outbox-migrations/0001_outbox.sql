@@ -29,6 +29,7 @@ CREATE TABLE IF NOT EXISTS {{table}} (
     -- The relay's queue (sent_at IS NULL, in order) and the purge's
     -- (sent_at past the retention).
     INDEX {{index:state_idx}} (sent_at, seq),
-    -- Earlier pending rows of the same topic and key.
-    INDEX {{index:key_idx}} (key_hash, seq)
+    -- Earlier pending rows of the same topic and key (MySQL has no partial
+    -- index: with `sent_at` in it, a key's kept sent rows are never read).
+    INDEX {{index:key_idx}} (key_hash, sent_at, seq)
 ) ENGINE = InnoDB;

@@ -251,7 +251,8 @@ impl OutboxWriter {
 /// the server's clock, rows taken `FOR UPDATE SKIP LOCKED`), published with
 /// no transaction open, and marked in another. MySQL cannot notify: a
 /// waiting relay polls ([`poll_for_events`]), so an event committed while
-/// it waits is published within about 250 ms.
+/// it waits is published within about 250 ms (events that become available
+/// otherwise, within the relay's `poll_interval`).
 #[derive(Clone)]
 pub struct OutboxReader {
     pool: MySqlPool,

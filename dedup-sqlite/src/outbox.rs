@@ -220,7 +220,8 @@ impl OutboxWriter {
 /// expiry on SQLite's clock), published with no transaction open, and
 /// marked in another. SQLite cannot notify: a waiting relay polls
 /// ([`poll_for_events`]), so an event committed while it waits is
-/// published within about 250 ms.
+/// published within about 250 ms (events that become available otherwise,
+/// within the relay's `poll_interval`).
 #[derive(Clone)]
 pub struct OutboxReader {
     pool: SqlitePool,

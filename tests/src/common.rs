@@ -205,7 +205,7 @@ fn build_once(built: &OnceLock<()>, args: &[&str]) -> std::path::PathBuf {
 pub async fn mysql_database() -> (String, sqlx::MySqlPool) {
     use sqlx::{ConnectOptions as _, Executor as _};
     let server = std::env::var("MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://dedup:dedup@127.0.0.1:3306/dedup".into());
+        .unwrap_or_else(|_| "mysql://dedup:dedup@127.0.0.1:3307/dedup".into());
     let options: sqlx::mysql::MySqlConnectOptions = server.parse().expect("MYSQL_URL");
     let name = format!("dedup_test_{}", uuid::Uuid::new_v4().simple());
     let mut admin = options.connect().await.expect("connect to MYSQL_URL");

@@ -8,7 +8,7 @@ use sqlx::{ConnectOptions, Executor};
 
 /// The server the tests use.
 pub(crate) fn server_url() -> String {
-    std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://dedup:dedup@127.0.0.1:3306/dedup".into())
+    std::env::var("MYSQL_URL").unwrap_or_else(|_| "mysql://dedup:dedup@127.0.0.1:3307/dedup".into())
 }
 
 /// The isolation level a test's connections run at.

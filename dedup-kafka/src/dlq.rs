@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders, OwnedMessage};
+use rdkafka::message::{Header, Headers, Message as _, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
 /// Longest `dedup.error.message` header; longer messages are cut at a
@@ -247,6 +247,161 @@ pub(crate) fn headers(
     out
 }
 
+/// Which message a dead letter is a copy of: where it was and, for dead
+/// letters that carry it, its timestamp (a topic created again reuses
+/// offsets for other messages).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct OriginalMessage {
+    /// `dedup.original.topic`.
+    pub topic: String,
+    /// `dedup.original.partition`.
+    pub partition: i32,
+    /// `dedup.original.offset`.
+    pub offset: i64,
+    /// `dedup.original.timestamp` (ms since the Unix epoch), where written.
+    pub timestamp: Option<i64>,
+}
+
+impl std::fmt::Display for OriginalMessage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}/{}", self.topic, self.partition, self.offset)
+    }
+}
+
+/// What a dead letter's `dedup.*` headers say: which message it is a copy
+/// of, why that failed, and what replays did with it. What the runtime
+/// writes ([`DEAD_LETTER_HEADERS`], and a replay's
+/// [`REPLAY_COUNT_HEADER`] and [`REPLAYED_FROM_HEADER`]), read back by the
+/// operator tool and its console.
+///
+/// ```
+/// use dedup_kafka::DeadLetterHeaders;
+/// use rdkafka::message::{Header, OwnedHeaders};
+///
+/// let headers = [
+///     ("dedup.original.topic", "payments"),
+///     ("dedup.original.partition", "2"),
+///     ("dedup.original.offset", "41"),
+///     ("dedup.error.kind", "decode"),
+///     ("dedup.error.message", "expected value at line 1 column 1"),
+/// ]
+/// .into_iter()
+/// .fold(OwnedHeaders::new(), |h, (key, value)| {
+///     h.insert(Header { key, value: Some(value) })
+/// });
+/// let letter = DeadLetterHeaders::read(Some(&headers)).unwrap();
+/// assert_eq!(letter.origin.unwrap().to_string(), "payments/2/41");
+/// assert_eq!(letter.kind.as_deref(), Some("decode"));
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadLetterHeaders {
+    /// The message it is a copy of; `None` if it has no
+    /// `dedup.original.*` headers (a record some other tool wrote).
+    pub origin: Option<OriginalMessage>,
+    /// `dedup.error.kind`: decode, key, handler, store, panic,
+    /// fingerprint, output.
+    pub kind: Option<String>,
+    /// `dedup.error.message`, at most [`MAX_ERROR_MESSAGE_BYTES`].
+    pub error: Option<String>,
+    /// `dedup.attempts`.
+    pub attempts: Option<u32>,
+    /// `dedup.handler`: the handler's scope.
+    pub handler: Option<String>,
+    /// `dedup.payload.truncated`: the payload was cut to fit; the original
+    /// is whole in its topic.
+    pub truncated: bool,
+    /// `dedup.original.size`: the payload's size before it was cut.
+    pub original_size: Option<u64>,
+    /// `dedup.replay.count`: how often a replay sent it back.
+    pub replays: u32,
+    /// `dedup.replayed.from`: where the replayed record was in the
+    /// dead-letter topic.
+    pub replayed_from: Option<String>,
+}
+
+/// A dead letter's `dedup.*` headers cannot be read: a value not UTF-8 or
+/// not a number, or `dedup.original.*` incomplete.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct MalformedHeaders(String);
+
+impl DeadLetterHeaders {
+    /// Reads the `dedup.*` headers of a dead letter; of a header given
+    /// more than once, the last wins, as for a consumer reading headers.
+    /// Other headers (the original message's own) are left alone.
+    pub fn read<H: Headers>(headers: Option<&H>) -> Result<Self, MalformedHeaders> {
+        let [
+            topic,
+            partition,
+            offset,
+            kind,
+            error,
+            attempts,
+            handler,
+            truncated,
+            size,
+            timestamp,
+        ] = DEAD_LETTER_HEADERS;
+        let mut text: std::collections::HashMap<&str, String> = std::collections::HashMap::new();
+        for h in headers.into_iter().flat_map(|hs| hs.iter()) {
+            let Some(&key) = DEAD_LETTER_HEADERS
+                .iter()
+                .chain(&[REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER])
+                .find(|k| **k == h.key)
+            else {
+                continue;
+            };
+            let value = std::str::from_utf8(h.value.unwrap_or_default())
+                .map_err(|_| MalformedHeaders(format!("header {key} is not UTF-8 text")))?;
+            text.insert(key, value.to_owned());
+        }
+        fn number<T: std::str::FromStr>(
+            text: &std::collections::HashMap<&str, String>,
+            key: &str,
+        ) -> Result<Option<T>, MalformedHeaders> {
+            text.get(key)
+                .map(|v| {
+                    v.parse::<T>().map_err(|_| {
+                        MalformedHeaders(format!("header {key} = {v:?} is not a number"))
+                    })
+                })
+                .transpose()
+        }
+        let origin = match (
+            text.get(topic),
+            number::<i32>(&text, partition)?,
+            number::<i64>(&text, offset)?,
+        ) {
+            (Some(name), Some(partition), Some(offset)) if !name.is_empty() => {
+                Some(OriginalMessage {
+                    topic: name.clone(),
+                    partition,
+                    offset,
+                    timestamp: number(&text, timestamp)?,
+                })
+            }
+            (None, None, None) => None,
+            _ => {
+                return Err(MalformedHeaders(
+                    "its dedup.original.* headers are incomplete".to_owned(),
+                ));
+            }
+        };
+        Ok(DeadLetterHeaders {
+            origin,
+            attempts: number(&text, attempts)?,
+            original_size: number(&text, size)?,
+            replays: number(&text, REPLAY_COUNT_HEADER)?.unwrap_or(0),
+            truncated: text.get(truncated).is_some_and(|v| v == "true"),
+            kind: text.remove(kind),
+            error: text.remove(error),
+            handler: text.remove(handler),
+            replayed_from: text.remove(REPLAYED_FROM_HEADER),
+        })
+    }
+}
+
 /// Produces the dead letter and waits for the broker's acknowledgement;
 /// with `keep`, at most that many bytes of the payload.
 pub(crate) async fn send(
@@ -367,6 +522,146 @@ mod tests {
             Some("acme"),
             "also in dedup's namespace"
         );
+    }
+
+    /// What the runtime writes on a dead letter, the reader gives back:
+    /// the round trip the operator tool and the console rely on.
+    #[test]
+    fn dead_letter_headers_read_back_what_was_written() {
+        let original = OwnedHeaders::new()
+            .insert(Header {
+                key: "trace-id",
+                value: Some("t-1"),
+            })
+            .insert(Header {
+                key: REPLAY_COUNT_HEADER,
+                value: Some("2"),
+            })
+            .insert(Header {
+                key: REPLAYED_FROM_HEADER,
+                value: Some("payments.dlq/1/9"),
+            });
+        let msg = OwnedMessage::new(
+            Some(b"{}".to_vec()),
+            None,
+            "payments".into(),
+            rdkafka::Timestamp::CreateTime(1_700_000_000_123),
+            3,
+            42,
+            Some(original),
+        );
+        let why = DeadLetter {
+            topic: "payments.dlq",
+            kind: "handler",
+            message: "é".repeat(MAX_ERROR_MESSAGE_BYTES),
+            attempts: 5,
+            handler: "payments::record",
+            origin: crate::tiers::origin_of(&msg, false),
+            moved: None,
+        };
+        let written = headers(&msg, &why, Some(2_000_000));
+        let read = DeadLetterHeaders::read(Some(&written)).expect("readable");
+        assert_eq!(
+            read,
+            DeadLetterHeaders {
+                origin: Some(OriginalMessage {
+                    topic: "payments".into(),
+                    partition: 3,
+                    offset: 42,
+                    timestamp: Some(1_700_000_000_123),
+                }),
+                kind: Some("handler".into()),
+                error: Some("é".repeat(MAX_ERROR_MESSAGE_BYTES / 2)),
+                attempts: Some(5),
+                handler: Some("payments::record".into()),
+                truncated: true,
+                original_size: Some(2_000_000),
+                replays: 2,
+                replayed_from: Some("payments.dlq/1/9".into()),
+            }
+        );
+        assert_eq!(read.origin.expect("origin").to_string(), "payments/3/42");
+
+        // Not cut, no timestamp, no replay: those fields are empty.
+        let msg = OwnedMessage::new(
+            None,
+            None,
+            "orders".into(),
+            rdkafka::Timestamp::NotAvailable,
+            0,
+            7,
+            None,
+        );
+        let why = DeadLetter {
+            origin: crate::tiers::origin_of(&msg, false),
+            kind: "decode",
+            message: "bad".into(),
+            ..why
+        };
+        let read = DeadLetterHeaders::read(Some(&headers(&msg, &why, None))).expect("readable");
+        assert_eq!(read.origin.as_ref().map(|o| o.timestamp), Some(None));
+        assert!(!read.truncated);
+        assert_eq!((read.original_size, read.replays), (None, 0));
+        assert_eq!(read.replayed_from, None);
+
+        // A move to a retry tier is not a dead letter: no dedup.original.*.
+        let moved = DeadLetter {
+            moved: Some(Moved {
+                tier: "30s",
+                due_ms: 1,
+                attempts: 3,
+            }),
+            ..why
+        };
+        let read = DeadLetterHeaders::read(Some(&headers(&msg, &moved, None))).expect("readable");
+        assert_eq!(read.origin, None);
+        assert_eq!(read.kind.as_deref(), Some("decode"));
+        assert_eq!(
+            DeadLetterHeaders::read(None::<&OwnedHeaders>),
+            Ok(DeadLetterHeaders::default())
+        );
+    }
+
+    #[test]
+    fn unreadable_dead_letter_headers_say_which_and_why() {
+        let with = |pairs: &[(&str, &[u8])]| {
+            let headers = pairs.iter().fold(OwnedHeaders::new(), |h, (key, value)| {
+                h.insert(Header {
+                    key,
+                    value: Some(*value),
+                })
+            });
+            DeadLetterHeaders::read(Some(&headers))
+                .map_err(|e| e.to_string())
+                .map(|h| h.origin)
+        };
+        let whole: [(&str, &[u8]); 3] = [
+            ("dedup.original.topic", b"t"),
+            ("dedup.original.partition", b"0"),
+            ("dedup.original.offset", b"5"),
+        ];
+        assert!(matches!(with(&whole), Ok(Some(_))));
+        let err = with(&[whole[0], whole[1]]).unwrap_err();
+        assert!(err.contains("incomplete"), "{err}");
+        let err = with(&[whole[0], whole[1], ("dedup.original.offset", b"five")]).unwrap_err();
+        assert!(
+            err.contains("dedup.original.offset") && err.contains("not a number"),
+            "{err}"
+        );
+        let err = with(&[("dedup.error.kind", &[0xff, 0xfe])]).unwrap_err();
+        assert!(
+            err.contains("dedup.error.kind") && err.contains("UTF-8"),
+            "{err}"
+        );
+        // The last of a repeated header wins; other headers are not read.
+        let last = with(&[
+            whole[0],
+            whole[1],
+            ("dedup.original.offset", b"bad"),
+            whole[2],
+            ("user-header", &[0xff]),
+        ]);
+        assert_eq!(last.ok().flatten().map(|o| o.offset), Some(5));
     }
 
     fn all_headers(out: &OwnedHeaders) -> Vec<(String, String)> {

@@ -28,8 +28,8 @@ pub use builder::ConsumerBuilder;
 pub use config::OnFingerprintMismatch;
 pub use consumer::Consumer;
 pub use dlq::{
-    DEAD_LETTER_HEADERS, MAX_ERROR_MESSAGE_BYTES, REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER,
-    TRUNCATED_PAYLOAD_BYTES,
+    DEAD_LETTER_HEADERS, DeadLetterHeaders, MAX_ERROR_MESSAGE_BYTES, MalformedHeaders,
+    OriginalMessage, REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER, TRUNCATED_PAYLOAD_BYTES,
 };
 pub use relay::{Relay, RelayBuilder, RelayHealth, RelayStats, RelayStatsSnapshot};
 pub use retry::RetryPolicy;

@@ -6,10 +6,12 @@
 # when its headers are missing. PostgreSQL and Kafka are installed by
 # scripts/postgres.sh and scripts/kafka.sh. The tests' tools: promtool (from
 # Debian's prometheus package, without its recommended exporters; its server
-# is never started) unit-tests the alert rules.
+# is never started) unit-tests the alert rules; Chromium and its WebDriver
+# (chromium-driver), with one font for legible screenshots, run the console's
+# browser tests.
 set -euo pipefail
 packages=(gcc g++ make)
-tools=(prometheus)
+tools=(prometheus chromium chromium-driver fonts-dejavu-core)
 missing=()
 for p in "${packages[@]}" "${tools[@]}"; do
     # Installed, not merely known (a removed package keeps its config files).

@@ -30,11 +30,12 @@ impl Claims {
 
     /// Whether `key` holds a live claim now.
     pub(crate) async fn is_live(&self, key: &DedupKey) -> Result<bool, Failure> {
-        let row = self.fetch(key).await?;
+        let row = self.record(key).await?;
         Ok(row.is_some_and(|r| r.live()))
     }
 
-    async fn fetch(&self, key: &DedupKey) -> Result<Option<ClaimRecord>, Failure> {
+    /// The claim of `key`, live or expired, if one is stored.
+    pub(crate) async fn record(&self, key: &DedupKey) -> Result<Option<ClaimRecord>, Failure> {
         self.table
             .claim(key)
             .await
@@ -43,7 +44,7 @@ impl Claims {
 
     pub(crate) async fn get(&self, scope: &str, id: &str) -> Result<ClaimReport, Failure> {
         let key = Self::key(scope, id)?;
-        let row = self.fetch(&key).await?;
+        let row = self.record(&key).await?;
         Ok(ClaimReport {
             key,
             given: id.to_owned(),
@@ -122,6 +123,26 @@ impl Claims {
     }
 }
 
+/// What a claim means for a redelivery of its event, as read.
+pub(crate) fn state(row: &ClaimRecord) -> String {
+    if row.in_progress && row.live() {
+        format!(
+            "lease in progress, ends in {}",
+            human_seconds(row.expires_in_seconds())
+        )
+    } else if row.live() {
+        format!(
+            "live, expires in {}: a redelivery is skipped",
+            human_seconds(row.expires_in_seconds())
+        )
+    } else {
+        format!(
+            "expired {} ago: a redelivery would apply the event again",
+            human_seconds(-row.expires_in_seconds())
+        )
+    }
+}
+
 /// `claims get` and `claims release`.
 pub(crate) struct ClaimReport {
     key: DedupKey,
@@ -146,23 +167,7 @@ impl Report for ClaimReport {
             rfc3339(row.claimed_at)
         ));
         out.push_str(&format!("  expires at  {}\n", rfc3339(row.expires_at)));
-        let state = if row.in_progress && row.live() {
-            format!(
-                "lease in progress, ends in {}",
-                human_seconds(row.expires_in_seconds())
-            )
-        } else if row.live() {
-            format!(
-                "live, expires in {}",
-                human_seconds(row.expires_in_seconds())
-            )
-        } else {
-            format!(
-                "expired {} ago (a redelivery would apply the event again)",
-                human_seconds(-row.expires_in_seconds())
-            )
-        };
-        out.push_str(&format!("  state       {state}\n"));
+        out.push_str(&format!("  state       {}\n", state(row)));
         out
     }
 
@@ -185,7 +190,7 @@ impl Report for ClaimReport {
 /// `claims stats`.
 pub(crate) struct StatsReport {
     table: String,
-    scopes: Vec<ScopeSummary>,
+    pub(crate) scopes: Vec<ScopeSummary>,
     /// Where the store can tell.
     size: Option<TableSize>,
 }

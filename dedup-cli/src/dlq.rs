@@ -15,120 +15,49 @@ use crate::failpoint::failpoint;
 use crate::kafka::{self, TIMEOUT};
 use crate::time::rfc3339_millis;
 use crate::{Database, Failure, KafkaArgs, Report};
-use dedup_kafka::{DEAD_LETTER_HEADERS, REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER};
+use dedup_kafka::{
+    DEAD_LETTER_HEADERS, DeadLetterHeaders, OriginalMessage, REPLAY_COUNT_HEADER,
+    REPLAYED_FROM_HEADER,
+};
 
-// The headers the runtime writes on a dead letter, and a replay on its record.
-const ORIGINAL_TOPIC: &str = DEAD_LETTER_HEADERS[0];
-const ORIGINAL_PARTITION: &str = DEAD_LETTER_HEADERS[1];
-const ORIGINAL_OFFSET: &str = DEAD_LETTER_HEADERS[2];
-const ERROR_KIND: &str = DEAD_LETTER_HEADERS[3];
-const ERROR_MESSAGE: &str = DEAD_LETTER_HEADERS[4];
-const HANDLER: &str = DEAD_LETTER_HEADERS[6];
-const TRUNCATED: &str = DEAD_LETTER_HEADERS[7];
-const ORIGINAL_TIMESTAMP: &str = DEAD_LETTER_HEADERS[9];
-
-/// Which message a dead letter is a copy of: where it was and, for dead
-/// letters that carry it, its timestamp (a topic created again reuses
-/// offsets for other messages).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-struct Origin {
-    topic: String,
-    partition: i32,
-    offset: i64,
-    timestamp: Option<i64>,
-}
+/// Which message a dead letter is a copy of (dedup-kafka reads its headers).
+type Origin = OriginalMessage;
 
 /// A dead letter and what its headers say.
-struct DeadLetter {
-    msg: OwnedMessage,
-    origin: Option<Origin>,
-    kind: Option<String>,
-    handler: Option<String>,
-    error: Option<String>,
-    truncated: bool,
-    replays: u32,
+pub(crate) struct DeadLetter {
+    pub(crate) msg: OwnedMessage,
+    pub(crate) origin: Option<Origin>,
+    pub(crate) kind: Option<String>,
+    pub(crate) handler: Option<String>,
+    pub(crate) error: Option<String>,
+    pub(crate) truncated: bool,
+    pub(crate) replays: u32,
     /// Why its dedup headers cannot be read (not UTF-8, not a number,
     /// incomplete), if they cannot.
-    malformed: Option<String>,
+    pub(crate) malformed: Option<String>,
 }
 
 impl DeadLetter {
     /// Reads the dedup headers; a malformed one is noted, not fatal: it
     /// matters only if the record is to be replayed.
-    fn parse(msg: OwnedMessage) -> Self {
-        let mut letter = DeadLetter {
+    pub(crate) fn parse(msg: OwnedMessage) -> Self {
+        let (read, malformed) = match DeadLetterHeaders::read(msg.headers()) {
+            Ok(read) => (read, None),
+            Err(why) => (DeadLetterHeaders::default(), Some(why.to_string())),
+        };
+        DeadLetter {
             msg,
-            origin: None,
-            kind: None,
-            handler: None,
-            error: None,
-            truncated: false,
-            replays: 0,
-            malformed: None,
-        };
-        if let Err(why) = letter.read_headers() {
-            letter.malformed = Some(why);
+            origin: read.origin,
+            kind: read.kind,
+            handler: read.handler,
+            error: read.error,
+            truncated: read.truncated,
+            replays: read.replays,
+            malformed,
         }
-        letter
     }
 
-    fn read_headers(&mut self) -> Result<(), String> {
-        let mut text: HashMap<&str, String> = HashMap::new();
-        if let Some(headers) = self.msg.headers() {
-            for h in headers.iter() {
-                let Some(key) = [
-                    ORIGINAL_TOPIC,
-                    ORIGINAL_PARTITION,
-                    ORIGINAL_OFFSET,
-                    ERROR_KIND,
-                    ERROR_MESSAGE,
-                    HANDLER,
-                    TRUNCATED,
-                    ORIGINAL_TIMESTAMP,
-                    REPLAY_COUNT_HEADER,
-                ]
-                .into_iter()
-                .find(|k| *k == h.key) else {
-                    continue;
-                };
-                let value = std::str::from_utf8(h.value.unwrap_or_default())
-                    .map_err(|_| format!("header {key} is not UTF-8 text"))?;
-                // The last one wins, as for a consumer reading headers.
-                text.insert(key, value.to_owned());
-            }
-        }
-        let number = |key: &str| -> Result<Option<i64>, String> {
-            text.get(key)
-                .map(|v| {
-                    v.parse::<i64>()
-                        .map_err(|_| format!("header {key} = {v:?} is not a number"))
-                })
-                .transpose()
-        };
-        self.origin = match (
-            text.get(ORIGINAL_TOPIC),
-            number(ORIGINAL_PARTITION)?,
-            number(ORIGINAL_OFFSET)?,
-        ) {
-            (Some(topic), Some(partition), Some(offset)) if !topic.is_empty() => Some(Origin {
-                topic: topic.clone(),
-                partition: i32::try_from(partition)
-                    .map_err(|_| format!("partition {partition} out of range"))?,
-                offset,
-                timestamp: number(ORIGINAL_TIMESTAMP)?,
-            }),
-            (None, None, None) => None,
-            _ => return Err("its dedup.original.* headers are incomplete".to_owned()),
-        };
-        self.replays = u32::try_from(number(REPLAY_COUNT_HEADER)?.unwrap_or(0)).unwrap_or(0);
-        self.kind = text.remove(ERROR_KIND);
-        self.handler = text.remove(HANDLER);
-        self.error = text.remove(ERROR_MESSAGE);
-        self.truncated = text.get(TRUNCATED).is_some_and(|v| v == "true");
-        Ok(())
-    }
-
-    fn at(&self) -> String {
+    pub(crate) fn at(&self) -> String {
         format!(
             "{}/{}/{}",
             self.msg.topic(),
@@ -137,13 +66,13 @@ impl DeadLetter {
         )
     }
 
-    fn millis(&self) -> Option<i64> {
+    pub(crate) fn millis(&self) -> Option<i64> {
         self.msg.timestamp().to_millis()
     }
 }
 
 /// A bounded, printable preview of bytes.
-fn preview(bytes: Option<&[u8]>, max: usize) -> String {
+pub(crate) fn preview(bytes: Option<&[u8]>, max: usize) -> String {
     let Some(bytes) = bytes else {
         return "(none)".to_owned();
     };
@@ -269,7 +198,7 @@ fn shown(letter: &DeadLetter) -> serde_json::Value {
         "timestamp": letter.millis().map(rfc3339_millis),
         "kind": letter.kind,
         "error": letter.error,
-        "original": letter.origin.as_ref().map(|o| format!("{}/{}/{}", o.topic, o.partition, o.offset)),
+        "original": letter.origin.as_ref().map(ToString::to_string),
         "malformed": letter.malformed,
         "key": preview(letter.msg.key(), 100),
         "payload": preview(letter.msg.payload(), 200),
@@ -399,6 +328,50 @@ pub(crate) struct ReplayArgs {
     commit_every: usize,
 }
 
+/// A replay chosen outside the command line (the console): which dead
+/// letters, and the claims to check.
+pub(crate) struct Selection {
+    pub(crate) kind: Option<String>,
+    pub(crate) partition: Option<i32>,
+    pub(crate) since: Option<Ttl>,
+    /// The handler's scope and where it takes the event id from, to skip
+    /// what already holds a live claim (`--check-claims`).
+    pub(crate) check_claims: Option<(String, String)>,
+}
+
+impl ReplayArgs {
+    /// `dlq replay` of `topic` with `selection`, as its flags would say;
+    /// a selection that checks claims needs `db`.
+    pub(crate) fn chosen(
+        kafka: KafkaArgs,
+        topic: String,
+        selection: Selection,
+        db: Option<&Database>,
+        dry_run: bool,
+    ) -> Self {
+        let (scope, key) = selection.check_claims.unzip();
+        ReplayArgs {
+            kafka,
+            topic,
+            to: None,
+            group: None,
+            kind: selection.kind,
+            since: selection.since,
+            partition: selection.partition,
+            check_claims: scope.is_some(),
+            scope,
+            key,
+            key_field: None,
+            key_header: None,
+            database_url: db.map(|db| db.database_url.clone()),
+            table: db.map_or_else(|| "dedup_claims".to_owned(), |db| db.table.clone()),
+            skip_invalid: false,
+            dry_run,
+            commit_every: 100,
+        }
+    }
+}
+
 /// What a replay does with one dead letter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Decision {
@@ -420,7 +393,7 @@ enum Decision {
 
 /// One part of the event id: a field path of the JSON payload, or a header.
 #[derive(Debug, Clone, PartialEq, Eq)]
-enum KeyPart {
+pub(crate) enum KeyPart {
     Field(String),
     Header(String),
 }
@@ -436,6 +409,12 @@ fn key_parts(args: &ReplayArgs) -> Result<Vec<KeyPart>, Failure> {
     let Some(spec) = &args.key else {
         return Ok(Vec::new());
     };
+    parse_key(spec)
+}
+
+/// The parts of an event id as `#[idempotent(key = ..)]` names them:
+/// fields of the JSON payload and `header:<name>`, separated by `,`.
+pub(crate) fn parse_key(spec: &str) -> Result<Vec<KeyPart>, Failure> {
     spec.split(',')
         .map(str::trim)
         .map(|part| match part.strip_prefix("header:").map(str::trim) {
@@ -451,7 +430,7 @@ fn key_parts(args: &ReplayArgs) -> Result<Vec<KeyPart>, Failure> {
 }
 
 /// The event id as the handler takes it, if the record has every part.
-fn event_id(letter: &DeadLetter, parts: &[KeyPart]) -> Option<String> {
+pub(crate) fn event_id(letter: &DeadLetter, parts: &[KeyPart]) -> Option<String> {
     let values = parts
         .iter()
         .map(|part| part_value(letter, part).filter(|v| !v.is_empty()))
@@ -869,7 +848,7 @@ fn line(letter: &DeadLetter, decision: Decision, target: &str) -> String {
     let original = letter
         .origin
         .as_ref()
-        .map(|o| format!("{}/{}/{}", o.topic, o.partition, o.offset))
+        .map(ToString::to_string)
         .unwrap_or_else(|| "?".to_owned());
     match decision {
         Decision::Replay => format!("{} -> {target} (original {original})", letter.at()),

@@ -131,30 +131,67 @@ pub(crate) fn read_to_end_from(
     topic: &str,
     from: &HashMap<i32, i64>,
 ) -> Result<Vec<OwnedMessage>, Failure> {
-    let partitions = partitions(consumer, topic)?;
+    let mut ranges = HashMap::new();
+    for (p, low, high) in watermarks(consumer, topic)? {
+        ranges.insert(p, (from.get(&p).map_or(low, |&at| at.max(low)), high));
+    }
+    let mut by_partition = read_ranges(consumer, topic, &ranges)?;
+    let mut partitions: Vec<i32> = ranges.into_keys().collect();
+    partitions.sort_unstable();
+    Ok(partitions
+        .iter()
+        .flat_map(|p| by_partition.remove(p).unwrap_or_default())
+        .collect())
+}
+
+/// Each partition of `topic` with its low and high watermarks, in
+/// partition order.
+pub(crate) fn watermarks(
+    consumer: &BaseConsumer,
+    topic: &str,
+) -> Result<Vec<(i32, i64, i64)>, Failure> {
+    partitions(consumer, topic)?
+        .into_iter()
+        .map(|p| {
+            let (low, high) = consumer
+                .fetch_watermarks(topic, p, TIMEOUT)
+                .map_err(|e| unreachable_brokers(&e))?;
+            Ok((p, low, high))
+        })
+        .collect()
+}
+
+/// Reads the records of `topic` in each partition's range `[from, to)`, by
+/// partition in offset order.
+pub(crate) fn read_ranges(
+    consumer: &BaseConsumer,
+    topic: &str,
+    ranges: &HashMap<i32, (i64, i64)>,
+) -> Result<HashMap<i32, Vec<OwnedMessage>>, Failure> {
     let mut ends = HashMap::new();
     let mut assignment = TopicPartitionList::new();
-    for &p in &partitions {
-        let (low, high) = consumer
-            .fetch_watermarks(topic, p, TIMEOUT)
-            .map_err(|e| unreachable_brokers(&e))?;
-        let low = from.get(&p).map_or(low, |&at| at.max(low));
-        if high > low {
-            ends.insert(p, high);
+    for (&p, &(from, to)) in ranges {
+        if to > from {
+            ends.insert(p, to);
             assignment
-                .add_partition_offset(topic, p, Offset::Offset(low))
+                .add_partition_offset(topic, p, Offset::Offset(from))
                 .map_err(|e| Failure::new(format!("assigning {topic}/{p}: {e}")))?;
         }
     }
     consumer
         .assign(&assignment)
         .map_err(|e| Failure::new(format!("assigning {topic}: {e}")))?;
+    // A partition paused at the end of an earlier range stays paused
+    // through a new assignment.
+    consumer
+        .resume(&assignment)
+        .map_err(|e| Failure::new(format!("assigning {topic}: {e}")))?;
     // Partitions not yet read to their end, by that end.
     let mut open = ends.clone();
     let mut by_partition: HashMap<i32, Vec<OwnedMessage>> = HashMap::new();
     let mut progress = Instant::now();
     while !open.is_empty() {
-        match consumer.poll(Duration::from_millis(500)) {
+        match consumer.poll(Duration::from_millis(100)) {
             Some(Ok(msg)) => {
                 progress = Instant::now();
                 let p = msg.partition();
@@ -163,8 +200,8 @@ pub(crate) fn read_to_end_from(
                 if msg.offset() < end {
                     by_partition.entry(p).or_default().push(msg.detach());
                 }
-                if msg.offset() + 1 >= end {
-                    open.remove(&p);
+                if msg.offset() + 1 >= end && open.remove(&p).is_some() {
+                    pause(consumer, topic, p);
                 }
             }
             Some(Err(e)) => return Err(Failure::new(format!("reading {topic}: {e}"))),
@@ -179,6 +216,7 @@ pub(crate) fn read_to_end_from(
                         && open.get(&elem.partition()).is_some_and(|&end| at >= end)
                     {
                         open.remove(&elem.partition());
+                        pause(consumer, topic, elem.partition());
                     }
                 }
                 if !open.is_empty() && progress.elapsed() > STALL {
@@ -190,8 +228,14 @@ pub(crate) fn read_to_end_from(
             }
         }
     }
-    Ok(partitions
-        .iter()
-        .flat_map(|p| by_partition.remove(p).unwrap_or_default())
-        .collect())
+    Ok(by_partition)
+}
+
+/// Stops fetching a partition read to its range's end: the records after
+/// it (a range ending before the partition does) are not wanted.
+fn pause(consumer: &BaseConsumer, topic: &str, partition: i32) {
+    let mut tpl = TopicPartitionList::new();
+    tpl.add_partition(topic, partition);
+    // Only a saving: records past the end are dropped anyway.
+    let _ = consumer.pause(&tpl);
 }

@@ -1,8 +1,9 @@
 //! `dedup`: the operator's tool for a dedup deployment.
 //!
 //! Claims (`claims get|release|stats|purge`), dead letters (`dlq
-//! inspect|replay`), retry tiers (`retry list|release`), the outbox's backlog (`outbox pending`) and a TTL
-//! against a topic's retention (`check`). Connections come from
+//! inspect|replay`), retry tiers (`retry list|release`), the outbox's backlog (`outbox pending`), a TTL
+//! against a topic's retention (`check`), and all of it in a browser
+//! (`console`). Connections come from
 //! `DATABASE_URL` and `KAFKA_BROKERS` (flags override). Text by default,
 //! `--json` for scripts; the exit code is 0 on success, 1 on any error (with
 //! a message that says what to do), 2 on a usage error.
@@ -11,6 +12,7 @@
 
 mod check;
 mod claims;
+mod console;
 mod dlq;
 mod failpoint;
 mod kafka;
@@ -29,7 +31,7 @@ use dedup_core::Ttl;
 #[command(
     name = "dedup",
     version,
-    about = "Operate dedup: claims, dead letters, retry tiers, the outbox, TTL checks"
+    about = "Operate dedup: claims, dead letters, retry tiers, the outbox, TTL checks, the console"
 )]
 struct Cli {
     /// Print JSON instead of text, for scripts.
@@ -56,6 +58,9 @@ enum Command {
     /// Compare a handler's TTL with its topic's retention: what a replay from
     /// the earliest offset would do.
     Check(CheckArgs),
+    /// Serve the console: lag, outcomes, dead letters, claims and the
+    /// outbox in a browser; release and replay with confirmation.
+    Console(Box<console::ConsoleArgs>),
 }
 
 /// Where the claims are.
@@ -331,5 +336,6 @@ async fn run(command: Command) -> Result<Box<dyn Report>, Failure> {
             table,
         }) => Box::new(outbox::pending(&database_url, &table).await?),
         Command::Check(args) => Box::new(check::check(&args.kafka, &args.topic, args.ttl).await?),
+        Command::Console(args) => Box::new(console::serve(*args).await?),
     })
 }

@@ -25,7 +25,7 @@ pub(crate) async fn pending(url: &str, table: &str) -> Result<PendingReport, Fai
 /// `outbox pending`.
 pub(crate) struct PendingReport {
     table: String,
-    topics: Vec<TopicBacklog>,
+    pub(crate) topics: Vec<TopicBacklog>,
 }
 
 impl Report for PendingReport {

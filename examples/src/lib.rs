@@ -19,6 +19,8 @@ mod book {
     mod concepts {}
     #[doc = include_str!("../../docs/src/configuration.md")]
     mod configuration {}
+    #[doc = include_str!("../../docs/src/console.md")]
+    mod console {}
     #[doc = include_str!("../../docs/src/crates.md")]
     mod crates {}
     #[doc = include_str!("../../docs/src/decoding.md")]

@@ -71,3 +71,62 @@ pub async fn total_balance(pool: &PgPool) -> i64 {
         .await
         .expect("total balance")
 }
+
+/// Payments an operator can block, for the tests of the operator tool and
+/// the console: a payment to a blocked account is the event's fault
+/// (dead-lettered at once); the fix an operator deploys is unblocking it.
+pub mod blockable {
+    use dedup_core::{HandlerError, idempotent};
+    use dedup_postgres::{PgStore, PgTx};
+    use sqlx::PgPool;
+
+    use crate::{PaymentReceived, credit, store};
+
+    /// The handler's scope.
+    pub const SCOPE: &str = "blockable::record_payment";
+
+    /// Credits the payment unless its account is blocked.
+    #[idempotent(key = "event_id", ttl = "4h", scope = "blockable::record_payment")]
+    pub async fn record_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), HandlerError> {
+        let blocked: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM blocked WHERE account = $1)")
+                .bind(&ev.account_id)
+                .fetch_one(&mut **tx)
+                .await?;
+        if blocked {
+            return Err(HandlerError::permanent(format!(
+                "account {} is blocked",
+                ev.account_id
+            )));
+        }
+        credit(tx, &ev).await?;
+        Ok(())
+    }
+
+    /// The store, the accounts and the (empty) list of blocked accounts.
+    pub async fn migrated(pool: &PgPool) -> PgStore {
+        let store = store(pool).await;
+        sqlx::query("CREATE TABLE blocked (account text PRIMARY KEY)")
+            .execute(pool)
+            .await
+            .expect("create blocked");
+        store
+    }
+
+    /// Blocks `account`.
+    pub async fn block(pool: &PgPool, account: &str) {
+        sqlx::query("INSERT INTO blocked VALUES ($1)")
+            .bind(account)
+            .execute(pool)
+            .await
+            .expect("block");
+    }
+
+    /// The fix an operator deploys.
+    pub async fn unblock_all(pool: &PgPool) {
+        sqlx::query("DELETE FROM blocked")
+            .execute(pool)
+            .await
+            .expect("unblock");
+    }
+}

@@ -6,37 +6,15 @@ use dedup_tests::common;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use dedup_core::{HandlerError, idempotent};
 use dedup_kafka::Consumer;
-use dedup_postgres::{PgStore, PgTx};
-use dedup_tests::{PaymentReceived, credit, payment, store, total_balance};
+use dedup_postgres::PgStore;
+use dedup_tests::blockable::{SCOPE, block, migrated, record_payment, unblock_all};
+use dedup_tests::{payment, total_balance};
 use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use sqlx::PgPool;
 
 use common::{brokers, create_topic, database_url, drain, header, producer, read_exactly, unique};
-
-const SCOPE: &str = "cli-test::record_payment";
-
-/// Credits the payment, unless its account is listed in `blocked`: that is
-/// the event's fault (a rule of the business), dead-lettered at once. The
-/// "fix" an operator deploys is deleting the row.
-#[idempotent(key = "event_id", ttl = "4h", scope = "cli-test::record_payment")]
-async fn record_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), HandlerError> {
-    let blocked: bool =
-        sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM blocked WHERE account = $1)")
-            .bind(&ev.account_id)
-            .fetch_one(&mut **tx)
-            .await?;
-    if blocked {
-        return Err(HandlerError::permanent(format!(
-            "account {} is blocked",
-            ev.account_id
-        )));
-    }
-    credit(tx, &ev).await?;
-    Ok(())
-}
 
 /// Runs `dedup args...` with the test's database and the brokers.
 async fn dedup(pool: &PgPool, args: &[&str]) -> Output {
@@ -84,31 +62,6 @@ fn stderr(output: &Output) -> String {
 
 fn stdout(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-async fn migrated(pool: &PgPool) -> PgStore {
-    let store = store(pool).await;
-    sqlx::query("CREATE TABLE blocked (account text PRIMARY KEY)")
-        .execute(pool)
-        .await
-        .expect("create blocked");
-    store
-}
-
-async fn block(pool: &PgPool, account: &str) {
-    sqlx::query("INSERT INTO blocked VALUES ($1)")
-        .bind(account)
-        .execute(pool)
-        .await
-        .expect("block");
-}
-
-/// The fix an operator deploys.
-async fn unblock_all(pool: &PgPool) {
-    sqlx::query("DELETE FROM blocked")
-        .execute(pool)
-        .await
-        .expect("unblock");
 }
 
 /// Runs a consumer of `topic` in `group` until it is idle.

@@ -1,0 +1,734 @@
+//! The dead-letter pages: the topics, one topic's letters newest first
+//! (read by offsets from each partition's end, never the whole topic),
+//! one letter, and a replay (`dlq replay` itself, dry run first).
+
+use std::collections::{BTreeMap, HashMap};
+
+use dedup_core::Ttl;
+use hyper::StatusCode;
+use maud::{Markup, html};
+use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::message::{Headers as _, Message as _};
+
+use super::pages::{csrf, encode, failed, layout};
+use super::{Answer, Asked, Console, blocking, log_action};
+use crate::claims::Claims;
+use crate::dlq::{DeadLetter, ReplayArgs, Selection, event_id, parse_key, preview};
+use crate::kafka::{self, TIMEOUT};
+use crate::time::{human_seconds, rfc3339_millis};
+use crate::{Failure, Report as _};
+
+/// Dead letters on one page.
+const PAGE: usize = 50;
+
+/// Records read per partition in a first step back from the end; each
+/// further step reads twice as many, up to [`MAX_STEP`].
+const FIRST_STEP: i64 = 100;
+const MAX_STEP: i64 = 5_000;
+
+/// The most records one page reads looking for matches: a search of a
+/// larger topic goes on from the next page.
+const SCAN_LIMIT: u64 = 100_000;
+
+/// The most of a payload a page shows.
+const SHOWN_BYTES: usize = 64 * 1024;
+
+/// Whether a topic's name says it holds dead letters.
+fn is_dead_letter_topic(name: &str) -> bool {
+    let lower = name.to_ascii_lowercase();
+    ["dlq", "dlt", "dead-letter", "deadletter", "dead_letter"]
+        .iter()
+        .any(|end| lower.ends_with(end))
+}
+
+/// A consumer that reads and commits nothing (it never joins a group).
+fn reader(console: &Console) -> Result<BaseConsumer, Failure> {
+    let group = format!("dedup-console-{}", uuid::Uuid::new_v4().simple());
+    kafka::consumer(console.kafka(), &group)
+}
+
+/// A topic name as Kafka allows it, or none.
+fn valid_topic(topic: &str) -> bool {
+    !topic.is_empty()
+        && topic.len() <= 249
+        && topic
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
+}
+
+/// `/dlq`: the dead-letter topics and how many records each holds.
+pub(crate) async fn topics(console: &Console, asked: &Asked) -> Answer {
+    // The "another topic" form.
+    if let Some(topic) = asked.query.get("topic").filter(|t| valid_topic(t)) {
+        return Answer::Redirect(format!("/dlq/{topic}"));
+    }
+    let consumer = match reader(console) {
+        Ok(c) => c,
+        Err(e) => return failed(console, "Dead letters", &e),
+    };
+    let listed = blocking(move || {
+        let metadata = consumer
+            .fetch_metadata(None, TIMEOUT)
+            .map_err(|e| kafka::unreachable_brokers(&e))?;
+        let mut topics = Vec::new();
+        for topic in metadata.topics() {
+            if !is_dead_letter_topic(topic.name()) {
+                continue;
+            }
+            let mut records = 0;
+            for p in topic.partitions() {
+                let (low, high) = consumer
+                    .fetch_watermarks(topic.name(), p.id(), TIMEOUT)
+                    .map_err(|e| kafka::unreachable_brokers(&e))?;
+                records += high - low;
+            }
+            topics.push((topic.name().to_owned(), topic.partitions().len(), records));
+        }
+        topics.sort();
+        Ok(topics)
+    })
+    .await;
+    let topics = match listed {
+        Ok(t) => t,
+        Err(e) => return failed(console, "Dead letters", &e),
+    };
+    let body = html! {
+        @if topics.is_empty() {
+            p.notice { "No dead-letter topic on these brokers (names ending in .dlq, -dlq, .dlt ...)." }
+        } @else {
+            div.scroll { table {
+                thead { tr { th { "topic" } th.num { "partitions" } th.num { "records" } } }
+                tbody {
+                    @for (name, partitions, records) in &topics {
+                        tr {
+                            td { a href={ "/dlq/" (name) } { code { (name) } } }
+                            td.num { (partitions) } td.num { (records) }
+                        }
+                    }
+                }
+            } }
+        }
+        form.inline method="get" action="/dlq" {
+            label { "Another topic " input name="topic" placeholder="orders.failed"; }
+            button type="submit" { "Open" }
+        }
+    };
+    Answer::Page(StatusCode::OK, layout(Some(console), "Dead letters", body))
+}
+
+/// What a topic page lists.
+#[derive(Default)]
+struct Filter {
+    kind: Option<String>,
+    search: Option<String>,
+}
+
+impl Filter {
+    fn matches(&self, letter: &DeadLetter) -> bool {
+        if let Some(kind) = &self.kind
+            && letter.kind.as_deref().unwrap_or("(none)") != kind
+        {
+            return false;
+        }
+        let Some(q) = &self.search else {
+            return true;
+        };
+        let text = |bytes: Option<&[u8]>| {
+            bytes.is_some_and(|b| String::from_utf8_lossy(b).contains(q.as_str()))
+        };
+        text(letter.msg.key())
+            || text(letter.msg.payload())
+            || letter.at() == *q
+            || letter.origin.as_ref().is_some_and(|o| o.to_string() == *q)
+    }
+}
+
+/// A page of a topic's dead letters, newest first.
+struct Window {
+    letters: Vec<DeadLetter>,
+    /// Records read, and of them, per kind.
+    scanned: u64,
+    kinds: BTreeMap<String, usize>,
+    /// Records in the topic.
+    total: i64,
+    /// Where the next page starts, per partition, if anything is left.
+    next: Option<HashMap<i32, i64>>,
+}
+
+/// Reads back from each partition's end (or from `before`) until a page
+/// of matches is found, the topic's start is reached or [`SCAN_LIMIT`]
+/// records were read.
+fn newest(
+    consumer: &BaseConsumer,
+    topic: &str,
+    filter: &Filter,
+    before: &HashMap<i32, i64>,
+) -> Result<Window, Failure> {
+    let marks = kafka::watermarks(consumer, topic)?;
+    let total = marks.iter().map(|(_, low, high)| high - low).sum();
+    let lows: HashMap<i32, i64> = marks.iter().map(|&(p, low, _)| (p, low)).collect();
+    let mut upper: HashMap<i32, i64> = marks
+        .iter()
+        .map(|&(p, low, high)| (p, before.get(&p).map_or(high, |&b| b.min(high)).max(low)))
+        .collect();
+    let (mut matched, mut kinds, mut scanned, mut step) =
+        (Vec::new(), BTreeMap::new(), 0u64, FIRST_STEP);
+    loop {
+        let ranges: HashMap<i32, (i64, i64)> = upper
+            .iter()
+            .filter(|&(p, &up)| up > lows[p])
+            .map(|(&p, &up)| (p, ((up - step).max(lows[&p]), up)))
+            .collect();
+        if ranges.is_empty() || matched.len() >= PAGE || scanned >= SCAN_LIMIT {
+            break;
+        }
+        for records in kafka::read_ranges(consumer, topic, &ranges)?.into_values() {
+            for msg in records {
+                let letter = DeadLetter::parse(msg);
+                scanned += 1;
+                *kinds
+                    .entry(letter.kind.clone().unwrap_or_else(|| "(none)".to_owned()))
+                    .or_insert(0) += 1;
+                if filter.matches(&letter) {
+                    matched.push(letter);
+                }
+            }
+        }
+        // Read down to each range's start (records or not: markers,
+        // compacted offsets).
+        for (&p, &(from, _)) in &ranges {
+            upper.insert(p, from);
+        }
+        step = (step * 2).min(MAX_STEP);
+    }
+    matched.sort_by(|a, b| {
+        b.millis()
+            .cmp(&a.millis())
+            .then(a.msg.partition().cmp(&b.msg.partition()))
+            .then(b.msg.offset().cmp(&a.msg.offset()))
+    });
+    let unshown = matched.split_off(matched.len().min(PAGE));
+    let exhausted = upper.iter().all(|(p, &up)| up <= lows[p]);
+    // The next page: from below what was read, except where a match was
+    // left for it (from just above that one).
+    let next = (!unshown.is_empty() || !exhausted).then(|| {
+        let mut next = upper.clone();
+        for letter in &unshown {
+            let at = letter.msg.offset() + 1;
+            let p = letter.msg.partition();
+            if next.get(&p).is_none_or(|&n| n < at) {
+                next.insert(p, at);
+            }
+        }
+        next
+    });
+    Ok(Window {
+        letters: matched,
+        scanned,
+        kinds,
+        total,
+        next,
+    })
+}
+
+/// A page cursor as a query value: `partition:offset,...`.
+fn cursor_text(next: &HashMap<i32, i64>) -> String {
+    let mut parts: Vec<_> = next.iter().collect();
+    parts.sort();
+    parts
+        .iter()
+        .map(|(p, o)| format!("{p}:{o}"))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn cursor(text: Option<&str>) -> HashMap<i32, i64> {
+    text.unwrap_or("")
+        .split(',')
+        .filter_map(|pair| {
+            let (p, o) = pair.split_once(':')?;
+            Some((p.trim().parse().ok()?, o.trim().parse().ok()?))
+        })
+        .collect()
+}
+
+/// `/dlq/<topic>`: its dead letters, newest first, by kind, searchable.
+pub(crate) async fn topic(console: &Console, topic: &str, asked: &Asked) -> Answer {
+    if !valid_topic(topic) {
+        return super::not_found(console);
+    }
+    let filter = Filter {
+        kind: asked.query.get("kind").map(str::to_owned),
+        search: asked.query.get("q").map(str::to_owned),
+    };
+    let before = cursor(asked.query.get("before"));
+    let consumer = match reader(console) {
+        Ok(c) => c,
+        Err(e) => return failed(console, topic, &e),
+    };
+    let name = topic.to_owned();
+    let started = std::time::Instant::now();
+    let read = blocking(move || {
+        let filter = filter;
+        let window = newest(&consumer, &name, &filter, &before)?;
+        Ok((window, filter))
+    })
+    .await;
+    let (window, filter) = match read {
+        Ok(read) => read,
+        Err(e) => return failed(console, topic, &e),
+    };
+    let took = started.elapsed();
+    let base = format!("/dlq/{topic}");
+    let with = |kind: Option<&str>| {
+        let mut url = base.clone();
+        let mut sep = '?';
+        if let Some(kind) = kind {
+            url.push_str(&format!("{sep}kind={}", encode(kind)));
+            sep = '&';
+        }
+        if let Some(q) = &filter.search {
+            url.push_str(&format!("{sep}q={}", encode(q)));
+        }
+        url
+    };
+    let handlers: BTreeMap<&str, usize> = window
+        .letters
+        .iter()
+        .filter_map(|l| l.handler.as_deref())
+        .fold(BTreeMap::new(), |mut m, h| {
+            *m.entry(h).or_insert(0) += 1;
+            m
+        });
+    let older = window.next.as_ref().map(|next| {
+        let url = with(filter.kind.as_deref());
+        let sep = if url.contains('?') { '&' } else { '?' };
+        format!("{url}{sep}before={}", cursor_text(next))
+    });
+    let likely_scope = handlers.iter().max_by_key(|(_, n)| **n).map(|(h, _)| *h);
+    let body = html! {
+        p {
+            (window.total) " records in the topic. "
+            span.small { "Read " (window.scanned) " from the end in " (format!("{:.0} ms", took.as_secs_f64() * 1000.0)) "." }
+        }
+        nav.kinds {
+            a.kind.current[filter.kind.is_none()] href=(with(None)) { "all" }
+            @for (kind, n) in &window.kinds {
+                a.kind.current[filter.kind.as_deref() == Some(kind.as_str())] href=(with(Some(kind))) {
+                    (kind) " " span.count { (n) }
+                }
+            }
+            @if let Some(kind) = &filter.kind {
+                @if !window.kinds.contains_key(kind) {
+                    a.kind.current href=(with(Some(kind))) { (kind) }
+                }
+            }
+        }
+        p.hint { "Counts by kind are of the records read for this page." }
+        form.inline method="get" action=(base) {
+            @if let Some(kind) = &filter.kind { input type="hidden" name="kind" value=(kind); }
+            label { "Search " input type="search" name="q" value=(filter.search.as_deref().unwrap_or("")) placeholder="key, event id, text of the payload"; }
+            button type="submit" { "Search" }
+        }
+        @if window.letters.is_empty() {
+            p.notice id="no-letters" { "No dead letter here" @if filter.kind.is_some() || filter.search.is_some() { " matches" } "." }
+        } @else {
+            div.scroll { table id="letters" {
+                thead { tr { th { "when" } th { "kind" } th { "key" } th { "error" } th { "original" } th { "at" } } }
+                tbody {
+                    @for letter in &window.letters {
+                        @let at = format!("{}/{}/{}", topic, letter.msg.partition(), letter.msg.offset());
+                        tr {
+                            td.small { (letter.millis().map(rfc3339_millis).unwrap_or_default()) }
+                            td { span.kind { (letter.kind.as_deref().unwrap_or("(none)")) } }
+                            td { code { (preview(letter.msg.key(), 40)) } }
+                            td.error-text { (letter.error.as_deref().map(|e| shorten(e, 120)).unwrap_or_default()) }
+                            td.small { (letter.origin.as_ref().map(ToString::to_string).unwrap_or_default()) }
+                            td { a href={ "/dlq/" (at) } { (letter.msg.partition()) "/" (letter.msg.offset()) } }
+                        }
+                    }
+                }
+            } }
+        }
+        @if let Some(older) = &older {
+            p { a id="older" href=(older) { "Older →" } }
+        }
+        @if !console.read_only() {
+            (replay_form(console, topic, &filter, likely_scope))
+        }
+    };
+    Answer::Page(StatusCode::OK, layout(Some(console), topic, body))
+}
+
+/// At most `max` bytes of `text`, at a character boundary.
+fn shorten(text: &str, max: usize) -> String {
+    if text.len() <= max {
+        return text.to_owned();
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}…", &text[..end])
+}
+
+fn replay_form(console: &Console, topic: &str, filter: &Filter, scope: Option<&str>) -> Markup {
+    html! {
+        section.card {
+            h2 { "Replay" }
+            p.hint {
+                "Sends dead letters back to their original topics, once per original message, as "
+                code { "dedup dlq replay" } " does. You see a dry run first."
+                @if console.db().is_some() { " With a scope and a key, events that already hold a live claim are left out (applied through another copy)." }
+            }
+            form method="post" action={ "/dlq/" (topic) "/replay" } {
+                (csrf(console))
+                label { "Kind " input name="kind" value=(filter.kind.as_deref().unwrap_or("")) placeholder="any"; }
+                label { "Original partition " input name="partition" inputmode="numeric" placeholder="any" size="4"; }
+                label { "Dead-lettered within " input name="since" placeholder="e.g. 2h" size="6"; }
+                @if console.db().is_some() {
+                    label { "Handler scope " input name="scope" value=(scope.unwrap_or("")) size="40"; }
+                    label { "Key " input name="key" value=(console.key()) size="20"; }
+                }
+                button type="submit" { "Dry run" }
+            }
+        }
+    }
+}
+
+/// `/dlq/<topic>/<partition>/<offset>`: one dead letter.
+pub(crate) async fn letter(
+    console: &Console,
+    topic: &str,
+    partition: i32,
+    offset: i64,
+    asked: &Asked,
+) -> Answer {
+    if !valid_topic(topic) {
+        return super::not_found(console);
+    }
+    let consumer = match reader(console) {
+        Ok(c) => c,
+        Err(e) => return failed(console, topic, &e),
+    };
+    let name = topic.to_owned();
+    let read = blocking(move || {
+        let marks = kafka::watermarks(&consumer, &name)?;
+        let Some(&(_, low, high)) = marks.iter().find(|(p, _, _)| *p == partition) else {
+            return Ok(None);
+        };
+        if offset < low || offset >= high {
+            return Ok(None);
+        }
+        let ranges = HashMap::from([(partition, (offset, offset + 1))]);
+        Ok(kafka::read_ranges(&consumer, &name, &ranges)?
+            .remove(&partition)
+            .and_then(|mut records| records.pop())
+            .filter(|msg| msg.offset() == offset)
+            .map(DeadLetter::parse))
+    })
+    .await;
+    let letter = match read {
+        Ok(Some(letter)) => letter,
+        Ok(None) => {
+            return Answer::Page(
+                StatusCode::NOT_FOUND,
+                layout(
+                    Some(console),
+                    "No such record",
+                    html! { p.notice { "No record at " code { (topic) "/" (partition) "/" (offset) } " (deleted by retention, or never written)." } p { a href={ "/dlq/" (topic) } { "Back to " (topic) } } },
+                ),
+            );
+        }
+        Err(e) => return failed(console, topic, &e),
+    };
+    let key_spec = asked.query.get("key").unwrap_or(console.key()).to_owned();
+    let claim = claim_of(console, &letter, &key_spec).await;
+    let title = format!("{topic}/{partition}/{offset}");
+    let body = html! {
+        p { a href={ "/dlq/" (topic) } { "← " (topic) } }
+        div.card id="why" {
+            dl {
+                dt { "kind" } dd { span.kind id="kind" { (letter.kind.as_deref().unwrap_or("(none)")) } }
+                dt { "reason" } dd.error-text id="reason" { (letter.error.as_deref().unwrap_or("(none)")) }
+                dt { "handler" } dd { code { (letter.handler.as_deref().unwrap_or("(none)")) } }
+                dt { "original" } dd { (letter.origin.as_ref().map(ToString::to_string).unwrap_or_else(|| "(unknown: no dedup.original.* headers)".to_owned())) }
+                dt { "dead-lettered at" } dd { (letter.millis().map(rfc3339_millis).unwrap_or_default()) }
+                @if letter.replays > 0 { dt { "replayed before" } dd { (letter.replays) " times" } }
+                @if letter.truncated { dt { "payload" } dd.warning { "cut to fit the dead-letter topic: a replay would send a different event, so it is not replayed (the original is whole in its topic)" } }
+                @if let Some(why) = &letter.malformed { dt { "headers" } dd.error { (why) } }
+            }
+        }
+        section {
+            h2 { "Its claim" }
+            (claim)
+            form.inline method="get" action={ "/dlq/" (title) } {
+                label { "Key " input name="key" value=(key_spec) size="30"; }
+                button type="submit" { "Look up" }
+            }
+        }
+        section {
+            h2 { "Key" }
+            pre { (preview(letter.msg.key(), 1024)) }
+            h2 { "Payload" }
+            (payload(letter.msg.payload()))
+            h2 { "Headers" }
+            div.scroll { table id="headers" {
+                thead { tr { th { "name" } th { "value" } } }
+                tbody {
+                    @for h in letter.msg.headers().into_iter().flat_map(|hs| hs.iter()) {
+                        tr { td { code { (h.key) } } td.small { (preview(h.value, 2048)) } }
+                    }
+                }
+            } }
+        }
+    };
+    Answer::Page(StatusCode::OK, layout(Some(console), &title, body))
+}
+
+/// Whether the letter's event holds a claim, as far as the console can tell.
+async fn claim_of(console: &Console, letter: &DeadLetter, key_spec: &str) -> Markup {
+    let Some(db) = console.db() else {
+        return html! { p.hint { "Start the console with a database to see whether this event holds a claim." } };
+    };
+    let Some(scope) = letter.handler.as_deref() else {
+        return html! { p.hint { "No dedup.handler header: the handler's scope is unknown." } };
+    };
+    let parts = match parse_key(key_spec) {
+        Ok(parts) if !parts.is_empty() => parts,
+        Ok(_) => return html! { p.hint { "Name where the handler takes the event id from." } },
+        Err(e) => return html! { p.error { (e.to_string()) } },
+    };
+    let Some(id) = event_id(letter, &parts) else {
+        return html! { p.notice id="claim-state" { "This record has no " code { (key_spec) } ": no event id, so no claim (a keyless event is dead-lettered, never claimed)." } };
+    };
+    let looked = async {
+        let claims = Claims::connect(db).await?;
+        let key = Claims::key(scope, &id)?;
+        Ok::<_, Failure>((claims.record(&key).await?, key))
+    }
+    .await;
+    match looked {
+        Err(e) => html! { p.error { (e.to_string()) } },
+        Ok((None, key)) => html! {
+            p.notice id="claim-state" { "No claim for " code { (key) } ": the event was not applied; a replay applies it." }
+        },
+        Ok((Some(record), key)) if record.live() => html! {
+            p.warning id="claim-state" {
+                "Live claim for " code { (key) } " until " (crate::time::rfc3339(record.expires_at))
+                @if record.in_progress { " (a lease in progress)" } @else { ": applied through another copy or path; a replay with a claim check skips it" }
+                ". " a href={ "/claims?scope=" (encode(scope)) "&key=" (encode(&id)) } { "See the claim" }
+            }
+        },
+        Ok((Some(record), key)) => html! {
+            p.notice id="claim-state" { "The claim for " code { (key) } " expired " (human_seconds(-record.expires_in_seconds())) " ago: a replay applies the event again." }
+        },
+    }
+}
+
+/// A payload as a person can read it: JSON indented, text as text,
+/// anything else in hex; at most [`SHOWN_BYTES`] of it.
+fn payload(bytes: Option<&[u8]>) -> Markup {
+    let Some(bytes) = bytes else {
+        return html! { p.hint { "(no payload)" } };
+    };
+    let cut = bytes.len() > SHOWN_BYTES;
+    let note = html! { @if cut { p.hint { "Showing the first " (SHOWN_BYTES / 1024) " KiB of " (bytes.len()) " bytes." } } };
+    if let Ok(value) = serde_json::from_slice::<serde_json::Value>(bytes) {
+        let pretty = serde_json::to_string_pretty(&value).unwrap_or_default();
+        return html! { p.hint { "JSON, " (bytes.len()) " bytes" } pre id="payload" { (shorten(&pretty, SHOWN_BYTES)) } (note) };
+    }
+    let shown = &bytes[..bytes.len().min(SHOWN_BYTES)];
+    match std::str::from_utf8(shown) {
+        Ok(text) => {
+            html! { p.hint { "Text, " (bytes.len()) " bytes" } pre id="payload" { (text) } (note) }
+        }
+        Err(e) if e.error_len().is_none() => {
+            // Cut inside a character: the text up to it.
+            let text = std::str::from_utf8(&shown[..e.valid_up_to()]).unwrap_or_default();
+            html! { p.hint { "Text, " (bytes.len()) " bytes" } pre id="payload" { (text) } (note) }
+        }
+        Err(_) => {
+            let shown = &bytes[..bytes.len().min(4096)];
+            html! {
+                p.hint { "Binary, " (bytes.len()) " bytes" @if bytes.len() > 4096 { "; the first 4 KiB in hex" } }
+                pre id="payload" { (hex_dump(shown)) }
+            }
+        }
+    }
+}
+
+/// Offset, 16 bytes in hex, and their printable characters, per line.
+fn hex_dump(bytes: &[u8]) -> String {
+    let mut out = String::new();
+    for (n, row) in bytes.chunks(16).enumerate() {
+        let hex: Vec<String> = row.iter().map(|b| format!("{b:02x}")).collect();
+        let text: String = row
+            .iter()
+            .map(|&b| {
+                if b.is_ascii_graphic() || b == b' ' {
+                    b as char
+                } else {
+                    '.'
+                }
+            })
+            .collect();
+        out.push_str(&format!("{:08x}  {:<47}  {text}\n", n * 16, hex.join(" ")));
+    }
+    out
+}
+
+/// `POST /dlq/<topic>/replay`: the dry run, then (confirmed) the replay.
+pub(crate) async fn replay(console: &Console, topic: &str, asked: &Asked) -> Answer {
+    if !valid_topic(topic) {
+        return super::not_found(console);
+    }
+    let form = &asked.form;
+    let since = match form.get("since").map(Ttl::parse).transpose() {
+        Ok(since) => since,
+        Err(e) => return failed(console, "Replay", &Failure::new(format!("within: {e}"))),
+    };
+    let partition = match form.get("partition").map(str::parse::<i32>).transpose() {
+        Ok(p) => p,
+        Err(_) => {
+            return failed(
+                console,
+                "Replay",
+                &Failure::new("the original partition is a number"),
+            );
+        }
+    };
+    let check_claims = match (console.db(), form.get("scope"), form.get("key")) {
+        (Some(_), Some(scope), Some(key)) => Some((scope.to_owned(), key.to_owned())),
+        _ => None,
+    };
+    let selection = Selection {
+        kind: form.get("kind").map(str::to_owned),
+        partition,
+        since,
+        check_claims: check_claims.clone(),
+    };
+    let confirmed = form.get("confirm") == Some("yes");
+    let args = ReplayArgs::chosen(
+        console.kafka().clone(),
+        topic.to_owned(),
+        selection,
+        console.db(),
+        !confirmed,
+    );
+    let report = match crate::dlq::replay(&args).await {
+        Ok(report) => report.json(),
+        Err(e) => return failed(console, "Replay", &e),
+    };
+    let count = |name: &str| report[name].as_u64().unwrap_or(0);
+    if confirmed {
+        log_action(
+            asked,
+            &format!(
+                "replayed {} dead letters of {topic} (kind {}, partition {}, within {}, claims {}): \
+                 skipped {} applied, {} copies, {} truncated, {} filtered, {} replayed earlier",
+                count("replayed"),
+                form.get("kind").unwrap_or("any"),
+                form.get("partition").unwrap_or("any"),
+                form.get("since").unwrap_or("any"),
+                check_claims
+                    .as_ref()
+                    .map_or("not checked".to_owned(), |(s, k)| format!(
+                        "checked in {s} by {k}"
+                    )),
+                count("skipped_applied"),
+                count("skipped_copies"),
+                count("skipped_truncated"),
+                count("skipped_filtered"),
+                count("already_replayed"),
+            ),
+        );
+    }
+    let lines: Vec<&str> = report["records"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|l| l.as_str()).collect())
+        .unwrap_or_default();
+    let rows = [
+        (
+            if confirmed {
+                "replayed"
+            } else {
+                "would replay"
+            },
+            if confirmed {
+                "replayed"
+            } else {
+                "would_replay"
+            },
+        ),
+        ("skipped: applied already (live claim)", "skipped_applied"),
+        ("skipped: copies of one original", "skipped_copies"),
+        ("skipped: payload cut", "skipped_truncated"),
+        ("left out by the selection", "skipped_filtered"),
+        ("replayed by an earlier run", "already_replayed"),
+    ];
+    let body = html! {
+        @if confirmed {
+            p.done id="replay-result" { "Replayed " (count("replayed")) " dead letters of " code { (topic) } "." }
+        } @else {
+            p.notice id="replay-result" { "Dry run: nothing was sent. " (count("would_replay")) " dead letters would be replayed." }
+        }
+        div.scroll { table id="replay-counts" {
+            tbody { @for (label, name) in rows { tr { th { (label) } td.num data-name=(name) { (count(name)) } } } }
+        } }
+        @if !confirmed && count("would_replay") > 0 {
+            form method="post" action={ "/dlq/" (topic) "/replay" } {
+                (csrf(console))
+                @for name in ["kind", "partition", "since", "scope", "key"] {
+                    @if let Some(value) = form.get(name) { input type="hidden" name=(name) value=(value); }
+                }
+                input type="hidden" name="confirm" value="yes";
+                button.danger type="submit" { "Replay " (count("would_replay")) " dead letters" }
+                " " a href={ "/dlq/" (topic) } { "Cancel" }
+            }
+        }
+        @if !lines.is_empty() {
+            h2 { "Records" }
+            pre.small { @for line in lines.iter().take(500) { (line) "\n" } @if lines.len() > 500 { "… and " (lines.len() - 500) " more\n" } }
+        }
+        p { a href={ "/dlq/" (topic) } { "Back to " (topic) } }
+    };
+    let title = if confirmed {
+        "Replayed"
+    } else {
+        "Replay: dry run"
+    };
+    Answer::Page(StatusCode::OK, layout(Some(console), title, body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cursor_reads_back_what_it_wrote() {
+        let next = HashMap::from([(0, 15), (2, 0), (1, 7)]);
+        assert_eq!(cursor_text(&next), "0:15,1:7,2:0");
+        assert_eq!(cursor(Some(&cursor_text(&next))), next);
+        assert!(cursor(Some("x:1,2")).is_empty());
+    }
+
+    #[test]
+    fn binary_payloads_are_shown_in_hex_and_long_ones_cut() {
+        assert_eq!(
+            hex_dump(b"ab\x00\xff"),
+            "00000000  61 62 00 ff                                      ab..\n"
+        );
+        let long = "é".repeat(SHOWN_BYTES);
+        let shown = payload(Some(long.as_bytes())).into_string();
+        assert!(shown.contains("Showing the first 64 KiB"), "{shown}");
+        assert!(shown.len() < SHOWN_BYTES + 1024);
+        let json = payload(Some(br#"{"a":"<b>"}"#)).into_string();
+        assert!(
+            json.contains("&lt;b&gt;") && json.contains("JSON"),
+            "escaped: {json}"
+        );
+        assert!(is_dead_letter_topic("orders.dlq") && is_dead_letter_topic("orders-DLT"));
+        assert!(!is_dead_letter_topic("orders") && !valid_topic("a/b") && valid_topic("a.b-c_1"));
+    }
+}

@@ -320,16 +320,31 @@ pub struct DeadLetterHeaders {
     pub replayed_from: Option<String>,
 }
 
-/// A dead letter's `dedup.*` headers cannot be read: a value not UTF-8 or
-/// not a number, or `dedup.original.*` incomplete.
+/// A dead letter's `dedup.*` headers cannot be read: a value not UTF-8,
+/// `dedup.original.*` incomplete or not numbers, or a replay count that is
+/// not a number. What could be read is kept ([`MalformedHeaders::partial`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct MalformedHeaders(String);
+#[error("{why}")]
+pub struct MalformedHeaders {
+    why: String,
+    partial: Box<DeadLetterHeaders>,
+}
+
+impl MalformedHeaders {
+    /// The headers that could be read (the kind and the reason, say, for a
+    /// page to show), without an origin.
+    pub fn partial(&self) -> &DeadLetterHeaders {
+        &self.partial
+    }
+}
 
 impl DeadLetterHeaders {
     /// Reads the `dedup.*` headers of a dead letter; of a header given
     /// more than once, the last wins, as for a consumer reading headers.
-    /// Other headers (the original message's own) are left alone.
+    /// Other headers (the original message's own) are left alone. The
+    /// headers that say where the message was (and how often it was
+    /// replayed) must be readable; the attempts and the original size are
+    /// informative, and left out when they are not numbers.
     pub fn read<H: Headers>(headers: Option<&H>) -> Result<Self, MalformedHeaders> {
         let [
             topic,
@@ -344,6 +359,7 @@ impl DeadLetterHeaders {
             timestamp,
         ] = DEAD_LETTER_HEADERS;
         let mut text: std::collections::HashMap<&str, String> = std::collections::HashMap::new();
+        let mut problem = None;
         for h in headers.into_iter().flat_map(|hs| hs.iter()) {
             let Some(&key) = DEAD_LETTER_HEADERS
                 .iter()
@@ -352,53 +368,73 @@ impl DeadLetterHeaders {
             else {
                 continue;
             };
-            let value = std::str::from_utf8(h.value.unwrap_or_default())
-                .map_err(|_| MalformedHeaders(format!("header {key} is not UTF-8 text")))?;
-            text.insert(key, value.to_owned());
+            match std::str::from_utf8(h.value.unwrap_or_default()) {
+                Ok(value) => {
+                    text.insert(key, value.to_owned());
+                }
+                Err(_) => {
+                    text.remove(key);
+                    problem.get_or_insert_with(|| format!("header {key} is not UTF-8 text"));
+                }
+            }
         }
         fn number<T: std::str::FromStr>(
             text: &std::collections::HashMap<&str, String>,
             key: &str,
-        ) -> Result<Option<T>, MalformedHeaders> {
+        ) -> Result<Option<T>, String> {
             text.get(key)
                 .map(|v| {
-                    v.parse::<T>().map_err(|_| {
-                        MalformedHeaders(format!("header {key} = {v:?} is not a number"))
-                    })
+                    v.parse::<T>()
+                        .map_err(|_| format!("header {key} = {v:?} is not a number"))
                 })
                 .transpose()
         }
-        let origin = match (
-            text.get(topic),
-            number::<i32>(&text, partition)?,
-            number::<i64>(&text, offset)?,
-        ) {
-            (Some(name), Some(partition), Some(offset)) if !name.is_empty() => {
-                Some(OriginalMessage {
-                    topic: name.clone(),
-                    partition,
-                    offset,
-                    timestamp: number(&text, timestamp)?,
-                })
-            }
-            (None, None, None) => None,
-            _ => {
-                return Err(MalformedHeaders(
-                    "its dedup.original.* headers are incomplete".to_owned(),
-                ));
-            }
-        };
-        Ok(DeadLetterHeaders {
-            origin,
-            attempts: number(&text, attempts)?,
-            original_size: number(&text, size)?,
-            replays: number(&text, REPLAY_COUNT_HEADER)?.unwrap_or(0),
+        let origin = (|| {
+            Ok(
+                match (
+                    text.get(topic),
+                    number::<i32>(&text, partition)?,
+                    number::<i64>(&text, offset)?,
+                ) {
+                    (Some(name), Some(partition), Some(offset)) if !name.is_empty() => {
+                        Some(OriginalMessage {
+                            topic: name.clone(),
+                            partition,
+                            offset,
+                            timestamp: number(&text, timestamp)?,
+                        })
+                    }
+                    (None, None, None) => None,
+                    _ => return Err("its dedup.original.* headers are incomplete".to_owned()),
+                },
+            )
+        })();
+        // A negative count (never written) reads as none.
+        let replays = number::<i64>(&text, REPLAY_COUNT_HEADER)
+            .map(|n| n.map_or(0, |n| u32::try_from(n).unwrap_or(0)));
+        let mut read = DeadLetterHeaders {
+            origin: None,
+            attempts: number(&text, attempts).ok().flatten(),
+            original_size: number(&text, size).ok().flatten(),
+            replays: *replays.as_ref().unwrap_or(&0),
             truncated: text.get(truncated).is_some_and(|v| v == "true"),
             kind: text.remove(kind),
             error: text.remove(error),
             handler: text.remove(handler),
             replayed_from: text.remove(REPLAYED_FROM_HEADER),
-        })
+        };
+        match (problem, origin, replays) {
+            (None, Ok(origin), Ok(_)) => {
+                read.origin = origin;
+                Ok(read)
+            }
+            (Some(why), _, _) | (None, Err(why), _) | (None, Ok(_), Err(why)) => {
+                Err(MalformedHeaders {
+                    why,
+                    partial: Box::new(read),
+                })
+            }
+        }
     }
 }
 
@@ -653,6 +689,25 @@ mod tests {
             err.contains("dedup.error.kind") && err.contains("UTF-8"),
             "{err}"
         );
+        // What could be read is kept, for a page to show; informative
+        // numbers that are not numbers are left out, not errors.
+        let headers = [
+            ("dedup.error.kind", &b"handler"[..]),
+            ("dedup.original.topic", b"t"),
+            ("dedup.attempts", b"many"),
+            ("dedup.replay.count", b"-1"),
+        ]
+        .iter()
+        .fold(OwnedHeaders::new(), |h, (key, value)| {
+            h.insert(Header {
+                key,
+                value: Some(*value),
+            })
+        });
+        let err = DeadLetterHeaders::read(Some(&headers)).unwrap_err();
+        assert_eq!(err.partial().kind.as_deref(), Some("handler"));
+        assert_eq!((err.partial().attempts, err.partial().replays), (None, 0));
+        assert_eq!(err.partial().origin, None);
         // The last of a repeated header wins; other headers are not read.
         let last = with(&[
             whole[0],

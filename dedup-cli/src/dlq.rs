@@ -41,9 +41,11 @@ impl DeadLetter {
     /// Reads the dedup headers; a malformed one is noted, not fatal: it
     /// matters only if the record is to be replayed.
     pub(crate) fn parse(msg: OwnedMessage) -> Self {
+        // A malformed header leaves what could be read (the kind, the
+        // reason) for the eye, never an origin to replay to.
         let (read, malformed) = match DeadLetterHeaders::read(msg.headers()) {
             Ok(read) => (read, None),
-            Err(why) => (DeadLetterHeaders::default(), Some(why.to_string())),
+            Err(why) => (why.partial().clone(), Some(why.to_string())),
         };
         DeadLetter {
             msg,
@@ -84,18 +86,42 @@ pub(crate) fn preview(bytes: Option<&[u8]>, max: usize) -> String {
     out
 }
 
-/// Reads every dead letter of `topic` (as of now) with `group`.
+/// What a read of a dead-letter topic found: its letters, partition by
+/// partition in offset order, and where each partition's read ended.
+struct Read {
+    letters: Vec<DeadLetter>,
+    consumer: rdkafka::consumer::BaseConsumer,
+    ends: HashMap<i32, i64>,
+}
+
+/// Reads every dead letter of `topic` with `group`: to each partition's
+/// end as of now, or (`until`) to where an earlier read ended.
 fn read(
     kafka: &KafkaArgs,
     topic: &str,
     group: &str,
-) -> Result<(Vec<DeadLetter>, rdkafka::consumer::BaseConsumer), Failure> {
+    until: Option<&HashMap<i32, i64>>,
+) -> Result<Read, Failure> {
     let consumer = kafka::consumer(kafka, group)?;
-    let letters = kafka::read_to_end(&consumer, topic)?
-        .into_iter()
+    let mut ranges = HashMap::new();
+    for (p, low, high) in kafka::watermarks(&consumer, topic)? {
+        let end = until.map_or(high, |until| until.get(&p).map_or(low, |&e| e.min(high)));
+        ranges.insert(p, (low, end.max(low)));
+    }
+    let ends = ranges.iter().map(|(&p, &(_, end))| (p, end)).collect();
+    let mut by_partition = kafka::read_ranges(&consumer, topic, &ranges)?;
+    let mut partitions: Vec<i32> = ranges.into_keys().collect();
+    partitions.sort_unstable();
+    let letters = partitions
+        .iter()
+        .flat_map(|p| by_partition.remove(p).unwrap_or_default())
         .map(DeadLetter::parse)
         .collect();
-    Ok((letters, consumer))
+    Ok(Read {
+        letters,
+        consumer,
+        ends,
+    })
 }
 
 /// `dlq inspect`.
@@ -107,8 +133,8 @@ pub(crate) async fn inspect(
     let (kafka, topic) = (kafka.clone(), topic.to_owned());
     tokio::task::spawn_blocking(move || {
         let group = format!("dedup-inspect-{}", uuid::Uuid::new_v4().simple());
-        let (letters, _) = read(&kafka, &topic, &group)?;
-        Ok(InspectReport::new(topic, letters, show))
+        let read = read(&kafka, &topic, &group, None)?;
+        Ok(InspectReport::new(topic, read.letters, show))
     })
     .await
     .map_err(|e| Failure::new(format!("reading failed: {e}")))?
@@ -326,6 +352,45 @@ pub(crate) struct ReplayArgs {
     /// Records produced between two commits of the replay's progress.
     #[arg(long, default_value_t = 100, hide = true)]
     commit_every: usize,
+    /// A replay confirmed after its dry run (the console): the dry run's
+    /// view, which the replay must find again or send nothing.
+    #[arg(skip)]
+    pinned: Option<Pinned>,
+}
+
+/// What a dry run saw: where it read each partition to, its clock, and a
+/// digest of its plan.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Pinned {
+    pub(crate) ends: HashMap<i32, i64>,
+    pub(crate) now_ms: i64,
+    pub(crate) plan: u64,
+}
+
+impl Pinned {
+    /// As a form keeps it: `now_ms;plan;partition:end,...`.
+    pub(crate) fn text(&self) -> String {
+        let mut ends: Vec<_> = self.ends.iter().collect();
+        ends.sort();
+        let ends: Vec<String> = ends.iter().map(|(p, e)| format!("{p}:{e}")).collect();
+        format!("{};{:x};{}", self.now_ms, self.plan, ends.join(","))
+    }
+
+    pub(crate) fn parse(text: &str) -> Option<Self> {
+        let mut parts = text.splitn(3, ';');
+        let now_ms = parts.next()?.parse().ok()?;
+        let plan = u64::from_str_radix(parts.next()?, 16).ok()?;
+        let ends = parts
+            .next()?
+            .split(',')
+            .filter(|pair| !pair.is_empty())
+            .map(|pair| {
+                let (p, e) = pair.split_once(':')?;
+                Some((p.parse().ok()?, e.parse().ok()?))
+            })
+            .collect::<Option<_>>()?;
+        Some(Pinned { ends, now_ms, plan })
+    }
 }
 
 /// A replay chosen outside the command line (the console): which dead
@@ -334,9 +399,14 @@ pub(crate) struct Selection {
     pub(crate) kind: Option<String>,
     pub(crate) partition: Option<i32>,
     pub(crate) since: Option<Ttl>,
-    /// The handler's scope and where it takes the event id from, to skip
-    /// what already holds a live claim (`--check-claims`).
-    pub(crate) check_claims: Option<(String, String)>,
+    /// The handler's scope (each letter's own `dedup.handler` if none)
+    /// and where it takes the event id from, to skip what already holds a
+    /// live claim (`--check-claims`).
+    pub(crate) check_claims: Option<(Option<String>, String)>,
+    /// Leave out records whose dedup headers cannot be read.
+    pub(crate) skip_invalid: bool,
+    /// The dry run this replay was confirmed after.
+    pub(crate) pinned: Option<Pinned>,
 }
 
 impl ReplayArgs {
@@ -349,6 +419,7 @@ impl ReplayArgs {
         db: Option<&Database>,
         dry_run: bool,
     ) -> Self {
+        let check_claims = selection.check_claims.is_some();
         let (scope, key) = selection.check_claims.unzip();
         ReplayArgs {
             kafka,
@@ -358,16 +429,17 @@ impl ReplayArgs {
             kind: selection.kind,
             since: selection.since,
             partition: selection.partition,
-            check_claims: scope.is_some(),
-            scope,
+            check_claims,
+            scope: scope.flatten(),
             key,
             key_field: None,
             key_header: None,
             database_url: db.map(|db| db.database_url.clone()),
             table: db.map_or_else(|| "dedup_claims".to_owned(), |db| db.table.clone()),
-            skip_invalid: false,
+            skip_invalid: selection.skip_invalid,
             dry_run,
             commit_every: 100,
+            pinned: selection.pinned,
         }
     }
 }
@@ -518,10 +590,18 @@ pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
     let group = args.group.clone().unwrap_or_else(|| default_group(args));
     let (kafka_args, topic) = (args.kafka.clone(), args.topic.clone());
     let read_group = group.clone();
-    let (letters, consumer, committed) = tokio::task::spawn_blocking(move || {
-        let (letters, consumer) = read(&kafka_args, &topic, &read_group)?;
-        let committed = committed_offsets(&consumer, &topic)?;
-        Ok::<_, Failure>((letters, consumer, committed))
+    let until = args.pinned.as_ref().map(|p| p.ends.clone());
+    let (
+        Read {
+            letters,
+            consumer,
+            ends,
+        },
+        committed,
+    ) = tokio::task::spawn_blocking(move || {
+        let read = read(&kafka_args, &topic, &read_group, until.as_ref())?;
+        let committed = committed_offsets(&read.consumer, &topic)?;
+        Ok::<_, Failure>((read, committed))
     })
     .await
     .map_err(|e| Failure::new(format!("reading failed: {e}")))??;
@@ -538,12 +618,13 @@ pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
     let committed: HashMap<i32, i64> = committed.into_iter().map(|(p, (o, _))| (p, o)).collect();
     let mut plan = plan(&letters, &committed, args)?;
     if let Some(claims) = &claims {
-        let scope = args.scope.as_deref().expect("clap requires --scope");
         for (letter, decision) in letters.iter().zip(plan.iter_mut()) {
             // A reused id's live claim is another event's: it says nothing
-            // of whether this one was applied.
+            // of whether this one was applied. Without --scope (the
+            // console), each letter's own handler's.
             if *decision == Decision::Replay
                 && letter.kind.as_deref() != Some("fingerprint_mismatch")
+                && let Some(scope) = args.scope.as_deref().or(letter.handler.as_deref())
                 && let Some(id) = event_id(letter, &key_parts)
                 && claims.is_live(&Claims::key(scope, &id)?).await?
             {
@@ -578,6 +659,11 @@ pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
         dry_run: args.dry_run,
         counts: BTreeMap::new(),
         lines: Vec::new(),
+        pinned: Pinned {
+            ends,
+            now_ms: args.pinned.as_ref().map_or_else(now_ms, |p| p.now_ms),
+            plan: 0,
+        },
     };
     for (letter, decision) in letters.iter().zip(&plan) {
         *report.counts.entry(name(*decision)).or_default() += 1;
@@ -588,6 +674,15 @@ pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
                 target_of(letter, args).unwrap_or("?"),
             ));
         }
+    }
+    report.pinned.plan = digest(&report.lines);
+    if let Some(pinned) = &args.pinned
+        && *pinned != report.pinned
+    {
+        return Err(Failure::new(
+            "the dead letters or their claims changed since the dry run (another replay ran, \
+             or a claim was taken): nothing was sent; run the dry run again",
+        ));
     }
     if args.dry_run {
         return Ok(report);
@@ -644,9 +739,7 @@ fn plan(
     committed: &HashMap<i32, i64>,
     args: &ReplayArgs,
 ) -> Result<Vec<Decision>, Failure> {
-    let now_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as i64);
+    let now_ms = args.pinned.as_ref().map_or_else(now_ms, |p| p.now_ms);
     let filtered = |letter: &DeadLetter| {
         args.kind
             .as_ref()
@@ -721,6 +814,22 @@ fn plan(
         }
     }
     Ok(plan)
+}
+
+/// The wall clock in milliseconds since the Unix epoch.
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as i64)
+}
+
+/// A digest of a replay's plan, to tell whether a confirmed replay would
+/// do what its dry run showed (the same process computes both).
+fn digest(lines: &[String]) -> u64 {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut hasher = std::hash::DefaultHasher::new();
+    lines.hash(&mut hasher);
+    hasher.finish()
 }
 
 /// The options that decide what a replay sends, kept with its committed
@@ -875,6 +984,8 @@ pub(crate) struct ReplayReport {
     dry_run: bool,
     counts: BTreeMap<&'static str, usize>,
     lines: Vec<String>,
+    /// What this run saw, for a replay confirmed after it.
+    pub(crate) pinned: Pinned,
 }
 
 impl ReplayReport {

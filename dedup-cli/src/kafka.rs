@@ -114,16 +114,6 @@ pub(crate) fn consumer(kafka: &KafkaArgs, group: &str) -> Result<BaseConsumer, F
         .map_err(|e| refused("consumer", &e))
 }
 
-/// Reads `topic` from its start to its end as of now (later records are
-/// left for the next run): every record, partition by partition, in offset
-/// order.
-pub(crate) fn read_to_end(
-    consumer: &BaseConsumer,
-    topic: &str,
-) -> Result<Vec<OwnedMessage>, Failure> {
-    read_to_end_from(consumer, topic, &HashMap::new())
-}
-
 /// Reads `topic` to its end as of now, each partition from its offset in
 /// `from` (from its start where `from` has none).
 pub(crate) fn read_to_end_from(
@@ -168,6 +158,22 @@ pub(crate) fn read_ranges(
     topic: &str,
     ranges: &HashMap<i32, (i64, i64)>,
 ) -> Result<HashMap<i32, Vec<OwnedMessage>>, Failure> {
+    let mut by_partition: HashMap<i32, Vec<OwnedMessage>> = HashMap::new();
+    visit_ranges(consumer, topic, ranges, |msg| {
+        by_partition.entry(msg.partition()).or_default().push(msg);
+    })?;
+    Ok(by_partition)
+}
+
+/// Hands each record of `topic` in each partition's range `[from, to)` to
+/// `visit`, each partition's in offset order (the partitions interleaved):
+/// a caller that keeps few of them holds few.
+pub(crate) fn visit_ranges(
+    consumer: &BaseConsumer,
+    topic: &str,
+    ranges: &HashMap<i32, (i64, i64)>,
+    mut visit: impl FnMut(OwnedMessage),
+) -> Result<(), Failure> {
     let mut ends = HashMap::new();
     let mut assignment = TopicPartitionList::new();
     for (&p, &(from, to)) in ranges {
@@ -188,7 +194,6 @@ pub(crate) fn read_ranges(
         .map_err(|e| Failure::new(format!("assigning {topic}: {e}")))?;
     // Partitions not yet read to their end, by that end.
     let mut open = ends.clone();
-    let mut by_partition: HashMap<i32, Vec<OwnedMessage>> = HashMap::new();
     let mut progress = Instant::now();
     while !open.is_empty() {
         match consumer.poll(Duration::from_millis(100)) {
@@ -197,10 +202,11 @@ pub(crate) fn read_ranges(
                 let p = msg.partition();
                 let end = ends.get(&p).copied().unwrap_or(0);
                 // Records past the end as of the start are the next run's.
+                let last = msg.offset() + 1 >= end;
                 if msg.offset() < end {
-                    by_partition.entry(p).or_default().push(msg.detach());
+                    visit(msg.detach());
                 }
-                if msg.offset() + 1 >= end && open.remove(&p).is_some() {
+                if last && open.remove(&p).is_some() {
                     pause(consumer, topic, p);
                 }
             }
@@ -228,7 +234,7 @@ pub(crate) fn read_ranges(
             }
         }
     }
-    Ok(by_partition)
+    Ok(())
 }
 
 /// Stops fetching a partition read to its range's end: the records after

@@ -496,3 +496,27 @@ pub async fn set_read_only(pool: &PgPool, on: bool) {
     // Not back into the pool: its session setting is not the database's.
     conn.close().await.expect("close");
 }
+
+/// How many records `topic` holds (its partitions' high watermarks less
+/// their low ones).
+pub fn records_in(topic: &str) -> i64 {
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    let consumer: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", unique("count"))
+        .create()
+        .expect("consumer");
+    let metadata = consumer
+        .fetch_metadata(Some(topic), Duration::from_secs(10))
+        .expect("metadata");
+    metadata.topics()[0]
+        .partitions()
+        .iter()
+        .map(|p| {
+            let (low, high) = consumer
+                .fetch_watermarks(topic, p.id(), Duration::from_secs(10))
+                .expect("watermarks");
+            high - low
+        })
+        .sum()
+}

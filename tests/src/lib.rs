@@ -103,6 +103,20 @@ pub mod blockable {
         Ok(())
     }
 
+    /// Runs a consumer of `topic` in `group` with [`record_payment`] until
+    /// it is idle.
+    pub async fn consume(store: &PgStore, topic: &str, group: &str) -> dedup_kafka::StatsSnapshot {
+        crate::common::drain(
+            dedup_kafka::Consumer::builder(store.clone())
+                .brokers(crate::common::brokers())
+                .group_id(group)
+                .commit_interval(std::time::Duration::from_millis(200))
+                .handle(topic, record_payment),
+            std::time::Duration::from_secs(3),
+        )
+        .await
+    }
+
     /// The store, the accounts and the (empty) list of blocked accounts.
     pub async fn migrated(pool: &PgPool) -> PgStore {
         let store = store(pool).await;

@@ -6,15 +6,15 @@ use dedup_tests::common;
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use dedup_kafka::Consumer;
-use dedup_postgres::PgStore;
-use dedup_tests::blockable::{SCOPE, block, migrated, record_payment, unblock_all};
+use dedup_tests::blockable::{SCOPE, block, consume, migrated, unblock_all};
 use dedup_tests::{payment, total_balance};
 use rdkafka::message::{Header, Headers as _, Message as _, OwnedHeaders};
 use rdkafka::producer::FutureRecord;
 use sqlx::PgPool;
 
-use common::{brokers, create_topic, database_url, drain, header, producer, read_exactly, unique};
+use common::{
+    brokers, create_topic, database_url, header, producer, read_exactly, records_in, unique,
+};
 
 /// Runs `dedup args...` with the test's database and the brokers.
 async fn dedup(pool: &PgPool, args: &[&str]) -> Output {
@@ -62,42 +62,6 @@ fn stderr(output: &Output) -> String {
 
 fn stdout(output: &Output) -> String {
     String::from_utf8_lossy(&output.stdout).into_owned()
-}
-
-/// Runs a consumer of `topic` in `group` until it is idle.
-async fn consume(store: &PgStore, topic: &str, group: &str) -> dedup_kafka::StatsSnapshot {
-    drain(
-        Consumer::builder(store.clone())
-            .brokers(brokers())
-            .group_id(group)
-            .commit_interval(Duration::from_millis(200))
-            .handle(topic, record_payment),
-        Duration::from_secs(3),
-    )
-    .await
-}
-
-/// How many records `topic` holds (its partitions' high watermarks).
-fn records_in(topic: &str) -> i64 {
-    use rdkafka::consumer::{BaseConsumer, Consumer as _};
-    let consumer: BaseConsumer = rdkafka::ClientConfig::new()
-        .set("bootstrap.servers", brokers())
-        .set("group.id", unique("count"))
-        .create()
-        .expect("consumer");
-    let metadata = consumer
-        .fetch_metadata(Some(topic), Duration::from_secs(10))
-        .expect("metadata");
-    metadata.topics()[0]
-        .partitions()
-        .iter()
-        .map(|p| {
-            let (low, high) = consumer
-                .fetch_watermarks(topic, p.id(), Duration::from_secs(10))
-                .expect("watermarks");
-            high - low
-        })
-        .sum()
 }
 
 /// Produces payments: `(event id, account, cents)`.

@@ -13,19 +13,25 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use dedup_kafka::Consumer;
-use dedup_tests::blockable::{SCOPE, block, migrated, record_payment, unblock_all};
+use dedup_tests::blockable::{SCOPE, block, consume, migrated, record_payment, unblock_all};
 use dedup_tests::{payment, store, total_balance};
 use fantoccini::{Client, ClientBuilder, Locator};
 use rdkafka::producer::FutureRecord;
 use sqlx::PgPool;
 
-use common::{brokers, create_topic, database_url, drain, header, producer, unique};
+use common::{brokers, create_topic, database_url, header, producer, unique};
 
-/// A process killed when the test ends, however it ends.
+/// A process killed when the test ends, however it ends, with whatever
+/// it started (chromedriver's Chromium): it leads a process group of its
+/// own, and the group is killed.
 struct Killed(Child);
 
 impl Drop for Killed {
     fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &format!("-{}", self.0.id())])
+            .stderr(Stdio::null())
+            .status();
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
@@ -41,8 +47,10 @@ fn free_port() -> u16 {
 
 /// `dedup console <args>` with the test's database and brokers; its
 /// address, from the line it prints when it serves.
-fn console(pool: &PgPool, args: &[&str], env: &[(&str, &str)]) -> (Killed, String) {
+async fn console(pool: &PgPool, args: &[&str], env: &[(&str, &str)]) -> (Killed, String) {
+    use std::os::unix::process::CommandExt as _;
     let mut cmd = Command::new(common::cli());
+    cmd.process_group(0);
     cmd.arg("console")
         .args(args)
         .env("DATABASE_URL", database_url(pool))
@@ -55,29 +63,54 @@ fn console(pool: &PgPool, args: &[&str], env: &[(&str, &str)]) -> (Killed, Strin
     }
     let mut child = cmd.spawn().expect("dedup console");
     let stdout = child.stdout.take().expect("stdout");
-    let mut line = String::new();
-    BufReader::new(stdout)
-        .read_line(&mut line)
-        .expect("its line");
+    let child = Killed(child);
+    let line = tokio::task::spawn_blocking(move || {
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .expect("its line");
+        line
+    })
+    .await
+    .expect("join");
     let url = line
         .split_whitespace()
         .find(|w| w.starts_with("http://"))
         .unwrap_or_else(|| panic!("no address in {line:?}"))
         .trim_end_matches('/')
         .replace("0.0.0.0", "127.0.0.1");
-    (Killed(child), url)
+    (child, url)
 }
 
 /// Chromium through chromedriver, headless, with a profile of its own.
 async fn browser() -> (Client, Killed, tempdir::Dir) {
-    let port = free_port();
-    let driver = Command::new("chromedriver")
-        .arg(format!("--port={port}"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("chromedriver (scripts/deps.sh installs chromium-driver)");
-    let driver = Killed(driver);
+    use std::os::unix::process::CommandExt as _;
+    // A port picked and taken by one test at a time; a chromedriver that
+    // could not bind it (another process took it first) exits, and another
+    // port is tried, so a test never talks to another test's driver.
+    static PICKING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let (port, driver) = loop {
+        let _picking = PICKING.lock().unwrap_or_else(|e| e.into_inner());
+        let port = free_port();
+        let mut driver = Killed(
+            Command::new("chromedriver")
+                .arg(format!("--port={port}"))
+                .process_group(0)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("chromedriver (scripts/deps.sh installs chromium-driver)"),
+        );
+        let started = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err()
+            && started.elapsed() < Duration::from_secs(10)
+        {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if driver.0.try_wait().expect("chromedriver's state").is_none() {
+            break (port, driver);
+        }
+    };
     let profile = tempdir::Dir::new("dedup-console-chromium");
     let mut caps = serde_json::Map::new();
     caps.insert(
@@ -212,9 +245,14 @@ async fn produce(topic: &str, key: &str, payload: &[u8]) {
         .expect("produced");
 }
 
-/// How many records of `topic` a replay sent.
-async fn replayed_into(topic: &str, records: usize) -> usize {
-    common::read(topic, records)
+/// How many records `topic` holds.
+fn records_in(topic: &str) -> usize {
+    usize::try_from(common::records_in(topic)).expect("a count")
+}
+
+/// How many of the records of `topic` a replay sent (all of them read).
+async fn replayed_into(topic: &str) -> usize {
+    common::read(topic, records_in(topic))
         .await
         .iter()
         .filter(|m| header(m, "dedup.replayed.from").is_some())
@@ -236,15 +274,7 @@ async fn an_operator_finds_the_poison_replays_after_the_fix_and_releases_a_claim
     produce(&topic, "a", &payment(applied_id, "a", 1)).await;
     produce(&topic, "blocked-1", &payment(blocked_id, "blocked-1", 10)).await;
     produce(&topic, "c", b"{\"event_id\": \"garbled").await;
-    let first = drain(
-        Consumer::builder(store.clone())
-            .brokers(brokers())
-            .group_id(&group)
-            .commit_interval(Duration::from_millis(200))
-            .handle(&topic, record_payment),
-        Duration::from_secs(3),
-    )
-    .await;
+    let first = consume(&store, &topic, &group).await;
     assert_eq!((first.applied, first.dead_lettered), (1, 2), "{first:?}");
 
     // A consumer that keeps running, with its metrics for the overview.
@@ -268,16 +298,49 @@ async fn an_operator_finds_the_poison_replays_after_the_fix_and_releases_a_claim
         &pool,
         &["--listen", "127.0.0.1:0", "--metrics", &metrics],
         &[],
-    );
+    )
+    .await;
     let (browser, _driver, _profile) = browser().await;
 
     // The overview: the group with its member and lag, the service's outcomes.
     browser.goto(&format!("{url}/")).await.expect("overview");
-    let overview = wait_for_text(&browser, "members 1").await;
-    assert!(overview.contains(&group), "{overview}");
+    let overview = wait_for_text(&browser, &group).await;
+    let mut ours = String::new();
+    let started = Instant::now();
+    while !ours.contains("members 1") {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "our group's card: {ours}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        for card in browser
+            .find_all(Locator::Css(".group"))
+            .await
+            .expect("cards")
+        {
+            let text = card.text().await.unwrap_or_default();
+            if text.contains(&group) {
+                ours = text;
+            }
+        }
+    }
+    assert!(ours.contains("lag 0"), "{ours}");
     assert!(overview.contains(SCOPE), "the handler's scope: {overview}");
     assert!(overview.contains("running"), "no outage: {overview}");
     screenshot(&browser, "overview").await;
+    // It refreshes itself, without a reload.
+    let started = Instant::now();
+    while browser
+        .find(Locator::Css("#overview[data-refreshed]"))
+        .await
+        .is_err()
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "never refreshed"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 
     // The dead letters: the decode failure under its kind, newest first.
     browser.goto(&format!("{url}/dlq")).await.expect("dlq");
@@ -346,12 +409,13 @@ async fn an_operator_finds_the_poison_replays_after_the_fix_and_releases_a_claim
     let dry = dry_run(&browser, &format!("{url}/dlq/{dlq}?kind=handler")).await;
     assert!(dry.contains("1 dead letters would be replayed"), "{dry}");
     screenshot(&browser, "replay-dry-run").await;
-    assert_eq!(replayed_into(&topic, 3).await, 0, "a dry run sends nothing");
+    assert_eq!(records_in(&topic), 3, "a dry run sends nothing");
     click(&browser, Locator::Css("button.danger")).await;
     let done = wait_for_text(&browser, "Replayed 1 dead letters").await;
     assert!(done.contains(&dlq), "{done}");
     screenshot(&browser, "replay-done").await;
-    assert_eq!(replayed_into(&topic, 4).await, 1, "sent home once");
+    assert_eq!(records_in(&topic), 4);
+    assert_eq!(replayed_into(&topic).await, 1, "sent home once");
     // A second replay (the same selection) sends nothing again.
     let again = dry_run(&browser, &format!("{url}/dlq/{dlq}?kind=handler")).await;
     assert!(
@@ -424,7 +488,20 @@ async fn an_operator_finds_the_poison_replays_after_the_fix_and_releases_a_claim
 /// refused even then.
 #[sqlx::test(migrations = false)]
 async fn a_console_on_another_address_refuses_pages_without_its_token(pool: PgPool) {
-    store(&pool).await;
+    use dedup_core::DedupStore as _;
+    let store = store(&pool).await;
+    let key = dedup_core::DedupKey::new(SCOPE, "evt-1").expect("key");
+    let mut tx = store.begin().await.expect("begin");
+    store
+        .claim(
+            &mut tx,
+            &key,
+            None,
+            dedup_core::Ttl::parse("4h").expect("ttl"),
+        )
+        .await
+        .expect("claim");
+    store.commit(tx).await.expect("commit");
     let refused = Command::new(common::cli())
         .args(["console", "--listen", "0.0.0.0:0"])
         .env("DATABASE_URL", database_url(&pool))
@@ -444,7 +521,8 @@ async fn a_console_on_another_address_refuses_pages_without_its_token(pool: PgPo
         &pool,
         &["--listen", "0.0.0.0:0"],
         &[("DEDUP_CONSOLE_TOKEN", &token)],
-    );
+    )
+    .await;
     let (browser, _driver, _profile) = browser().await;
     browser
         .goto(&format!("{url}/claims"))
@@ -483,6 +561,56 @@ async fn a_console_on_another_address_refuses_pages_without_its_token(pool: PgPo
     assert!(claims.contains("Find a claim"), "{claims}");
     let source = browser.source().await.expect("source");
     assert!(!source.contains(&token), "the token is never on a page");
+    assert!(
+        !source.contains(&database_url(&pool)),
+        "nor the database's URL"
+    );
+
+    // A form posted from another site, even with the session and the
+    // page's CSRF token, is refused.
+    browser
+        .goto(&format!(
+            "{url}/claims?scope={}&key=evt-1",
+            SCOPE.replace(':', "%3A")
+        ))
+        .await
+        .expect("the claim");
+    let csrf = browser
+        .find(Locator::Css("input[name=csrf]"))
+        .await
+        .expect("a form's CSRF field")
+        .attr("value")
+        .await
+        .expect("value")
+        .expect("a token");
+    let cookie = browser
+        .get_named_cookie("dedup_console")
+        .await
+        .expect("the session cookie");
+    let address = url.trim_start_matches("http://").to_owned();
+    let request = format!(
+        "POST /claims/release HTTP/1.1\r\nHost: {address}\r\nOrigin: http://evil.example\r\n\
+         Cookie: dedup_console={}\r\nContent-Type: application/x-www-form-urlencoded\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n",
+        cookie.value(),
+        format!("csrf={csrf}&scope=blockable%3A%3Arecord_payment&key=evt-1").len()
+    ) + &format!("csrf={csrf}&scope=blockable%3A%3Arecord_payment&key=evt-1");
+    let answer = tokio::task::spawn_blocking(move || {
+        use std::io::{Read as _, Write as _};
+        let mut stream = std::net::TcpStream::connect(&address).expect("connect");
+        stream.write_all(request.as_bytes()).expect("sent");
+        let mut answer = String::new();
+        let _ = stream.read_to_string(&mut answer);
+        answer
+    })
+    .await
+    .expect("join");
+    assert!(answer.starts_with("HTTP/1.1 403"), "{answer}");
+    browser.refresh().await.expect("the claim again");
+    assert!(
+        text(&browser, "#claim").await.contains("live"),
+        "the claim is still there"
+    );
 
     // A form posted from elsewhere (no CSRF token) changes nothing.
     let forged: serde_json::Value = browser
@@ -550,7 +678,7 @@ async fn a_large_dead_letter_topic_opens_at_its_end(pool: PgPool) {
         started.elapsed().as_secs_f64()
     );
 
-    let (_console, url) = console(&pool, &["--listen", "127.0.0.1:0", "--read-only"], &[]);
+    let (_console, url) = console(&pool, &["--listen", "127.0.0.1:0", "--read-only"], &[]).await;
     let (browser, _driver, _profile) = browser().await;
     let started = Instant::now();
     browser
@@ -646,4 +774,107 @@ async fn keys(browser: &Client) -> Vec<String> {
         keys.push(cell.text().await.expect("key"));
     }
     keys
+}
+
+/// A partition whose producers' clocks disagree (here, each record stamped
+/// earlier than the one before) pages through every record once: a page
+/// never reorders a partition, so "Older" neither repeats nor skips.
+#[sqlx::test(migrations = false)]
+async fn pages_go_through_every_dead_letter_once_whatever_the_clocks(pool: PgPool) {
+    const RECORDS: usize = 120;
+    let dlq = format!("{}.dlq", unique("skewed"));
+    common::create_named_topic(&dlq, 1).await;
+    let producer = producer();
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("clock")
+        .as_millis() as i64;
+    for n in 0..RECORDS {
+        let key = format!("k{n}");
+        producer
+            .send(
+                FutureRecord::to(&dlq)
+                    .key(&key)
+                    .payload("{}")
+                    .timestamp(now_ms - 1000 * n as i64),
+                Duration::from_secs(10),
+            )
+            .await
+            .map_err(|(e, _)| e)
+            .expect("produced");
+    }
+    let (_console, url) = console(&pool, &["--listen", "127.0.0.1:0"], &[]).await;
+    let (browser, _driver, _profile) = browser().await;
+    browser
+        .goto(&format!("{url}/dlq/{dlq}"))
+        .await
+        .expect("the topic");
+    let mut seen = Vec::new();
+    for page in 1.. {
+        wait_for_text(&browser, "records in the topic").await;
+        seen.extend(keys(&browser).await);
+        if browser.find(Locator::Id("older")).await.is_err() {
+            break;
+        }
+        assert!(page < 10, "pages never end: {seen:?}");
+        click(&browser, Locator::Id("older")).await;
+    }
+    let mut distinct = seen.clone();
+    distinct.sort();
+    distinct.dedup();
+    assert_eq!(distinct.len(), seen.len(), "a record shown twice: {seen:?}");
+    assert_eq!(seen.len(), RECORDS, "every record shown: {seen:?}");
+    browser.close().await.expect("close");
+}
+
+/// A replay confirmed twice at once (a double click, two tabs) sends each
+/// dead letter once: replays run one at a time, and the second finds the
+/// plan its dry run showed already carried out, so it sends nothing.
+#[sqlx::test(migrations = false)]
+async fn a_replay_confirmed_twice_at_once_sends_once(pool: PgPool) {
+    let store = migrated(&pool).await;
+    let topic = create_topic(1).await;
+    let dlq = format!("{topic}.dlq");
+    let group = unique("g");
+    block(&pool, "blocked-1").await;
+    block(&pool, "blocked-2").await;
+    produce(
+        &topic,
+        "blocked-1",
+        &payment(uuid::Uuid::new_v4(), "blocked-1", 1),
+    )
+    .await;
+    produce(
+        &topic,
+        "blocked-2",
+        &payment(uuid::Uuid::new_v4(), "blocked-2", 2),
+    )
+    .await;
+    let first = consume(&store, &topic, &group).await;
+    assert_eq!(first.dead_lettered, 2, "{first:?}");
+    unblock_all(&pool).await;
+
+    let (_console, url) = console(&pool, &["--listen", "127.0.0.1:0"], &[]).await;
+    let (browser, _driver, _profile) = browser().await;
+    let dry = dry_run(&browser, &format!("{url}/dlq/{dlq}")).await;
+    assert!(dry.contains("2 dead letters would be replayed"), "{dry}");
+    let statuses = browser
+        .execute(
+            "const form = document.querySelector(\"form[action$='/replay']\"); \
+             const body = new URLSearchParams(new FormData(form)); \
+             const send = () => fetch(form.action, {method: 'POST', body: body}).then(r => r.status); \
+             return Promise.all([send(), send()]);",
+            vec![],
+        )
+        .await
+        .expect("two confirmations");
+    let statuses: Vec<u64> = serde_json::from_value(statuses).expect("statuses");
+    assert_eq!(
+        statuses.iter().filter(|s| **s == 200).count(),
+        1,
+        "one replay, one refused: {statuses:?}"
+    );
+    assert_eq!(records_in(&topic), 4, "each dead letter sent home once");
+    assert_eq!(replayed_into(&topic).await, 2);
+    browser.close().await.expect("close");
 }

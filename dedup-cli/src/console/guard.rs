@@ -108,9 +108,11 @@ impl Guard {
             return Err(Refused::Host);
         }
         if asked.method == Method::POST {
-            // A browser names the page a form was sent from; it must be ours.
+            // A browser names the page a form was sent from; it must be
+            // ours (served directly, or through a proxy that added TLS).
             if let Some(origin) = headers.get(header::ORIGIN).and_then(|o| o.to_str().ok())
                 && origin != format!("http://{host}")
+                && origin != format!("https://{host}")
             {
                 return Err(Refused::Forgery);
             }
@@ -120,7 +122,7 @@ impl Guard {
             return self.forms(asked, login).map(|()| Admitted::Yes);
         };
         if login {
-            return Ok(Admitted::Login(self.login(token, asked)?));
+            return Ok(Admitted::Login(self.login(token, headers, asked)?));
         }
         let bearer = headers
             .get(header::AUTHORIZATION)
@@ -153,19 +155,32 @@ impl Guard {
     }
 
     /// `/login`: the form, or a session for the right token.
-    fn login(&self, token: &str, asked: &Asked) -> Result<Answer, Refused> {
+    fn login(&self, token: &str, headers: &HeaderMap, asked: &Asked) -> Result<Answer, Refused> {
         let next = next_page(asked);
         if asked.method != Method::POST {
             return Ok(Answer::Page(StatusCode::OK, pages::login(&next, None)));
         }
         match asked.form.get("token") {
-            Some(given) if same(given, token) => Ok(Answer::SignedIn {
-                cookie: format!(
-                    "{COOKIE}={}; HttpOnly; SameSite=Strict; Path=/",
-                    self.session
-                ),
-                to: next,
-            }),
+            Some(given) if same(given, token) => {
+                // Behind a proxy that added TLS, the cookie travels only
+                // over it.
+                let https = headers
+                    .get("x-forwarded-proto")
+                    .and_then(|v| v.to_str().ok())
+                    .is_some_and(|v| v.eq_ignore_ascii_case("https"))
+                    || headers
+                        .get(header::ORIGIN)
+                        .and_then(|v| v.to_str().ok())
+                        .is_some_and(|v| v.starts_with("https://"));
+                let secure = if https { "; Secure" } else { "" };
+                Ok(Answer::SignedIn {
+                    cookie: format!(
+                        "{COOKIE}={}; HttpOnly; SameSite=Strict; Path=/{secure}",
+                        self.session
+                    ),
+                    to: next,
+                })
+            }
             _ => Err(Refused::WrongToken),
         }
     }
@@ -175,8 +190,12 @@ impl Refused {
     pub(crate) fn answer(&self, console: &Console, asked: &Asked) -> Answer {
         match self {
             Refused::NoToken => {
-                let next = format!("/{}", asked.path.join("/"));
-                Answer::Page(StatusCode::UNAUTHORIZED, pages::login(&next, None))
+                let next = if is_local_path(&asked.target) {
+                    asked.target.as_str()
+                } else {
+                    "/"
+                };
+                Answer::Page(StatusCode::UNAUTHORIZED, pages::login(next, None))
             }
             Refused::WrongToken => Answer::Page(
                 StatusCode::UNAUTHORIZED,
@@ -211,9 +230,20 @@ fn next_page(asked: &Asked) -> String {
         .query
         .get("next")
         .or(asked.form.get("next"))
-        .filter(|n| n.starts_with('/') && !n.starts_with("//") && !n.starts_with("/\\"))
+        .filter(|n| is_local_path(n))
         .unwrap_or("/")
         .to_owned()
+}
+
+/// A path of this console and nothing a browser could read as another
+/// site: it starts with one `/`, and holds no backslash, whitespace or
+/// control character (which browsers drop, making `/\t/evil` `//evil`).
+fn is_local_path(path: &str) -> bool {
+    path.starts_with('/')
+        && !path.starts_with("//")
+        && !path
+            .chars()
+            .any(|c| c == '\\' || c.is_whitespace() || c.is_control())
 }
 
 /// Whether a `Host` header names this machine's loopback.
@@ -251,6 +281,24 @@ mod tests {
             "127.0.0.1.evil",
         ] {
             assert!(!loopback_host(host), "{host}");
+        }
+    }
+
+    #[test]
+    fn the_login_form_goes_on_only_to_the_consoles_own_pages() {
+        for local in ["/", "/claims?scope=a&key=b", "/dlq/t.dlq"] {
+            assert!(is_local_path(local), "{local}");
+        }
+        for elsewhere in [
+            "//evil.example",
+            "/\\evil.example",
+            "/\t/evil.example",
+            "https://evil.example",
+            "/ /x",
+            "evil",
+            "/\u{7f}",
+        ] {
+            assert!(!is_local_path(elsewhere), "{elsewhere:?}");
         }
     }
 

@@ -84,6 +84,8 @@ pub(crate) struct Console {
     guard: guard::Guard,
     /// The previous scrape of each metrics endpoint, for rates.
     scrapes: overview::Scrapes,
+    /// Held while a confirmed replay runs: one at a time.
+    replaying: Arc<tokio::sync::Mutex<()>>,
 }
 
 /// Serves the console until Ctrl-C or SIGTERM.
@@ -111,6 +113,7 @@ pub(crate) async fn serve(args: ConsoleArgs) -> Result<Stopped, Failure> {
         read_only: args.read_only,
         guard,
         scrapes: overview::Scrapes::default(),
+        replaying: Arc::default(),
     });
     // The one line a script waits for: where the pages are.
     println!(
@@ -177,6 +180,8 @@ impl Report for Stopped {
 pub(crate) struct Asked {
     pub(crate) method: Method,
     pub(crate) path: Vec<String>,
+    /// The path and query as asked (for the login form to return to).
+    pub(crate) target: String,
     pub(crate) query: Fields,
     pub(crate) form: Fields,
     pub(crate) remote: SocketAddr,
@@ -231,6 +236,9 @@ pub(crate) enum Answer {
 /// The longest form a POST may send.
 const MAX_FORM_BYTES: usize = 64 * 1024;
 
+/// How long a POST may take to send its form.
+const FORM_TIMEOUT: Duration = Duration::from_secs(10);
+
 async fn handle(
     console: &Console,
     remote: SocketAddr,
@@ -248,6 +256,10 @@ async fn handle(
     let mut asked = Asked {
         method: parts.method.clone(),
         path,
+        target: parts
+            .uri
+            .path_and_query()
+            .map_or_else(|| "/".to_owned(), |pq| pq.as_str().to_owned()),
         query,
         form: Fields::default(),
         remote,
@@ -257,12 +269,18 @@ async fn handle(
         return respond(pages::asset(&asked.path));
     }
     if asked.method == Method::POST {
-        match Limited::new(body, MAX_FORM_BYTES).collect().await {
-            Ok(collected) => asked.form = Fields::parse(&collected.to_bytes()),
-            Err(_) => {
+        // A client that sends its form slowly is not waited for long.
+        let read = tokio::time::timeout(FORM_TIMEOUT, Limited::new(body, MAX_FORM_BYTES).collect());
+        match read.await {
+            Ok(Ok(collected)) => asked.form = Fields::parse(&collected.to_bytes()),
+            Ok(Err(_)) | Err(_) => {
                 return respond(Answer::Page(
                     StatusCode::PAYLOAD_TOO_LARGE,
-                    pages::message(console, "Too large", "The form is larger than 64 KiB."),
+                    pages::message(
+                        console,
+                        "Refused",
+                        "The form is larger than 64 KiB, or took over 10 seconds to arrive.",
+                    ),
                 ));
             }
         }
@@ -388,11 +406,14 @@ fn respond(answer: Answer) -> Response<Full<Bytes>> {
 
 /// Logs a change the console made, with who asked.
 pub(crate) fn log_action(asked: &Asked, what: &str) {
+    log(&asked.path.join("/"), asked.remote, what);
+}
+
+/// Logs what a request to `path` from `remote` did.
+pub(crate) fn log(path: &str, remote: SocketAddr, what: &str) {
     eprintln!(
-        "dedup console: {} {} from {}: {what}",
+        "dedup console: {} {path} from {remote}: {what}",
         crate::time::rfc3339(std::time::SystemTime::now()),
-        asked.path.join("/"),
-        asked.remote
     );
 }
 
@@ -437,5 +458,9 @@ impl Console {
 
     pub(crate) fn csrf(&self) -> &str {
         self.guard.csrf()
+    }
+
+    pub(crate) fn replaying(&self) -> &Arc<tokio::sync::Mutex<()>> {
+        &self.replaying
     }
 }

@@ -292,31 +292,37 @@ struct Metrics {
     handlers: BTreeMap<(String, String), Outcomes>,
 }
 
+/// Every endpoint at once: a slow one costs its timeout, not the sum.
 async fn services(console: &Console) -> Vec<Service> {
-    let mut out = Vec::new();
-    for url in console.metrics() {
-        let shown = without_credentials(url);
-        let state = match scrape(url).await {
-            Ok(text) => Ok(read_metrics(console.scrapes(), url, &text)),
-            Err(e) => Err(e),
-        };
-        out.push(Service { shown, state });
+    let mut scrapes = tokio::task::JoinSet::new();
+    for (n, url) in console.metrics().iter().enumerate() {
+        let url = url.clone();
+        scrapes.spawn(async move { (n, scrape(&url).await) });
     }
-    out
+    let mut answers: Vec<(usize, Result<String, String>)> = scrapes.join_all().await;
+    answers.sort_by_key(|(n, _)| *n);
+    answers
+        .into_iter()
+        .map(|(n, answer)| {
+            let url = &console.metrics()[n];
+            Service {
+                shown: shown_url(url),
+                state: answer.map(|text| read_metrics(console.scrapes(), url, &text)),
+            }
+        })
+        .collect()
 }
 
-/// A URL as a page may show it: no `user:password@`.
-fn without_credentials(url: &str) -> String {
-    match url.split_once("://") {
-        Some((scheme, rest)) => {
-            let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
-            let host = authority
-                .rsplit_once('@')
-                .map_or(authority, |(_, host)| host);
-            format!("{scheme}://{host}{path}")
-        }
-        None => url.to_owned(),
-    }
+/// A URL as a page may show it: scheme, host, port and path; never its
+/// credentials (whatever they hold, `/` included: everything up to the
+/// last `@` goes) or its query (which may hold a token).
+fn shown_url(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("http", url));
+    let before_query = rest.split(['?', '#']).next().unwrap_or("");
+    let from_host = before_query
+        .rfind('@')
+        .map_or(before_query, |at| &before_query[at + 1..]);
+    format!("{scheme}://{from_host}")
 }
 
 /// GETs a metrics endpoint (`http://host:port/path`).
@@ -581,8 +587,19 @@ mod tests {
             assignment(&bytes).is_empty(),
             "cut short: nothing, no panic"
         );
+        for url in [
+            "http://user:secret@host:9464/metrics",
+            "http://host:9464/metrics?token=secret",
+            "http://user:se/cret@host:9464/metrics",
+        ] {
+            let shown = shown_url(url);
+            assert!(
+                !shown.contains("secret") && !shown.contains("cret"),
+                "{url}: {shown}"
+            );
+        }
         assert_eq!(
-            without_credentials("http://user:secret@host:9464/metrics"),
+            shown_url("http://a:b@host:9464/metrics?t=1"),
             "http://host:9464/metrics"
         );
     }

@@ -11,8 +11,8 @@ use crate::time::{human_seconds, rfc3339};
 /// The stylesheet: plain CSS, readable on a laptop and a phone.
 const CSS: &str = include_str!("console.css");
 
-/// The overview's refresh, and the confirmation of forms that change
-/// things. Vendored: nothing is fetched from elsewhere.
+/// The overview's refresh, and forms that change something sent once.
+/// Vendored: nothing is fetched from elsewhere.
 const JS: &str = include_str!("console.js");
 
 /// `/assets/...`.
@@ -128,7 +128,8 @@ pub(crate) async fn claims(console: &Console, asked: &Asked) -> Answer {
         .query
         .all("key")
         .into_iter()
-        .map(str::trim)
+        // As given: an id with a space is another id (an empty field is
+        // one left blank, not a part).
         .filter(|k| !k.is_empty())
         .map(str::to_owned)
         .collect();
@@ -282,6 +283,24 @@ pub(crate) async fn release(console: &Console, asked: &Asked) -> Answer {
             ),
         );
     }
+    // The claim confirmed is the one released: taken again since (it
+    // expired and another delivery claimed it), it is another claim.
+    let taken_at = record
+        .as_ref()
+        .map(|r| rfc3339(r.claimed_at))
+        .unwrap_or_default();
+    if asked.form.get("confirm") == Some("yes")
+        && asked.form.get("claimed_at") != Some(taken_at.as_str())
+    {
+        return Answer::Page(
+            StatusCode::CONFLICT,
+            layout(
+                Some(console),
+                "Release a claim",
+                html! { p.warning { "The claim " code { (key) } " was taken again since you looked (claimed at " (taken_at) "): nothing was released. Look at it again." } (back) },
+            ),
+        );
+    }
     if asked.form.get("confirm") != Some("yes") {
         let body = html! {
             p.warning {
@@ -292,6 +311,7 @@ pub(crate) async fn release(console: &Console, asked: &Asked) -> Answer {
                 (csrf(console))
                 input type="hidden" name="scope" value=(scope);
                 @for part in &parts { input type="hidden" name="key" value=(part); }
+                input type="hidden" name="claimed_at" value=(taken_at);
                 input type="hidden" name="confirm" value="yes";
                 button.danger type="submit" { "Release the claim" }
                 " "

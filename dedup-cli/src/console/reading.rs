@@ -11,12 +11,12 @@ use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::message::{Headers as _, Message as _};
 
 use super::pages::{csrf, encode, failed, layout};
-use super::{Answer, Asked, Console, blocking, log_action};
+use super::{Answer, Asked, Console, blocking};
 use crate::claims::Claims;
-use crate::dlq::{DeadLetter, ReplayArgs, Selection, event_id, parse_key, preview};
+use crate::dlq::{DeadLetter, Pinned, ReplayArgs, Selection, event_id, parse_key, preview};
 use crate::kafka::{self, TIMEOUT};
 use crate::time::{human_seconds, rfc3339_millis};
-use crate::{Failure, Report as _};
+use crate::{Failure, KafkaArgs, Report as _};
 
 /// Dead letters on one page.
 const PAGE: usize = 50;
@@ -42,9 +42,11 @@ fn is_dead_letter_topic(name: &str) -> bool {
 }
 
 /// A consumer that reads and commits nothing (it never joins a group).
-fn reader(console: &Console) -> Result<BaseConsumer, Failure> {
+/// (It reads the settings file and starts a client: run it with
+/// [`blocking`].)
+pub(crate) fn reader(kafka: &KafkaArgs) -> Result<BaseConsumer, Failure> {
     let group = format!("dedup-console-{}", uuid::Uuid::new_v4().simple());
-    kafka::consumer(console.kafka(), &group)
+    kafka::consumer(kafka, &group)
 }
 
 /// A topic name as Kafka allows it, or none.
@@ -62,11 +64,9 @@ pub(crate) async fn topics(console: &Console, asked: &Asked) -> Answer {
     if let Some(topic) = asked.query.get("topic").filter(|t| valid_topic(t)) {
         return Answer::Redirect(format!("/dlq/{topic}"));
     }
-    let consumer = match reader(console) {
-        Ok(c) => c,
-        Err(e) => return failed(console, "Dead letters", &e),
-    };
+    let kafka = console.kafka().clone();
     let listed = blocking(move || {
+        let consumer = reader(&kafka)?;
         let metadata = consumer
             .fetch_metadata(None, TIMEOUT)
             .map_err(|e| kafka::unreachable_brokers(&e))?;
@@ -157,7 +157,10 @@ struct Window {
 
 /// Reads back from each partition's end (or from `before`) until a page
 /// of matches is found, the topic's start is reached or [`SCAN_LIMIT`]
-/// records were read.
+/// records were read. A page is the newest matches by time, each
+/// partition's in offset order (a partition is never reordered, whatever
+/// its producers' clocks say), so the next page starts below the oldest
+/// shown of each partition and repeats or skips nothing.
 fn newest(
     consumer: &BaseConsumer,
     topic: &str,
@@ -171,28 +174,53 @@ fn newest(
         .iter()
         .map(|&(p, low, high)| (p, before.get(&p).map_or(high, |&b| b.min(high)).max(low)))
         .collect();
-    let (mut matched, mut kinds, mut scanned, mut step) =
-        (Vec::new(), BTreeMap::new(), 0u64, FIRST_STEP);
+    // Per partition, its newest matches (at most a page, highest offset
+    // last), and above which offset a match was let go for the next page.
+    let mut kept: HashMap<i32, Vec<DeadLetter>> = HashMap::new();
+    let mut dropped: HashMap<i32, i64> = HashMap::new();
+    let (mut kinds, mut scanned, mut step) = (BTreeMap::new(), 0u64, FIRST_STEP);
     loop {
+        let found: usize = kept.values().map(Vec::len).sum();
         let ranges: HashMap<i32, (i64, i64)> = upper
             .iter()
             .filter(|&(p, &up)| up > lows[p])
             .map(|(&p, &up)| (p, ((up - step).max(lows[&p]), up)))
             .collect();
-        if ranges.is_empty() || matched.len() >= PAGE || scanned >= SCAN_LIMIT {
+        if ranges.is_empty() || found >= PAGE || scanned >= SCAN_LIMIT {
             break;
         }
-        for records in kafka::read_ranges(consumer, topic, &ranges)?.into_values() {
-            for msg in records {
-                let letter = DeadLetter::parse(msg);
-                scanned += 1;
-                *kinds
-                    .entry(letter.kind.clone().unwrap_or_else(|| "(none)".to_owned()))
-                    .or_insert(0) += 1;
-                if filter.matches(&letter) {
-                    matched.push(letter);
+        // This step's matches: each partition's last (newest) PAGE.
+        let mut step_matches: HashMap<i32, std::collections::VecDeque<DeadLetter>> = HashMap::new();
+        kafka::visit_ranges(consumer, topic, &ranges, |msg| {
+            let letter = DeadLetter::parse(msg);
+            scanned += 1;
+            *kinds
+                .entry(letter.kind.clone().unwrap_or_else(|| "(none)".to_owned()))
+                .or_insert(0) += 1;
+            if filter.matches(&letter) {
+                let p = letter.msg.partition();
+                let run = step_matches.entry(p).or_default();
+                run.push_back(letter);
+                if run.len() > PAGE {
+                    let gone = run.pop_front().expect("longer than a page");
+                    let at = dropped.entry(p).or_insert(i64::MIN);
+                    *at = (*at).max(gone.msg.offset() + 1);
                 }
             }
+        })?;
+        // Older than what is kept: kept only while a partition has less
+        // than a page.
+        for (p, run) in step_matches {
+            let have = kept.entry(p).or_default();
+            let room = PAGE.saturating_sub(have.len());
+            let mut run: Vec<DeadLetter> = run.into_iter().collect();
+            let cut = run.len().saturating_sub(room);
+            for gone in run.drain(..cut) {
+                let at = dropped.entry(p).or_insert(i64::MIN);
+                *at = (*at).max(gone.msg.offset() + 1);
+            }
+            run.append(have);
+            *have = run;
         }
         // Read down to each range's start (records or not: markers,
         // compacted offsets).
@@ -201,29 +229,36 @@ fn newest(
         }
         step = (step * 2).min(MAX_STEP);
     }
-    matched.sort_by(|a, b| {
-        b.millis()
-            .cmp(&a.millis())
-            .then(a.msg.partition().cmp(&b.msg.partition()))
-            .then(b.msg.offset().cmp(&a.msg.offset()))
-    });
-    let unshown = matched.split_off(matched.len().min(PAGE));
-    let exhausted = upper.iter().all(|(p, &up)| up <= lows[p]);
-    // The next page: from below what was read, except where a match was
-    // left for it (from just above that one).
-    let next = (!unshown.is_empty() || !exhausted).then(|| {
+    // The page: repeatedly the newest head among the partitions.
+    let mut letters = Vec::new();
+    while letters.len() < PAGE {
+        let Some((&p, _)) = kept
+            .iter()
+            .filter_map(|(p, run)| run.last().map(|l| (p, l)))
+            .max_by(|(pa, a), (pb, b)| a.millis().cmp(&b.millis()).then(pb.cmp(pa)))
+        else {
+            break;
+        };
+        letters.push(kept.get_mut(&p).and_then(Vec::pop).expect("a head"));
+    }
+    // The next page: below what was read, except where a match was left
+    // for it (from just above the newest of those).
+    for (p, run) in &kept {
+        if let Some(newest_left) = run.last() {
+            let at = dropped.entry(*p).or_insert(i64::MIN);
+            *at = (*at).max(newest_left.msg.offset() + 1);
+        }
+    }
+    let exhausted = upper.iter().all(|(p, &up)| up <= lows[p]) && dropped.is_empty();
+    let next = (!exhausted).then(|| {
         let mut next = upper.clone();
-        for letter in &unshown {
-            let at = letter.msg.offset() + 1;
-            let p = letter.msg.partition();
-            if next.get(&p).is_none_or(|&n| n < at) {
-                next.insert(p, at);
-            }
+        for (p, at) in dropped {
+            next.insert(p, at.max(next[&p]));
         }
         next
     });
     Ok(Window {
-        letters: matched,
+        letters,
         scanned,
         kinds,
         total,
@@ -262,13 +297,11 @@ pub(crate) async fn topic(console: &Console, topic: &str, asked: &Asked) -> Answ
         search: asked.query.get("q").map(str::to_owned),
     };
     let before = cursor(asked.query.get("before"));
-    let consumer = match reader(console) {
-        Ok(c) => c,
-        Err(e) => return failed(console, topic, &e),
-    };
+    let kafka = console.kafka().clone();
     let name = topic.to_owned();
     let started = std::time::Instant::now();
     let read = blocking(move || {
+        let consumer = reader(&kafka)?;
         let filter = filter;
         let window = newest(&consumer, &name, &filter, &before)?;
         Ok((window, filter))
@@ -292,20 +325,11 @@ pub(crate) async fn topic(console: &Console, topic: &str, asked: &Asked) -> Answ
         }
         url
     };
-    let handlers: BTreeMap<&str, usize> = window
-        .letters
-        .iter()
-        .filter_map(|l| l.handler.as_deref())
-        .fold(BTreeMap::new(), |mut m, h| {
-            *m.entry(h).or_insert(0) += 1;
-            m
-        });
     let older = window.next.as_ref().map(|next| {
         let url = with(filter.kind.as_deref());
         let sep = if url.contains('?') { '&' } else { '?' };
         format!("{url}{sep}before={}", cursor_text(next))
     });
-    let likely_scope = handlers.iter().max_by_key(|(_, n)| **n).map(|(h, _)| *h);
     let body = html! {
         p {
             (window.total) " records in the topic. "
@@ -354,7 +378,7 @@ pub(crate) async fn topic(console: &Console, topic: &str, asked: &Asked) -> Answ
             p { a id="older" href=(older) { "Older →" } }
         }
         @if !console.read_only() {
-            (replay_form(console, topic, &filter, likely_scope))
+            (replay_form(console, topic, &filter))
         }
     };
     Answer::Page(StatusCode::OK, layout(Some(console), topic, body))
@@ -372,24 +396,32 @@ fn shorten(text: &str, max: usize) -> String {
     format!("{}…", &text[..end])
 }
 
-fn replay_form(console: &Console, topic: &str, filter: &Filter, scope: Option<&str>) -> Markup {
+fn replay_form(console: &Console, topic: &str, filter: &Filter) -> Markup {
+    // "(none)" is how a page names letters without a kind; no replay
+    // selects it.
+    let kind = filter
+        .kind
+        .as_deref()
+        .filter(|k| *k != "(none)")
+        .unwrap_or("");
     html! {
         section.card {
             h2 { "Replay" }
             p.hint {
                 "Sends dead letters back to their original topics, once per original message, as "
                 code { "dedup dlq replay" } " does. You see a dry run first."
-                @if console.db().is_some() { " With a scope and a key, events that already hold a live claim are left out (applied through another copy)." }
+                @if console.db().is_some() { " With a key, events that already hold a live claim (in the scope given, or in each dead letter's own handler's) are left out: applied through another copy." }
             }
             form method="post" action={ "/dlq/" (topic) "/replay" } {
                 (csrf(console))
-                label { "Kind " input name="kind" value=(filter.kind.as_deref().unwrap_or("")) placeholder="any"; }
+                label { "Kind " input name="kind" value=(kind) placeholder="any"; }
                 label { "Original partition " input name="partition" inputmode="numeric" placeholder="any" size="4"; }
                 label { "Dead-lettered within " input name="since" placeholder="e.g. 2h" size="6"; }
                 @if console.db().is_some() {
-                    label { "Handler scope " input name="scope" value=(scope.unwrap_or("")) size="40"; }
+                    label { "Handler scope " input name="scope" placeholder="each letter's dedup.handler" size="40"; }
                     label { "Key " input name="key" value=(console.key()) size="20"; }
                 }
+                label.check { input type="checkbox" name="skip_invalid" value="yes"; " leave out records whose dedup headers cannot be read" }
                 button type="submit" { "Dry run" }
             }
         }
@@ -407,12 +439,10 @@ pub(crate) async fn letter(
     if !valid_topic(topic) {
         return super::not_found(console);
     }
-    let consumer = match reader(console) {
-        Ok(c) => c,
-        Err(e) => return failed(console, topic, &e),
-    };
+    let kafka = console.kafka().clone();
     let name = topic.to_owned();
     let read = blocking(move || {
+        let consumer = reader(&kafka)?;
         let marks = kafka::watermarks(&consumer, &name)?;
         let Some(&(_, low, high)) = marks.iter().find(|(p, _, _)| *p == partition) else {
             return Ok(None);
@@ -598,17 +628,32 @@ pub(crate) async fn replay(console: &Console, topic: &str, asked: &Asked) -> Ans
             );
         }
     };
-    let check_claims = match (console.db(), form.get("scope"), form.get("key")) {
-        (Some(_), Some(scope), Some(key)) => Some((scope.to_owned(), key.to_owned())),
+    // With a database and a key, claims are checked: in the scope given,
+    // or each letter's own handler's.
+    let check_claims = match (console.db(), form.get("key")) {
+        (Some(_), Some(key)) => Some((form.get("scope").map(str::to_owned), key.to_owned())),
         _ => None,
+    };
+    let confirmed = form.get("confirm") == Some("yes");
+    let pinned = match (confirmed, form.get("pinned").map(Pinned::parse)) {
+        (false, _) => None,
+        (true, Some(Some(pinned))) => Some(pinned),
+        (true, _) => {
+            return failed(
+                console,
+                "Replay",
+                &Failure::new("a replay is confirmed after its dry run: run the dry run again"),
+            );
+        }
     };
     let selection = Selection {
         kind: form.get("kind").map(str::to_owned),
         partition,
         since,
         check_claims: check_claims.clone(),
+        skip_invalid: form.get("skip_invalid") == Some("yes"),
+        pinned,
     };
-    let confirmed = form.get("confirm") == Some("yes");
     let args = ReplayArgs::chosen(
         console.kafka().clone(),
         topic.to_owned(),
@@ -616,34 +661,70 @@ pub(crate) async fn replay(console: &Console, topic: &str, asked: &Asked) -> Ans
         console.db(),
         !confirmed,
     );
-    let report = match crate::dlq::replay(&args).await {
-        Ok(report) => report.json(),
+    let what = format!(
+        "dead letters of {topic} (kind {}, original partition {}, within {}, claims {}{})",
+        form.get("kind").unwrap_or("any"),
+        form.get("partition").unwrap_or("any"),
+        form.get("since").unwrap_or("any"),
+        check_claims
+            .as_ref()
+            .map_or("not checked".to_owned(), |(scope, key)| format!(
+                "checked by {key} in {}",
+                scope.as_deref().unwrap_or("each letter's handler's scope")
+            )),
+        if form.get("skip_invalid") == Some("yes") {
+            ", unreadable headers left out"
+        } else {
+            ""
+        },
+    );
+    let outcome = if confirmed {
+        // One replay at a time; a second confirmation of the same dry run
+        // then finds the first one's work done, and sends nothing.
+        let turn = console.replaying().clone().lock_owned().await;
+        super::log_action(asked, &format!("replay of {what} started"));
+        let (asked_at, remote) = (asked.path.join("/"), asked.remote);
+        // Detached from the request: a browser that goes away does not
+        // stop a replay between sending and committing.
+        let runtime = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || {
+            let _turn = turn;
+            let outcome = runtime.block_on(crate::dlq::replay(&args));
+            let said = match &outcome {
+                Ok(report) => {
+                    let json = report.json();
+                    let n = |name: &str| json[name].as_u64().unwrap_or(0);
+                    format!(
+                        "replayed {} {what}: skipped {} applied, {} copies, {} truncated, {} \
+                         invalid, {} filtered, {} replayed earlier",
+                        n("replayed"),
+                        n("skipped_applied"),
+                        n("skipped_copies"),
+                        n("skipped_truncated"),
+                        n("skipped_invalid"),
+                        n("skipped_filtered"),
+                        n("already_replayed"),
+                    )
+                }
+                Err(e) => format!("replay of {what} failed: {e}"),
+            };
+            super::log(&asked_at, remote, &said);
+            outcome
+        })
+        .await
+        .unwrap_or_else(|e| Err(Failure::new(format!("the replay failed: {e}"))))
+    } else {
+        // Off the server's threads: a replay's Kafka calls block.
+        let runtime = tokio::runtime::Handle::current();
+        tokio::task::spawn_blocking(move || runtime.block_on(crate::dlq::replay(&args)))
+            .await
+            .unwrap_or_else(|e| Err(Failure::new(format!("the dry run failed: {e}"))))
+    };
+    let (report, pinned) = match outcome {
+        Ok(report) => (report.json(), report.pinned.text()),
         Err(e) => return failed(console, "Replay", &e),
     };
     let count = |name: &str| report[name].as_u64().unwrap_or(0);
-    if confirmed {
-        log_action(
-            asked,
-            &format!(
-                "replayed {} dead letters of {topic} (kind {}, partition {}, within {}, claims {}): \
-                 skipped {} applied, {} copies, {} truncated, {} filtered, {} replayed earlier",
-                count("replayed"),
-                form.get("kind").unwrap_or("any"),
-                form.get("partition").unwrap_or("any"),
-                form.get("since").unwrap_or("any"),
-                check_claims
-                    .as_ref()
-                    .map_or("not checked".to_owned(), |(s, k)| format!(
-                        "checked in {s} by {k}"
-                    )),
-                count("skipped_applied"),
-                count("skipped_copies"),
-                count("skipped_truncated"),
-                count("skipped_filtered"),
-                count("already_replayed"),
-            ),
-        );
-    }
     let lines: Vec<&str> = report["records"]
         .as_array()
         .map(|a| a.iter().filter_map(|l| l.as_str()).collect())
@@ -679,9 +760,10 @@ pub(crate) async fn replay(console: &Console, topic: &str, asked: &Asked) -> Ans
         @if !confirmed && count("would_replay") > 0 {
             form method="post" action={ "/dlq/" (topic) "/replay" } {
                 (csrf(console))
-                @for name in ["kind", "partition", "since", "scope", "key"] {
+                @for name in ["kind", "partition", "since", "scope", "key", "skip_invalid"] {
                     @if let Some(value) = form.get(name) { input type="hidden" name=(name) value=(value); }
                 }
+                input type="hidden" name="pinned" value=(pinned);
                 input type="hidden" name="confirm" value="yes";
                 button.danger type="submit" { "Replay " (count("would_replay")) " dead letters" }
                 " " a href={ "/dlq/" (topic) } { "Cancel" }

@@ -105,7 +105,14 @@ fn read(
     let consumer = kafka::consumer(kafka, group)?;
     let mut ranges = HashMap::new();
     for (p, low, high) in kafka::watermarks(&consumer, topic)? {
-        let end = until.map_or(high, |until| until.get(&p).map_or(low, |&e| e.min(high)));
+        // A partition the earlier read did not see is left for a later one.
+        let end = match until {
+            None => high,
+            Some(until) => match until.get(&p) {
+                Some(&end) => end.min(high),
+                None => continue,
+            },
+        };
         ranges.insert(p, (low, end.max(low)));
     }
     let ends = ranges.iter().map(|(&p, &(_, end))| (p, end)).collect();
@@ -616,7 +623,9 @@ pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
         )));
     }
     let committed: HashMap<i32, i64> = committed.into_iter().map(|(p, (o, _))| (p, o)).collect();
-    let mut plan = plan(&letters, &committed, args)?;
+    // One clock for the plan and for what a confirmation repeats.
+    let now = args.pinned.as_ref().map_or_else(now_ms, |p| p.now_ms);
+    let mut plan = plan(&letters, &committed, args, now)?;
     if let Some(claims) = &claims {
         for (letter, decision) in letters.iter().zip(plan.iter_mut()) {
             // A reused id's live claim is another event's: it says nothing
@@ -624,7 +633,11 @@ pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
             // console), each letter's own handler's.
             if *decision == Decision::Replay
                 && letter.kind.as_deref() != Some("fingerprint_mismatch")
-                && let Some(scope) = args.scope.as_deref().or(letter.handler.as_deref())
+                && let Some(scope) = args
+                    .scope
+                    .as_deref()
+                    .or(letter.handler.as_deref())
+                    .filter(|s| !s.is_empty())
                 && let Some(id) = event_id(letter, &key_parts)
                 && claims.is_live(&Claims::key(scope, &id)?).await?
             {
@@ -661,7 +674,7 @@ pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
         lines: Vec::new(),
         pinned: Pinned {
             ends,
-            now_ms: args.pinned.as_ref().map_or_else(now_ms, |p| p.now_ms),
+            now_ms: now,
             plan: 0,
         },
     };
@@ -738,8 +751,8 @@ fn plan(
     letters: &[DeadLetter],
     committed: &HashMap<i32, i64>,
     args: &ReplayArgs,
+    now_ms: i64,
 ) -> Result<Vec<Decision>, Failure> {
-    let now_ms = args.pinned.as_ref().map_or_else(now_ms, |p| p.now_ms);
     let filtered = |letter: &DeadLetter| {
         args.kind
             .as_ref()

@@ -689,7 +689,11 @@ pub(crate) async fn replay(console: &Console, topic: &str, asked: &Asked) -> Ans
         let runtime = tokio::runtime::Handle::current();
         tokio::task::spawn_blocking(move || {
             let _turn = turn;
-            let outcome = runtime.block_on(crate::dlq::replay(&args));
+            // A panic is logged too, then ends the request as a failure.
+            let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                runtime.block_on(crate::dlq::replay(&args))
+            }))
+            .unwrap_or_else(|_| Err(Failure::new("the replay panicked (see the log)")));
             let said = match &outcome {
                 Ok(report) => {
                     let json = report.json();

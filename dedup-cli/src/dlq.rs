@@ -103,27 +103,8 @@ fn read(
     until: Option<&HashMap<i32, i64>>,
 ) -> Result<Read, Failure> {
     let consumer = kafka::consumer(kafka, group)?;
-    let mut ranges = HashMap::new();
-    for (p, low, high) in kafka::watermarks(&consumer, topic)? {
-        // A partition the earlier read did not see is left for a later one.
-        let end = match until {
-            None => high,
-            Some(until) => match until.get(&p) {
-                Some(&end) => end.min(high),
-                None => continue,
-            },
-        };
-        ranges.insert(p, (low, end.max(low)));
-    }
-    let ends = ranges.iter().map(|(&p, &(_, end))| (p, end)).collect();
-    let mut by_partition = kafka::read_ranges(&consumer, topic, &ranges)?;
-    let mut partitions: Vec<i32> = ranges.into_keys().collect();
-    partitions.sort_unstable();
-    let letters = partitions
-        .iter()
-        .flat_map(|p| by_partition.remove(p).unwrap_or_default())
-        .map(DeadLetter::parse)
-        .collect();
+    let (records, ends) = kafka::read_between(&consumer, topic, &HashMap::new(), until)?;
+    let letters = records.into_iter().map(DeadLetter::parse).collect();
     Ok(Read {
         letters,
         consumer,

@@ -121,17 +121,41 @@ pub(crate) fn read_to_end_from(
     topic: &str,
     from: &HashMap<i32, i64>,
 ) -> Result<Vec<OwnedMessage>, Failure> {
+    Ok(read_between(consumer, topic, from, None)?.0)
+}
+
+/// Reads `topic`, each partition from its offset in `from` (its start
+/// where `from` has none) to its end as of now or, with `until`, to its
+/// offset there (a partition `until` lacks is not read): the records,
+/// partition by partition in offset order, and where each partition's
+/// read ended.
+pub(crate) fn read_between(
+    consumer: &BaseConsumer,
+    topic: &str,
+    from: &HashMap<i32, i64>,
+    until: Option<&HashMap<i32, i64>>,
+) -> Result<(Vec<OwnedMessage>, HashMap<i32, i64>), Failure> {
     let mut ranges = HashMap::new();
     for (p, low, high) in watermarks(consumer, topic)? {
-        ranges.insert(p, (from.get(&p).map_or(low, |&at| at.max(low)), high));
+        let start = from.get(&p).map_or(low, |&at| at.max(low));
+        let end = match until {
+            None => high,
+            Some(until) => match until.get(&p) {
+                Some(&end) => end.min(high),
+                None => continue,
+            },
+        };
+        ranges.insert(p, (start, end.max(start)));
     }
+    let ends = ranges.iter().map(|(&p, &(_, end))| (p, end)).collect();
     let mut by_partition = read_ranges(consumer, topic, &ranges)?;
     let mut partitions: Vec<i32> = ranges.into_keys().collect();
     partitions.sort_unstable();
-    Ok(partitions
+    let records = partitions
         .iter()
         .flat_map(|p| by_partition.remove(p).unwrap_or_default())
-        .collect())
+        .collect();
+    Ok((records, ends))
 }
 
 /// Each partition of `topic` with its low and high watermarks, in

@@ -520,3 +520,12 @@ pub fn records_in(topic: &str) -> i64 {
         })
         .sum()
 }
+
+/// A free port on loopback: the OS's pick, released for the caller (an
+/// example's `METRICS_ADDR`, a WebDriver).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port()
+}

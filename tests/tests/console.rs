@@ -7,6 +7,7 @@
 //! book's pictures come from that: `docs/src/console/`).
 
 use dedup_tests::common;
+use dedup_tests::common::free_port;
 
 use std::io::{BufRead as _, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -35,14 +36,6 @@ impl Drop for Killed {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-/// A free port on loopback (the OS's pick, released for the caller).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
 }
 
 /// `dedup console <args>` with the test's database and brokers; its

@@ -3,6 +3,7 @@
 //! PostgreSQL.
 
 use dedup_tests::common;
+use dedup_tests::common::free_port;
 
 use std::collections::BTreeSet;
 use std::io::{Read as _, Write as _};
@@ -24,14 +25,6 @@ use common::{
 #[idempotent(key = "event_id", ttl = "4h")]
 async fn record_payment(tx: &mut PgTx, ev: PaymentReceived) -> Result<(), sqlx::Error> {
     credit(tx, &ev).await
-}
-
-/// A free local port for an example's `METRICS_ADDR`.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
 }
 
 /// `GET path` on 127.0.0.1:`port`: the status and the body, or `None` while

@@ -484,10 +484,30 @@ impl<S: DedupStore> Consumer<S> {
             && !p.due_wait.load(Ordering::SeqCst)
             && p.queued.load(Ordering::SeqCst) <= low_water
             && p.paused.swap(false, Ordering::AcqRel)
-            && let Err(e) = self.shared.kafka.resume(&p.tpl())
         {
-            tracing::warn!(error = %e, "resuming a partition failed");
+            match self.shared.kafka.resume(&p.tpl()) {
+                Ok(()) => self.wake_fetcher(topic, partition),
+                Err(e) => tracing::warn!(error = %e, "resuming a partition failed"),
+            }
         }
+    }
+
+    /// Makes librdkafka fetch a resumed partition now. A resume does not
+    /// wake the thread that fetches from the partition's leader: with every
+    /// partition of that broker paused (a backlog fills every buffer) it
+    /// sleeps up to a second before it looks again, and each pause-resume
+    /// cycle of a full buffer then costs that second. A watermark query
+    /// goes to the same leader and wakes its thread; what it answers is not
+    /// used.
+    fn wake_fetcher(&self, topic: &str, partition: i32) {
+        let shared = self.shared.clone();
+        let topic = topic.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let _ =
+                shared
+                    .kafka
+                    .fetch_watermarks(&topic, partition, std::time::Duration::from_secs(1));
+        });
     }
 
     /// Pauses a retry tier's partition whose worker waits for its next

@@ -291,3 +291,36 @@ async fn a_tiny_buffer_pauses_and_resumes_without_stalling(pool: PgPool) {
     running.stop().await;
     assert_eq!(balance(&pool).await, 300);
 }
+
+/// A backlog fills the buffer of every partition, so every partition of
+/// the broker is paused at once; a resume must fetch again at once, not
+/// when librdkafka's idle fetcher next looks (up to a second: a resume does
+/// not wake it). 20,000 events through a buffer of 250 are 160 pause-resume
+/// cycles: over a minute before the runtime woke the fetcher, a few
+/// seconds after.
+#[sqlx::test(migrations = false)]
+async fn a_paused_partition_fetches_again_as_soon_as_it_resumes(pool: PgPool) {
+    const EVENTS: i64 = 20_000;
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let producer = producer();
+    let records = (0..EVENTS).map(|_| ("k".to_owned(), payment(uuid::Uuid::new_v4(), "a", 1)));
+    produce_all(&producer, &topic, records).await;
+    let started = Instant::now();
+    let running = start(
+        consumer(&store, &unique("g"))
+            .max_buffered_per_partition(250)
+            .handle(&topic, record_payment),
+    );
+    running
+        .wait_for("every event applied", |s| s.applied == EVENTS as u64)
+        .await;
+    let took = started.elapsed();
+    eprintln!("{EVENTS} events through a buffer of 250: {took:?}");
+    running.stop().await;
+    assert_eq!(balance(&pool).await, EVENTS);
+    assert!(
+        took < Duration::from_secs(30),
+        "160 pause-resume cycles took {took:?}: a resumed partition waited for the idle fetcher"
+    );
+}

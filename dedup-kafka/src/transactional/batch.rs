@@ -87,10 +87,15 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 Processed::Committed { taken, rest: left } => {
                     rest = &rest[taken..];
                     piece = left;
-                    // No transaction is open: the group sees the member.
+                    // No transaction is open: the group sees the member
+                    // before the next piece (after the last one, the batch
+                    // is over and the run loop polls next anyway: a poll
+                    // here would pause partitions for nothing).
                     with.busy.open();
-                    self.stats.polled();
-                    with.busy.poll(with.consumer).await;
+                    if !rest.is_empty() {
+                        self.stats.polled();
+                        with.busy.poll(with.consumer).await;
+                    }
                 }
                 Processed::Dropped => return Ok(()),
             }

@@ -23,6 +23,7 @@ use rdkafka::error::KafkaError;
 use rdkafka::message::Message as _;
 use rdkafka::producer::{FutureProducer, FutureRecord};
 
+use crate::consume::ConsumerChild;
 use crate::produce::Producer;
 use crate::workload::Workload;
 use crate::{Args, BoxError, Report, env_or, new_topic, watch_commits};
@@ -73,28 +74,11 @@ pub(crate) async fn run(mode: &str, args: &Args) -> Result<Report, BoxError> {
     let work = Workload::new(args.events, args.duplicates, 0);
     let topic = new_topic(&brokers, mode, args.partitions).await?;
     let output = new_topic(&brokers, &format!("{mode}-out"), args.partitions).await?;
-    OUTPUT.set(output.clone()).expect("set once");
     let group = format!("{topic}-g");
     let acks = Producer::spawn(&topic, args.events, args.duplicates, 0, None)?.finish()?;
     let total = work.len() as u64;
-    eprintln!(
-        "  {mode}: RSS before the consumer {:.1} MiB",
-        crate::rss_mib("VmRSS:")
-    );
     let started = Instant::now();
-    let plain_run = (mode == "kafka-plain").then(|| {
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(plain(
-            brokers.clone(),
-            topic.clone(),
-            group.clone(),
-            stopped,
-        ));
-        (stop, task)
-    });
-    let transactional = plain_run
-        .is_none()
-        .then(|| Transactional::spawn(&brokers, &topic, &group, args));
+    let mut consumer = ConsumerChild::spawn(mode, &topic, &group, Some(&output), args)?;
     let latencies = watch_commits(
         &brokers,
         &topic,
@@ -103,17 +87,11 @@ pub(crate) async fn run(mode: &str, args: &Args) -> Result<Report, BoxError> {
         total,
         &acks,
         started,
+        &mut consumer,
     )
     .await?;
-    let batches = match (plain_run, transactional) {
-        (Some((stop, task)), _) => {
-            let _ = stop.send(());
-            task.await??;
-            0
-        }
-        (None, Some(run)) => run.stop().await?.batches,
-        (None, None) => unreachable!("one of the two runs"),
-    };
+    let consumed = consumer.stop()?;
+    let batches = consumed.batches;
     let seconds = started.elapsed().as_secs_f64();
     let expected = if mode == "kafka-plain" {
         work.len()
@@ -127,7 +105,7 @@ pub(crate) async fn run(mode: &str, args: &Args) -> Result<Report, BoxError> {
             work.distinct,
             work.len() as f64 / seconds
         );
-        let restore = restore_time(&brokers, &topic, &group, args).await?;
+        let restore = restore_time(&brokers, &topic, &group, &output, args).await?;
         let mut report = Report::new(
             mode,
             work.distinct,
@@ -139,25 +117,36 @@ pub(crate) async fn run(mode: &str, args: &Args) -> Result<Report, BoxError> {
         report.events_per_s = 0.0;
         return Ok(report);
     }
-    Ok(Report::new(
+    let mut report = Report::new(
         mode,
         work.len(),
         seconds,
         latencies,
         (outputs, expected),
         batches,
-    ))
+    );
+    report.peak_rss_mib = consumed.peak_rss_mib;
+    Ok(report)
 }
 
 /// A transactional consumer of the benchmark's handler, in the background.
-struct Transactional {
+pub(crate) struct Transactional {
     stats: Arc<dedup_kafka::Stats>,
     stop: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<Result<dedup_kafka::StatsSnapshot, dedup_kafka::Error>>,
 }
 
 impl Transactional {
-    fn spawn(brokers: &str, topic: &str, group: &str, args: &Args) -> Self {
+    /// Starts it on `topic` as `group`, writing to `output`.
+    pub(crate) fn spawn(
+        brokers: &str,
+        topic: &str,
+        group: &str,
+        output: &str,
+        args: &Args,
+    ) -> Self {
+        // One output per process (the handler reads it from here).
+        let _ = OUTPUT.set(output.to_owned());
         let mut builder = TransactionalConsumer::builder(topic, enrich)
             .brokers(brokers)
             .group_id(group);
@@ -173,7 +162,7 @@ impl Transactional {
         Transactional { stats, stop, task }
     }
 
-    async fn stop(self) -> Result<dedup_kafka::StatsSnapshot, BoxError> {
+    pub(crate) async fn stop(self) -> Result<dedup_kafka::StatsSnapshot, BoxError> {
         let _ = self.stop.send(());
         Ok(self.task.await??)
     }
@@ -188,11 +177,12 @@ async fn restore_time(
     brokers: &str,
     topic: &str,
     group: &str,
+    output: &str,
     args: &Args,
 ) -> Result<f64, BoxError> {
     let empty = new_topic(brokers, "kafka-restore-empty", args.partitions).await?;
-    let baseline = first_applied(brokers, &empty, &format!("{empty}-g"), args).await?;
-    let full = first_applied(brokers, topic, group, args).await?;
+    let baseline = first_applied(brokers, &empty, &format!("{empty}-g"), output, args).await?;
+    let full = first_applied(brokers, topic, group, output, args).await?;
     eprintln!(
         "  kafka-restore: a new owner applied its first events {full:.2} s after its start with the claims to restore, {baseline:.2} s with none (restore ~{:.2} s); peak RSS {:.1} MiB",
         full - baseline,
@@ -207,6 +197,7 @@ async fn first_applied(
     brokers: &str,
     topic: &str,
     group: &str,
+    output: &str,
     args: &Args,
 ) -> Result<f64, BoxError> {
     let producer: FutureProducer = ClientConfig::new()
@@ -228,7 +219,7 @@ async fn first_applied(
             .map_err(|(e, _)| e)?;
     }
     let started = Instant::now();
-    let run = Transactional::spawn(brokers, topic, group, args);
+    let run = Transactional::spawn(brokers, topic, group, output, args);
     while run.stats.snapshot().applied < args.partitions as u64 {
         if started.elapsed() > Duration::from_secs(600) {
             return Err("no event applied within 10 min".into());
@@ -244,10 +235,11 @@ async fn first_applied(
 /// producer, store each offset once its output is acknowledged (in order
 /// per partition), librdkafka auto-committing them every 100 ms. At least
 /// once: a crash repeats what was produced after the last commit.
-async fn plain(
+pub(crate) async fn plain(
     brokers: String,
     topic: String,
     group: String,
+    output: String,
     mut stop: tokio::sync::oneshot::Receiver<()>,
 ) -> Result<(), BoxError> {
     let consumer: Arc<StreamConsumer> = Arc::new(
@@ -264,7 +256,6 @@ async fn plain(
         .set("bootstrap.servers", &brokers)
         .set("enable.idempotence", "true")
         .create()?;
-    let output = OUTPUT.get().expect("output topic set").clone();
     consumer.subscribe(&[&topic])?;
     let (acked, mut to_store) = tokio::sync::mpsc::unbounded_channel();
     let storer = {

@@ -1,9 +1,20 @@
 //! The dedup benchmark: the same workload through several pipelines, measured
 //! in one run on the machine's real Kafka and PostgreSQL.
 //!
-//! `cargo run --release -p dedup-bench -- [--events 200000] [--duplicates 0.1] [--partitions 6] [--json]`
+//! `cargo run --release -p dedup-bench -- [--quick] [--events 2000000] [--repeats 3] [--modes a,b] [--duplicates 0.1] [--partitions 6] [--json]`
 //!
-//! Modes (each in its own process, so its peak RSS is its own):
+//! Ratios that hold still: by default each mode runs 2,000,000 events
+//! (about 20-40 s here: a scheduler hiccup or the consumer's start moves a
+//! ratio by a point, not by twenty), the modes whose ratios are reported run
+//! interleaved and repeated (`--repeats`, 3: A B A B A B), and each ratio is
+//! the median of the rounds' ratios with its spread (min-max). `per-message`
+//! (a tenth of the events), `kafka-restore`, `batched-purge` and the steady
+//! modes run once, after the rounds. `--quick`: 200,000 events, one round,
+//! for development. `--modes a,b` runs only those.
+//!
+//! Modes (each in its own process; the consumer of a Kafka mode in a
+//! process of its own again, so a mode's peak RSS is its consumer's, not the
+//! benchmark's bookkeeping, which grows with the run):
 //! - `batched`: the default runtime (batches of 200 per partition, the
 //!   handler writing each batch's rows with one multi-row statement);
 //! - `batched-metrics`: the same with a Prometheus recorder installed and
@@ -47,6 +58,9 @@
 //! purger deletes a backlog of 500,000 expired claims beside it (in batches
 //! of 1,000 every 200 ms), to show purging does not stall the consumer.
 //!
+//! With `--full-table`, `batched` against `batched-full`: the same on a
+//! claims table holding `--claims` (10,000,000) live claims. See growth.rs.
+//!
 //! With `--outbox`, the transactional outbox instead (`--per-tx K`, default
 //! 10): the events are enqueued by 4 writers in transactions of K and
 //! published by the relay; the clock runs from the first enqueue until the
@@ -55,7 +69,8 @@
 //! `outbox-direct`: the same records sent straight with an idempotent
 //! producer (the limit). Each ends with a check that the topic holds every
 //! event exactly once, and reports the outbox table's size (sent rows are
-//! kept an hour, the default retention).
+//! kept an hour, the default retention; `--delete-sent`: deleted once
+//! published).
 //!
 //! With `--kafka-only`, Kafka-to-Kafka pipelines beside `batched`:
 //! `kafka-transactional` (the `TransactionalConsumer`: each distinct event's
@@ -93,6 +108,8 @@ use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::{Offset, TopicPartitionList};
 
+mod consume;
+mod growth;
 mod kafka_only;
 mod keyed;
 mod outbox;
@@ -267,11 +284,37 @@ struct Args {
     dump: Option<String>,
     /// Internal: produce the workload to this topic and report the acks.
     produce_to: Option<String>,
+    /// Internal: run this mode's consumer (`--topic`, `--group`,
+    /// `--output`) until stdin closes (see consume.rs).
+    consume: Option<String>,
+    topic: Option<String>,
+    group: Option<String>,
+    output: Option<String>,
+    /// The modes to run (`--modes a,b`; default: the suite's).
+    modes: Option<Vec<String>>,
+    /// Rounds of the modes whose ratios are reported (`--repeats`).
+    repeats: usize,
+    /// `--quick`: 200,000 events and one round, for development.
+    quick: bool,
+    /// `batched-full`: live claims in its table before each run.
+    claims: i64,
+    /// `--full-table`: `batched` against `batched-full`.
+    full_table: bool,
+    /// `--delete-sent`: the outbox modes with `Retention::Delete`.
+    delete_sent: bool,
 }
 
+/// Events per mode by default: enough for a mode to run about 20 s or
+/// more on this machine, so a scheduler hiccup or the consumer's start
+/// moves a ratio by a point, not by twenty.
+const EVENTS: usize = 2_000_000;
+/// Events per mode with `--quick`.
+const QUICK_EVENTS: usize = 200_000;
+
 fn args() -> Result<Args, String> {
+    let mut events = None;
     let mut a = Args {
-        events: 200_000,
+        events: EVENTS,
         duplicates: 0.1,
         partitions: 6,
         json: false,
@@ -291,12 +334,39 @@ fn args() -> Result<Args, String> {
         linger: None,
         produce_to: None,
         dump: None,
+        consume: None,
+        topic: None,
+        group: None,
+        output: None,
+        modes: None,
+        repeats: 3,
+        quick: false,
+        claims: 10_000_000,
+        full_table: false,
+        delete_sent: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or_else(|| format!("{flag} needs a value"));
         match flag.as_str() {
-            "--events" => a.events = value()?.parse().map_err(|e| format!("--events: {e}"))?,
+            "--events" => events = Some(value()?.parse().map_err(|e| format!("--events: {e}"))?),
+            "--quick" => a.quick = true,
+            "--full-table" => a.full_table = true,
+            "--delete-sent" => a.delete_sent = true,
+            "--claims" => a.claims = value()?.parse().map_err(|e| format!("--claims: {e}"))?,
+            "--repeats" => {
+                a.repeats = value()?
+                    .parse::<usize>()
+                    .map_err(|e| format!("--repeats: {e}"))?
+                    .max(1)
+            }
+            "--modes" => {
+                a.modes = Some(value()?.split(',').map(str::to_owned).collect());
+            }
+            "--consume" => a.consume = Some(value()?),
+            "--topic" => a.topic = Some(value()?),
+            "--group" => a.group = Some(value()?),
+            "--output" => a.output = Some(value()?),
             "--duplicates" => {
                 a.duplicates = value()?.parse().map_err(|e| format!("--duplicates: {e}"))?
             }
@@ -343,13 +413,23 @@ fn args() -> Result<Args, String> {
             "--dump" => a.dump = Some(value()?),
             other => {
                 return Err(format!(
-                    "unknown flag {other}; flags: --events --duplicates --partitions --json --purge \
-                     --outbox --kafka-only --keyed --tiers --per-tx --relay-batch --mode --rate --seconds --set key=value \
+                    "unknown flag {other}; flags: --events --quick --repeats --modes a,b --duplicates --partitions --json --purge \
+                     --outbox --delete-sent --kafka-only --full-table --claims n --keyed --tiers --per-tx --relay-batch --mode --rate --seconds --set key=value \
                      --max-buffered --linger ms --dump file (with --mode steady or steady-purge)"
                 ));
             }
         }
     }
+    if a.quick {
+        a.repeats = 1;
+    }
+    // --keyed and --tiers measure for a fixed time; their backlog need
+    // not be long.
+    a.events = events.unwrap_or(if a.quick || a.keyed || a.tiers {
+        QUICK_EVENTS
+    } else {
+        EVENTS
+    });
     Ok(a)
 }
 
@@ -457,6 +537,20 @@ async fn reset_table(pool: &sqlx::PgPool) -> Result<(), BoxError> {
     Ok(())
 }
 
+/// Writes out what the modes before left dirty in PostgreSQL's buffers
+/// (a `batched-full` run leaves gigabytes), so that a run does not pay for
+/// the one before it: a `CHECKPOINT` before the clock starts. It needs
+/// superuser or the `pg_checkpoint` role; without it the run goes on, and
+/// says so.
+async fn checkpoint(pool: &sqlx::PgPool) {
+    if let Err(e) = sqlx::query("CHECKPOINT").execute(pool).await {
+        eprintln!(
+            "  no CHECKPOINT before the run ({e}): a run may pay for the one before it \
+             (GRANT pg_checkpoint TO the benchmark's user)"
+        );
+    }
+}
+
 async fn rows(pool: &sqlx::PgPool) -> Result<i64, BoxError> {
     Ok(sqlx::query_scalar("SELECT count(*) FROM bench_effects")
         .fetch_one(pool)
@@ -499,11 +593,24 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
     let brokers = env_or("KAFKA_BROKERS", "127.0.0.1:9092");
     let store = PgStore::connect_with(
         &std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL must be set")?,
-        dedup_postgres::PgConfig::default().with_max_connections(20),
+        growth::config(mode),
     )
     .await?;
     store.migrate().await?;
     reset_table(store.pool()).await?;
+    let full = if mode == "batched-full" {
+        let (heap, indexes) = growth::prepare(&store, args.claims).await?;
+        eprintln!(
+            "  batched-full: {} live claims before the run: heap {:.0} MiB, indexes {:.0} MiB ({:.0} bytes per claim)",
+            args.claims,
+            heap as f64 / 1048576.0,
+            indexes as f64 / 1048576.0,
+            (heap + indexes) as f64 / args.claims.max(1) as f64
+        );
+        true
+    } else {
+        false
+    };
     // batched-purge: a backlog of expired claims for the purger to delete
     // while the consumer runs at full speed.
     let expired_backlog: i64 = if mode == "batched-purge" { 500_000 } else { 0 };
@@ -587,13 +694,9 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
     // this machine's producer would otherwise bound every mode; and not in
     // this process, whose peak RSS is the consumer's).
     let acks = Producer::spawn(&topic, args.events, args.duplicates, 0, None)?.finish()?;
+    checkpoint(store.pool()).await;
 
-    eprintln!(
-        "  {mode}: RSS before the consumer {:.1} MiB",
-        rss_mib("VmRSS:")
-    );
     let started = Instant::now();
-    let batch_size = if mode == "per-message" { 1 } else { 200 };
     let purger = (expired_backlog > 0).then(|| {
         store.spawn_purger(
             dedup_core::PurgeConfig::default()
@@ -601,20 +704,7 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
                 .with_batch_size(1000),
         )
     });
-    let consumer = match mode {
-        "no-dedup" => ConsumerRun::spawn(
-            configure(NoDedup(store.clone()), args, &brokers, &group, batch_size)
-                .handle(&topic, record_payments),
-        ),
-        "per-event-body" => ConsumerRun::spawn(
-            configure(store.clone(), args, &brokers, &group, batch_size)
-                .handle(&topic, record_payment),
-        ),
-        _ => ConsumerRun::spawn(
-            configure(store.clone(), args, &brokers, &group, batch_size)
-                .handle(&topic, record_payments),
-        ),
-    };
+    let mut consumer = consume::ConsumerChild::spawn(mode, &topic, &group, None, args)?;
     let latencies = watch_commits(
         &brokers,
         &topic,
@@ -623,11 +713,11 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
         total,
         &acks,
         started,
+        &mut consumer,
     )
     .await?;
     let seconds = started.elapsed().as_secs_f64();
-    let stats = consumer.stats.snapshot();
-    consumer.stop().await;
+    let consumed = consumer.stop()?;
     if let Some(purger) = purger {
         purger.stop().await;
         let left: i64 =
@@ -640,19 +730,27 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
         );
     }
     let applied = rows(store.pool()).await?;
-    Ok(Report::new(
+    let mut report = Report::new(
         mode,
         events,
         seconds,
         latencies,
         (applied, expected),
-        stats.batches,
-    ))
+        consumed.batches,
+    );
+    report.peak_rss_mib = consumed.peak_rss_mib;
+    if full {
+        let (heap, indexes) = growth::size(&store).await?;
+        report.table_mib = Some((heap + indexes) as f64 / 1048576.0);
+    }
+    Ok(report)
 }
 
 /// Polls `group`'s committed offsets of `topic` every 20 ms until `total`
 /// messages are behind them, and returns each message's latency (ms): from
-/// its produce acknowledgement to an offset past it being committed.
+/// its produce acknowledgement to an offset past it being committed. An
+/// error as soon as `consumer` has stopped.
+#[allow(clippy::too_many_arguments)]
 async fn watch_commits(
     brokers: &str,
     topic: &str,
@@ -661,6 +759,7 @@ async fn watch_commits(
     total: u64,
     acks: &produce::Acks,
     started: Instant,
+    consumer: &mut consume::ConsumerChild,
 ) -> Result<Vec<f64>, BoxError> {
     let watcher: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
@@ -675,6 +774,7 @@ async fn watch_commits(
     let mut done = 0u64;
     while done < total {
         tokio::time::sleep(Duration::from_millis(20)).await;
+        consumer.check()?;
         let mut tpl = TopicPartitionList::new();
         for p in 0..partitions {
             tpl.add_partition(topic, p);
@@ -799,6 +899,149 @@ impl ConsumerRun {
     }
 }
 
+/// Passes the consumer settings of `args` (`--set`, `--linger`,
+/// `--max-buffered`, the workload's shape) on to a child of this program.
+fn forward_consumer_settings(command: &mut Command, args: &Args) {
+    command
+        .args(["--duplicates", &args.duplicates.to_string()])
+        .args(["--partitions", &args.partitions.to_string()]);
+    for (k, v) in &args.settings {
+        command.args(["--set", &format!("{k}={v}")]);
+    }
+    if let Some(ms) = args.linger {
+        command.args(["--linger", &ms.to_string()]);
+    }
+    if let Some(n) = args.max_buffered {
+        command.args(["--max-buffered", &n.to_string()]);
+    }
+}
+
+/// Modes run once however many rounds: latency at a fixed rate, a restore,
+/// a purge beside the consumer, and per-message (its ratio is 10x and more,
+/// and at its rate a repeat would take minutes).
+fn runs_once(mode: &str) -> bool {
+    mode.starts_with("steady")
+        || mode == "kafka-restore"
+        || mode == "batched-purge"
+        || mode == "per-message"
+}
+
+/// Events for a mode: `per-message` runs a tenth of the workload (at its
+/// rate that still lasts longer than the others).
+fn events_for(mode: &str, args: &Args) -> usize {
+    if mode == "per-message" {
+        (args.events / 10).max(1)
+    } else {
+        args.events
+    }
+}
+
+/// Runs `mode` in a child process and returns its report.
+fn run_child(mode: &str, args: &Args, rate: Option<f64>) -> Result<Report, BoxError> {
+    let mut command = Command::new(std::env::current_exe()?);
+    command
+        .args([
+            "--mode",
+            mode,
+            "--events",
+            &events_for(mode, args).to_string(),
+        ])
+        .args(["--per-tx", &args.per_tx.to_string()])
+        .args(["--relay-batch", &args.relay_batch.to_string()])
+        .args(["--seconds", &args.seconds.to_string()])
+        .args(["--claims", &args.claims.to_string()]);
+    if args.delete_sent {
+        command.arg("--delete-sent");
+    }
+    forward_consumer_settings(&mut command, args);
+    if let Some(rate) = rate {
+        command.args(["--rate", &format!("{rate:.0}")]);
+    }
+    let out = command.stderr(std::process::Stdio::inherit()).output()?;
+    if !out.status.success() {
+        return Err(format!("mode {mode} failed").into());
+    }
+    let line = String::from_utf8_lossy(&out.stdout);
+    Ok(serde_json::from_str(
+        line.trim().lines().last().unwrap_or_default(),
+    )?)
+}
+
+/// A ratio of two modes' throughput over the rounds of one run: each
+/// round's ratio of the two (their runs were next to each other), the
+/// median and the spread.
+struct Ratio {
+    median: f64,
+    min: f64,
+    max: f64,
+    rounds: usize,
+}
+
+impl std::fmt::Display for Ratio {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.rounds > 1 {
+            write!(
+                f,
+                "{:.2}x (min-max {:.2}-{:.2}, spread {:.1} points, {} rounds)",
+                self.median,
+                self.min,
+                self.max,
+                (self.max - self.min) * 100.0,
+                self.rounds
+            )
+        } else {
+            write!(f, "{:.2}x (one round)", self.median)
+        }
+    }
+}
+
+/// Every run of each mode, in the order run.
+struct Runs(Vec<Report>);
+
+impl Runs {
+    fn of<'a>(&'a self, mode: &'a str) -> impl Iterator<Item = &'a Report> + 'a {
+        self.0.iter().filter(move |r| r.mode == mode)
+    }
+
+    /// The median of `field` over `mode`'s runs.
+    fn median(&self, mode: &str, field: impl Fn(&Report) -> f64) -> f64 {
+        median(self.of(mode).map(field).collect())
+    }
+
+    /// `a`'s throughput over `b`'s, round by round (a mode run once is
+    /// compared with each round of the other).
+    fn ratio(&self, a: &str, b: &str) -> Option<Ratio> {
+        let xs: Vec<f64> = self.of(a).map(|r| r.events_per_s).collect();
+        let ys: Vec<f64> = self.of(b).map(|r| r.events_per_s).collect();
+        if xs.is_empty() || ys.is_empty() {
+            return None;
+        }
+        let rounds = xs.len().max(ys.len());
+        let ratios: Vec<f64> = (0..rounds)
+            .map(|i| xs[i.min(xs.len() - 1)] / ys[i.min(ys.len() - 1)])
+            .collect();
+        Some(Ratio {
+            min: ratios.iter().copied().fold(f64::INFINITY, f64::min),
+            max: ratios.iter().copied().fold(0.0, f64::max),
+            median: median(ratios),
+            rounds,
+        })
+    }
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let args = args()?;
@@ -806,6 +1049,12 @@ async fn main() -> Result<(), BoxError> {
         let work = Workload::new(args.events, args.duplicates, args.window);
         let brokers = env_or("KAFKA_BROKERS", "127.0.0.1:9092");
         return produce::produce(&brokers, topic, &work, args.rate);
+    }
+    if let Some(mode) = &args.consume {
+        let (Some(topic), Some(group)) = (&args.topic, &args.group) else {
+            return Err("--consume needs --topic and --group".into());
+        };
+        return consume::serve(mode, topic, group, args.output.as_deref(), &args).await;
     }
     if args.keyed {
         return keyed::run(&args).await;
@@ -819,163 +1068,260 @@ async fn main() -> Result<(), BoxError> {
         return Ok(());
     }
 
-    if args.outbox {
-        eprintln!(
-            "dedup-bench: {} outbox events into {} partitions, modes run one after another",
-            args.events, args.partitions
-        );
-    } else {
-        eprintln!(
-            "dedup-bench: {} events ({}% duplicates) into {} partitions, modes run one after another",
-            args.events,
-            args.duplicates * 100.0,
-            args.partitions
-        );
-    }
-    let mut reports = Vec::new();
-    let modes: Vec<&str> = if args.outbox {
-        OUTBOX_MODES.to_vec()
-    } else if args.kafka_only {
-        kafka_only::KAFKA_MODES.to_vec()
-    } else {
-        MODES
+    let modes: Vec<String> = match &args.modes {
+        Some(modes) => modes.clone(),
+        None if args.outbox => OUTBOX_MODES.map(str::to_owned).to_vec(),
+        None if args.kafka_only => kafka_only::KAFKA_MODES.map(str::to_owned).to_vec(),
+        None if args.full_table => vec!["batched".to_owned(), "batched-full".to_owned()],
+        None => MODES
             .iter()
             .copied()
             .chain(args.purge.then_some("batched-purge"))
-            .collect()
+            .map(str::to_owned)
+            .collect(),
     };
-    for mode in modes {
-        eprintln!("  running {mode} ...");
-        let mut command = Command::new(std::env::current_exe()?);
-        command
-            .args(["--mode", mode, "--events", &args.events.to_string()])
-            .args(["--duplicates", &args.duplicates.to_string()])
-            .args(["--partitions", &args.partitions.to_string()])
-            .args(["--per-tx", &args.per_tx.to_string()])
-            .args(["--relay-batch", &args.relay_batch.to_string()])
-            .args(["--seconds", &args.seconds.to_string()]);
-        for (k, v) in &args.settings {
-            command.args(["--set", &format!("{k}={v}")]);
+    let (repeated, once): (Vec<&str>, Vec<&str>) = modes
+        .iter()
+        .map(String::as_str)
+        .partition(|m| !runs_once(m));
+    eprintln!(
+        "dedup-bench: {} events ({}% duplicates) into {} partitions; {} interleaved {} time{} ({}), then {} once",
+        args.events,
+        if args.outbox {
+            0.0
+        } else {
+            args.duplicates * 100.0
+        },
+        args.partitions,
+        repeated.join(" "),
+        args.repeats,
+        if args.repeats == 1 { "" } else { "s" },
+        if args.quick { "--quick" } else { "A B A B ..." },
+        if once.is_empty() {
+            "nothing".to_owned()
+        } else {
+            once.join(" ")
+        },
+    );
+    let mut runs = Runs(Vec::new());
+    for round in 1..=args.repeats {
+        for mode in &repeated {
+            eprintln!("  round {round}/{}: {mode} ...", args.repeats);
+            runs.0.push(run_child(mode, &args, None)?);
         }
-        if let Some(ms) = args.linger {
-            command.args(["--linger", &ms.to_string()]);
-        }
-        if let Some(n) = args.max_buffered {
-            command.args(["--max-buffered", &n.to_string()]);
-        }
-        if mode.starts_with("steady") {
+    }
+    for mode in &once {
+        eprintln!("  {mode} ...");
+        let rate = if mode.starts_with("steady") {
             // Half of what batched reached in this run, unless given.
-            let batched = reports
-                .iter()
-                .find(|r: &&Report| r.mode == "batched")
-                .map(|r| r.events_per_s / 2.0);
-            let rate = args
-                .rate
-                .or(batched)
-                .ok_or("steady needs --rate or batched")?;
-            command.args(["--rate", &format!("{rate:.0}")]);
-        }
-        let out = command.stderr(std::process::Stdio::inherit()).output()?;
-        if !out.status.success() {
-            return Err(format!("mode {mode} failed").into());
-        }
-        let line = String::from_utf8_lossy(&out.stdout);
-        let report: Report = serde_json::from_str(line.trim().lines().last().unwrap_or_default())?;
-        reports.push(report);
+            let batched = (runs.of("batched").count() > 0)
+                .then(|| runs.median("batched", |r| r.events_per_s) / 2.0);
+            Some(
+                args.rate
+                    .or(batched)
+                    .ok_or("steady needs --rate or batched")?,
+            )
+        } else {
+            None
+        };
+        runs.0.push(run_child(mode, &args, rate)?);
     }
 
     if args.json {
-        for r in &reports {
+        for r in &runs.0 {
             println!("{}", serde_json::to_string(r)?);
         }
     }
+    print_table(&runs, &modes);
+    print_ratios(&runs, &args);
+    let short: Vec<_> = runs
+        .0
+        .iter()
+        .filter(|r| !runs_once(&r.mode) && !r.mode.starts_with("limit") && r.seconds < 20.0)
+        .collect();
+    for r in &short {
+        println!(
+            "note: a run of {} lasted {:.1} s (under 20 s, its start and end weigh on its rate): raise --events for figures to quote",
+            r.mode, r.seconds
+        );
+    }
+    let wrong: Vec<_> = runs
+        .0
+        .iter()
+        .filter(|r| r.applied_rows != r.expected_rows)
+        .collect();
+    let unbounded: Vec<_> = runs.0.iter().filter(|r| r.exceeds_claims_bound()).collect();
+    for r in &unbounded {
+        println!(
+            "UNBOUNDED CLAIMS TABLE in {}: {:?} rows, bound {:?}",
+            r.mode, r.claims_max, r.claims_bound
+        );
+    }
+    for r in &wrong {
+        println!(
+            "WRONG END STATE in {}: {} effect rows (records in the topic for outbox modes), expected {}",
+            r.mode, r.applied_rows, r.expected_rows
+        );
+    }
+    if !wrong.is_empty() || !unbounded.is_empty() {
+        std::process::exit(1);
+    }
+    println!("end state checked: every run applied exactly the effects it should");
+    Ok(())
+}
+
+/// One line per mode: the median of its runs (and the range of its rate
+/// when it ran more than once), the highest peak RSS of its runs.
+fn print_table(runs: &Runs, modes: &[String]) {
     println!(
-        "{:<15} {:>9} {:>9} {:>12} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "{:<22} {:>4} {:>9} {:>9} {:>12} {:>19} {:>9} {:>9} {:>9} {:>9}",
         "mode",
+        "runs",
         "events",
         "seconds",
         "events/s",
+        "min-max",
         "p50 ms",
         "p99 ms",
         "p99.9 ms",
-        "RSS MiB",
-        "batches"
+        "RSS MiB"
     );
-    for r in &reports {
+    for mode in modes {
+        let all: Vec<&Report> = runs.of(mode).collect();
+        let Some(first) = all.first() else { continue };
+        let rates: Vec<f64> = all.iter().map(|r| r.events_per_s).collect();
+        let range = if all.len() > 1 {
+            format!(
+                "{:.0}-{:.0}",
+                rates.iter().copied().fold(f64::INFINITY, f64::min),
+                rates.iter().copied().fold(0.0, f64::max)
+            )
+        } else {
+            String::new()
+        };
         println!(
-            "{:<15} {:>9} {:>9.2} {:>12.0} {:>9.1} {:>9.1} {:>9.1} {:>9} {:>9}",
-            r.mode,
-            r.events,
-            r.seconds,
-            r.events_per_s,
-            r.p50_ms,
-            r.p99_ms,
-            r.p999_ms,
+            "{:<22} {:>4} {:>9} {:>9.2} {:>12.0} {:>19} {:>9.1} {:>9.1} {:>9.1} {:>9}",
+            mode,
+            all.len(),
+            first.events,
+            runs.median(mode, |r| r.seconds),
+            runs.median(mode, |r| r.events_per_s),
+            range,
+            runs.median(mode, |r| r.p50_ms),
+            runs.median(mode, |r| r.p99_ms),
+            runs.median(mode, |r| r.p999_ms),
             // A steady mode's RSS is mostly the benchmark's own per-event
-            // bookkeeping, not the consumer's.
-            if r.mode.starts_with("steady") {
+            // bookkeeping, not the consumer's; the limit modes have no
+            // consumer (their process holds the workload's rows).
+            if mode.starts_with("steady") || mode.starts_with("limit") {
                 "-".to_owned()
             } else {
-                format!("{:.1}", r.peak_rss_mib)
+                format!(
+                    "{:.1}",
+                    all.iter().map(|r| r.peak_rss_mib).fold(0.0, f64::max)
+                )
             },
-            r.batches
         );
     }
-    let rate = |m: &str| {
-        reports
-            .iter()
-            .find(|r| r.mode == m)
-            .map_or(0.0, |r| r.events_per_s)
+}
+
+/// The suite's ratios, each the median over the rounds with its spread
+/// (only those whose two modes ran).
+fn print_ratios(runs: &Runs, args: &Args) {
+    let per_tx = format!(
+        "(end to end, {} events per transaction, 4 writers; target >= 0.5)",
+        args.per_tx
+    );
+    let claims = format!(
+        "(throughput with {} live claims in the table vs none; target >= 0.9)",
+        args.claims
+    );
+    let lines: Vec<(&str, &str, &str)> = if args.kafka_only {
+        vec![
+            (
+                "kafka-transactional",
+                "kafka-plain",
+                "(exactly once with claims vs at least once without; target >= 0.9)",
+            ),
+            ("kafka-transactional", "batched", "(the PostgreSQL path)"),
+        ]
+    } else if args.full_table {
+        vec![("batched-full", "batched", claims.as_str())]
+    } else if args.outbox {
+        vec![
+            ("outbox-1-relay", "outbox-direct", per_tx.as_str()),
+            ("outbox-2-relays", "outbox-direct", ""),
+            (
+                "outbox-1-relay-drain",
+                "outbox-direct",
+                "(a backlog drained)",
+            ),
+            (
+                "outbox-2-relays-drain",
+                "outbox-direct",
+                "(a backlog drained)",
+            ),
+        ]
+    } else {
+        vec![
+            ("batched", "no-dedup", "(target >= 0.92)"),
+            (
+                "batched",
+                "per-message",
+                "(target >= 10; per-message ran a tenth of the events)",
+            ),
+            ("batched", "limit", "(target >= 0.5)"),
+            (
+                "per-event-body",
+                "batched",
+                "(a per-event handler body, one statement per event, in the batch transaction)",
+            ),
+            (
+                "batched",
+                "limit-effects",
+                "(the effect rows alone, without the claims dedup must write)",
+            ),
+            (
+                "batched-metrics",
+                "batched",
+                "(a Prometheus recorder installed and scraped every second; target >= 0.97)",
+            ),
+        ]
     };
+    println!("ratios of events/s (each round's pair, median over the rounds):");
+    for (a, b, note) in lines {
+        if let Some(ratio) = runs.ratio(a, b) {
+            println!("  {a}/{b} {ratio} {note}");
+        }
+    }
     if args.kafka_only {
-        println!(
-            "ratios: kafka-transactional/kafka-plain {:.2}x (exactly once with claims vs at least once without), kafka-transactional/batched {:.2}x (the PostgreSQL path)",
-            rate("kafka-transactional") / rate("kafka-plain"),
-            rate("kafka-transactional") / rate("batched"),
-        );
-        if let Some(r) = reports.iter().find(|r| r.mode == "kafka-restore") {
+        for r in runs.of("kafka-restore") {
             println!(
                 "kafka-restore: a new owner of {} claims applied its first events {:.2} s after its start (see above for the part that is restoring)",
                 r.events, r.seconds
             );
         }
+    } else if args.full_table {
+        let p99 = |m: &str| runs.median(m, |r| r.p99_ms);
+        if runs.of("batched-full").count() > 0 && runs.of("batched").count() > 0 {
+            println!(
+                "p99 (produce ack to offset committed, the backlog's wait included): batched-full {:.0} ms, batched {:.0} ms: {:.2}x",
+                p99("batched-full"),
+                p99("batched"),
+                p99("batched-full") / p99("batched")
+            );
+        }
+        if let Some(mib) = runs.of("batched-full").filter_map(|r| r.table_mib).last() {
+            println!("batched-full: claims table {mib:.0} MiB at the end (heap and indexes)");
+        }
     } else if args.outbox {
-        for r in &reports {
-            if let Some(mib) = r.table_mib {
-                println!("{}: outbox table {mib:.1} MiB at the end", r.mode);
+        for mode in OUTBOX_MODES {
+            if let Some(mib) = runs.of(mode).filter_map(|r| r.table_mib).last() {
+                println!("{mode}: outbox table {mib:.1} MiB at the end");
             }
         }
-        println!(
-            "ratios (end to end, {} events per transaction, 4 writers): outbox-1-relay/outbox-direct {:.2}x (target >= 0.5), outbox-2-relays/outbox-direct {:.2}x",
-            args.per_tx,
-            rate("outbox-1-relay") / rate("outbox-direct"),
-            rate("outbox-2-relays") / rate("outbox-direct"),
-        );
-        println!(
-            "       (a backlog drained): outbox-1-relay-drain/outbox-direct {:.2}x, outbox-2-relays-drain/outbox-direct {:.2}x",
-            rate("outbox-1-relay-drain") / rate("outbox-direct"),
-            rate("outbox-2-relays-drain") / rate("outbox-direct"),
-        );
     } else {
-        println!(
-            "ratios: batched/per-message {:.1}x (target >= 10), batched/no-dedup {:.2}x (target >= 0.92), batched/limit {:.2}x (target >= 0.5)",
-            rate("batched") / rate("per-message"),
-            rate("batched") / rate("no-dedup"),
-            rate("batched") / rate("limit"),
-        );
-        println!(
-            "        per-event-body/batched {:.2}x (a per-event handler body, one statement per event, in the batch transaction)",
-            rate("per-event-body") / rate("batched"),
-        );
-        println!(
-            "        batched/limit-effects {:.2}x (the effect rows alone, without the claims dedup must write)",
-            rate("batched") / rate("limit-effects"),
-        );
-        println!(
-            "        batched-metrics/batched {:.3}x (a Prometheus recorder installed and scraped every second; target >= 0.97)",
-            rate("batched-metrics") / rate("batched"),
-        );
-        for b in reports.iter().filter(|r| r.mode.starts_with("steady")) {
+        for b in runs.0.iter().filter(|r| r.mode.starts_with("steady")) {
             println!(
                 "{} ({:.0} events/s produced, {}): produce ack -> effect committed p50 {:.1} ms, p99 {:.1} ms (target <= 50), p99.9 {:.1} ms",
                 b.mode,
@@ -1001,29 +1347,4 @@ async fn main() -> Result<(), BoxError> {
             }
         }
     }
-    let wrong: Vec<_> = reports
-        .iter()
-        .filter(|r| r.applied_rows != r.expected_rows)
-        .collect();
-    let unbounded: Vec<_> = reports
-        .iter()
-        .filter(|r| r.exceeds_claims_bound())
-        .collect();
-    for r in &unbounded {
-        println!(
-            "UNBOUNDED CLAIMS TABLE in {}: {:?} rows, bound {:?}",
-            r.mode, r.claims_max, r.claims_bound
-        );
-    }
-    for r in &wrong {
-        println!(
-            "WRONG END STATE in {}: {} effect rows (records in the topic for outbox modes), expected {}",
-            r.mode, r.applied_rows, r.expected_rows
-        );
-    }
-    if !wrong.is_empty() || !unbounded.is_empty() {
-        std::process::exit(1);
-    }
-    println!("end state checked: every mode applied exactly the effects it should");
-    Ok(())
 }

@@ -18,7 +18,13 @@ pub(crate) async fn run_outbox(mode: &str, args: &Args) -> Result<Report, BoxErr
         .max_connections(20)
         .connect(&std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL must be set")?)
         .await?;
-    let outbox = dedup_postgres::OutboxWriter::default();
+    let outbox = dedup_postgres::OutboxWriter::new(
+        dedup_postgres::OutboxConfig::default().with_retention(if args.delete_sent {
+            dedup_core::outbox::Retention::Delete
+        } else {
+            dedup_core::outbox::Retention::default()
+        }),
+    )?;
     outbox.migrate(&pool).await?;
     sqlx::query("TRUNCATE dedup_outbox").execute(&pool).await?;
     let topic = new_topic(&brokers, mode, args.partitions).await?;

@@ -523,6 +523,8 @@ impl Report {
     }
 }
 
+/// A fresh effects table and an empty default claims table (`batched-full`
+/// claims in a table of its own and may never have created this one).
 async fn reset_table(pool: &sqlx::PgPool) -> Result<(), BoxError> {
     sqlx::query("DROP TABLE IF EXISTS bench_effects")
         .execute(pool)
@@ -533,7 +535,13 @@ async fn reset_table(pool: &sqlx::PgPool) -> Result<(), BoxError> {
     )
     .execute(pool)
     .await?;
-    sqlx::query("TRUNCATE dedup_claims").execute(pool).await?;
+    // `to_regclass`: NULL (nothing to empty) where it does not exist.
+    let exists: Option<String> = sqlx::query_scalar("SELECT to_regclass('dedup_claims')::text")
+        .fetch_one(pool)
+        .await?;
+    if exists.is_some() {
+        sqlx::query("TRUNCATE dedup_claims").execute(pool).await?;
+    }
     Ok(())
 }
 

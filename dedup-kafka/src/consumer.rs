@@ -45,6 +45,10 @@ pub struct Consumer<S: DedupStore> {
     keyed_reported: std::sync::Mutex<HashSet<(String, i32)>>,
     /// The retry tiers' partitions whose due gauges were last set.
     tiers_reported: std::sync::Mutex<HashSet<(String, i32)>>,
+    /// Resumed partitions whose fetcher is still to be woken.
+    wakes: Arc<std::sync::Mutex<Wakes>>,
+    /// The task waking them, if one runs (awaited at shutdown).
+    waking: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// The metrics and health endpoints to serve while running.
     #[cfg(feature = "http")]
     pub(crate) http: Option<crate::http::HttpEndpoints>,
@@ -103,6 +107,8 @@ impl<S: DedupStore> Consumer<S> {
             group,
             keyed_reported: std::sync::Mutex::default(),
             tiers_reported: std::sync::Mutex::default(),
+            wakes: Arc::default(),
+            waking: std::sync::Mutex::default(),
             #[cfg(feature = "http")]
             http: None,
         })
@@ -497,17 +503,50 @@ impl<S: DedupStore> Consumer<S> {
     /// partition of that broker paused (a backlog fills every buffer) it
     /// sleeps up to a second before it looks again, and each pause-resume
     /// cycle of a full buffer then costs that second. A watermark query
-    /// goes to the same leader and wakes its thread; what it answers is not
-    /// used.
+    /// goes to the partition's leader and wakes its thread; what it answers
+    /// is not used. (With follower fetching, `client.rack`, the fetch is
+    /// from a follower, whose thread this does not wake.) One blocking task
+    /// at a time wakes every partition resumed meanwhile, each once.
     fn wake_fetcher(&self, topic: &str, partition: i32) {
-        let shared = self.shared.clone();
-        let topic = topic.to_owned();
-        tokio::task::spawn_blocking(move || {
-            let _ =
-                shared
-                    .kafka
-                    .fetch_watermarks(&topic, partition, std::time::Duration::from_secs(1));
+        let mut wakes = guard(&self.wakes);
+        wakes.pending.insert((topic.to_owned(), partition));
+        if wakes.running {
+            return;
+        }
+        wakes.running = true;
+        let (shared, queue) = (self.shared.clone(), self.wakes.clone());
+        let task = tokio::task::spawn_blocking(move || {
+            loop {
+                let next = {
+                    let mut wakes = guard(&queue);
+                    match wakes.pending.pop_first() {
+                        Some(next) => next,
+                        None => {
+                            wakes.running = false;
+                            return;
+                        }
+                    }
+                };
+                let _ = shared.kafka.fetch_watermarks(
+                    &next.0,
+                    next.1,
+                    std::time::Duration::from_secs(1),
+                );
+            }
         });
+        *guard(&self.waking) = Some(task);
+    }
+
+    /// Ends the waking of resumed partitions: what is pending is dropped,
+    /// the query under way (at most a second) is waited for, so that the
+    /// runtime's last reference is this consumer's and it closes where
+    /// [`shutdown`](Self::shutdown) drops it.
+    async fn stop_waking(&self) {
+        guard(&self.wakes).pending.clear();
+        let task = guard(&self.waking).take();
+        if let Some(task) = task {
+            let _ = task.await;
+        }
     }
 
     /// Pauses a retry tier's partition whose worker waits for its next
@@ -549,6 +588,7 @@ impl<S: DedupStore> Consumer<S> {
             }
         }
         commit(&self.shared.kafka, CommitMode::Sync, "shutdown");
+        self.stop_waking().await;
         // Dropping the consumer closes it: it leaves the group, which revokes
         // the partitions once more; everything finished is committed already.
         self.shared.kafka.context().close();
@@ -565,6 +605,19 @@ impl<S: DedupStore> Consumer<S> {
         drop(self);
         reason
     }
+}
+
+/// A mutex's guard, poisoned or not (what it guards stays consistent).
+fn guard<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Resumed partitions whose fetcher is still to be woken
+/// ([`Consumer::wake_fetcher`]), and whether a task is waking them.
+#[derive(Default)]
+struct Wakes {
+    pending: std::collections::BTreeSet<(String, i32)>,
+    running: bool,
 }
 
 /// How often health and the gauges are refreshed.

@@ -391,6 +391,14 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             );
             poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let began = Instant::now();
+            // The batch in hand, shown at once (the first poll's refresh
+            // comes only if it runs past POLL_EVERY).
+            self.refresh(
+                &gauges,
+                Some(began),
+                batch.len(),
+                busy.paused() + waiting.len(),
+            );
             let done = loop {
                 tokio::select! {
                     done = &mut work => break done,

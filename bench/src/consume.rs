@@ -32,10 +32,7 @@ pub(crate) struct ConsumerChild {
 impl Drop for ConsumerChild {
     /// A run that fails midway does not leave its consumer running.
     fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
+        crate::produce::end_if_running(&mut self.child);
     }
 }
 

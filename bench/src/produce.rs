@@ -180,10 +180,16 @@ pub(crate) struct Producer {
 impl Drop for Producer {
     /// A run that fails midway does not leave its producer running.
     fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
+        end_if_running(&mut self.child);
+    }
+}
+
+/// Kills `child` and reaps it, unless it has exited: a child of this
+/// program never outlives the run that started it.
+pub(crate) fn end_if_running(child: &mut Child) {
+    if matches!(child.try_wait(), Ok(None)) {
+        let _ = child.kill();
+        let _ = child.wait();
     }
 }
 

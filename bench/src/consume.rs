@@ -94,14 +94,6 @@ pub(crate) async fn serve(
     output: Option<&str>,
     args: &Args,
 ) -> Result<(), BoxError> {
-    if std::env::var_os("DEDUP_BENCH_TRACE").is_some() {
-        // The runtime's and librdkafka's logs (with `--set debug=...`), to
-        // see where a run spends its time.
-        tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::DEBUG)
-            .with_writer(std::io::stderr)
-            .init();
-    }
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     // The parent closes stdin to stop us (and so does its exit).
     std::thread::spawn(move || {

@@ -343,6 +343,24 @@ pub trait OutboxSource: Send + Sync + 'static {
         lease_for: Duration,
     ) -> impl Future<Output = Result<(Self::Lease, Vec<OutboxRecord>), StoreError>> + Send;
 
+    /// Leases the next batch while `before`, the caller's previous batch,
+    /// is still being published: as [`lease_pending`](Self::lease_pending),
+    /// except that `before` does not hold back the later events of its
+    /// keys. The caller promises what makes that safe: it sends this
+    /// batch's events after every one of `before`'s (one producer keeps a
+    /// key's events in order), and marks none of a key's events past one
+    /// of `before`'s that failed or went unsent. The default leases as
+    /// `lease_pending` does: `before`'s keys wait for it.
+    fn lease_pending_after(
+        &self,
+        limit: usize,
+        lease_for: Duration,
+        before: &Self::Lease,
+    ) -> impl Future<Output = Result<(Self::Lease, Vec<OutboxRecord>), StoreError>> + Send {
+        let _ = before;
+        self.lease_pending(limit, lease_for)
+    }
+
     /// Marks `published` (sequence numbers) sent, records `failed` attempts
     /// with their reasons and back-offs, and releases the rest of the
     /// batch, in one transaction. Marking is right even after the lease

@@ -207,15 +207,23 @@ impl OutboxTable {
     /// invalid or no such table exists.
     pub async fn open(pool: PgPool, table: &str) -> Result<Self, Error> {
         let name = existing(&pool, table, "outbox").await?;
+        // A pending event is leased while a live lease holds it, and in an
+        // expired lease when only leases past their time do (its relay
+        // died; the next relay to lease takes it over).
         let backlog = format!(
-            "SELECT topic, count(*)::int8, \
+            "WITH leased AS ( \
+                 SELECT seq, bool_or(until > now()) AS live \
+                 FROM (SELECT unnest(seqs) AS seq, until FROM {}) l GROUP BY seq) \
+             SELECT topic, count(*)::int8, \
              {}, \
              count(*) FILTER (WHERE attempts > 0)::int8, \
-             count(*) FILTER (WHERE leased_until > now())::int8, \
-             count(*) FILTER (WHERE leased_until <= now())::int8, \
-             (array_agg(last_error ORDER BY seq DESC) \
+             count(*) FILTER (WHERE leased.live)::int8, \
+             count(*) FILTER (WHERE NOT leased.live)::int8, \
+             (array_agg(last_error ORDER BY o.seq DESC) \
                  FILTER (WHERE last_error IS NOT NULL))[1] \
-             FROM {} WHERE sent_at IS NULL GROUP BY topic ORDER BY topic",
+             FROM {} o LEFT JOIN leased USING (seq) \
+             WHERE sent_at IS NULL GROUP BY topic ORDER BY topic",
+            name.quoted_with_suffix("_leases"),
             micros!("now() - min(enqueued_at)"),
             name.quoted()
         );

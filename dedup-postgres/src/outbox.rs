@@ -28,6 +28,7 @@ struct Statements {
     table: TableName,
     retention: Retention,
     enqueue: Arc<str>,
+    lease_lock: Arc<str>,
     lease_pending: Arc<str>,
     mark_sent: Arc<str>,
     record_failures: Arc<str>,
@@ -46,65 +47,77 @@ impl Statements {
              VALUES (COALESCE($1, gen_random_uuid()::text), $2, $3, $4, $5, $6) \
              RETURNING event_id"
         );
-        // Lease the oldest pending rows no other relay holds (unleased, or
-        // their lease expired), leaving out events backing off after a
-        // failure and every later event of their key (so one poison event
-        // holds back its key, not the outbox). Of those, lease only rows
-        // with no earlier pending row of the same topic and key outside
-        // this batch: that row is another relay's (or is being taken by
-        // one right now), and publishing past it would overtake it. One
-        // statement: the row locks last only as long as it does.
+        let leases = table.quoted_with_suffix("_leases");
+        // Leasing is one at a time per outbox (a transaction-scoped
+        // advisory lock, taken by a statement of its own so the lease's
+        // statement sees every lease committed before it): no two relays
+        // can take the same rows, and no row is locked or written.
+        let lease_lock = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))".to_owned();
+        // Lease the oldest pending rows no live lease holds, leaving out
+        // events backing off after a failure and every later event of
+        // their key (so one poison event holds back its key, not the
+        // outbox). Of those, keep the rows whose key no live lease holds:
+        // taking a later event of a key another relay is publishing would
+        // overtake it; the relay's own batch in flight ($3, if any) does
+        // not hold its keys back (the relay sends after it and marks
+        // nothing past a failure of it). (The filter comes after the
+        // LIMIT, so the scan stays as short as the batch even when most
+        // keys are held.) Expired leases are removed; the batch's lease is
+        // one row.
         let lease_pending = format!(
-            "WITH lease AS MATERIALIZED (SELECT gen_random_uuid() AS id), \
-             candidates AS ( \
+            "WITH expired AS (DELETE FROM {leases} WHERE until <= now()), \
+             held AS MATERIALIZED ( \
+                 SELECT unnest(seqs) AS seq FROM {leases} WHERE until > now()), \
+             held_keys AS MATERIALIZED ( \
+                 SELECT DISTINCT o.topic, o.key FROM {t} o \
+                 WHERE o.seq = ANY(ARRAY( \
+                     SELECT unnest(seqs) FROM {leases} \
+                     WHERE until > now() AND id IS DISTINCT FROM $3::uuid)) \
+                   AND o.sent_at IS NULL AND o.key IS NOT NULL), \
+             candidates AS MATERIALIZED ( \
                  SELECT o.seq, o.topic, o.key \
                  FROM {t} o \
                  WHERE o.sent_at IS NULL \
                    AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= now()) \
-                   AND (o.leased_until IS NULL OR o.leased_until <= now()) \
+                   AND o.seq NOT IN (SELECT seq FROM held) \
                    AND (o.key IS NULL OR NOT EXISTS ( \
                        SELECT 1 FROM {t} f \
                        WHERE f.sent_at IS NULL AND f.next_attempt_at > now() \
                          AND f.topic = o.topic AND f.key = o.key AND f.seq < o.seq)) \
-                 ORDER BY o.seq LIMIT $1 FOR UPDATE OF o SKIP LOCKED \
-             ), \
-             taken AS ( \
+                 ORDER BY o.seq LIMIT $1), \
+             taken AS MATERIALIZED ( \
                  SELECT c.seq FROM candidates c \
                  WHERE c.key IS NULL OR NOT EXISTS ( \
-                     SELECT 1 FROM {t} o \
-                     WHERE o.sent_at IS NULL AND o.topic = c.topic AND o.key = c.key \
-                       AND o.seq < c.seq AND o.seq NOT IN (SELECT seq FROM candidates)) \
-             ) \
-             UPDATE {t} o SET lease_id = (SELECT id FROM lease), \
-                 leased_until = now() + $2 * interval '1 millisecond' \
-             FROM taken WHERE o.seq = taken.seq \
-             RETURNING o.seq, o.event_id, o.topic, o.key, o.payload, o.header_names, \
-                 o.header_values, o.attempts, o.lease_id::text AS lease_id"
+                     SELECT 1 FROM held_keys k WHERE k.topic = c.topic AND k.key = c.key)), \
+             lease AS ( \
+                 INSERT INTO {leases} (id, until, seqs) \
+                 SELECT gen_random_uuid(), now() + $2 * interval '1 millisecond', array_agg(seq) \
+                 FROM taken HAVING count(*) > 0 \
+                 RETURNING id) \
+             SELECT o.seq, o.event_id, o.topic, o.key, o.payload, o.header_names, \
+                 o.header_values, o.attempts, (SELECT id FROM lease)::text AS lease_id \
+             FROM {t} o WHERE o.seq = ANY(ARRAY(SELECT seq FROM taken))"
         );
         // Marking is right whoever holds the lease now (the broker
         // acknowledged the event); a row another relay marked first keeps
         // its time.
         let mark_sent = match config.retention {
             Retention::Delete => format!("DELETE FROM {t} WHERE seq = ANY($1)"),
-            Retention::Keep(_) => format!(
-                "UPDATE {t} SET sent_at = now(), lease_id = NULL, leased_until = NULL \
-                 WHERE seq = ANY($1) AND sent_at IS NULL"
-            ),
+            Retention::Keep(_) => {
+                format!("UPDATE {t} SET sent_at = now() WHERE seq = ANY($1) AND sent_at IS NULL")
+            }
         };
         let record_failures = format!(
             "UPDATE {t} AS o SET attempts = o.attempts + 1, last_error = f.error, \
-                 next_attempt_at = now() + f.delay_ms * interval '1 millisecond', \
-                 lease_id = NULL, leased_until = NULL \
+                 next_attempt_at = now() + f.delay_ms * interval '1 millisecond' \
              FROM unnest($1::int8[], $2::text[], $3::int8[]) AS f(seq, error, delay_ms) \
-             WHERE o.seq = f.seq AND o.lease_id = $4::uuid"
+             WHERE o.seq = f.seq AND EXISTS (SELECT 1 FROM {leases} WHERE id = $4::uuid)"
         );
         // What the batch neither published nor failed is offered again at
-        // once; rows whose lease expired and went to another relay are not
-        // touched.
-        let release = format!(
-            "UPDATE {t} SET lease_id = NULL, leased_until = NULL \
-             WHERE seq = ANY($1) AND lease_id = $2::uuid"
-        );
+        // once. A lease that expired was removed by the relay that took its
+        // rows over: then its failures are not recorded either (those rows
+        // are the other relay's now).
+        let release = format!("DELETE FROM {leases} WHERE id = $1::uuid");
         // `= ANY(ARRAY(..))`, not `IN (..)`: the generic plan PostgreSQL
         // caches after five runs made `IN` a hash join over the whole table
         // per batch (tests/purge.rs).
@@ -126,6 +139,7 @@ impl Statements {
             table,
             retention: config.retention,
             enqueue: enqueue.into(),
+            lease_lock: lease_lock.into(),
             lease_pending: lease_pending.into(),
             mark_sent: mark_sent.into(),
             record_failures: record_failures.into(),
@@ -249,10 +263,11 @@ impl OutboxWriter {
 }
 
 /// An outbox as a relay reads it: an [`OutboxSource`] over a pool. A
-/// batch is leased with one short statement (a lease id and an expiry on
-/// the database clock, taken with `FOR UPDATE SKIP LOCKED`), published with
-/// no transaction open, and marked in another short transaction. Relays
-/// wake on `LISTEN`/`NOTIFY` and poll as a fallback.
+/// batch is leased in one short transaction (one row in `<table>_leases`
+/// holding its events, with an expiry on the database clock; relays lease
+/// one at a time), published with no transaction open, and marked in
+/// another short transaction that deletes the lease. Relays wake on
+/// `LISTEN`/`NOTIFY` and poll as a fallback.
 #[derive(Clone)]
 pub struct OutboxReader {
     pool: PgPool,
@@ -408,6 +423,41 @@ impl OutboxReader {
         }
         listening.next_try = Some(tokio::time::Instant::now() + LISTEN_TIMEOUT);
     }
+
+    /// One lease: the advisory lock, then the lease's statement, in one
+    /// short transaction. `before`: the caller's batch in flight, whose
+    /// keys do not hold this one back.
+    async fn lease(
+        &self,
+        limit: usize,
+        lease_for: Duration,
+        before: Option<&str>,
+    ) -> Result<(PgLease, Vec<OutboxRecord>), StoreError> {
+        // Listen before looking, so an event enqueued right after an empty
+        // look still wakes the relay.
+        self.ensure_listening().await;
+        let mut tx = self.pool.begin().await.map_err(store_error)?;
+        sqlx::query(sql(&self.statements.lease_lock))
+            .bind(format!("dedup outbox lease {}", self.statements.table))
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        let mut rows: Vec<PendingRow> = sqlx::query_as(sql(&self.statements.lease_pending))
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .bind(i64::try_from(lease_for.as_millis()).unwrap_or(i64::MAX))
+            .bind(before)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        tx.commit().await.map_err(store_error)?;
+        // RETURNING keeps no order.
+        rows.sort_unstable_by_key(|row| row.seq);
+        let lease = PgLease {
+            id: rows.first().map(|row| row.lease_id.clone()),
+            seqs: rows.iter().map(|row| row.seq).collect(),
+        };
+        Ok((lease, rows.into_iter().map(OutboxRecord::from).collect()))
+    }
 }
 
 /// A pending row as `lease_pending` returns it, read by column name.
@@ -446,22 +496,16 @@ impl OutboxSource for OutboxReader {
         limit: usize,
         lease_for: Duration,
     ) -> Result<(PgLease, Vec<OutboxRecord>), StoreError> {
-        // Listen before looking, so an event enqueued right after an empty
-        // look still wakes the relay.
-        self.ensure_listening().await;
-        let mut rows: Vec<PendingRow> = sqlx::query_as(sql(&self.statements.lease_pending))
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-            .bind(i64::try_from(lease_for.as_millis()).unwrap_or(i64::MAX))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(store_error)?;
-        // RETURNING keeps no order.
-        rows.sort_unstable_by_key(|row| row.seq);
-        let lease = PgLease {
-            id: rows.first().map(|row| row.lease_id.clone()),
-            seqs: rows.iter().map(|row| row.seq).collect(),
-        };
-        Ok((lease, rows.into_iter().map(OutboxRecord::from).collect()))
+        self.lease(limit, lease_for, None).await
+    }
+
+    async fn lease_pending_after(
+        &self,
+        limit: usize,
+        lease_for: Duration,
+        before: &PgLease,
+    ) -> Result<(PgLease, Vec<OutboxRecord>), StoreError> {
+        self.lease(limit, lease_for, before.id.as_deref()).await
     }
 
     async fn finish(
@@ -497,15 +541,14 @@ impl OutboxSource for OutboxReader {
                 .await
                 .map_err(store_error)?;
         }
+        // Whatever the batch neither published nor failed goes back with
+        // the lease.
+        sqlx::query(sql(&self.statements.release))
+            .bind(lease_id)
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
         let held = dedup_sql::unsettled(&lease.seqs, published, failed);
-        if !held.is_empty() {
-            sqlx::query(sql(&self.statements.release))
-                .bind(&held)
-                .bind(lease_id)
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
-        }
         if !published.is_empty() || !held.is_empty() {
             // Delivered at commit: another relay whose batch came back short
             // because this one held some of its keys looks again now.

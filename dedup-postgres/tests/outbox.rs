@@ -304,8 +304,9 @@ async fn a_relay_whose_lease_expired_still_marks_what_was_acknowledged(pool: PgP
         .await
         .expect("finish A");
     let rest: Vec<(i32, bool)> = sqlx::query_as(
-        "SELECT attempts, coalesce(leased_until > now(), false) FROM dedup_outbox \
-         WHERE sent_at IS NULL ORDER BY seq",
+        "SELECT o.attempts, EXISTS (SELECT 1 FROM dedup_outbox_leases l \
+             WHERE o.seq = ANY(l.seqs) AND l.until > now()) \
+         FROM dedup_outbox o WHERE o.sent_at IS NULL ORDER BY o.seq",
     )
     .fetch_all(&pool)
     .await

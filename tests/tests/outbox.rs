@@ -749,12 +749,10 @@ async fn a_batch_stops_sending_before_its_lease_could_expire(pool: PgPool) {
         .await
         .expect("count");
     assert_eq!((stats.failed, tried), (5, 5), "{stats}");
-    let leased: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM dedup_outbox WHERE lease_id IS NOT NULL OR leased_until IS NOT NULL",
-    )
-    .fetch_one(&pool)
-    .await
-    .expect("count");
+    let leased: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_outbox_leases")
+        .fetch_one(&pool)
+        .await
+        .expect("count");
     assert_eq!(leased, 0, "the untried 15 were released at once");
 }
 

@@ -1,6 +1,7 @@
 //! The outbox relay: publishes what an [`OutboxSource`] holds, in order,
 //! with the idempotent producer, and marks it sent only once acknowledged.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
@@ -19,7 +20,7 @@ use crate::retry::{Jitter, RetryPolicy};
 
 mod publish;
 
-use publish::Sent;
+use publish::{Key, Sent};
 
 /// What a batch's lease adds to the delivery timeout by default: time to
 /// take it, queue the sends and mark it.
@@ -221,12 +222,13 @@ impl<S: OutboxSource> RelayBuilder<S> {
             stats: Arc::new(RelayStats {
                 // The longest a healthy loop can go between turns: a backlog
                 // count, a purge, a lease and a marking (each bounded by
-                // the store timeout), a batch's sends (bounded by its
-                // lease) and the wait after it.
+                // the store timeout), two batches' sends (the one left in
+                // flight and the next; each bounded by its lease) and the
+                // wait after them.
                 live_limit: crate::LIVE_POLL_LIMIT
                     + BACKLOG_INTERVAL
                     + self.store_timeout * 3
-                    + lease
+                    + lease * 2
                     + self.poll_interval.max(self.retry.max_backoff),
                 ..RelayStats::default()
             }),
@@ -419,12 +421,48 @@ impl<S> fmt::Debug for Relay<S> {
     }
 }
 
-/// What one batch did.
+/// What one turn did: the size of the batch it leased, and what the
+/// batches it finished published and failed.
 #[derive(Default)]
 struct Round {
     taken: usize,
+    /// The lease was taken while a batch was in flight, whose keys may
+    /// have held events back: a short batch does not mean the outbox is
+    /// drained.
+    past_in_flight: bool,
     published: usize,
     failed: usize,
+}
+
+impl Round {
+    /// Adds what a finished batch did (its error, if it had one and none
+    /// came before).
+    fn add(
+        &mut self,
+        done: Result<Round, dedup_core::StoreError>,
+        error: &mut Option<dedup_core::StoreError>,
+    ) {
+        match done {
+            Ok(done) => {
+                self.published += done.published;
+                self.failed += done.failed;
+            }
+            Err(e) => {
+                error.get_or_insert(e);
+            }
+        }
+    }
+}
+
+/// A batch leased and sent, its acknowledgements still to come.
+struct InFlight<L> {
+    lease: L,
+    records: Vec<dedup_core::OutboxRecord>,
+    sending: publish::Sending,
+    leased_at: tokio::time::Instant,
+    /// Keys the batch before did not mark: none of their events here is
+    /// marked either.
+    held_back: HashSet<Key>,
 }
 
 impl<S: OutboxSource> Relay<S> {
@@ -505,6 +543,8 @@ impl<S: OutboxSource> Relay<S> {
             let mut purging = false;
             let metrics = RelayMetrics::new();
             let mut last_backlog: Option<tokio::time::Instant> = None;
+            // A full batch left in flight by the last turn (see `round`).
+            let mut carried: Option<InFlight<S::Lease>> = None;
             while !*stop_rx.borrow() {
                 self.stats.turned();
                 if last_backlog.is_none_or(|at| at.elapsed() >= BACKLOG_INTERVAL) {
@@ -523,6 +563,14 @@ impl<S: OutboxSource> Relay<S> {
                     if !purging {
                         last_purge = tokio::time::Instant::now();
                     }
+                    // A batch in flight is finished first: its lease runs
+                    // on while the purge does.
+                    if let Some(batch) = carried.take() {
+                        let (done, _) = self.complete(batch, &mut jitter, &metrics, &stop_rx).await;
+                        if let Err(e) = done {
+                            tracing::warn!(error = %e, "outbox relay: marking a batch failed");
+                        }
+                    }
                     let purge = self.source.purge_sent(PURGE_BATCH);
                     purging = match tokio::time::timeout(self.store_timeout, purge).await {
                         Ok(Ok(purged)) => purged >= u64::from(PURGE_BATCH),
@@ -539,7 +587,9 @@ impl<S: OutboxSource> Relay<S> {
                         }
                     };
                 }
-                let round = self.round(&mut jitter, &metrics, &stop_rx).await;
+                let round = self
+                    .round(&mut jitter, &metrics, &stop_rx, &mut carried)
+                    .await;
                 if let Some(fatal) = fatal_error("relay's producer", self.producer.client()) {
                     return Err(fatal);
                 }
@@ -557,7 +607,7 @@ impl<S: OutboxSource> Relay<S> {
                     }
                     Ok(round) => {
                         failures = 0;
-                        if round.taken == self.batch_size || purging {
+                        if round.taken == self.batch_size || round.past_in_flight || purging {
                             continue; // more may be waiting, or more to purge
                         }
                         None
@@ -577,6 +627,13 @@ impl<S: OutboxSource> Relay<S> {
                     }
                 }
             }
+            // Stopping: the batch in flight is finished.
+            if let Some(batch) = carried.take() {
+                let (done, _) = self.complete(batch, &mut jitter, &metrics, &stop_rx).await;
+                if let Err(e) = done {
+                    tracing::warn!(error = %e, "outbox relay: marking the last batch failed");
+                }
+            }
             Ok(())
         };
         // The round in progress finishes; only the waits are cut short.
@@ -592,28 +649,119 @@ impl<S: OutboxSource> Relay<S> {
         worked.map(|()| self.stats.snapshot())
     }
 
-    /// One batch: lease, publish, mark.
+    /// One turn: lease a batch and queue its sends; meanwhile the batch
+    /// the turn before left in flight (`carried`) gets its
+    /// acknowledgements, and is marked once this one's sends are queued.
+    /// A full batch with nothing failed so far is left in flight for the
+    /// next turn, so the database's work (this lease, that marking)
+    /// overlaps the broker's; any other batch is finished in this turn,
+    /// so nothing is in flight while the relay waits.
     async fn round(
         &self,
         jitter: &mut Jitter,
         metrics: &RelayMetrics,
         stop: &tokio::sync::watch::Receiver<bool>,
+        carried: &mut Option<InFlight<S::Lease>>,
     ) -> Result<Round, dedup_core::StoreError> {
+        let mut round = Round::default();
+        let mut error = None;
+        let before = carried.take();
+        round.past_in_flight = before.is_some();
         let leased_at = tokio::time::Instant::now();
-        let leasing = self.source.lease_pending(self.batch_size, self.lease);
-        let (lease, records) = tokio::time::timeout(self.store_timeout, leasing)
-            .await
-            .map_err(|_| {
-                dedup_core::StoreError::environment(format!(
-                    "leasing pending events took longer than store_timeout ({:?})",
-                    self.store_timeout
-                ))
-            })??;
-        if records.is_empty() {
-            return Ok(Round::default());
+        let leasing = async {
+            match &before {
+                Some(batch) => {
+                    let leasing =
+                        self.source
+                            .lease_pending_after(self.batch_size, self.lease, &batch.lease);
+                    tokio::time::timeout(self.store_timeout, leasing).await
+                }
+                None => {
+                    let leasing = self.source.lease_pending(self.batch_size, self.lease);
+                    tokio::time::timeout(self.store_timeout, leasing).await
+                }
+            }
+        };
+        let leased = leasing.await.unwrap_or_else(|_| {
+            Err(dedup_core::StoreError::environment(format!(
+                "leasing pending events took longer than store_timeout ({:?})",
+                self.store_timeout
+            )))
+        });
+        let next = match leased {
+            Ok((lease, records)) if !records.is_empty() => {
+                // What is not sent within the window waits for a later
+                // round. (The batch before sent every event: only such a
+                // batch is left in flight.)
+                let sending = self.send(&records, leased_at + self.send_window).await;
+                Some(InFlight {
+                    lease,
+                    records,
+                    sending,
+                    leased_at,
+                    held_back: HashSet::new(),
+                })
+            }
+            Ok(_) => None,
+            Err(e) => {
+                error = Some(e);
+                None
+            }
+        };
+        round.taken = next.as_ref().map_or(0, |batch| batch.records.len());
+        let mut unmarked = HashSet::new();
+        if let Some(batch) = before {
+            let (done, keys) = self.complete(batch, jitter, metrics, stop).await;
+            round.add(done, &mut error);
+            unmarked = keys;
         }
-        // What is not sent within the window waits for the next round.
-        let outcomes = self.publish(&records, leased_at + self.send_window).await;
+        if let Some(mut batch) = next {
+            // Its events of keys the batch before did not mark are not
+            // marked either.
+            batch.held_back = unmarked;
+            // Left in flight only if all went well: a batch that did not
+            // send some of its events (the window ran out, or the producer
+            // refused one) must be finished before anything is leased past
+            // them, and a failure means the broker may be down (the relay
+            // backs off with nothing in flight).
+            if round.taken == self.batch_size
+                && error.is_none()
+                && round.failed == 0
+                && !batch.sending.cut()
+                && batch.sending.unsent_keys().is_empty()
+                && !*stop.borrow()
+            {
+                *carried = Some(batch);
+            } else {
+                let (done, _) = self.complete(batch, jitter, metrics, stop).await;
+                round.add(done, &mut error);
+            }
+        }
+        match error {
+            Some(e) => Err(e),
+            None => Ok(round),
+        }
+    }
+
+    /// Finishes a batch in flight: waits for its acknowledgements, marks
+    /// what they acknowledged and records what failed. Returns what it did
+    /// and the keys whose events the next batch must not mark (one of
+    /// theirs failed or was not marked here).
+    async fn complete(
+        &self,
+        batch: InFlight<S::Lease>,
+        jitter: &mut Jitter,
+        metrics: &RelayMetrics,
+        stop: &tokio::sync::watch::Receiver<bool>,
+    ) -> (Result<Round, dedup_core::StoreError>, HashSet<Key>) {
+        let InFlight {
+            lease,
+            records,
+            sending,
+            leased_at,
+            held_back,
+        } = batch;
+        let (outcomes, unmarked) = self.settled(&records, sending, &held_back).await;
         failpoint("relay-after-publish");
         let mut published = Vec::with_capacity(records.len());
         let mut failed = Vec::new();
@@ -637,12 +785,17 @@ impl<S: OutboxSource> Relay<S> {
                 Sent::Held => {}
             }
         }
-        self.finish(&lease, &published, &failed, leased_at, jitter, stop)
-            .await?;
+        if let Err(e) = self
+            .finish(&lease, &published, &failed, leased_at, jitter, stop)
+            .await
+        {
+            return (Err(e), unmarked);
+        }
         let round = Round {
             taken: records.len(),
             published: published.len(),
             failed: failed.len(),
+            ..Round::default()
         };
         self.stats
             .published
@@ -657,7 +810,7 @@ impl<S: OutboxSource> Relay<S> {
             failed = round.failed,
             "outbox relay: batch done"
         );
-        Ok(round)
+        (Ok(round), unmarked)
     }
 
     /// Marks the batch, retrying while its lease lasts: events the broker

@@ -17,31 +17,64 @@ pub(super) enum Sent {
     Acked,
     /// Failed, with the reason.
     Failed(String),
-    /// Not sent: an earlier event of its key failed in this batch.
+    /// Not sent, or not to be marked: an earlier event of its key failed
+    /// or went unsent (in this batch or the one before it).
     Held,
 }
 
+/// A topic and key, owned: a key whose later events must not be marked.
+pub(super) type Key = (String, Vec<u8>);
+
+/// A batch's sends once queued: the deliveries still to come in, and what
+/// is known already.
+pub(super) struct Sending {
+    outcomes: Vec<Option<Sent>>,
+    inflight: VecDeque<(usize, DeliveryFuture)>,
+    /// Keys refused before sending (or whose delivery failed while the
+    /// batch made room in the producer's queue): none of their later
+    /// events was sent.
+    unsent_keys: HashSet<Key>,
+    /// The send window ran out before every record was queued.
+    cut: bool,
+    /// Each record's `send` span (feature `opentelemetry`), ended once
+    /// the batch's acknowledgements are in.
+    #[cfg(feature = "opentelemetry")]
+    spans: Vec<opentelemetry::Context>,
+}
+
+impl Sending {
+    /// Whether some records were not queued because the send window ran
+    /// out: their keys' later events must not be sent before them.
+    pub(super) fn cut(&self) -> bool {
+        self.cut
+    }
+
+    /// Keys none of whose later events may be sent after this batch: one
+    /// of theirs failed while the batch was queued.
+    pub(super) fn unsent_keys(&self) -> &HashSet<Key> {
+        &self.unsent_keys
+    }
+}
+
 impl<S: OutboxSource> Relay<S> {
-    /// Sends every record (they queue in the producer together) and waits
-    /// for each acknowledgement. After a failure of a key, that key's later
-    /// records in the batch are not marked, so none is marked past an
-    /// unsent earlier one.
-    pub(super) async fn publish(
+    /// Queues every record (they travel in the producer together) by
+    /// `send_by`, except the later records of a key refused on the way.
+    pub(super) async fn send(
         &self,
         records: &[OutboxRecord],
         send_by: tokio::time::Instant,
-    ) -> Vec<Sent> {
-        let mut outcomes: Vec<Option<Sent>> = records.iter().map(|_| None).collect();
-        // Keys with a failure known so far: their later records are not sent.
-        let mut failed_keys: HashSet<(&str, &[u8])> = HashSet::new();
-        let mut inflight: VecDeque<(usize, DeliveryFuture)> = VecDeque::new();
-        // Each record's `send` span (feature `opentelemetry`), ended with
-        // the batch, once its acknowledgements are in.
-        #[cfg(feature = "opentelemetry")]
-        let mut spans = Vec::with_capacity(records.len());
+    ) -> Sending {
+        let mut sending = Sending {
+            outcomes: records.iter().map(|_| None).collect(),
+            inflight: VecDeque::new(),
+            unsent_keys: HashSet::new(),
+            cut: false,
+            #[cfg(feature = "opentelemetry")]
+            spans: Vec::with_capacity(records.len()),
+        };
         'records: for (i, record) in records.iter().enumerate() {
-            if key_of(record).is_some_and(|k| failed_keys.contains(&k)) {
-                outcomes[i] = Some(Sent::Held);
+            if holds(&sending.unsent_keys, record) {
+                sending.outcomes[i] = Some(Sent::Held);
                 continue;
             }
             let headers = headers(record);
@@ -49,7 +82,7 @@ impl<S: OutboxSource> Relay<S> {
             let headers = {
                 let cx = crate::otel::send(&record.topic, &record.headers);
                 let headers = crate::otel::with_trace(headers, &cx);
-                spans.push(cx);
+                sending.spans.push(cx);
                 headers
             };
             let mut future_record = FutureRecord::to(&record.topic)
@@ -67,73 +100,97 @@ impl<S: OutboxSource> Relay<S> {
                         held = records.len() - i,
                         "outbox relay: the batch's sends ran past half its lease; the rest waits"
                     );
+                    sending.cut = true;
                     break 'records;
                 }
                 match self.producer.send_result(future_record) {
                     Ok(delivery) => {
-                        inflight.push_back((i, delivery));
+                        sending.inflight.push_back((i, delivery));
                         break;
                     }
                     Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
                         // Make room: wait for the oldest acknowledgement.
                         future_record = back;
-                        match inflight.pop_front() {
+                        match sending.inflight.pop_front() {
                             Some((j, delivery)) => {
                                 let sent = settle(delivery).await;
                                 if matches!(sent, Sent::Failed(_)) {
-                                    failed_keys.extend(key_of(&records[j]));
+                                    sending.unsent_keys.extend(key_of(&records[j]));
                                 }
-                                outcomes[j] = Some(sent);
+                                sending.outcomes[j] = Some(sent);
                             }
                             None => tokio::time::sleep(Duration::from_millis(10)).await,
                         }
                     }
                     // Refused before sending (too large, unknown topic...).
                     Err((e, _)) => {
-                        failed_keys.extend(key_of(record));
-                        outcomes[i] = Some(Sent::Failed(e.to_string()));
+                        sending.unsent_keys.extend(key_of(record));
+                        sending.outcomes[i] = Some(Sent::Failed(e.to_string()));
                         break;
                     }
                 }
             }
         }
+        sending
+    }
+
+    /// Waits for each acknowledgement of `sending` (the sends of
+    /// `records`) and says what became of each record; returns too the
+    /// keys whose later events must not be marked (one of theirs failed or
+    /// was not marked). `held_back`: such keys of the batch before, whose
+    /// events here are not marked either.
+    pub(super) async fn settled(
+        &self,
+        records: &[OutboxRecord],
+        sending: Sending,
+        held_back: &HashSet<Key>,
+    ) -> (Vec<Sent>, HashSet<Key>) {
+        let Sending {
+            mut outcomes,
+            inflight,
+            ..
+        } = sending;
         for (j, delivery) in inflight {
             outcomes[j] = Some(settle(delivery).await);
         }
         // A delivery that failed after later records of its key were sent:
         // those may have reached the broker, but none is marked past the
         // failed one, so the key resumes from it.
-        let mut failed_keys: HashSet<(&str, &[u8])> = HashSet::new();
-        records
+        let mut unmarked = held_back.clone();
+        let outcomes = records
             .iter()
             .zip(outcomes)
             .map(|(record, outcome)| {
                 let outcome = outcome.unwrap_or(Sent::Held);
-                let Some(key) = key_of(record) else {
-                    return outcome;
-                };
-                if failed_keys.contains(&key) {
+                if holds(&unmarked, record) {
                     return match outcome {
                         // Its own failure is still recorded.
                         Sent::Failed(reason) => Sent::Failed(reason),
                         _ => Sent::Held,
                     };
                 }
-                if matches!(outcome, Sent::Failed(_)) {
-                    failed_keys.insert(key);
+                if !matches!(outcome, Sent::Acked) {
+                    unmarked.extend(key_of(record));
                 }
                 outcome
             })
-            .collect()
+            .collect();
+        (outcomes, unmarked)
     }
 }
 
+/// Whether `keys` holds the record's key (without copying it when `keys`
+/// is empty, as it nearly always is).
+fn holds(keys: &HashSet<Key>, record: &OutboxRecord) -> bool {
+    !keys.is_empty() && key_of(record).is_some_and(|key| keys.contains(&key))
+}
+
 /// The key a record's order is kept by, if it has one: (topic, key).
-fn key_of(record: &OutboxRecord) -> Option<(&str, &[u8])> {
+fn key_of(record: &OutboxRecord) -> Option<Key> {
     record
         .key
-        .as_deref()
-        .map(|key| (record.topic.as_str(), key))
+        .as_ref()
+        .map(|key| (record.topic.clone(), key.clone()))
 }
 
 async fn settle(delivery: DeliveryFuture) -> Sent {

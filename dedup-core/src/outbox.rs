@@ -316,8 +316,9 @@ impl PublishFailure {
 /// - [`lease_pending`](OutboxSource::lease_pending) returns pending events
 ///   in outbox order and leases them to the caller for `lease_for`: until
 ///   [`finish`](OutboxSource::finish) or the lease expires, another
-///   relay's `lease_pending` skips them (it does not wait for them). Taking
-///   the lease is one short write; nothing stays open while the relay
+///   relay's `lease_pending` skips them (it does not wait for them to be
+///   published). Taking the lease is one short write; nothing stays open
+///   while the relay
 ///   publishes, so a relay that dies leaves leases that simply expire and
 ///   another relay (or its own restart) takes those events over.
 /// - It never returns an event while an earlier pending event of the same
@@ -349,16 +350,18 @@ pub trait OutboxSource: Send + Sync + 'static {
     /// keys. The caller promises what makes that safe: it sends this
     /// batch's events after every one of `before`'s (one producer keeps a
     /// key's events in order), and marks none of a key's events past one
-    /// of `before`'s that failed or went unsent. The default leases as
-    /// `lease_pending` does: `before`'s keys wait for it.
+    /// of `before`'s that failed or went unsent. `None` when the source
+    /// cannot (the default): the caller finishes `before` first.
+    #[allow(clippy::type_complexity)]
     fn lease_pending_after(
         &self,
         limit: usize,
         lease_for: Duration,
         before: &Self::Lease,
-    ) -> impl Future<Output = Result<(Self::Lease, Vec<OutboxRecord>), StoreError>> + Send {
-        let _ = before;
-        self.lease_pending(limit, lease_for)
+    ) -> impl Future<Output = Result<Option<(Self::Lease, Vec<OutboxRecord>)>, StoreError>> + Send
+    {
+        let _ = (limit, lease_for, before);
+        std::future::ready(Ok(None))
     }
 
     /// Marks `published` (sequence numbers) sent, records `failed` attempts

@@ -49,9 +49,10 @@ impl Statements {
         );
         let leases = table.quoted_with_suffix("_leases");
         // Leasing is one at a time per outbox (a transaction-scoped
-        // advisory lock, taken by a statement of its own so the lease's
-        // statement sees every lease committed before it): no two relays
-        // can take the same rows, and no row is locked or written.
+        // advisory lock, taken by a statement of its own in a READ
+        // COMMITTED transaction, so the lease's statement sees every lease
+        // committed before it): no two relays can take the same rows, and
+        // no row is locked or written.
         let lease_lock = "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))".to_owned();
         // Lease the oldest pending rows no live lease holds, leaving out
         // events backing off after a failure and every later event of
@@ -437,6 +438,13 @@ impl OutboxReader {
         // look still wakes the relay.
         self.ensure_listening().await;
         let mut tx = self.pool.begin().await.map_err(store_error)?;
+        // Whatever the server's default: under REPEATABLE READ the snapshot
+        // would be taken before the lock was, and a lease committed while
+        // this one waited for it would go unseen (its rows leased twice).
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
         sqlx::query(sql(&self.statements.lease_lock))
             .bind(format!("dedup outbox lease {}", self.statements.table))
             .execute(&mut *tx)
@@ -504,8 +512,10 @@ impl OutboxSource for OutboxReader {
         limit: usize,
         lease_for: Duration,
         before: &PgLease,
-    ) -> Result<(PgLease, Vec<OutboxRecord>), StoreError> {
-        self.lease(limit, lease_for, before.id.as_deref()).await
+    ) -> Result<Option<(PgLease, Vec<OutboxRecord>)>, StoreError> {
+        self.lease(limit, lease_for, before.id.as_deref())
+            .await
+            .map(Some)
     }
 
     async fn finish(

@@ -356,3 +356,99 @@ async fn notifications_that_piled_up_wake_a_relay_once(pool: PgPool) {
         );
     }
 }
+
+/// A relay's next batch, leased while its own batch before is in flight
+/// (`lease_pending_after`), takes the later events of that batch's keys:
+/// the relay sends them after it. Another relay's lease does not.
+#[sqlx::test(migrations = false)]
+async fn a_batch_leased_past_the_relays_own_batch_in_flight_takes_its_keys(pool: PgPool) {
+    let source = outbox(&pool, Retention::Delete).await;
+    enqueue_all(
+        &pool,
+        &[
+            (Some("k"), "k-1"),
+            (Some("k"), "k-2"),
+            (Some("j"), "j-1"),
+            (Some("k"), "k-3"),
+        ],
+    )
+    .await;
+    let (first, taken) = source.lease_pending(2, LEASE).await.expect("lease");
+    assert_eq!(payloads(&taken), ["k-1", "k-2"]);
+    // Another relay would overtake k-1 and k-2 with k-3: it gets j-1 only.
+    let (other, others) = source.lease_pending(10, LEASE).await.expect("other");
+    assert_eq!(payloads(&others), ["j-1"]);
+    source.finish(&other, &[], &[]).await.expect("release");
+    // The same relay, past its own batch in flight: k-3 too.
+    let (next, after) = source
+        .lease_pending_after(10, LEASE, &first)
+        .await
+        .expect("after")
+        .expect("PostgreSQL leases past a batch in flight");
+    assert_eq!(payloads(&after), ["j-1", "k-3"]);
+    let (none, nothing) = source.lease_pending(10, LEASE).await.expect("third");
+    assert!(nothing.is_empty(), "{:?}", payloads(&nothing));
+    source.finish(&none, &[], &[]).await.expect("empty");
+    source
+        .finish(&first, &seqs(&taken), &[])
+        .await
+        .expect("first");
+    source
+        .finish(&next, &seqs(&after), &[])
+        .await
+        .expect("next");
+    assert_eq!(source.pending().await.expect("pending"), 0);
+}
+
+/// Leasing waits for the lease lock in a READ COMMITTED transaction
+/// whatever the server's default: under REPEATABLE READ its snapshot
+/// would predate a lease committed while it waited, and it would lease
+/// the same events again.
+#[sqlx::test(migrations = false)]
+async fn a_lease_sees_the_lease_committed_while_it_waited_under_repeatable_read(pool: PgPool) {
+    let outbox = OutboxWriter::default();
+    outbox.migrate(&pool).await.expect("migrate");
+    enqueue_all(&pool, &[(Some("k"), "k-1"), (None, "n-1")]).await;
+    let options = (*pool.connect_options())
+        .clone()
+        .options([("default_transaction_isolation", "repeatable read")]);
+    let repeatable = sqlx::postgres::PgPoolOptions::new()
+        .connect_with(options)
+        .await
+        .expect("pool");
+    let source = outbox.reader(repeatable);
+    // Another relay holds the lease lock...
+    let mut other = pool.begin().await.expect("begin");
+    sqlx::query("SELECT pg_advisory_xact_lock(hashtextextended($1, 0))")
+        .bind("dedup outbox lease dedup_outbox")
+        .execute(&mut *other)
+        .await
+        .expect("lock");
+    let waiting = tokio::spawn(async move { source.lease_pending(10, LEASE).await });
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let waits: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event = 'advisory'",
+        )
+        .fetch_one(&pool)
+        .await
+        .expect("activity");
+        if waits == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the lease never waited");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // ...and leases every pending event while this one waits.
+    sqlx::query(
+        "INSERT INTO dedup_outbox_leases (id, until, seqs) \
+         SELECT gen_random_uuid(), now() + interval '1 hour', array_agg(seq) FROM dedup_outbox",
+    )
+    .execute(&mut *other)
+    .await
+    .expect("other's lease");
+    other.commit().await.expect("commit");
+    let (_, records) = waiting.await.expect("task").expect("lease");
+    assert!(records.is_empty(), "leased twice: {:?}", payloads(&records));
+}

@@ -665,31 +665,52 @@ impl<S: OutboxSource> Relay<S> {
     ) -> Result<Round, dedup_core::StoreError> {
         let mut round = Round::default();
         let mut error = None;
-        let before = carried.take();
-        round.past_in_flight = before.is_some();
-        let leased_at = tokio::time::Instant::now();
-        let leasing = async {
-            match &before {
-                Some(batch) => {
-                    let leasing =
-                        self.source
-                            .lease_pending_after(self.batch_size, self.lease, &batch.lease);
-                    tokio::time::timeout(self.store_timeout, leasing).await
-                }
-                None => {
-                    let leasing = self.source.lease_pending(self.batch_size, self.lease);
-                    tokio::time::timeout(self.store_timeout, leasing).await
-                }
-            }
-        };
-        let leased = leasing.await.unwrap_or_else(|_| {
-            Err(dedup_core::StoreError::environment(format!(
+        let mut before = carried.take();
+        // The batch in flight is marked after this lease and these sends
+        // (each bounded: the store timeout, the send window): if that could
+        // take it past its lease, it is finished first, or another relay
+        // would take it over and publish it again.
+        if let Some(batch) = before.take_if(|batch| {
+            batch.leased_at.elapsed() + self.store_timeout + self.send_window >= self.lease
+        }) {
+            let (done, _) = self.complete(batch, jitter, metrics, stop).await;
+            round.add(done, &mut error);
+        }
+        let mut leased_at = tokio::time::Instant::now();
+        let timed_out = || {
+            dedup_core::StoreError::environment(format!(
                 "leasing pending events took longer than store_timeout ({:?})",
                 self.store_timeout
-            )))
-        });
+            ))
+        };
+        let mut leased = Ok(None);
+        if let Some(batch) = &before {
+            let leasing =
+                self.source
+                    .lease_pending_after(self.batch_size, self.lease, &batch.lease);
+            leased = tokio::time::timeout(self.store_timeout, leasing)
+                .await
+                .unwrap_or_else(|_| Err(timed_out()));
+        }
+        // The source cannot lease past a batch in flight: it is finished
+        // first.
+        if matches!(leased, Ok(None))
+            && let Some(batch) = before.take()
+        {
+            let (done, _) = self.complete(batch, jitter, metrics, stop).await;
+            round.add(done, &mut error);
+        }
+        round.past_in_flight = before.is_some();
+        if before.is_none() && matches!(leased, Ok(None)) {
+            leased_at = tokio::time::Instant::now();
+            let leasing = self.source.lease_pending(self.batch_size, self.lease);
+            leased = tokio::time::timeout(self.store_timeout, leasing)
+                .await
+                .unwrap_or_else(|_| Err(timed_out()))
+                .map(Some);
+        }
         let next = match leased {
-            Ok((lease, records)) if !records.is_empty() => {
+            Ok(Some((lease, records))) if !records.is_empty() => {
                 // What is not sent within the window waits for a later
                 // round. (The batch before sent every event: only such a
                 // batch is left in flight.)
@@ -789,6 +810,9 @@ impl<S: OutboxSource> Relay<S> {
             .finish(&lease, &published, &failed, leased_at, jitter, stop)
             .await
         {
+            // Nothing of it is marked: none of its keys' events in the
+            // next batch is either.
+            let unmarked = records.iter().filter_map(publish::key_of).collect();
             return (Err(e), unmarked);
         }
         let round = Round {

@@ -186,7 +186,7 @@ fn holds(keys: &HashSet<Key>, record: &OutboxRecord) -> bool {
 }
 
 /// The key a record's order is kept by, if it has one: (topic, key).
-fn key_of(record: &OutboxRecord) -> Option<Key> {
+pub(super) fn key_of(record: &OutboxRecord) -> Option<Key> {
     record
         .key
         .as_ref()

@@ -76,7 +76,8 @@ impl Statements {
                      WHERE until > now() AND id IS DISTINCT FROM $3::uuid)) \
                    AND o.sent_at IS NULL AND o.key IS NOT NULL), \
              candidates AS MATERIALIZED ( \
-                 SELECT o.seq, o.topic, o.key \
+                 SELECT o.seq, o.event_id, o.topic, o.key, o.payload, o.header_names, \
+                     o.header_values, o.attempts \
                  FROM {t} o \
                  WHERE o.sent_at IS NULL \
                    AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= now()) \
@@ -87,7 +88,7 @@ impl Statements {
                          AND f.topic = o.topic AND f.key = o.key AND f.seq < o.seq)) \
                  ORDER BY o.seq LIMIT $1), \
              taken AS MATERIALIZED ( \
-                 SELECT c.seq FROM candidates c \
+                 SELECT c.* FROM candidates c \
                  WHERE c.key IS NULL OR NOT EXISTS ( \
                      SELECT 1 FROM held_keys k WHERE k.topic = c.topic AND k.key = c.key)), \
              lease AS ( \
@@ -95,9 +96,7 @@ impl Statements {
                  SELECT gen_random_uuid(), now() + $2 * interval '1 millisecond', array_agg(seq) \
                  FROM taken HAVING count(*) > 0 \
                  RETURNING id) \
-             SELECT o.seq, o.event_id, o.topic, o.key, o.payload, o.header_names, \
-                 o.header_values, o.attempts, (SELECT id FROM lease)::text AS lease_id \
-             FROM {t} o WHERE o.seq = ANY(ARRAY(SELECT seq FROM taken))"
+             SELECT t.*, (SELECT id FROM lease)::text AS lease_id FROM taken t"
         );
         // Marking is right whoever holds the lease now (the broker
         // acknowledged the event); a row another relay marked first keeps

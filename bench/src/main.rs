@@ -1053,16 +1053,20 @@ fn median(mut xs: Vec<f64>) -> f64 {
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
     let args = args()?;
-    if std::env::var_os("DEDUP_BENCH_TRACE").is_some() {
-        // The runtime's and librdkafka's logs (with `--set debug=...`), to
-        // see where a run spends its time: in this process (the relays, the
-        // database modes) and in a Kafka mode's consumer child, which
-        // inherits the variable.
-        tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::DEBUG)
-            .with_writer(std::io::stderr)
-            .init();
-    }
+    // Warnings always (a relay's or a consumer's timeout shows where a
+    // slow run lost its time); with DEDUP_BENCH_TRACE the runtime's and
+    // librdkafka's debug logs too (with `--set debug=...`): in this process
+    // (the relays, the database modes) and in a Kafka mode's consumer
+    // child, which inherits the variable.
+    let trace = std::env::var_os("DEDUP_BENCH_TRACE").is_some();
+    tracing_subscriber::fmt()
+        .with_max_level(if trace {
+            tracing::Level::DEBUG
+        } else {
+            tracing::Level::WARN
+        })
+        .with_writer(std::io::stderr)
+        .init();
     if let Some(topic) = &args.produce_to {
         let work = Workload::new(args.events, args.duplicates, args.window);
         let brokers = env_or("KAFKA_BROKERS", "127.0.0.1:9092");

@@ -684,7 +684,10 @@ impl<S: OutboxSource> Relay<S> {
             ))
         };
         let mut leased = Ok(None);
-        if let Some(batch) = &before {
+        // Once the relay is stopping, nothing new is leased: the batch in
+        // flight is finished and the turn ends.
+        let stopping = *stop.borrow();
+        if let Some(batch) = before.as_ref().filter(|_| !stopping) {
             let leasing =
                 self.source
                     .lease_pending_after(self.batch_size, self.lease, &batch.lease);
@@ -701,7 +704,7 @@ impl<S: OutboxSource> Relay<S> {
             round.add(done, &mut error);
         }
         round.past_in_flight = before.is_some();
-        if before.is_none() && matches!(leased, Ok(None)) {
+        if before.is_none() && matches!(leased, Ok(None)) && !stopping {
             leased_at = tokio::time::Instant::now();
             let leasing = self.source.lease_pending(self.batch_size, self.lease);
             leased = tokio::time::timeout(self.store_timeout, leasing)
@@ -811,8 +814,12 @@ impl<S: OutboxSource> Relay<S> {
             .await
         {
             // Nothing of it is marked: none of its keys' events in the
-            // next batch is either.
-            let unmarked = records.iter().filter_map(publish::key_of).collect();
+            // next batch is either (nor of the keys held back from it).
+            let unmarked = records
+                .iter()
+                .filter_map(publish::key_of)
+                .chain(held_back)
+                .collect();
             return (Err(e), unmarked);
         }
         let round = Round {

@@ -109,17 +109,23 @@ impl<S: OutboxSource> Relay<S> {
                         break;
                     }
                     Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
-                        // Make room: wait for the oldest acknowledgement.
+                        // Make room: wait for the oldest acknowledgement,
+                        // no longer than the window (a batch before may
+                        // be waiting to be marked behind these sends).
                         future_record = back;
-                        match sending.inflight.pop_front() {
-                            Some((j, delivery)) => {
-                                let sent = settle(delivery).await;
-                                if matches!(sent, Sent::Failed(_)) {
-                                    sending.unsent_keys.extend(key_of(&records[j]));
-                                }
-                                sending.outcomes[j] = Some(sent);
+                        let Some((_, oldest)) = sending.inflight.front_mut() else {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                            continue;
+                        };
+                        let Ok(delivered) = tokio::time::timeout_at(send_by, oldest).await else {
+                            continue; // the window ran out: cut at the top
+                        };
+                        if let Some((j, _)) = sending.inflight.pop_front() {
+                            let sent = outcome(delivered);
+                            if matches!(sent, Sent::Failed(_)) {
+                                sending.unsent_keys.extend(key_of(&records[j]));
                             }
-                            None => tokio::time::sleep(Duration::from_millis(10)).await,
+                            sending.outcomes[j] = Some(sent);
                         }
                     }
                     // Refused before sending (too large, unknown topic...).
@@ -194,7 +200,12 @@ pub(super) fn key_of(record: &OutboxRecord) -> Option<Key> {
 }
 
 async fn settle(delivery: DeliveryFuture) -> Sent {
-    match delivery.await {
+    outcome(delivery.await)
+}
+
+/// What a delivery's result says of its record.
+fn outcome(delivered: <DeliveryFuture as std::future::Future>::Output) -> Sent {
+    match delivered {
         Ok(Ok(_)) => Sent::Acked,
         Ok(Err((e, _))) => Sent::Failed(e.to_string()),
         Err(_) => Sent::Failed("the producer dropped the message".to_owned()),

@@ -68,12 +68,11 @@ impl Statements {
         let lease_pending = format!(
             "WITH expired AS (DELETE FROM {leases} WHERE until <= now()), \
              held AS MATERIALIZED ( \
-                 SELECT unnest(seqs) AS seq FROM {leases} WHERE until > now()), \
+                 SELECT id, unnest(seqs) AS seq FROM {leases} WHERE until > now()), \
              held_keys AS MATERIALIZED ( \
                  SELECT DISTINCT o.topic, o.key FROM {t} o \
                  WHERE o.seq = ANY(ARRAY( \
-                     SELECT unnest(seqs) FROM {leases} \
-                     WHERE until > now() AND id IS DISTINCT FROM $3::uuid)) \
+                     SELECT seq FROM held WHERE id IS DISTINCT FROM $3::uuid)) \
                    AND o.sent_at IS NULL AND o.key IS NOT NULL), \
              candidates AS MATERIALIZED ( \
                  SELECT o.seq, o.event_id, o.topic, o.key, o.payload, o.header_names, \

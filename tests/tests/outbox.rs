@@ -290,22 +290,27 @@ async fn a_relay_killed_after_publishing_publishes_again_and_downstream_applies_
 #[sqlx::test(migrations = false)]
 async fn two_relays_publish_every_event_in_order_per_key(pool: PgPool) {
     let source = migrated_outbox(&pool).await;
+    let other_source = migrated_outbox(&pool).await;
     let topic = create_topic(4).await;
-    // 30 keys, batches of 20: two relays' batches share some keys (an
-    // overtaking would show) and not others (both relays get work).
-    let keys: Vec<String> = (0..30).map(|k| format!("key-{k:02}")).collect();
+    // 60 keys, batches of 20: two relays' batches share some keys (an
+    // overtaking would show) and not others (both relays get work). A
+    // relay holds the keys of up to two batches (one in flight while it
+    // leases the next): with 40 keys or fewer, the first relay started
+    // could hold every key for the whole run and the other get nothing.
+    let keys: Vec<String> = (0..60).map(|k| format!("key-{k:02}")).collect();
     const ROUNDS: u64 = 20;
 
     for n in 0..ROUNDS {
         let events: Vec<_> = keys.iter().map(|k| numbered(k, n)).collect();
         enqueue(&pool, &topic, &events).await;
     }
-    // Small batches, so the relays take turns through the backlog.
+    // Small batches, so the relays take turns through the backlog; both
+    // sources are ready first, so the relays start together.
     let first = RunningRelay::start(source.clone(), &brokers(), 20);
-    let second = RunningRelay::start(migrated_outbox(&pool).await, &brokers(), 20);
+    let second = RunningRelay::start(other_source, &brokers(), 20);
     wait_until_published(&source, Duration::from_secs(120)).await;
     let (a, b) = (first.stop().await, second.stop().await);
-    assert_eq!(a.published + b.published, 30 * ROUNDS, "{a} / {b}");
+    assert_eq!(a.published + b.published, 60 * ROUNDS, "{a} / {b}");
     assert!(
         a.published > 0 && b.published > 0,
         "both relays published: {a} / {b}"

@@ -70,7 +70,14 @@
 //! producer (the limit). Each ends with a check that the topic holds every
 //! event exactly once, and reports the outbox table's size (sent rows are
 //! kept an hour, the default retention; `--delete-sent`: deleted once
-//! published).
+//! published). `outbox-logical-sql-drain` and `outbox-logical-stream-drain`
+//! (not run unless named in `--modes`: they need `wal_level = logical` and a
+//! role with `REPLICATION`) drain the backlog by PostgreSQL's logical
+//! decoding instead of leases and marks: through SQL functions,
+//! `--logical-batch` (20,000) changes at a time, or on the replication
+//! protocol's stream; `outbox-logical-message-drain` enqueues each event as
+//! a logical decoding message (`pg_logical_emit_message`, no table row)
+//! and streams those; see outbox_logical.rs.
 //!
 //! With `--kafka-only`, Kafka-to-Kafka pipelines beside `batched`:
 //! `kafka-transactional` (the `TransactionalConsumer`: each distinct event's
@@ -113,6 +120,8 @@ mod growth;
 mod kafka_only;
 mod keyed;
 mod outbox;
+mod outbox_logical;
+mod pgstream;
 mod produce;
 mod steady;
 mod tiers;
@@ -267,6 +276,8 @@ struct Args {
     tiers: bool,
     per_tx: usize,
     relay_batch: usize,
+    /// `outbox-logical-sql-drain`: changes taken from the slot at a time.
+    logical_batch: usize,
     mode: Option<String>,
     /// `steady`: the produce rate (events/s; default half of `batched`'s).
     rate: Option<f64>,
@@ -325,6 +336,7 @@ fn args() -> Result<Args, String> {
         tiers: false,
         per_tx: 10,
         relay_batch: 500,
+        logical_batch: 20_000,
         mode: None,
         rate: None,
         seconds: 60.0,
@@ -385,6 +397,11 @@ fn args() -> Result<Args, String> {
                     .parse()
                     .map_err(|e| format!("--relay-batch: {e}"))?
             }
+            "--logical-batch" => {
+                a.logical_batch = value()?
+                    .parse()
+                    .map_err(|e| format!("--logical-batch: {e}"))?
+            }
             "--per-tx" => {
                 a.per_tx = value()?
                     .parse::<usize>()
@@ -414,7 +431,7 @@ fn args() -> Result<Args, String> {
             other => {
                 return Err(format!(
                     "unknown flag {other}; flags: --events --quick --repeats --modes a,b --duplicates --partitions --json --purge \
-                     --outbox --delete-sent --kafka-only --full-table --claims n --keyed --tiers --per-tx --relay-batch --mode --rate --seconds --set key=value \
+                     --outbox --delete-sent --kafka-only --full-table --claims n --keyed --tiers --per-tx --relay-batch --logical-batch --mode --rate --seconds --set key=value \
                      --max-buffered --linger ms --dump file (with --mode steady or steady-purge)"
                 ));
             }
@@ -956,6 +973,7 @@ fn run_child(mode: &str, args: &Args, rate: Option<f64>) -> Result<Report, BoxEr
         ])
         .args(["--per-tx", &args.per_tx.to_string()])
         .args(["--relay-batch", &args.relay_batch.to_string()])
+        .args(["--logical-batch", &args.logical_batch.to_string()])
         .args(["--seconds", &args.seconds.to_string()])
         .args(["--claims", &args.claims.to_string()]);
     if args.delete_sent {
@@ -1282,6 +1300,21 @@ fn print_ratios(runs: &Runs, args: &Args) {
                 "outbox-2-relays-drain",
                 "outbox-direct",
                 "(a backlog drained)",
+            ),
+            (
+                "outbox-logical-sql-drain",
+                "outbox-direct",
+                "(a backlog drained from logical decoding, SQL)",
+            ),
+            (
+                "outbox-logical-stream-drain",
+                "outbox-direct",
+                "(a backlog drained from logical decoding, streamed)",
+            ),
+            (
+                "outbox-logical-message-drain",
+                "outbox-direct",
+                "(messages, no rows, drained from the stream)",
             ),
         ]
     } else {

@@ -102,6 +102,14 @@ pub(crate) async fn run_outbox(mode: &str, args: &Args) -> Result<Report, BoxErr
             })
             .collect::<Result<Vec<_>, _>>()
     };
+    let logical = mode.starts_with("outbox-logical-");
+    // The events as logical decoding messages, no rows.
+    let messages = mode == "outbox-logical-message-drain";
+    let slot = if logical {
+        Some(crate::outbox_logical::Slot::create(&pool).await?)
+    } else {
+        None
+    };
     let mut running = Vec::new();
     if !drain {
         running = start_relays()?;
@@ -120,6 +128,20 @@ pub(crate) async fn run_outbox(mode: &str, args: &Args) -> Result<Report, BoxErr
                     let mut tx = pool.begin().await?;
                     for i in start..(start + per_tx).min(work.len()) {
                         let (key, payload) = work.message(i);
+                        if messages {
+                            let content = crate::outbox_logical::message_content(
+                                &topic,
+                                &key,
+                                &event_id(i),
+                                payload.as_bytes(),
+                            );
+                            sqlx::query("SELECT pg_logical_emit_message(true, $1, $2)")
+                                .bind(crate::outbox_logical::MESSAGE_PREFIX)
+                                .bind(content)
+                                .execute(&mut *tx)
+                                .await?;
+                            continue;
+                        }
                         let message = dedup_core::OutboxMessage::bytes(&topic, payload)
                             .with_key(key)
                             .with_event_id(event_id(i));
@@ -135,6 +157,64 @@ pub(crate) async fn run_outbox(mode: &str, args: &Args) -> Result<Report, BoxErr
         writer.await??;
     }
     let enqueued_in = started.elapsed().as_secs_f64();
+    if let Some(slot) = slot {
+        started = Instant::now();
+        let drained = if mode != "outbox-logical-sql-drain" {
+            crate::outbox_logical::drain_stream(
+                &std::env::var("DATABASE_URL")?,
+                &pool,
+                &slot,
+                &brokers,
+                events as u64,
+                messages,
+            )
+            .await?
+        } else {
+            crate::outbox_logical::drain(&pool, &slot, &brokers, args.logical_batch, events as u64)
+                .await?
+        };
+        let seconds = started.elapsed().as_secs_f64();
+        slot.drop_all(&pool).await?;
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_outbox")
+            .fetch_one(&pool)
+            .await?;
+        if left != 0 {
+            return Err(format!("{left} events left in the table after the relay").into());
+        }
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0 / drained.batches.max(1) as f64;
+        let enqueued = format!(
+            "enqueued in {enqueued_in:.2} s ({:.0} events/s), published {}",
+            events as f64 / enqueued_in,
+            drained.published
+        );
+        if mode == "outbox-logical-sql-drain" {
+            eprintln!(
+                "  {mode}: {enqueued} in {} batches; per batch: peek {:.1} ms, send and \
+                 acknowledgements {:.1} ms, delete {:.1} ms, slot advance {:.1} ms",
+                drained.batches,
+                ms(drained.peek),
+                ms(drained.send),
+                ms(drained.delete),
+                ms(drained.advance),
+            );
+        } else {
+            eprintln!(
+                "  {mode}: {enqueued}, acknowledged in {} groups; deleting their rows took {:.1} ms \
+                 a group",
+                drained.batches,
+                ms(drained.delete),
+            );
+        }
+        let records = records_in(&brokers, &topic, args.partitions)?;
+        return Ok(Report::new(
+            mode,
+            events,
+            seconds,
+            Vec::new(),
+            (records, events as i64),
+            drained.batches,
+        ));
+    }
     if drain {
         started = Instant::now();
         running = start_relays()?;

@@ -503,6 +503,62 @@ struct Report {
     claims_max: Option<i64>,
     #[serde(default)]
     claims_bound: Option<f64>,
+    /// What PostgreSQL wrote to its WAL while the clock ran (the database
+    /// modes), per event.
+    #[serde(default)]
+    wal: Option<WalUse>,
+}
+
+/// PostgreSQL's WAL counters (`pg_stat_wal`) and checkpoints so far
+/// (`pg_stat_bgwriter`, PostgreSQL 14-16; elsewhere not read).
+#[derive(Clone, Copy)]
+struct WalCounters {
+    records: i64,
+    fpi: i64,
+    bytes: f64,
+    checkpoints: i64,
+}
+
+impl WalCounters {
+    async fn read(pool: &sqlx::PgPool) -> Option<Self> {
+        let (records, fpi, bytes, checkpoints): (i64, i64, f64, i64) = sqlx::query_as(
+            "SELECT w.wal_records, w.wal_fpi, w.wal_bytes::float8, \
+                 b.checkpoints_timed + b.checkpoints_req \
+             FROM pg_stat_wal w, pg_stat_bgwriter b",
+        )
+        .fetch_one(pool)
+        .await
+        .ok()?;
+        Some(WalCounters {
+            records,
+            fpi,
+            bytes,
+            checkpoints,
+        })
+    }
+
+    /// What was written since `before`, per event of `events`.
+    fn since(self, before: Self, events: usize) -> WalUse {
+        let per = |n: f64| n / events.max(1) as f64;
+        WalUse {
+            records_per_event: per((self.records - before.records) as f64),
+            fpi_per_event: per((self.fpi - before.fpi) as f64),
+            bytes_per_event: per(self.bytes - before.bytes),
+            checkpoints: self.checkpoints - before.checkpoints,
+        }
+    }
+}
+
+/// A run's WAL, per event: the whole server's (nothing else runs).
+#[derive(Clone, Copy, serde::Serialize, serde::Deserialize)]
+struct WalUse {
+    records_per_event: f64,
+    /// Full-page images: the first change to a page after a checkpoint
+    /// writes the whole page.
+    fpi_per_event: f64,
+    bytes_per_event: f64,
+    /// Checkpoints that started while the clock ran.
+    checkpoints: i64,
 }
 
 impl Report {
@@ -536,7 +592,41 @@ impl Report {
             table_mib: None,
             claims_max: None,
             claims_bound: None,
+            wal: None,
         }
+    }
+}
+
+/// Each database mode's WAL per event, the median over its runs.
+fn print_wal(runs: &Runs) {
+    let mut modes: Vec<&str> = Vec::new();
+    for r in &runs.0 {
+        if !modes.contains(&r.mode.as_str()) {
+            modes.push(&r.mode);
+        }
+    }
+    for mode in modes {
+        let wal: Vec<WalUse> = runs.of(mode).filter_map(|r| r.wal).collect();
+        if wal.is_empty() {
+            continue;
+        }
+        let median = |f: fn(&WalUse) -> f64| {
+            let mut xs: Vec<f64> = wal.iter().map(f).collect();
+            xs.sort_by(f64::total_cmp);
+            xs[xs.len() / 2]
+        };
+        println!(
+            "{mode}: WAL per event {:.0} bytes, {:.2} records, {:.3} full-page images \
+             (median of {}); checkpoints during the runs: {}",
+            median(|w| w.bytes_per_event),
+            median(|w| w.records_per_event),
+            median(|w| w.fpi_per_event),
+            wal.len(),
+            wal.iter()
+                .map(|w| w.checkpoints.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
     }
 }
 
@@ -720,6 +810,7 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
     // this process, whose peak RSS is the consumer's).
     let acks = Producer::spawn(&topic, args.events, args.duplicates, 0, None)?.finish()?;
     checkpoint(store.pool()).await;
+    let wal_before = WalCounters::read(store.pool()).await;
 
     let started = Instant::now();
     let purger = (expired_backlog > 0).then(|| {
@@ -742,6 +833,7 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
     )
     .await?;
     let seconds = started.elapsed().as_secs_f64();
+    let wal_after = WalCounters::read(store.pool()).await;
     let consumed = consumer.stop()?;
     if let Some(purger) = purger {
         purger.stop().await;
@@ -764,6 +856,9 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
         consumed.batches,
     );
     report.peak_rss_mib = consumed.peak_rss_mib;
+    if let (Some(before), Some(after)) = (wal_before, wal_after) {
+        report.wal = Some(after.since(before, events));
+    }
     if full {
         let (heap, indexes) = growth::size(&store).await?;
         report.table_mib = Some((heap + indexes) as f64 / 1048576.0);
@@ -1369,6 +1464,9 @@ fn print_ratios(runs: &Runs, args: &Args) {
         if let Some(mib) = runs.of("batched-full").filter_map(|r| r.table_mib).last() {
             println!("batched-full: claims table {mib:.0} MiB at the end (heap and indexes)");
         }
+    }
+    if !args.outbox && !args.kafka_only {
+        print_wal(runs);
     } else if args.outbox {
         for mode in OUTBOX_MODES {
             if let Some(mib) = runs.of(mode).filter_map(|r| r.table_mib).last() {

@@ -509,26 +509,34 @@ struct Report {
     wal: Option<WalUse>,
 }
 
-/// PostgreSQL's WAL counters (`pg_stat_wal`) and checkpoints so far
-/// (`pg_stat_bgwriter`, PostgreSQL 14-16; elsewhere not read).
+/// PostgreSQL's WAL so far: bytes from the insert position (exact),
+/// records and full-page images from `pg_stat_wal` (PostgreSQL 14+; a
+/// backend reports them about once a second, so they lag by up to that),
+/// and checkpoints from `pg_stat_bgwriter` (PostgreSQL 14-16; not read
+/// where it has none).
 #[derive(Clone, Copy)]
 struct WalCounters {
     records: i64,
     fpi: i64,
     bytes: f64,
-    checkpoints: i64,
+    checkpoints: Option<i64>,
 }
 
 impl WalCounters {
     async fn read(pool: &sqlx::PgPool) -> Option<Self> {
-        let (records, fpi, bytes, checkpoints): (i64, i64, f64, i64) = sqlx::query_as(
-            "SELECT w.wal_records, w.wal_fpi, w.wal_bytes::float8, \
-                 b.checkpoints_timed + b.checkpoints_req \
-             FROM pg_stat_wal w, pg_stat_bgwriter b",
+        let (records, fpi, bytes): (i64, i64, f64) = sqlx::query_as(
+            "SELECT w.wal_records, w.wal_fpi, \
+                 pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::float8 \
+             FROM pg_stat_wal w",
         )
         .fetch_one(pool)
         .await
         .ok()?;
+        let checkpoints =
+            sqlx::query_scalar("SELECT checkpoints_timed + checkpoints_req FROM pg_stat_bgwriter")
+                .fetch_one(pool)
+                .await
+                .ok();
         Some(WalCounters {
             records,
             fpi,
@@ -544,7 +552,7 @@ impl WalCounters {
             records_per_event: per((self.records - before.records) as f64),
             fpi_per_event: per((self.fpi - before.fpi) as f64),
             bytes_per_event: per(self.bytes - before.bytes),
-            checkpoints: self.checkpoints - before.checkpoints,
+            checkpoints: self.checkpoints.zip(before.checkpoints).map(|(a, b)| a - b),
         }
     }
 }
@@ -557,8 +565,9 @@ struct WalUse {
     /// writes the whole page.
     fpi_per_event: f64,
     bytes_per_event: f64,
-    /// Checkpoints that started while the clock ran.
-    checkpoints: i64,
+    /// Checkpoints that started while the clock ran, where counted.
+    #[serde(default)]
+    checkpoints: Option<i64>,
 }
 
 impl Report {
@@ -623,7 +632,7 @@ fn print_wal(runs: &Runs) {
             median(|w| w.fpi_per_event),
             wal.len(),
             wal.iter()
-                .map(|w| w.checkpoints.to_string())
+                .map(|w| w.checkpoints.map_or("?".to_owned(), |c| c.to_string()))
                 .collect::<Vec<_>>()
                 .join(", ")
         );
@@ -1464,9 +1473,6 @@ fn print_ratios(runs: &Runs, args: &Args) {
         if let Some(mib) = runs.of("batched-full").filter_map(|r| r.table_mib).last() {
             println!("batched-full: claims table {mib:.0} MiB at the end (heap and indexes)");
         }
-    }
-    if !args.outbox && !args.kafka_only {
-        print_wal(runs);
     } else if args.outbox {
         for mode in OUTBOX_MODES {
             if let Some(mib) = runs.of(mode).filter_map(|r| r.table_mib).last() {
@@ -1499,5 +1505,8 @@ fn print_ratios(runs: &Runs, args: &Args) {
                 );
             }
         }
+    }
+    if !args.outbox && !args.kafka_only {
+        print_wal(runs);
     }
 }

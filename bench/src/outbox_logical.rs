@@ -5,7 +5,7 @@
 //! It needs `wal_level = logical` and a role allowed to create replication
 //! slots (`ALTER ROLE .. REPLICATION`). A logical slot is created before the
 //! backlog is enqueued (a slot decodes what comes after it); the relay then
-//! takes up to `--relay-batch` changes at a time with
+//! takes up to `--logical-batch` changes at a time with
 //! `pg_logical_slot_peek_binary_changes` (the `pgoutput` plugin, through a
 //! publication of the outbox table), sends each insert, waits for every
 //! acknowledgement, deletes the published rows (as `Retention::Delete`
@@ -61,11 +61,25 @@ impl Slot {
         Ok(slot)
     }
 
+    /// Drops the slot (which would otherwise hold WAL on the server for
+    /// good) and the publication. A slot whose stream just closed may still
+    /// be active for a moment: tried again for up to 10 s.
     pub(crate) async fn drop_all(&self, pool: &PgPool) -> Result<(), BoxError> {
-        sqlx::query("SELECT pg_drop_replication_slot($1)")
-            .bind(&self.name)
-            .execute(pool)
-            .await?;
+        let started = Instant::now();
+        loop {
+            match sqlx::query("SELECT pg_drop_replication_slot($1)")
+                .bind(&self.name)
+                .execute(pool)
+                .await
+            {
+                Ok(_) => break,
+                Err(e) if started.elapsed() < Duration::from_secs(10) => {
+                    tracing::debug!(error = %e, "the slot is not dropped yet");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        }
         sqlx::query(sqlx::AssertSqlSafe(format!(
             "DROP PUBLICATION {}",
             self.publication
@@ -374,8 +388,8 @@ pub(crate) async fn drain_stream(
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .create()?;
-    let mut stream = crate::pgstream::ReplicationStream::connect(url).await?;
-    stream
+    let (mut stream, mut confirmer) = crate::pgstream::ReplicationStream::connect(url)
+        .await?
         .start(&slot.name, &slot.publication, messages)
         .await?;
     let (sent, mut to_ack) = tokio::sync::mpsc::unbounded_channel::<Sent>();
@@ -442,10 +456,11 @@ pub(crate) async fn drain_stream(
                 .err()
                 .map_or("the acknowledgements stopped".into(), |e| e));
         }
-        match tokio::time::timeout(Duration::from_millis(20), stream.next()).await {
+        match tokio::time::timeout(Duration::from_millis(20), stream.recv()).await {
             Err(_) => {}
-            Ok(message) => match message? {
-                crate::pgstream::Streamed::Keepalive(true) => stream.confirm(confirmed).await?,
+            Ok(None) => return Err("the replication stream ended".into()),
+            Ok(Some(message)) => match message? {
+                crate::pgstream::Streamed::Keepalive(true) => confirmer.confirm(confirmed).await?,
                 crate::pgstream::Streamed::Keepalive(false) => {}
                 crate::pgstream::Streamed::Data(data) => {
                     if let Some(end) = commit_end(&data) {
@@ -491,12 +506,12 @@ pub(crate) async fn drain_stream(
         let now = acked.load(Ordering::SeqCst);
         if now > confirmed {
             confirmed = now;
-            stream.confirm(confirmed).await?;
+            confirmer.confirm(confirmed).await?;
         }
     }
     drop(sent);
     let mut out = acker.await??;
     out.published = published.load(Ordering::SeqCst);
-    stream.confirm(acked.load(Ordering::SeqCst)).await?;
+    confirmer.confirm(acked.load(Ordering::SeqCst)).await?;
     Ok(out)
 }

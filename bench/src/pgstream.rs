@@ -7,6 +7,7 @@
 use sha2::{Digest as _, Sha256};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::net::TcpStream;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
 use crate::BoxError;
 
@@ -19,7 +20,13 @@ pub(crate) enum Streamed {
 }
 
 pub(crate) struct ReplicationStream {
-    socket: BufReader<TcpStream>,
+    reader: BufReader<OwnedReadHalf>,
+    writer: OwnedWriteHalf,
+}
+
+/// The write half of a started stream: what confirms.
+pub(crate) struct Confirmer {
+    writer: OwnedWriteHalf,
 }
 
 impl ReplicationStream {
@@ -33,8 +40,10 @@ impl ReplicationStream {
         let (user, password) = credentials.split_once(':').ok_or("a URL with a password")?;
         let (address, database) = rest.split_once('/').ok_or("a URL with a database")?;
         let database = database.split('?').next().unwrap_or(database);
+        let (reader, writer) = TcpStream::connect(address).await?.into_split();
         let mut stream = ReplicationStream {
-            socket: BufReader::new(TcpStream::connect(address).await?),
+            reader: BufReader::new(reader),
+            writer,
         };
         let mut startup = Vec::new();
         startup.extend_from_slice(&196_608u32.to_be_bytes());
@@ -51,7 +60,7 @@ impl ReplicationStream {
         startup.push(0);
         let mut message = ((startup.len() + 4) as u32).to_be_bytes().to_vec();
         message.extend_from_slice(&startup);
-        stream.socket.get_mut().write_all(&message).await?;
+        stream.writer.write_all(&message).await?;
         stream.authenticate(password).await?;
         Ok(stream)
     }
@@ -59,21 +68,21 @@ impl ReplicationStream {
     async fn authenticate(&mut self, password: &str) -> Result<(), BoxError> {
         let nonce = uuid::Uuid::new_v4().simple().to_string();
         let first_bare = format!("n=,r={nonce}");
-        let mut auth_message = String::new();
         let mut server_signature = Vec::new();
+        // Once SCRAM began, success only after the server proved it knows
+        // the password too (a server that asks for none, `trust`, is
+        // taken at its word).
+        let (mut began, mut verified) = (false, false);
         loop {
             let (kind, body) = self.read().await?;
             match kind {
                 b'R' => {
                     let code = u32::from_be_bytes(body[..4].try_into()?);
                     match code {
-                        0 => {}
-                        3 => {
-                            let mut p = password.as_bytes().to_vec();
-                            p.push(0);
-                            self.send(b'p', &p).await?;
-                        }
+                        0 if verified || !began => {}
+                        0 => return Err("the server accepted without proving itself".into()),
                         10 => {
+                            began = true;
                             let mut p = b"SCRAM-SHA-256\0".to_vec();
                             let first = format!("n,,{first_bare}");
                             p.extend_from_slice(&(first.len() as u32).to_be_bytes());
@@ -89,12 +98,16 @@ impl ReplicationStream {
                                     .ok_or("a SCRAM field missing")
                             };
                             let (r, s, i) = (field("r=")?, field("s=")?, field("i=")?);
+                            if !r.starts_with(&nonce) {
+                                return Err("the server's SCRAM nonce is not ours".into());
+                            }
                             let salt = base64_decode(s)?;
                             let salted = pbkdf2(password.as_bytes(), &salt, i.parse()?);
                             let client_key = hmac(&salted, b"Client Key");
                             let stored_key = Sha256::digest(client_key);
                             let without_proof = format!("c=biws,r={r}");
-                            auth_message = format!("{first_bare},{server_first},{without_proof}");
+                            let auth_message =
+                                format!("{first_bare},{server_first},{without_proof}");
                             let signature = hmac(&stored_key, auth_message.as_bytes());
                             let proof: Vec<u8> = client_key
                                 .iter()
@@ -108,12 +121,14 @@ impl ReplicationStream {
                         }
                         12 => {
                             let expected = format!("v={}", base64_encode(&server_signature));
-                            if auth_message.is_empty()
+                            if server_signature.is_empty()
                                 || String::from_utf8_lossy(&body[4..]) != expected
                             {
                                 return Err("the server's SCRAM signature does not match".into());
                             }
+                            verified = true;
                         }
+                        // Cleartext (3), MD5 (5) and the rest: not spoken.
                         other => return Err(format!("authentication method {other}").into()),
                     }
                 }
@@ -126,12 +141,20 @@ impl ReplicationStream {
 
     /// `START_REPLICATION` of `slot` (pgoutput) for `publication`.
     /// With `messages`, logical decoding messages too (PostgreSQL 14+).
+    /// The stream is read by a task of its own, into the receiver (a read
+    /// never cut off halfway by a timeout); the confirmer writes.
     pub(crate) async fn start(
-        &mut self,
+        mut self,
         slot: &str,
         publication: &str,
         messages: bool,
-    ) -> Result<(), BoxError> {
+    ) -> Result<
+        (
+            tokio::sync::mpsc::Receiver<Result<Streamed, BoxError>>,
+            Confirmer,
+        ),
+        BoxError,
+    > {
         let messages = if messages { ", messages 'true'" } else { "" };
         let query = format!(
             "START_REPLICATION SLOT {slot} LOGICAL 0/0 (proto_version '1', publication_names '{publication}'{messages})\0"
@@ -140,17 +163,45 @@ impl ReplicationStream {
         loop {
             let (kind, body) = self.read().await?;
             match kind {
-                b'W' => return Ok(()),
+                b'W' => break,
                 b'E' => return Err(error_text(&body).into()),
                 _ => {}
             }
         }
+        let (sender, receiver) = tokio::sync::mpsc::channel(10_000);
+        let ReplicationStream { reader, writer } = self;
+        tokio::spawn(async move {
+            let mut reading = Reading { reader };
+            loop {
+                let next = reading.next().await;
+                let failed = next.is_err();
+                if sender.send(next).await.is_err() || failed {
+                    return;
+                }
+            }
+        });
+        Ok((receiver, Confirmer { writer }))
     }
 
+    async fn send(&mut self, kind: u8, body: &[u8]) -> Result<(), BoxError> {
+        send(&mut self.writer, kind, body).await
+    }
+
+    async fn read(&mut self) -> Result<(u8, Vec<u8>), BoxError> {
+        read(&mut self.reader).await
+    }
+}
+
+/// The read half of a started stream.
+struct Reading {
+    reader: BufReader<OwnedReadHalf>,
+}
+
+impl Reading {
     /// The next message of the stream.
-    pub(crate) async fn next(&mut self) -> Result<Streamed, BoxError> {
+    async fn next(&mut self) -> Result<Streamed, BoxError> {
         loop {
-            let (kind, body) = self.read().await?;
+            let (kind, body) = read(&mut self.reader).await?;
             match (kind, body.first()) {
                 (b'd', Some(b'w')) => return Ok(Streamed::Data(body[25..].to_vec())),
                 (b'd', Some(b'k')) => return Ok(Streamed::Keepalive(body.get(17) == Some(&1))),
@@ -159,7 +210,9 @@ impl ReplicationStream {
             }
         }
     }
+}
 
+impl Confirmer {
     /// Confirms everything up to `lsn` (the slot may drop it).
     pub(crate) async fn confirm(&mut self, lsn: u64) -> Result<(), BoxError> {
         let mut body = vec![b'r'];
@@ -173,25 +226,25 @@ impl ReplicationStream {
             - 946_684_800_000_000;
         body.extend_from_slice(&now.to_be_bytes());
         body.push(0);
-        self.send(b'd', &body).await
+        send(&mut self.writer, b'd', &body).await
     }
+}
 
-    async fn send(&mut self, kind: u8, body: &[u8]) -> Result<(), BoxError> {
-        let mut message = Vec::with_capacity(body.len() + 5);
-        message.push(kind);
-        message.extend_from_slice(&((body.len() + 4) as u32).to_be_bytes());
-        message.extend_from_slice(body);
-        self.socket.get_mut().write_all(&message).await?;
-        Ok(())
-    }
+async fn send(writer: &mut OwnedWriteHalf, kind: u8, body: &[u8]) -> Result<(), BoxError> {
+    let mut message = Vec::with_capacity(body.len() + 5);
+    message.push(kind);
+    message.extend_from_slice(&((body.len() + 4) as u32).to_be_bytes());
+    message.extend_from_slice(body);
+    writer.write_all(&message).await?;
+    Ok(())
+}
 
-    async fn read(&mut self) -> Result<(u8, Vec<u8>), BoxError> {
-        let kind = self.socket.read_u8().await?;
-        let len = self.socket.read_u32().await? as usize;
-        let mut body = vec![0; len.checked_sub(4).ok_or("a message length under 4")?];
-        self.socket.read_exact(&mut body).await?;
-        Ok((kind, body))
-    }
+async fn read(reader: &mut BufReader<OwnedReadHalf>) -> Result<(u8, Vec<u8>), BoxError> {
+    let kind = reader.read_u8().await?;
+    let len = reader.read_u32().await? as usize;
+    let mut body = vec![0; len.checked_sub(4).ok_or("a message length under 4")?];
+    reader.read_exact(&mut body).await?;
+    Ok((kind, body))
 }
 
 fn error_text(body: &[u8]) -> String {

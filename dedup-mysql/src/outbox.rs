@@ -271,10 +271,9 @@ impl fmt::Debug for OutboxReader {
     }
 }
 
-impl OutboxSource for OutboxReader {
-    type Lease = SqlLease;
-
-    async fn lease_pending(
+impl OutboxReader {
+    /// One lease, in one transaction.
+    async fn lease_once(
         &self,
         limit: usize,
         lease_for: Duration,
@@ -342,7 +341,8 @@ impl OutboxSource for OutboxReader {
         Ok((lease, rows.into_iter().map(outbox_record).collect()))
     }
 
-    async fn finish(
+    /// One settling of a batch, in one transaction.
+    async fn finish_once(
         &self,
         lease: &SqlLease,
         published: &[i64],
@@ -383,6 +383,27 @@ impl OutboxSource for OutboxReader {
                 .map_err(store_error)?;
         }
         tx.commit().await.map_err(store_error)
+    }
+}
+
+impl OutboxSource for OutboxReader {
+    type Lease = SqlLease;
+
+    async fn lease_pending(
+        &self,
+        limit: usize,
+        lease_for: Duration,
+    ) -> Result<(SqlLease, Vec<OutboxRecord>), StoreError> {
+        again_after_deadlock(|| self.lease_once(limit, lease_for)).await
+    }
+
+    async fn finish(
+        &self,
+        lease: &SqlLease,
+        published: &[i64],
+        failed: &[PublishFailure],
+    ) -> Result<(), StoreError> {
+        again_after_deadlock(|| self.finish_once(lease, published, failed)).await
     }
 
     async fn wait_for_events(&self, timeout: Duration) {
@@ -438,6 +459,83 @@ impl OutboxSource for OutboxReader {
 }
 
 /// `bytes` as lowercase hexadecimal, for `UNHEX`.
+/// How many times a transaction InnoDB chose as a deadlock's victim is run.
+const DEADLOCK_ATTEMPTS: u32 = 5;
+
+/// Runs `attempt` again when InnoDB rolled it back as a deadlock's victim
+/// (1213: concurrent relays' leases and markings lock the same index
+/// ranges in different orders), as MySQL's manual says to: the whole
+/// transaction was undone, so running it again takes nothing twice (and
+/// it waits for the winner's locks rather than meet it again). Any other
+/// error, or a deadlock on the last attempt, is returned.
+async fn again_after_deadlock<T, F, Fut>(mut attempt: F) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let mut tries = 1;
+    loop {
+        match attempt().await {
+            Err(e) if tries < DEADLOCK_ATTEMPTS && is_deadlock(&e) => tries += 1,
+            done => return done,
+        }
+    }
+}
+
+/// Whether InnoDB rolled the transaction back as a deadlock's victim.
+fn is_deadlock(e: &StoreError) -> bool {
+    e.code().is_some_and(|code| code.starts_with("1213/"))
+}
+
 fn to_hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failing(code: &str) -> StoreError {
+        StoreError::contention("refused").with_code(code)
+    }
+
+    #[tokio::test]
+    async fn a_deadlock_victim_runs_again_and_nothing_else_does() {
+        // Two deadlocks, then through: three runs, the result of the third.
+        let mut runs = 0;
+        let out = again_after_deadlock(|| {
+            runs += 1;
+            let n = runs;
+            async move {
+                if n < 3 {
+                    Err(failing("1213/40001"))
+                } else {
+                    Ok(n)
+                }
+            }
+        })
+        .await;
+        assert_eq!(out.expect("through on the third run"), 3);
+
+        // A lock wait timeout rolls back one statement, not the
+        // transaction: returned at once.
+        let mut runs = 0;
+        let out = again_after_deadlock(|| {
+            runs += 1;
+            async { Err::<(), _>(failing("1205/HY000")) }
+        })
+        .await;
+        assert_eq!(out.expect_err("returned").code(), Some("1205/HY000"));
+        assert_eq!(runs, 1);
+
+        // Deadlocked every time: given up after DEADLOCK_ATTEMPTS runs.
+        let mut runs = 0;
+        let out = again_after_deadlock(|| {
+            runs += 1;
+            async { Err::<(), _>(failing("1213/40001")) }
+        })
+        .await;
+        assert!(is_deadlock(&out.expect_err("given up")));
+        assert_eq!(runs, DEADLOCK_ATTEMPTS);
+    }
 }

@@ -458,16 +458,15 @@ impl OutboxSource for OutboxReader {
     }
 }
 
-/// `bytes` as lowercase hexadecimal, for `UNHEX`.
 /// How many times a transaction InnoDB chose as a deadlock's victim is run.
 const DEADLOCK_ATTEMPTS: u32 = 5;
 
 /// Runs `attempt` again when InnoDB rolled it back as a deadlock's victim
-/// (1213: concurrent relays' leases and markings lock the same index
-/// ranges in different orders), as MySQL's manual says to: the whole
-/// transaction was undone, so running it again takes nothing twice (and
-/// it waits for the winner's locks rather than meet it again). Any other
-/// error, or a deadlock on the last attempt, is returned.
+/// (1213: concurrent relays' leases and markings lock the same rows
+/// through different indexes, in different orders), as MySQL's manual
+/// says to: the whole transaction was undone, so running it again takes
+/// nothing twice. Any other error, or a deadlock on the last attempt, is
+/// returned.
 async fn again_after_deadlock<T, F, Fut>(mut attempt: F) -> Result<T, StoreError>
 where
     F: FnMut() -> Fut,
@@ -484,9 +483,11 @@ where
 
 /// Whether InnoDB rolled the transaction back as a deadlock's victim.
 fn is_deadlock(e: &StoreError) -> bool {
-    e.code().is_some_and(|code| code.starts_with("1213/"))
+    e.code()
+        .is_some_and(|code| code.split('/').next() == Some("1213"))
 }
 
+/// `bytes` as lowercase hexadecimal, for `UNHEX`.
 fn to_hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }

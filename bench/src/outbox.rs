@@ -3,8 +3,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rdkafka::ClientConfig;
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureRecord;
 
 use crate::workload::Workload;
 use crate::{Args, BoxError, Report, env_or, new_topic, records_in};
@@ -33,11 +32,7 @@ pub(crate) async fn run_outbox(mode: &str, args: &Args) -> Result<Report, BoxErr
     let event_id = |i: usize| format!("bench-{i}");
 
     if mode == "outbox-direct" {
-        let producer: FutureProducer = ClientConfig::new()
-            .set("bootstrap.servers", &brokers)
-            .set("enable.idempotence", "true")
-            .set("acks", "all")
-            .create()?;
+        let producer = crate::outbox_logical::producer(&brokers)?;
         let started = Instant::now();
         let mut latencies = Vec::with_capacity(events);
         let mut inflight = std::collections::VecDeque::new();

@@ -111,6 +111,49 @@ struct Insert {
     payload: Vec<u8>,
 }
 
+/// An idempotent producer whose sends every in-sync replica acknowledges:
+/// the relay's settings, and the direct mode's.
+pub(crate) fn producer(brokers: &str) -> Result<FutureProducer, BoxError> {
+    Ok(ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("enable.idempotence", "true")
+        .set("acks", "all")
+        .create()?)
+}
+
+/// Hands `e` to the producer with its `event-id` header, waiting while
+/// the producer's queue is full.
+async fn send(
+    producer: &FutureProducer,
+    e: &Insert,
+) -> Result<rdkafka::producer::DeliveryFuture, BoxError> {
+    let headers = OwnedHeaders::new().insert(Header {
+        key: dedup_core::outbox::EVENT_ID_HEADER,
+        value: Some(&e.event_id),
+    });
+    let mut record = FutureRecord::to(&e.topic)
+        .payload(&e.payload)
+        .headers(headers);
+    if let Some(key) = &e.key {
+        record = record.key(key);
+    }
+    loop {
+        match producer.send_result(record) {
+            Ok(delivery) => return Ok(delivery),
+            Err((
+                rdkafka::error::KafkaError::MessageProduction(
+                    rdkafka::types::RDKafkaErrorCode::QueueFull,
+                ),
+                back,
+            )) => {
+                record = back;
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            Err((e, _)) => return Err(e.into()),
+        }
+    }
+}
+
 /// Publishes what the slot holds until `events` went out.
 pub(crate) async fn drain(
     pool: &PgPool,
@@ -119,11 +162,7 @@ pub(crate) async fn drain(
     batch: usize,
     events: u64,
 ) -> Result<Drained, BoxError> {
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("enable.idempotence", "true")
-        .set("acks", "all")
-        .create()?;
+    let producer = producer(brokers)?;
     let mut conn = pool.acquire().await?;
     let mut relations: HashMap<u32, Vec<String>> = HashMap::new();
     let mut out = Drained::default();
@@ -156,17 +195,7 @@ pub(crate) async fn drain(
         let at = Instant::now();
         let mut deliveries = Vec::with_capacity(inserts.len());
         for e in &inserts {
-            let headers = OwnedHeaders::new().insert(Header {
-                key: dedup_core::outbox::EVENT_ID_HEADER,
-                value: Some(&e.event_id),
-            });
-            let mut record = FutureRecord::to(&e.topic)
-                .payload(&e.payload)
-                .headers(headers);
-            if let Some(key) = &e.key {
-                record = record.key(key);
-            }
-            deliveries.push(producer.send_result(record).map_err(|(e, _)| e)?);
+            deliveries.push(send(&producer, e).await?);
         }
         for delivery in deliveries {
             delivery.await?.map_err(|(e, _)| e)?;
@@ -383,11 +412,7 @@ pub(crate) async fn drain_stream(
     use std::sync::Arc;
     use std::sync::atomic::{AtomicU64, Ordering};
 
-    let producer: FutureProducer = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .set("enable.idempotence", "true")
-        .set("acks", "all")
-        .create()?;
+    let producer = producer(brokers)?;
     let (mut stream, mut confirmer) = crate::pgstream::ReplicationStream::connect(url)
         .await?
         .start(&slot.name, &slot.publication, messages)
@@ -472,32 +497,7 @@ pub(crate) async fn drain_stream(
                         sent.send(done)
                             .map_err(|_| "the acknowledgements stopped")?;
                     } else if let Some(e) = decode(&data, &mut relations)? {
-                        let headers = OwnedHeaders::new().insert(Header {
-                            key: dedup_core::outbox::EVENT_ID_HEADER,
-                            value: Some(&e.event_id),
-                        });
-                        let mut record = FutureRecord::to(&e.topic)
-                            .payload(&e.payload)
-                            .headers(headers);
-                        if let Some(key) = &e.key {
-                            record = record.key(key);
-                        }
-                        let delivery = loop {
-                            match producer.send_result(record) {
-                                Ok(delivery) => break delivery,
-                                Err((
-                                    rdkafka::error::KafkaError::MessageProduction(
-                                        rdkafka::types::RDKafkaErrorCode::QueueFull,
-                                    ),
-                                    back,
-                                )) => {
-                                    record = back;
-                                    tokio::time::sleep(Duration::from_millis(1)).await;
-                                }
-                                Err((e, _)) => return Err(e.into()),
-                            }
-                        };
-                        deliveries.push(delivery);
+                        deliveries.push(send(&producer, &e).await?);
                         rows.push(e.seq);
                     }
                 }

@@ -52,6 +52,12 @@ impl ConsumerChild {
             command.args(["--output", output]);
         }
         crate::forward_consumer_settings(&mut command, args);
+        Self::start(command)
+    }
+
+    /// Starts `command` as a consumer child: it runs until its stdin
+    /// closes, then prints a [`Consumed`] line.
+    pub(crate) fn start(mut command: Command) -> Result<Self, BoxError> {
         let mut child = command
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())

@@ -1,6 +1,9 @@
 //! Kafka-to-Kafka modes (`--kafka-only`): the transactional consumer
 //! (exactly once, claims in a changelog topic, no database) against a
-//! plain at-least-once consume-transform-produce loop without dedup, and
+//! plain at-least-once consume-transform-produce loop without dedup and
+//! against what its users would pick instead, a Kafka Streams application
+//! doing the same job exactly once (`kafka-streams`, bench/streams/: its
+//! seen ids in a persistent RocksDB store, 2 stream threads, Jackson), and
 //! the time a new owner takes to restore the claims.
 //!
 //! Both pipelines read the workload's payments and write each one, with
@@ -30,12 +33,53 @@ use crate::{Args, BoxError, Report, env_or, new_topic, watch_commits};
 
 /// The modes `--kafka-only` runs, `batched` (PostgreSQL) first for the
 /// comparison.
-pub(crate) const KAFKA_MODES: [&str; 4] = [
+pub(crate) const KAFKA_MODES: [&str; 5] = [
     "batched",
     "kafka-transactional",
     "kafka-plain",
+    "kafka-streams",
     "kafka-restore",
 ];
+
+/// The Kafka Streams application's Maven project.
+const STREAMS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/streams");
+
+/// Builds the Kafka Streams application (bench/streams/, with Maven: its
+/// jar and its dependencies under target/), once per benchmark run.
+pub(crate) fn build_streams() -> Result<(), BoxError> {
+    eprintln!("  building the Kafka Streams application (mvn package) ...");
+    let status = std::process::Command::new("mvn")
+        .args(["-q", "-B", "-f", &format!("{STREAMS}/pom.xml")])
+        .args(["clean", "package", "dependency:copy-dependencies"])
+        .args(["-DincludeScope=runtime", "-DoutputDirectory=target/lib"])
+        .status()
+        .map_err(|e| format!("mvn (Java 17 and Maven, as scripts/kafka.sh installs them): {e}"))?;
+    if !status.success() {
+        return Err(format!("building {STREAMS} failed: {status}").into());
+    }
+    Ok(())
+}
+
+/// The Kafka Streams application on `topic`, writing to `output`, with
+/// application id (its consumer group) `group`, its state in `state`.
+fn streams_child(
+    brokers: &str,
+    topic: &str,
+    output: &str,
+    group: &str,
+    state: &std::path::Path,
+) -> Result<ConsumerChild, BoxError> {
+    let mut command = std::process::Command::new("java");
+    command
+        .args(["-Xms256m", "-Xmx1g", "-XX:+UseG1GC", "-cp"])
+        .arg(format!(
+            "{STREAMS}/target/bench-kafka-streams-1.jar:{STREAMS}/target/lib/*"
+        ))
+        .arg("dev.dedup.bench.Enrich")
+        .args([brokers, topic, output, group])
+        .arg(state);
+    ConsumerChild::start(command)
+}
 
 #[derive(serde::Deserialize, serde::Serialize)]
 struct Payment {
@@ -78,8 +122,15 @@ pub(crate) async fn run(mode: &str, args: &Args) -> Result<Report, BoxError> {
     let acks = Producer::spawn(&topic, args.events, args.duplicates, 0, None)?.finish()?;
     let total = work.len() as u64;
     let started = Instant::now();
-    let mut consumer = ConsumerChild::spawn(mode, &topic, &group, Some(&output), args)?;
-    let latencies = watch_commits(
+    // The Kafka Streams application's state (its RocksDB store), removed
+    // after the run.
+    let state = std::env::temp_dir().join(format!("dedup-bench-{group}"));
+    let mut consumer = if mode == "kafka-streams" {
+        streams_child(&brokers, &topic, &output, &group, &state)?
+    } else {
+        ConsumerChild::spawn(mode, &topic, &group, Some(&output), args)?
+    };
+    let commits = watch_commits(
         &brokers,
         &topic,
         &group,
@@ -94,6 +145,7 @@ pub(crate) async fn run(mode: &str, args: &Args) -> Result<Report, BoxError> {
     // consumer's shutdown is not the run's).
     let seconds = started.elapsed().as_secs_f64();
     let consumed = consumer.stop()?;
+    let _ = std::fs::remove_dir_all(&state);
     let batches = consumed.batches;
     let expected = if mode == "kafka-plain" {
         work.len()
@@ -123,10 +175,11 @@ pub(crate) async fn run(mode: &str, args: &Args) -> Result<Report, BoxError> {
         mode,
         work.len(),
         seconds,
-        latencies,
+        commits.latencies,
         (outputs, expected),
         batches,
-    );
+    )
+    .steady_from(commits.first);
     report.peak_rss_mib = consumed.peak_rss_mib;
     Ok(report)
 }

@@ -3,9 +3,11 @@
 //!
 //! `cargo run --release -p dedup-bench -- [--quick] [--events 2000000] [--repeats 3] [--modes a,b] [--duplicates 0.1] [--partitions 6] [--json]`
 //!
-//! Ratios that hold still: by default each mode runs 2,000,000 events
-//! (about 20-40 s here: a scheduler hiccup or the consumer's start moves a
-//! ratio by a point, not by twenty), the modes whose ratios are reported run
+//! Ratios that hold still: by default each mode runs 2,000,000 events, or
+//! more where a warm-up run shows it would last under 20 s
+//! (`--min-seconds`), so that a scheduler hiccup moves a ratio by a point,
+//! not by twenty; its rate is taken from the first commit on (the
+//! consumer's start is shown apart); the modes whose ratios are reported run
 //! interleaved and repeated (`--repeats`, 3: A B A B A B), and each ratio is
 //! the median of the rounds' ratios with its spread (min-max). `per-message`
 //! (a tenth of the events), `kafka-restore`, `batched-purge` and the steady
@@ -83,7 +85,8 @@
 //! `kafka-transactional` (the `TransactionalConsumer`: each distinct event's
 //! output, its claim and its offset in one Kafka transaction),
 //! `kafka-plain` (consume, transform, produce, at least once, no dedup),
-//! and `kafka-restore` (the claims of `--events` events written, then the
+//! `kafka-streams` (the same job in Kafka Streams, exactly once, its seen
+//! ids in RocksDB: bench/streams/, built with Maven), and `kafka-restore` (the claims of `--events` events written, then the
 //! time a new owner takes to restore them and apply its first events,
 //! beside the same with no claims). See kafka_only.rs.
 //!
@@ -264,6 +267,7 @@ impl DedupStore for NoDedup {
     }
 }
 
+#[derive(Clone)]
 struct Args {
     events: usize,
     duplicates: f64,
@@ -313,6 +317,13 @@ struct Args {
     full_table: bool,
     /// `--delete-sent`: the outbox modes with `Retention::Delete`.
     delete_sent: bool,
+    /// `--min-seconds`: a repeated mode's rounds run at least this long
+    /// (by default; sized by a warm-up run, see [`size_runs`]).
+    min_seconds: f64,
+    /// Whether `--events` was given (then every mode runs exactly that).
+    events_given: bool,
+    /// Events per mode, where a warm-up run sized it above `events`.
+    sized: HashMap<String, usize>,
 }
 
 /// Events per mode by default: enough for a mode to run about 20 s or
@@ -356,6 +367,9 @@ fn args() -> Result<Args, String> {
         claims: 10_000_000,
         full_table: false,
         delete_sent: false,
+        min_seconds: 20.0,
+        events_given: false,
+        sized: HashMap::new(),
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -366,6 +380,11 @@ fn args() -> Result<Args, String> {
             "--full-table" => a.full_table = true,
             "--delete-sent" => a.delete_sent = true,
             "--claims" => a.claims = value()?.parse().map_err(|e| format!("--claims: {e}"))?,
+            "--min-seconds" => {
+                a.min_seconds = value()?
+                    .parse()
+                    .map_err(|e| format!("--min-seconds: {e}"))?
+            }
             "--repeats" => {
                 a.repeats = value()?
                     .parse::<usize>()
@@ -430,7 +449,7 @@ fn args() -> Result<Args, String> {
             "--dump" => a.dump = Some(value()?),
             other => {
                 return Err(format!(
-                    "unknown flag {other}; flags: --events --quick --repeats --modes a,b --duplicates --partitions --json --purge \
+                    "unknown flag {other}; flags: --events --quick --repeats --min-seconds --modes a,b --duplicates --partitions --json --purge \
                      --outbox --delete-sent --kafka-only --full-table --claims n --keyed --tiers --per-tx --relay-batch --logical-batch --mode --rate --seconds --set key=value \
                      --max-buffered --linger ms --dump file (with --mode steady or steady-purge)"
                 ));
@@ -440,6 +459,7 @@ fn args() -> Result<Args, String> {
     if a.quick {
         a.repeats = 1;
     }
+    a.events_given = events.is_some();
     // --keyed and --tiers measure for a fixed time; their backlog need
     // not be long.
     a.events = events.unwrap_or(if a.quick || a.keyed || a.tiers {
@@ -507,6 +527,12 @@ struct Report {
     /// modes), per event.
     #[serde(default)]
     wal: Option<WalUse>,
+    /// Seconds from the clock's start to the first offsets seen committed
+    /// (the consumer's start: its process, joining the group, the first
+    /// fetch and batch), which `events_per_s` leaves out; 0 for modes
+    /// without a consumer.
+    #[serde(default)]
+    start_s: f64,
 }
 
 /// PostgreSQL's WAL so far: bytes from the insert position (exact),
@@ -602,8 +628,40 @@ impl Report {
             claims_max: None,
             claims_bound: None,
             wal: None,
+            start_s: 0.0,
         }
     }
+
+    /// The rate from the first commit on: the consumer's start (its
+    /// process, the group's join, the first fetch and batch: 1-3 s, and
+    /// not the same 1-3 s in every run) is left out of `events_per_s`, and
+    /// shown apart (`start_s`), so that it does not move a ratio.
+    fn steady_from(mut self, first: Option<FirstCommit>) -> Self {
+        if let Some(first) = first {
+            let left = self.events as f64 - first.done as f64;
+            let window = self.seconds - first.seconds;
+            if left > 0.0 && window > 0.0 {
+                self.events_per_s = left / window;
+                self.start_s = first.seconds;
+            }
+        }
+        self
+    }
+}
+
+/// When commits were first seen in a run (seconds from its clock's start)
+/// and how many events they covered.
+#[derive(Clone, Copy)]
+struct FirstCommit {
+    seconds: f64,
+    done: u64,
+}
+
+/// What [`watch_commits`] saw: each event's latency (ms) and the first
+/// commit.
+struct Commits {
+    latencies: Vec<f64>,
+    first: Option<FirstCommit>,
 }
 
 /// Each database mode's WAL per event, the median over its runs.
@@ -830,7 +888,7 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
         )
     });
     let mut consumer = consume::ConsumerChild::spawn(mode, &topic, &group, None, args)?;
-    let latencies = watch_commits(
+    let commits = watch_commits(
         &brokers,
         &topic,
         &group,
@@ -860,10 +918,11 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
         mode,
         events,
         seconds,
-        latencies,
+        commits.latencies,
         (applied, expected),
         consumed.batches,
-    );
+    )
+    .steady_from(commits.first);
     report.peak_rss_mib = consumed.peak_rss_mib;
     if let (Some(before), Some(after)) = (wal_before, wal_after) {
         report.wal = Some(after.since(before, events));
@@ -877,8 +936,9 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
 
 /// Polls `group`'s committed offsets of `topic` every 20 ms until `total`
 /// messages are behind them, and returns each message's latency (ms): from
-/// its produce acknowledgement to an offset past it being committed. An
-/// error as soon as `consumer` has stopped.
+/// its produce acknowledgement to an offset past it being committed, and
+/// when the first commit was seen. An error as soon as `consumer` has
+/// stopped.
 #[allow(clippy::too_many_arguments)]
 async fn watch_commits(
     brokers: &str,
@@ -889,7 +949,7 @@ async fn watch_commits(
     acks: &produce::Acks,
     started: Instant,
     consumer: &mut consume::ConsumerChild,
-) -> Result<Vec<f64>, BoxError> {
+) -> Result<Commits, BoxError> {
     let watcher: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("group.id", group)
@@ -901,6 +961,8 @@ async fn watch_commits(
     let mut committed_at: HashMap<i32, i64> = HashMap::new();
     let mut latencies = Vec::with_capacity(total as usize);
     let mut done = 0u64;
+    let mut first = None;
+    let mut failing_since: Option<Instant> = None;
     while done < total {
         tokio::time::sleep(Duration::from_millis(20)).await;
         consumer.check()?;
@@ -908,8 +970,24 @@ async fn watch_commits(
         for p in 0..partitions {
             tpl.add_partition(topic, p);
         }
-        let watcher_tpl =
-            tokio::task::block_in_place(|| watcher.committed_offsets(tpl, Duration::from_secs(5)))?;
+        // A fresh broker answers "not coordinator" while it loads the
+        // offsets topic: tried again, for up to 30 s in a row.
+        let watcher_tpl = match tokio::task::block_in_place(|| {
+            watcher.committed_offsets(tpl, Duration::from_secs(5))
+        }) {
+            Ok(tpl) => {
+                failing_since = None;
+                tpl
+            }
+            Err(e) => {
+                if failing_since.get_or_insert_with(Instant::now).elapsed()
+                    > Duration::from_secs(30)
+                {
+                    return Err(e.into());
+                }
+                continue;
+            }
+        };
         let now = unix_micros();
         for elem in watcher_tpl.elements() {
             let Offset::Offset(next) = elem.offset() else {
@@ -923,11 +1001,17 @@ async fn watch_commits(
                 done += 1;
             }
         }
+        if first.is_none() && done > 0 {
+            first = Some(FirstCommit {
+                seconds: started.elapsed().as_secs_f64(),
+                done,
+            });
+        }
         if started.elapsed() > Duration::from_secs(3600) {
             return Err("gave up after an hour".into());
         }
     }
-    Ok(latencies)
+    Ok(Commits { latencies, first })
 }
 
 /// A fresh topic for `mode`.
@@ -937,8 +1021,57 @@ async fn new_topic(brokers: &str, mode: &str, partitions: i32) -> Result<String,
     Ok(topic)
 }
 
-/// Creates topic `topic` of `partitions` partitions.
+/// The topics this process created: deleted when its mode ends.
+static CREATED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Deletes the topics this process created and those named after them
+/// (the claims changelog `<topic>-g-dedup-claims`, the dead-letter topic
+/// `<topic>.dlq`, Kafka Streams' `<topic>-g-seen-changelog`, the retry
+/// tiers), whatever the run's outcome: a mode writes millions of records,
+/// and a day of runs left behind filled this machine's disk (59 GB).
+async fn delete_created_topics(brokers: &str) {
+    let created = std::mem::take(&mut *CREATED.lock().unwrap_or_else(|e| e.into_inner()));
+    if created.is_empty() {
+        return;
+    }
+    let result: Result<(), BoxError> = async {
+        let reader: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .create()?;
+        let metadata =
+            tokio::task::block_in_place(|| reader.fetch_metadata(None, Duration::from_secs(10)))?;
+        let doomed: Vec<&str> = metadata
+            .topics()
+            .iter()
+            .map(|t| t.name())
+            .filter(|name| created.iter().any(|c| name.starts_with(c.as_str())))
+            .collect();
+        if doomed.is_empty() {
+            return Ok(());
+        }
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .create()?;
+        for r in admin.delete_topics(&doomed, &AdminOptions::new()).await? {
+            if let Err((topic, e)) = r {
+                eprintln!("  could not delete topic {topic}: {e}");
+            }
+        }
+        Ok(())
+    }
+    .await;
+    if let Err(e) = result {
+        eprintln!("  could not delete this run's topics: {e}");
+    }
+}
+
+/// Creates topic `topic` of `partitions` partitions (deleted when this
+/// process's mode ends).
 async fn create_topic(brokers: &str, topic: &str, partitions: i32) -> Result<(), BoxError> {
+    CREATED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(topic.to_owned());
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()?;
@@ -1061,8 +1194,50 @@ fn events_for(mode: &str, args: &Args) -> usize {
     if mode == "per-message" {
         (args.events / 10).max(1)
     } else {
-        args.events
+        args.sized.get(mode).copied().unwrap_or(args.events)
     }
+}
+
+/// Sizes the repeated modes' runs so that each lasts at least
+/// `--min-seconds` (20 by default): a fast mode (`no-dedup` ran 2,000,000
+/// events in 10-16 s) otherwise runs short enough for its start and a
+/// scheduler hiccup to move its ratio by several points. Each mode first
+/// runs once at a tenth of the events, a warm-up not counted (it also
+/// fills the page cache and PostgreSQL's buffers, which the first round
+/// after a restart otherwise paid for), and then runs
+/// max(`--events`, 1.25 x its warm-up rate x `--min-seconds`) events, in
+/// steps of 100,000. Not with `--events` given, `--quick` or
+/// `--min-seconds 0`; nor for `batched-full`, whose run fills a table of
+/// millions of claims first and lasts long enough anyway.
+fn size_runs(repeated: &[&str], args: &mut Args) -> Result<(), BoxError> {
+    if args.events_given || args.quick || args.min_seconds <= 0.0 {
+        return Ok(());
+    }
+    let warm = Args {
+        events: (args.events / 10).max(1),
+        ..args.clone()
+    };
+    for mode in repeated.iter().filter(|m| **m != "batched-full") {
+        eprintln!("  warm-up: {mode} ...");
+        let r = run_child(mode, &warm, None)?;
+        if r.applied_rows != r.expected_rows {
+            return Err(format!(
+                "warm-up of {mode}: {} effects where {} were expected",
+                r.applied_rows, r.expected_rows
+            )
+            .into());
+        }
+        let wanted =
+            (r.events_per_s * 1.25 * args.min_seconds / 100_000.0).ceil() as usize * 100_000;
+        if wanted > args.events {
+            eprintln!(
+                "  {mode}: {:.0} events/s in its warm-up, so {wanted} events a run (at least {} s)",
+                r.events_per_s, args.min_seconds
+            );
+            args.sized.insert((*mode).to_owned(), wanted);
+        }
+    }
+    Ok(())
 }
 
 /// Runs `mode` in a child process and returns its report.
@@ -1174,7 +1349,7 @@ fn median(mut xs: Vec<f64>) -> f64 {
 
 #[tokio::main]
 async fn main() -> Result<(), BoxError> {
-    let args = args()?;
+    let mut args = args()?;
     // Warnings always (a relay's or a consumer's timeout shows where a
     // slow run lost its time); with DEDUP_BENCH_TRACE the runtime's and
     // librdkafka's debug logs too (with `--set debug=...`): in this process
@@ -1200,15 +1375,19 @@ async fn main() -> Result<(), BoxError> {
         };
         return consume::serve(mode, topic, group, args.output.as_deref(), &args).await;
     }
-    if args.keyed {
-        return keyed::run(&args).await;
-    }
-    if args.tiers {
-        return tiers::run(&args).await;
+    if args.keyed || args.tiers {
+        let result = if args.keyed {
+            keyed::run(&args).await
+        } else {
+            tiers::run(&args).await
+        };
+        delete_created_topics(&env_or("KAFKA_BROKERS", "127.0.0.1:9092")).await;
+        return result;
     }
     if let Some(mode) = &args.mode {
-        let report = run_mode(mode, &args).await?;
-        println!("{}", serde_json::to_string(&report)?);
+        let report = run_mode(mode, &args).await;
+        delete_created_topics(&env_or("KAFKA_BROKERS", "127.0.0.1:9092")).await;
+        println!("{}", serde_json::to_string(&report?)?);
         return Ok(());
     }
 
@@ -1247,6 +1426,10 @@ async fn main() -> Result<(), BoxError> {
             once.join(" ")
         },
     );
+    if modes.iter().any(|m| m == "kafka-streams") {
+        kafka_only::build_streams()?;
+    }
+    size_runs(&repeated, &mut args)?;
     let mut runs = Runs(Vec::new());
     for round in 1..=args.repeats {
         for mode in &repeated {
@@ -1281,12 +1464,15 @@ async fn main() -> Result<(), BoxError> {
     let short: Vec<_> = runs
         .0
         .iter()
-        .filter(|r| !runs_once(&r.mode) && !r.mode.starts_with("limit") && r.seconds < 20.0)
+        .filter(|r| {
+            !runs_once(&r.mode) && !r.mode.starts_with("limit") && r.seconds - r.start_s < 20.0
+        })
         .collect();
     for r in &short {
         println!(
-            "note: a run of {} lasted {:.1} s (under 20 s, its start and end weigh on its rate): raise --events for figures to quote",
-            r.mode, r.seconds
+            "note: a run of {} was measured over {:.1} s (under 20 s, a hiccup weighs on its rate): raise --min-seconds or --events for figures to quote",
+            r.mode,
+            r.seconds - r.start_s
         );
     }
     let wrong: Vec<_> = runs
@@ -1318,11 +1504,12 @@ async fn main() -> Result<(), BoxError> {
 /// when it ran more than once), the highest peak RSS of its runs.
 fn print_table(runs: &Runs, modes: &[String]) {
     println!(
-        "{:<22} {:>4} {:>9} {:>9} {:>12} {:>19} {:>9} {:>9} {:>9} {:>9}",
+        "{:<22} {:>4} {:>9} {:>9} {:>7} {:>12} {:>19} {:>9} {:>9} {:>9} {:>9}",
         "mode",
         "runs",
         "events",
         "seconds",
+        "start s",
         "events/s",
         "min-max",
         "p50 ms",
@@ -1344,11 +1531,12 @@ fn print_table(runs: &Runs, modes: &[String]) {
             String::new()
         };
         println!(
-            "{:<22} {:>4} {:>9} {:>9.2} {:>12.0} {:>19} {:>9.1} {:>9.1} {:>9.1} {:>9}",
+            "{:<22} {:>4} {:>9} {:>9.2} {:>7.2} {:>12.0} {:>19} {:>9.1} {:>9.1} {:>9.1} {:>9}",
             mode,
             all.len(),
             first.events,
             runs.median(mode, |r| r.seconds),
+            runs.median(mode, |r| r.start_s),
             runs.median(mode, |r| r.events_per_s),
             range,
             runs.median(mode, |r| r.p50_ms),
@@ -1386,6 +1574,11 @@ fn print_ratios(runs: &Runs, args: &Args) {
                 "kafka-transactional",
                 "kafka-plain",
                 "(exactly once with claims vs at least once without; target >= 0.9)",
+            ),
+            (
+                "kafka-transactional",
+                "kafka-streams",
+                "(both exactly once, the same job; target >= 1.3)",
             ),
             ("kafka-transactional", "batched", "(the PostgreSQL path)"),
         ]

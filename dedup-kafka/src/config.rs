@@ -426,10 +426,11 @@ pub(crate) fn idempotent_producer_config<'a>(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn settings(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
+    /// Settings as the builders hold them, from pairs.
+    pub(crate) fn settings(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
         pairs
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))

@@ -755,6 +755,7 @@ async fn enrich_killed_anywhere_outputs_each_distinct_event_once() {
     for point in [
         "transaction-before-outputs:2",
         "transaction-before-offsets:2",
+        "transaction-before-acks:2",
         "transaction-before-commit:2",
         "transaction-after-commit:2",
     ] {
@@ -1632,6 +1633,7 @@ async fn enrich_killed_while_moving_to_tiers_outputs_or_dead_letters_each_event_
     // moves).
     for point in [
         "transaction-before-offsets:2",
+        "transaction-before-acks:2",
         "transaction-before-commit:2",
         "transaction-after-commit:2",
     ] {

@@ -157,7 +157,14 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             if judged.is_none() {
                 let mut given = reused.clone();
                 given.extend(forced.clone());
-                judged = match self.fates(batch, times, states, &given, jitter, with).await {
+                let judging = Instant::now();
+                let result = self.fates(batch, times, states, &given, jitter, with).await;
+                tracing::debug!(
+                    messages = batch.len(),
+                    judge_ms = judging.elapsed().as_secs_f64() * 1000.0,
+                    "batch judged"
+                );
+                judged = match result {
                     Ok(judged) => Some(judged),
                     Err(Halt::Fatal(e)) => return Err(e),
                     // Nothing of the batch was sent: it runs again from the

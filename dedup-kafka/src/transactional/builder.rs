@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dedup_core::Handler;
+use rdkafka::ClientConfig;
 use rdkafka::producer::FutureProducer;
 
 use super::outputs::Outputs;
@@ -115,7 +116,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     /// A librdkafka setting for the transactional producer alone.
     /// `transactional.id`, `transaction.timeout.ms`, `enable.idempotence`
     /// and `acks` (and its alias `request.required.acks`) are the runtime's:
-    /// `build()` refuses them.
+    /// `build()` refuses them. `linger.ms` is 0 unless set here (a
+    /// transaction queues its records at once and then waits for them).
     pub fn producer_set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.producer_settings.push((key.into(), value.into()));
         self
@@ -371,6 +373,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         // A record that just fitted its input topic still fits the
         // dead-letter topic with dedup's headers (a user's setting wins).
         producer.set("message.max.bytes", dlq::MAX_DEAD_LETTER_BYTES);
+        no_linger_unless_set(&mut producer, &self.producer_settings);
         for (k, v) in &self.producer_settings {
             producer.set(k, v);
         }
@@ -424,5 +427,44 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     /// [`TransactionalConsumer::run_until`].
     pub async fn run_until(self, stop: impl Future<Output = ()>) -> Result<StatsSnapshot, Error> {
         self.build()?.run_until(stop).await
+    }
+}
+
+/// A transaction's records are queued all at once and then waited for: a
+/// linger (librdkafka's default is 5 ms) would only hold the last of them
+/// back, every transaction. So `linger.ms` is 0 unless the user set it,
+/// under either of librdkafka's names for it (with both set, the one
+/// applied last would win at random).
+fn no_linger_unless_set(producer: &mut ClientConfig, settings: &[(String, String)]) {
+    const LINGERS: [&str; 2] = ["linger.ms", "queue.buffering.max.ms"];
+    let set = settings.iter().any(|(k, _)| LINGERS.contains(&k.as_str()))
+        || LINGERS.iter().any(|k| producer.get(k).is_some());
+    if !set {
+        producer.set("linger.ms", "0");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::tests::settings;
+
+    #[test]
+    fn the_producer_does_not_linger_unless_the_user_says_so() {
+        let mut producer = ClientConfig::new();
+        no_linger_unless_set(&mut producer, &[]);
+        assert_eq!(producer.get("linger.ms"), Some("0"));
+
+        // The user's value is applied after this, under either name; this
+        // adds nothing that could race it.
+        for name in ["linger.ms", "queue.buffering.max.ms"] {
+            let mut producer = ClientConfig::new();
+            no_linger_unless_set(&mut producer, &settings(&[(name, "7")]));
+            assert_eq!(producer.get("linger.ms"), None, "{name}");
+        }
+        let mut producer = ClientConfig::new();
+        producer.set("queue.buffering.max.ms", "3");
+        no_linger_unless_set(&mut producer, &[]);
+        assert_eq!(producer.get("linger.ms"), None);
     }
 }

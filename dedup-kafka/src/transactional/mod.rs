@@ -313,6 +313,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             };
             // From the batch's first message on.
             let mut gathering: Option<Gathering> = None;
+            // When its first message came (for the debug log).
+            let mut first_at: Option<Instant> = None;
             self.refresh(&gauges, None, 0, waiting.len());
             waiting.report(&self.topics);
             loop {
@@ -345,6 +347,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     None => break,
                     Some(Ok(msg)) => {
                         gathering.get_or_insert_with(|| self.batching.start(!backlog));
+                        first_at.get_or_insert_with(Instant::now);
                         batch.push(msg.detach());
                         held.count(batch.len());
                     }
@@ -367,6 +370,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             if batch.is_empty() {
                 backlog = false;
                 continue;
+            }
+            if let Some(first) = first_at {
+                tracing::debug!(
+                    messages = batch.len(),
+                    gather_ms = first.elapsed().as_secs_f64() * 1000.0,
+                    "batch gathered"
+                );
             }
             // A stop while the batch runs ends the waits of its retries (a
             // hung handler or an outage would hold the shutdown for ever);

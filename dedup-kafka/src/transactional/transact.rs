@@ -88,13 +88,162 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         isolate: &BTreeSet<String>,
     ) -> Result<Attempt, Error> {
         let timeout = self.transaction_timeout;
+        // Where a transaction's time goes, for the debug log (the per-phase
+        // profile of the Kafka-only runtime: docs/src/performance.md).
+        let begun = Instant::now();
         if let Err(e) = self.producer.begin_transaction() {
             return Err(Error::Fatal(format!("beginning a transaction failed: {e}")));
         }
         crate::failpoint::failpoint("transaction-before-outputs");
+        // A member that lost partitions of the batch (it was dropped from
+        // its group) must not commit them: their new owner runs them.
+        let assigned = match consumer.assignment() {
+            Ok(assigned) => assigned,
+            Err(e) => {
+                self.abort().await?;
+                return Err(e.into());
+            }
+        };
+        let lost = consumer.assignment_lost()
+            || offsets
+                .elements()
+                .iter()
+                .any(|e| assigned.find_partition(e.topic(), e.partition()).is_none());
+        let group = consumer.group_metadata().filter(|_| !lost);
+        let Some(group) = group else {
+            self.abort().await?;
+            return Ok(Attempt::Rewind {
+                why: "partitions of the batch are no longer assigned".into(),
+                unwritable: false,
+                lost: true,
+            });
+        };
         let mut sent: Vec<(Source, DeliveryFuture)> = Vec::new();
-        // Outputs and dead letters in partition order, then the changelog:
-        // tombstones before the claims taken again.
+        if let Err((source, e)) = self
+            .queue_records(batch, fates, tombstones, &mut sent, isolate)
+            .await
+        {
+            return self.send_failed(source, e, sent, isolate, fates).await;
+        }
+        let records = sent.len();
+        let queued = begun.elapsed();
+        crate::failpoint::failpoint("transaction-before-offsets");
+        // The offsets go to the transaction while the broker writes the
+        // records (nothing commits before every record is acknowledged,
+        // below). Sent only after the acknowledgements, their two round
+        // trips were a sixth of a batch's time; a thread of their own
+        // beside the queueing gained nothing more measurable (profile in
+        // docs/src/performance.md).
+        let started = Instant::now();
+        let offsets_result = loop {
+            match tokio::task::block_in_place(|| {
+                self.producer
+                    .send_offsets_to_transaction(offsets, &group, timeout)
+            }) {
+                Ok(()) => break Ok(()),
+                // Resumable: the same call again, until it resolves.
+                Err(KafkaError::Transaction(e)) if e.is_retriable() && !e.is_fatal() => {
+                    self.unresolved("sending the offsets", &e, started)?;
+                }
+                Err(e) => break Err(e),
+            }
+        };
+        let offsets_sent = begun.elapsed();
+        crate::failpoint::failpoint("transaction-before-acks");
+        // Every record acknowledged (or refused) before the commit: a
+        // refusal names its record, and the commit has nothing left to
+        // flush (rust-rdkafka's flush would wait out a 100 ms poll for
+        // acknowledgements that its polling thread takes). Offsets that
+        // failed make librdkafka purge the records still queued, whose
+        // reports then read "purged": their failure is the offsets' then,
+        // unless a record was refused for its own sake.
+        match tokio::time::timeout(timeout, first_refusal(sent)).await {
+            Ok(None) => {}
+            Ok(Some(refusal)) if offsets_result.is_ok() || is_records_fault(&refusal.1) => {
+                self.abort().await?;
+                return self.refused_report(refusal, isolate, fates);
+            }
+            Ok(Some(_)) => {}
+            Err(_) => {
+                return self
+                    .failed(
+                        "produce",
+                        KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut),
+                    )
+                    .await;
+            }
+        }
+        if let Err(e) = offsets_result {
+            return self.failed("send offsets", e).await;
+        }
+        self.let_go().await;
+        let acknowledged = begun.elapsed();
+        crate::failpoint::failpoint("transaction-before-commit");
+        if crate::failpoint::fails("transaction-fails-before-commit") {
+            self.abort().await?;
+            return Ok(Attempt::Rewind {
+                why: "failpoint transaction-fails-before-commit".into(),
+                unwritable: false,
+                lost: false,
+            });
+        }
+        let started = Instant::now();
+        loop {
+            match tokio::task::block_in_place(|| self.producer.commit_transaction(timeout)) {
+                Ok(()) => break,
+                // Resumable: the same call again, until it resolves.
+                Err(KafkaError::Transaction(e)) if e.is_retriable() && !e.is_fatal() => {
+                    self.unresolved("committing", &e, started)?;
+                }
+                Err(e) => return self.failed("commit", e).await,
+            }
+        }
+        crate::failpoint::failpoint("transaction-after-commit");
+        let committed = begun.elapsed();
+        tracing::debug!(
+            messages = fates.len(),
+            records,
+            queue_ms = ms(queued),
+            offsets_ms = ms(offsets_sent - queued),
+            acks_ms = ms(acknowledged - offsets_sent),
+            commit_ms = ms(committed - acknowledged),
+            "transaction committed"
+        );
+        Ok(Attempt::Committed)
+    }
+
+    /// Waits until librdkafka has let go of the transaction's records, at
+    /// most 100 ms. A record's delivery future resolves inside its report's
+    /// callback, a moment before librdkafka releases the record; a commit
+    /// that comes in that moment finds it still counted, and rust-rdkafka's
+    /// flush before the commit then polls for 100 ms a queue that its own
+    /// polling thread drains (40 commits in 500 did, in the benchmark, once
+    /// the wait for the acknowledgements came right before the commit).
+    async fn let_go(&self) {
+        for _ in 0..64 {
+            if self.producer.in_flight_count() == 0 {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        let deadline = Instant::now() + Duration::from_millis(100);
+        while self.producer.in_flight_count() > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// Queues the transaction's records: outputs and dead letters in
+    /// partition order, then the changelog (tombstones before the claims
+    /// taken again). `Err` names the first record the producer refused
+    /// outright.
+    async fn queue_records(
+        &self,
+        batch: &[OwnedMessage],
+        fates: &[Fate],
+        tombstones: &BTreeMap<i32, Vec<ClaimDigest>>,
+        sent: &mut Vec<(Source, DeliveryFuture)>,
+        isolate: &BTreeSet<String>,
+    ) -> Result<(), (Source, KafkaError)> {
         for (i, (msg, fate)) in batch.iter().zip(fates.iter()).enumerate() {
             let sent_one = match fate {
                 Fate::Applied { outputs, .. } => {
@@ -120,9 +269,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                             }
                             record = record.headers(hs);
                         }
-                        result = self
-                            .send(record, Source::Output(i), &mut sent, isolate)
-                            .await;
+                        result = self.send(record, Source::Output(i), sent, isolate).await;
                         if result.is_err() {
                             break;
                         }
@@ -146,7 +293,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         moved: None,
                     };
                     let record = dlq::record(msg, &why, *keep);
-                    self.send(record, Source::DeadLetter(i), &mut sent, isolate)
+                    self.send(record, Source::DeadLetter(i), sent, isolate)
                         .await
                 }
                 Fate::Moved {
@@ -158,11 +305,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 } => {
                     let why = self.move_to(msg, *tier, kind, message.clone(), *attempts, *due_ms);
                     let record = dlq::record(msg, &why, None);
-                    self.send(record, Source::Move(i), &mut sent, isolate).await
+                    self.send(record, Source::Move(i), sent, isolate).await
                 }
             };
             if let Err((source, e)) = sent_one {
-                return self.send_failed(source, e, sent, isolate, fates).await;
+                return Err((source, e));
             }
         }
         let mut values = Vec::new();
@@ -179,11 +326,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 let record = FutureRecord::<[u8], [u8]>::to(&self.changelog)
                     .partition(p)
                     .key(&d[..]);
-                if let Err((source, e)) = self
-                    .send(record, Source::Changelog, &mut sent, isolate)
-                    .await
+                if let Err((source, e)) = self.send(record, Source::Changelog, sent, isolate).await
                 {
-                    return self.send_failed(source, e, sent, isolate, fates).await;
+                    return Err((source, e));
                 }
             }
         }
@@ -192,91 +337,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 .partition(*p)
                 .key(&d[..])
                 .payload(&value[..]);
-            if let Err((source, e)) = self
-                .send(record, Source::Changelog, &mut sent, isolate)
-                .await
-            {
-                return self.send_failed(source, e, sent, isolate, fates).await;
+            if let Err((source, e)) = self.send(record, Source::Changelog, sent, isolate).await {
+                return Err((source, e));
             }
         }
-        // Every record acknowledged (or refused) before the offsets: a
-        // refusal names its record, and the commit has nothing left to
-        // flush (rust-rdkafka's flush would wait out a 100 ms poll for
-        // acknowledgements that its polling thread takes).
-        match tokio::time::timeout(timeout, first_refusal(sent)).await {
-            Ok(None) => {}
-            Ok(Some(refusal)) => {
-                self.abort().await?;
-                return self.refused_report(refusal, isolate, fates);
-            }
-            Err(_) => {
-                return self
-                    .failed(
-                        "produce",
-                        KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut),
-                    )
-                    .await;
-            }
-        }
-        crate::failpoint::failpoint("transaction-before-offsets");
-        // A member that lost partitions of the batch (it was dropped from
-        // its group) must not commit them: their new owner runs them.
-        let assigned = match consumer.assignment() {
-            Ok(assigned) => assigned,
-            Err(e) => {
-                self.abort().await?;
-                return Err(e.into());
-            }
-        };
-        let lost = consumer.assignment_lost()
-            || offsets
-                .elements()
-                .iter()
-                .any(|e| assigned.find_partition(e.topic(), e.partition()).is_none());
-        let group = consumer.group_metadata().filter(|_| !lost);
-        let Some(group) = group else {
-            self.abort().await?;
-            return Ok(Attempt::Rewind {
-                why: "partitions of the batch are no longer assigned".into(),
-                unwritable: false,
-                lost: true,
-            });
-        };
-        let started = Instant::now();
-        loop {
-            match tokio::task::block_in_place(|| {
-                self.producer
-                    .send_offsets_to_transaction(offsets, &group, timeout)
-            }) {
-                Ok(()) => break,
-                Err(KafkaError::Transaction(e)) if e.is_retriable() && !e.is_fatal() => {
-                    self.unresolved("sending the offsets", &e, started)?;
-                }
-                Err(e) => return self.failed("send offsets", e).await,
-            }
-        }
-        crate::failpoint::failpoint("transaction-before-commit");
-        if crate::failpoint::fails("transaction-fails-before-commit") {
-            self.abort().await?;
-            return Ok(Attempt::Rewind {
-                why: "failpoint transaction-fails-before-commit".into(),
-                unwritable: false,
-                lost: false,
-            });
-        }
-        let started = Instant::now();
-        loop {
-            match tokio::task::block_in_place(|| self.producer.commit_transaction(timeout)) {
-                Ok(()) => break,
-                // Resumable: the same call again, until it resolves.
-                Err(KafkaError::Transaction(e)) if e.is_retriable() && !e.is_fatal() => {
-                    self.unresolved("committing", &e, started)?;
-                }
-                Err(e) => return self.failed("commit", e).await,
-            }
-        }
-        crate::failpoint::failpoint("transaction-after-commit");
-        Ok(Attempt::Committed)
+        Ok(())
     }
 
     /// Sends one record of the transaction, waiting while librdkafka's
@@ -621,4 +686,9 @@ pub(super) fn is_records_fault(e: &KafkaError) -> bool {
                 | RDKafkaErrorCode::UnknownPartition
         )
     )
+}
+
+/// A duration in milliseconds, for the debug log.
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
 }

@@ -51,7 +51,10 @@
 //! - `steady-purge`: the same with a 10 s TTL and the purger running every
 //!   second; the claims table is counted every 500 ms once the first
 //!   claims could expire, and must stay within 1.1 x rate x (TTL + purge
-//!   interval) (past it the run fails, as a wrong end state does).
+//!   interval) (past it the run fails, as a wrong end state does);
+//! - `steady-purge-full` (only with `--modes`): the same in `batched-full`'s
+//!   table, which also holds `--claims` live claims (10,000,000): whether
+//!   the purge keeps up however full the table is.
 //!
 //! The workload is produced by a child process (this program with
 //! `--produce-to`), so the peak RSS of a mode is its consumer's.
@@ -764,7 +767,7 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
         return outbox::run_outbox(mode, args).await;
     }
     if mode.starts_with("steady") {
-        return steady::run_steady(args, mode == "steady-purge").await;
+        return steady::run_steady(args, mode).await;
     }
     if mode.starts_with("kafka-") {
         return kafka_only::run(mode, args).await;
@@ -1678,10 +1681,13 @@ fn print_ratios(runs: &Runs, args: &Args) {
                 "{} ({:.0} events/s produced, {}): produce ack -> effect committed p50 {:.1} ms, p99 {:.1} ms (target <= 50), p99.9 {:.1} ms",
                 b.mode,
                 b.events as f64 / args.seconds,
-                if b.mode == "steady" {
-                    "default settings"
-                } else {
-                    "TTL 10 s, purge every 1 s"
+                match b.mode.as_str() {
+                    "steady" => "default settings".to_owned(),
+                    "steady-purge-full" => format!(
+                        "TTL 10 s, purge every 1 s, beside {} live claims",
+                        args.claims
+                    ),
+                    _ => "TTL 10 s, purge every 1 s".to_owned(),
                 },
                 b.p50_ms,
                 b.p99_ms,

@@ -3,7 +3,10 @@
 //! from an event's produce acknowledgement to its effect's commit.
 //! `steady` runs the default settings (TTL 4 h: nothing expires during the
 //! run); `steady-purge` a 10 s TTL with the purger deleting every second,
-//! and reports the claims table's size against its bound.
+//! and reports the claims table's size against its bound;
+//! `steady-purge-full` the same in a claims table that also holds
+//! `--claims` live claims (10,000,000: `batched-full`'s table, see
+//! growth.rs), to show the purge keeps up however full the table is.
 //!
 //! A batch's events are timed when the runtime sees their transaction's
 //! commit return: the moment the effect is committed, not the later offset
@@ -148,17 +151,41 @@ async fn record_payments_timed(tx: &mut TimedTx, events: Vec<Payment>) -> Result
 /// One steady run: `purge` for `steady-purge` (else the defaults, and no
 /// claims bound: the report's `claims_max` is the most claims rows counted
 /// after warm-up, `claims_bound` 1.1 x rate x (TTL + purge interval)).
-pub(crate) async fn run_steady(args: &Args, purge: bool) -> Result<Report, BoxError> {
-    let mode = if purge { "steady-purge" } else { "steady" };
+pub(crate) async fn run_steady(args: &Args, mode: &str) -> Result<Report, BoxError> {
+    let purge = mode.starts_with("steady-purge");
+    let full = mode == "steady-purge-full";
     let rate = args
         .rate
         .ok_or("steady needs --rate (the full run passes half of batched's)")?;
     let brokers = env_or("KAFKA_BROKERS", "127.0.0.1:9092");
     let url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL must be set")?;
-    // Default settings: the pool, the batch size, the linger.
-    let store = PgStore::connect(&url).await?;
+    // Default settings: the pool, the batch size, the linger (and the
+    // full table for steady-purge-full).
+    let store = if full {
+        PgStore::connect_with(&url, crate::growth::config("batched-full")).await?
+    } else {
+        PgStore::connect(&url).await?
+    };
     store.migrate().await?;
     reset_table(store.pool()).await?;
+    if full {
+        let (heap, indexes) = crate::growth::prepare(&store, args.claims).await?;
+        eprintln!(
+            "  {mode}: {} live claims in {} ({:.0} MiB heap, {:.0} MiB indexes)",
+            args.claims,
+            crate::growth::FULL_TABLE,
+            heap as f64 / 1048576.0,
+            indexes as f64 / 1048576.0
+        );
+    }
+    // The claims this run takes and the purge deletes: the filler's all
+    // expire at least an hour from now (growth::prepare), so this counts
+    // through the expiry index and never reads the filler's rows.
+    let count_sql = if full {
+        "SELECT count(*) FROM bench_full_claims WHERE expires_at < now() + interval '30 minutes'"
+    } else {
+        "SELECT count(*) FROM dedup_claims WHERE expires_at < now() + interval '30 minutes'"
+    };
     let events = (rate * args.seconds).round() as usize;
     // Duplicates within the last 2 s of traffic: a retrying producer, well
     // inside the TTL (an older copy would be applied again, by design).
@@ -202,7 +229,7 @@ pub(crate) async fn run_steady(args: &Args, purge: bool) -> Result<Report, BoxEr
     loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
         if purge && producing && started.elapsed() >= warm_up {
-            let n: i64 = sqlx::query_scalar("SELECT count(*) FROM dedup_claims")
+            let n: i64 = sqlx::query_scalar(count_sql)
                 .fetch_one(store.pool())
                 .await?;
             max_rows = max_rows.max(n);

@@ -25,6 +25,8 @@ pub(crate) struct Batching {
 #[derive(Debug)]
 pub(crate) struct Gathering {
     size: usize,
+    /// When its first message came.
+    started: Instant,
     /// Until when it waits for more; `None`: it takes only what is waiting.
     until: Option<Instant>,
 }
@@ -34,14 +36,21 @@ impl Batching {
     /// when the first message came (a partition's queue was empty, or the
     /// consumer's last batch left no backlog); only then does it linger.
     pub(crate) fn start(&self, idle: bool) -> Gathering {
+        let started = Instant::now();
         Gathering {
             size: self.size.max(1),
-            until: idle.then(|| Instant::now() + self.linger),
+            started,
+            until: idle.then(|| started + self.linger),
         }
     }
 }
 
 impl Gathering {
+    /// How long since its first message came.
+    pub(crate) fn since(&self) -> Duration {
+        self.started.elapsed()
+    }
+
     /// How long to wait for the next message of a batch holding `len`:
     /// `None` when it is full, zero when it takes only what is waiting
     /// already (not idle, or the linger is over: then what is waiting still

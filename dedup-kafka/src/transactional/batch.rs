@@ -161,7 +161,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 let result = self.fates(batch, times, states, &given, jitter, with).await;
                 tracing::debug!(
                     messages = batch.len(),
-                    judge_ms = judging.elapsed().as_secs_f64() * 1000.0,
+                    judge_ms = super::transact::ms(judging.elapsed()),
                     "batch judged"
                 );
                 judged = match result {

@@ -313,8 +313,6 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             };
             // From the batch's first message on.
             let mut gathering: Option<Gathering> = None;
-            // When its first message came (for the debug log).
-            let mut first_at: Option<Instant> = None;
             self.refresh(&gauges, None, 0, waiting.len());
             waiting.report(&self.topics);
             loop {
@@ -347,7 +345,6 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     None => break,
                     Some(Ok(msg)) => {
                         gathering.get_or_insert_with(|| self.batching.start(!backlog));
-                        first_at.get_or_insert_with(Instant::now);
                         batch.push(msg.detach());
                         held.count(batch.len());
                     }
@@ -371,10 +368,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 backlog = false;
                 continue;
             }
-            if let Some(first) = first_at {
+            if let Some(gathering) = &gathering {
                 tracing::debug!(
                     messages = batch.len(),
-                    gather_ms = first.elapsed().as_secs_f64() * 1000.0,
+                    gather_ms = transact::ms(gathering.since()),
                     "batch gathered"
                 );
             }

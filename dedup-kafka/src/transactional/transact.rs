@@ -688,7 +688,7 @@ pub(super) fn is_records_fault(e: &KafkaError) -> bool {
     )
 }
 
-/// A duration in milliseconds, for the debug log.
-fn ms(d: Duration) -> f64 {
+/// A duration in milliseconds, for the debug logs.
+pub(super) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1000.0
 }

@@ -338,22 +338,10 @@ pub(crate) async fn plain(
             payment: &payment,
             enriched: true,
         })?;
-        let mut record = FutureRecord::to(&output)
+        let record = FutureRecord::to(&output)
             .key(payment.account_id.as_str())
             .payload(&value);
-        let delivery = loop {
-            match producer.send_result(record) {
-                Ok(delivery) => break delivery,
-                Err((
-                    KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull),
-                    back,
-                )) => {
-                    record = back;
-                    tokio::time::sleep(Duration::from_millis(1)).await;
-                }
-                Err((e, _)) => return Err(e.into()),
-            }
-        };
+        let delivery = crate::produce::send_when_room(&producer, record).await?;
         acked.send((msg.partition(), msg.offset(), delivery))?;
     }
     drop(acked);

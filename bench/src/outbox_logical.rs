@@ -137,21 +137,7 @@ async fn send(
     if let Some(key) = &e.key {
         record = record.key(key);
     }
-    loop {
-        match producer.send_result(record) {
-            Ok(delivery) => return Ok(delivery),
-            Err((
-                rdkafka::error::KafkaError::MessageProduction(
-                    rdkafka::types::RDKafkaErrorCode::QueueFull,
-                ),
-                back,
-            )) => {
-                record = back;
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-            Err((e, _)) => return Err(e.into()),
-        }
-    }
+    Ok(crate::produce::send_when_room(producer, record).await?)
 }
 
 /// Publishes what the slot holds until `events` went out.

@@ -267,3 +267,25 @@ impl Producer {
         Ok(acks)
     }
 }
+
+/// Hands `record` to `producer`, waiting (1 ms at a time) while its queue
+/// is full; the delivery to await, or the producer's refusal.
+pub(crate) async fn send_when_room<K, P>(
+    producer: &rdkafka::producer::FutureProducer,
+    mut record: rdkafka::producer::FutureRecord<'_, K, P>,
+) -> Result<rdkafka::producer::DeliveryFuture, KafkaError>
+where
+    K: rdkafka::message::ToBytes + ?Sized,
+    P: rdkafka::message::ToBytes + ?Sized,
+{
+    loop {
+        match producer.send_result(record) {
+            Ok(delivery) => return Ok(delivery),
+            Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back)) => {
+                record = back;
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            Err((e, _)) => return Err(e),
+        }
+    }
+}

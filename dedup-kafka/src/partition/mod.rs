@@ -138,6 +138,7 @@ impl<S: DedupStore> Runtime<S> {
             span,
             self.settings.attempt_timeout,
             transaction,
+            attempt::Start::OwnTask,
             call(self.store.clone()),
         )
         .await;

@@ -71,7 +71,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             changelog_replication: -1,
             transactional_id: None,
             transaction_timeout: Duration::from_secs(10),
-            batch_size: 2000,
+            batch_size: 5000,
             batch_linger: Duration::from_millis(20),
             retry: RetryPolicy::default(),
             on_fingerprint_mismatch: OnFingerprintMismatch::default(),
@@ -160,7 +160,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         self
     }
 
-    /// Most messages per transaction (default 2,000).
+    /// Most messages per transaction (default 5,000). Each transaction
+    /// costs a few round trips to the brokers (its offsets, its commit):
+    /// larger ones spread them over more messages (on a backlog, 5,000
+    /// moved 1.21x the events of 2,000 a second, `dedup-bench`), while a
+    /// refused record, an abort or a rewind runs the whole batch's judging
+    /// again, and its outputs are seen by `read_committed` readers only
+    /// once it commits.
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n.max(1);
         self

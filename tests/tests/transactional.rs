@@ -57,6 +57,10 @@ struct Event {
     /// Waits this long (a slow lookup), logged in [`RUNS`].
     #[serde(default)]
     sleep_ms: u64,
+    /// Holds its thread this long without awaiting (a handler that
+    /// computes).
+    #[serde(default)]
+    compute_ms: u64,
     /// Fails transiently (a downstream's 503) for this many seconds after
     /// the event's first attempt; its success is logged in [`SUCCEEDED`].
     #[serde(default)]
@@ -151,6 +155,9 @@ impl Handler for Forward {
             .into());
         }
         let id = ev.event_id.unwrap_or_default();
+        if ev.compute_ms > 0 {
+            std::thread::sleep(Duration::from_millis(ev.compute_ms));
+        }
         if ev.sleep_ms > 0 {
             let started = std::time::Instant::now();
             tokio::time::sleep(Duration::from_millis(ev.sleep_ms)).await;
@@ -1085,6 +1092,59 @@ async fn a_consumer_waiting_out_an_outage_stays_in_its_group() {
         each_once(10, &["s1"]),
         "each event output once"
     );
+}
+
+/// Handlers that never wait run on the consumer's own task: a batch of
+/// them that takes longer to judge than `max.poll.interval.ms` still keeps
+/// the consumer in its group and its health live (the judging gives the
+/// run loop's polls their turn), and each event is output once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_handlers_that_never_wait_keeps_the_consumer_in_its_group() {
+    let (topic, out, group) = topics(2).await;
+    let p = producer();
+    let n = 16;
+    for i in 0..n {
+        let id = format!("e{i}");
+        let payload = serde_json::json!({"event_id": id, "n": i, "compute_ms": 600});
+        send(&p, &topic, &id, payload.to_string().as_bytes(), None).await;
+    }
+    let consumer = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+        .brokers(brokers())
+        .group_id(&group)
+        .set("session.timeout.ms", "6000")
+        .set("max.poll.interval.ms", "6000")
+        .build()
+        .expect("consumer");
+    let stats = consumer.stats();
+    // The longest the loop went without turning, sampled while it runs.
+    let longest = std::sync::Arc::new(std::sync::Mutex::new(Duration::ZERO));
+    let (watched, seen) = (stats.clone(), longest.clone());
+    let idle = async move {
+        while watched.idle_for() < Duration::from_secs(3) {
+            let since = watched.health().since_last_poll;
+            let mut most = seen.lock().expect("lock");
+            *most = (*most).max(since);
+            drop(most);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(120), consumer.run_until(idle))
+        .await
+        .expect("drained within 2 min")
+        .expect("consumer ran");
+    let stats = stats.snapshot();
+    assert_eq!((stats.applied, stats.dead_lettered), (n as u64, 0), "{stats}");
+    assert_eq!(
+        (stats.assignments, stats.revoked_partitions),
+        (1, 0),
+        "assigned once, never revoked: {stats}"
+    );
+    let longest = *longest.lock().expect("lock");
+    assert!(
+        longest < Duration::from_secs(3),
+        "the loop went {longest:?} without a poll while {n} events of 600 ms were judged"
+    );
+    assert_eq!(outputs(&out).await, each_once(n, &[]), "each event output once");
 }
 
 /// A changelog topic that deletes by retention would forget claims: the

@@ -1,7 +1,7 @@
 //! Each message's fate: decoded, keyed, judged against the claims, and run
 //! (contained, with retries) into its outputs.
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_util::StreamExt as _;
 use futures_util::stream::FuturesUnordered;
@@ -66,6 +66,29 @@ pub(super) enum Fate {
     },
 }
 
+/// Longest a batch is judged without yielding. A handler that never waits
+/// runs on the consumer's task ([`attempt::Start::HereFirst`]), and the run
+/// loop's polls while a batch runs (the group, liveness, the stop) get a
+/// turn only when the batch yields.
+const YIELD_EVERY: Duration = Duration::from_millis(20);
+
+/// When the judging last yielded.
+struct Turns(Instant);
+
+impl Turns {
+    fn new() -> Self {
+        Self(Instant::now())
+    }
+
+    /// Yields once [`YIELD_EVERY`] has passed since the last time.
+    async fn now_and_then(&mut self) {
+        if self.0.elapsed() >= YIELD_EVERY {
+            tokio::task::yield_now().await;
+            self.0 = Instant::now();
+        }
+    }
+}
+
 /// What a message is judged in order with under key-ordered concurrency:
 /// its ordering key and its claim, each in its partition.
 type OrderedBy = (Option<(i32, OrderKey)>, Option<(i32, ClaimDigest)>);
@@ -108,7 +131,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let mut fates = Vec::with_capacity(batch.len());
         // Claims taken in this batch, on top of the partitions' committed ones.
         let mut staged = Staged::new();
+        let mut turns = Turns::new();
         for (i, (msg, &at)) in batch.iter().zip(times).enumerate() {
+            turns.now_and_then().await;
             let fate = match forced.get(&i) {
                 Some(fate) => fate.clone(),
                 None => {
@@ -195,7 +220,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let mut busy_claims = HashSet::new();
         // Below it every message is judged.
         let mut first = 0;
+        let mut turns = Turns::new();
         loop {
+            turns.now_and_then().await;
             while first < n && fates[first].is_some() {
                 first += 1;
             }

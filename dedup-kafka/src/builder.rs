@@ -351,6 +351,15 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self
     }
 
+    /// Most bytes of keys and payloads in one batch (default 16 MiB): a
+    /// batch is full at [`batch_size`](Self::batch_size) messages or at
+    /// this many bytes, whichever comes first, so large records make
+    /// smaller batches (a record larger than this is a batch alone).
+    pub fn batch_bytes(mut self, bytes: usize) -> Self {
+        self.runtime.batching.bytes = bytes;
+        self
+    }
+
     /// How long an idle partition's first message waits for more to fill a
     /// batch (default 5 ms). Messages that queued behind a running batch
     /// are taken at once, without waiting: under load a batch forms while

@@ -52,6 +52,7 @@ impl Default for Settings {
         Settings {
             batching: Batching {
                 size: 200,
+                bytes: crate::pipeline::ingest::BATCH_BYTES,
                 linger: Duration::from_millis(5),
             },
             retry: RetryPolicy::default(),

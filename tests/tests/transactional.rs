@@ -598,6 +598,38 @@ async fn a_backlog_goes_without_waiting_for_the_linger() {
     assert_eq!(outputs(&out).await, each_once(25, &[]));
 }
 
+/// Large records make smaller transactions: a batch is full at
+/// `batch_bytes` of keys and payloads, whatever its count, so a backlog of
+/// them never makes one transaction too long for its timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_records_fill_a_transaction_by_bytes() {
+    let (topic, out, group) = topics(1).await;
+    let p = producer();
+    let n = 12;
+    for i in 0..n {
+        let id = format!("e{i}");
+        // About 420 bytes each: three fill 1,000.
+        let payload = serde_json::json!({"event_id": id, "n": i, "pad": "x".repeat(400)});
+        send(&p, &topic, &id, payload.to_string().as_bytes(), None).await;
+    }
+    let stats = drain_with(
+        TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+            .group_id(&group)
+            .batch_bytes(1000),
+    )
+    .await;
+    assert_eq!(stats.applied, n as u64, "{stats}");
+    assert!(
+        stats.batches >= 4,
+        "{n} records of 420 bytes in transactions of at most 3: {stats}"
+    );
+    assert_eq!(
+        outputs(&out).await,
+        each_once(n, &[]),
+        "each event output once"
+    );
+}
+
 /// Decisions depend on the input alone, not on where batches or restarts
 /// cut it: the same records, stamped out of order, run through one consumer
 /// at once and through three consumers one after another (each restored
@@ -1122,9 +1154,10 @@ async fn a_batch_of_handlers_that_never_wait_keeps_the_consumer_in_its_group() {
     let idle = async move {
         while watched.idle_for() < Duration::from_secs(3) {
             let since = watched.health().since_last_poll;
-            let mut most = seen.lock().expect("lock");
-            *most = (*most).max(since);
-            drop(most);
+            {
+                let mut most = seen.lock().expect("lock");
+                *most = (*most).max(since);
+            }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     };
@@ -1133,7 +1166,11 @@ async fn a_batch_of_handlers_that_never_wait_keeps_the_consumer_in_its_group() {
         .expect("drained within 2 min")
         .expect("consumer ran");
     let stats = stats.snapshot();
-    assert_eq!((stats.applied, stats.dead_lettered), (n as u64, 0), "{stats}");
+    assert_eq!(
+        (stats.applied, stats.dead_lettered),
+        (n as u64, 0),
+        "{stats}"
+    );
     assert_eq!(
         (stats.assignments, stats.revoked_partitions),
         (1, 0),
@@ -1144,7 +1181,11 @@ async fn a_batch_of_handlers_that_never_wait_keeps_the_consumer_in_its_group() {
         longest < Duration::from_secs(3),
         "the loop went {longest:?} without a poll while {n} events of 600 ms were judged"
     );
-    assert_eq!(outputs(&out).await, each_once(n, &[]), "each event output once");
+    assert_eq!(
+        outputs(&out).await,
+        each_once(n, &[]),
+        "each event output once"
+    );
 }
 
 /// A changelog topic that deletes by retention would forget claims: the

@@ -278,8 +278,9 @@ async fn gather(
     settings: &Settings,
     same: impl Fn(&OwnedMessage) -> bool,
 ) -> Vec<OwnedMessage> {
+    let mut gathering = settings.batching.start(idle);
+    gathering.took(&first);
     let mut batch = vec![first];
-    let gathering = settings.batching.start(idle);
     while let Some(wait) = gathering.wait(batch.len()) {
         let next = match carried.pop_front() {
             Some(msg) => msg,
@@ -292,6 +293,7 @@ async fn gather(
             carried.push_front(next);
             break;
         }
+        gathering.took(&next);
         batch.push(next);
     }
     batch
@@ -386,6 +388,36 @@ mod tests {
             let offsets: Vec<i64> = batch.iter().map(|m| m.offset()).collect();
             assert_eq!(offsets, (0..queued).collect::<Vec<_>>());
         }
+    }
+
+    /// Large records make smaller batches: a batch is full once its keys
+    /// and payloads reach `batch_bytes`; the rest stay queued, in order.
+    #[tokio::test]
+    async fn large_records_fill_a_batch_by_bytes() {
+        let (sender, mut inbox) = inbox_of(0);
+        for offset in 0..5 {
+            inbox.stats.add_in_flight(1);
+            let payload = Some(vec![b'x'; 100]);
+            let msg = OwnedMessage::new(
+                payload,
+                None,
+                "t".into(),
+                Timestamp::NotAvailable,
+                0,
+                offset,
+                None,
+            );
+            sender.send(msg).unwrap();
+        }
+        let mut settings = lingering(Duration::ZERO);
+        settings.batching.bytes = 250;
+        let first = inbox.recv().await.unwrap();
+        let mut carried = VecDeque::new();
+        let batch = gather(&mut inbox, &mut carried, first, false, &settings, |_| true).await;
+        let offsets: Vec<i64> = batch.iter().map(|m| m.offset()).collect();
+        assert_eq!(offsets, [0, 1, 2], "300 bytes reach the 250 allowed");
+        let next = inbox.recv().await.unwrap();
+        assert_eq!(next.offset(), 3, "the rest stay queued");
     }
 
     /// An idle partition's first message waits for company, up to the

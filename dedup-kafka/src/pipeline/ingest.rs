@@ -1,5 +1,5 @@
 //! How a batch is gathered, the same in both runtimes: at most the batch
-//! size, and a linger only for a batch whose first message found nothing
+//! size and its bytes, and a linger only for a batch whose first message found nothing
 //! waiting behind it. Messages that queued behind a running batch are a
 //! batch already, even one alone: lingering would only add to their wait
 //! (at steady load every batch would wait the whole linger on top of the
@@ -10,13 +10,23 @@
 use std::future::Future;
 use std::time::Duration;
 
+use rdkafka::message::Message;
 use tokio::time::Instant;
+
+/// The bytes of keys and payloads that fill a batch unless set (16 MiB):
+/// far above a batch of small records, so only large ones make smaller
+/// batches.
+pub(crate) const BATCH_BYTES: usize = 16 << 20;
 
 /// How batches are gathered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Batching {
     /// Most messages in a batch (at least 1).
     pub(crate) size: usize,
+    /// The batch is full once its messages' keys and payloads add up to
+    /// this many bytes (its first message joins whatever its size): large
+    /// records make smaller batches, so a batch's transaction stays short.
+    pub(crate) bytes: usize,
     /// How long an idle source's first message waits for company.
     pub(crate) linger: Duration,
 }
@@ -25,6 +35,9 @@ pub(crate) struct Batching {
 #[derive(Debug)]
 pub(crate) struct Gathering {
     size: usize,
+    /// Most bytes, and the bytes taken so far.
+    most_bytes: usize,
+    bytes: usize,
     /// When its first message came.
     started: Instant,
     /// Until when it waits for more; `None`: it takes only what is waiting.
@@ -39,6 +52,8 @@ impl Batching {
         let started = Instant::now();
         Gathering {
             size: self.size.max(1),
+            most_bytes: self.bytes,
+            bytes: 0,
             started,
             until: idle.then(|| started + self.linger),
         }
@@ -51,13 +66,20 @@ impl Gathering {
         self.started.elapsed()
     }
 
-    /// How long to wait for the next message of a batch holding `len`:
-    /// `None` when it is full, zero when it takes only what is waiting
+    /// Counts `msg` in the batch's bytes (its key and payload).
+    pub(crate) fn took<M: Message>(&mut self, msg: &M) {
+        let len = msg.key().map_or(0, <[u8]>::len) + msg.payload().map_or(0, <[u8]>::len);
+        self.bytes = self.bytes.saturating_add(len);
+    }
+
+    /// How long to wait for the next message of a batch holding `len`
+    /// (and the bytes [`took`](Self::took) counted): `None` when it is full
+    /// by either, zero when it takes only what is waiting
     /// already (not idle, or the linger is over: then what is waiting still
     /// joins, up to the batch size). A wait that ends without a message ends
     /// the batch. Wait with [`within`], which does not wait at all for zero.
     pub(crate) fn wait(&self, len: usize) -> Option<Duration> {
-        if len >= self.size {
+        if len >= self.size || self.bytes >= self.most_bytes {
             return None;
         }
         Some(self.until.map_or(Duration::ZERO, |at| {
@@ -88,6 +110,7 @@ mod tests {
 
     const BATCHING: Batching = Batching {
         size: 3,
+        bytes: usize::MAX,
         linger: Duration::from_secs(30),
     };
 
@@ -120,6 +143,45 @@ mod tests {
         }
         .start(true);
         assert_eq!(one.wait(1), None);
+    }
+
+    /// A batch is full once its keys and payloads reach the bytes allowed,
+    /// whatever its count; its first message joins whatever its size.
+    #[test]
+    fn large_records_fill_a_batch_by_bytes() {
+        let record = |payload: &'static [u8]| {
+            rdkafka::message::OwnedMessage::new(
+                Some(payload.to_vec()),
+                Some(b"key".to_vec()),
+                "t".into(),
+                rdkafka::Timestamp::NotAvailable,
+                0,
+                0,
+                None,
+            )
+        };
+        let mut batch = Batching {
+            size: 100,
+            bytes: 10,
+            ..BATCHING
+        }
+        .start(false);
+        batch.took(&record(b"abcd"));
+        assert_eq!(batch.wait(1), Some(Duration::ZERO), "7 bytes of 10");
+        batch.took(&record(b"ab"));
+        assert_eq!(batch.wait(2), None, "12 bytes: full");
+        let mut one = Batching {
+            size: 100,
+            bytes: 10,
+            ..BATCHING
+        }
+        .start(true);
+        one.took(&record(&[0; 64]));
+        assert_eq!(
+            one.wait(1),
+            None,
+            "a record over the bytes is a batch alone"
+        );
     }
 
     /// A zero wait takes what is ready and returns at once otherwise: a

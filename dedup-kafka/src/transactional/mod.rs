@@ -344,7 +344,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     None if gathering.is_none() => backlog = false,
                     None => break,
                     Some(Ok(msg)) => {
-                        gathering.get_or_insert_with(|| self.batching.start(!backlog));
+                        gathering
+                            .get_or_insert_with(|| self.batching.start(!backlog))
+                            .took(&msg);
                         batch.push(msg.detach());
                         held.count(batch.len());
                     }

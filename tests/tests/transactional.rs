@@ -89,6 +89,9 @@ fn first_tried(id: &str) -> Duration {
     Duration::ZERO
 }
 
+/// How many calls with `compute_ms` have ended.
+static COMPUTED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
 /// Set by the first event that hung.
 static HUNG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
@@ -157,6 +160,7 @@ impl Handler for Forward {
         let id = ev.event_id.unwrap_or_default();
         if ev.compute_ms > 0 {
             std::thread::sleep(Duration::from_millis(ev.compute_ms));
+            COMPUTED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         }
         if ev.sleep_ms > 0 {
             let started = std::time::Instant::now();
@@ -1148,23 +1152,41 @@ async fn a_batch_of_handlers_that_never_wait_keeps_the_consumer_in_its_group() {
         .build()
         .expect("consumer");
     let stats = consumer.stats();
-    // The longest the loop went without turning, sampled while it runs.
-    let longest = std::sync::Arc::new(std::sync::Mutex::new(Duration::ZERO));
-    let (watched, seen) = (stats.clone(), longest.clone());
-    let idle = async move {
-        while watched.idle_for() < Duration::from_secs(3) {
-            let since = watched.health().since_last_poll;
-            {
-                let mut most = seen.lock().expect("lock");
-                *most = (*most).max(since);
+    // The longest the loop went without turning while the handlers ran
+    // (from the first one's end to the last commit; not the restore
+    // before), sampled on a task of its own: the consumer's thread is
+    // held by each handler.
+    let (watched, done) = (
+        stats.clone(),
+        std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false)),
+    );
+    let sampling = tokio::spawn({
+        let done = done.clone();
+        async move {
+            let mut longest = Duration::ZERO;
+            while !done.load(std::sync::atomic::Ordering::SeqCst) {
+                if COMPUTED.load(std::sync::atomic::Ordering::SeqCst) > 0
+                    && watched.snapshot().applied < n as u64
+                {
+                    longest = longest.max(watched.health().since_last_poll);
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            longest
+        }
+    });
+    let idle = {
+        let stats = stats.clone();
+        async move {
+            while stats.idle_for() < Duration::from_secs(3) {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
         }
     };
-    tokio::time::timeout(Duration::from_secs(120), consumer.run_until(idle))
-        .await
-        .expect("drained within 2 min")
-        .expect("consumer ran");
+    let ran = tokio::time::timeout(Duration::from_secs(120), consumer.run_until(idle)).await;
+    done.store(true, std::sync::atomic::Ordering::SeqCst);
+    let longest = sampling.await.expect("sampled");
+    ran.expect("drained within 2 min").expect("consumer ran");
     let stats = stats.snapshot();
     assert_eq!(
         (stats.applied, stats.dead_lettered),
@@ -1176,7 +1198,6 @@ async fn a_batch_of_handlers_that_never_wait_keeps_the_consumer_in_its_group() {
         (1, 0),
         "assigned once, never revoked: {stats}"
     );
-    let longest = *longest.lock().expect("lock");
     assert!(
         longest < Duration::from_secs(3),
         "the loop went {longest:?} without a poll while {n} events of 600 ms were judged"

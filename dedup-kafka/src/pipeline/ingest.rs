@@ -66,10 +66,15 @@ impl Gathering {
         self.started.elapsed()
     }
 
-    /// Counts `msg` in the batch's bytes (its key and payload).
+    /// Counts `msg` in the batch's bytes.
     pub(crate) fn took<M: Message>(&mut self, msg: &M) {
-        let len = msg.key().map_or(0, <[u8]>::len) + msg.payload().map_or(0, <[u8]>::len);
-        self.bytes = self.bytes.saturating_add(len);
+        self.bytes = self.bytes.saturating_add(bytes_of(msg));
+    }
+
+    /// Whether a batch holding `len` (and the bytes counted) is full: what
+    /// comes next is a backlog, taken without lingering.
+    pub(crate) fn is_full(&self, len: usize) -> bool {
+        len >= self.size || self.bytes >= self.most_bytes
     }
 
     /// How long to wait for the next message of a batch holding `len`
@@ -79,13 +84,18 @@ impl Gathering {
     /// joins, up to the batch size). A wait that ends without a message ends
     /// the batch. Wait with [`within`], which does not wait at all for zero.
     pub(crate) fn wait(&self, len: usize) -> Option<Duration> {
-        if len >= self.size || self.bytes >= self.most_bytes {
+        if self.is_full(len) {
             return None;
         }
         Some(self.until.map_or(Duration::ZERO, |at| {
             at.saturating_duration_since(Instant::now())
         }))
     }
+}
+
+/// The bytes of `msg` a batch counts: its key and payload.
+pub(crate) fn bytes_of<M: Message>(msg: &M) -> usize {
+    msg.key().map_or(0, <[u8]>::len) + msg.payload().map_or(0, <[u8]>::len)
 }
 
 /// `next` if it completes within `wait`. A zero wait takes only what is

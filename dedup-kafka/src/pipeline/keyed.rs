@@ -99,8 +99,9 @@ impl<M> Window<M> {
 
     /// Takes the first event free to start and, after it, up to `max - 1`
     /// more for which `same` holds, in offset order (events of distinct
-    /// keys: one transaction may take them all).
-    pub(crate) fn take(&mut self, max: usize, same: impl Fn(&M) -> bool) -> Vec<Started<M>> {
+    /// keys: one transaction may take them all). `same` is asked of each
+    /// later event in turn, and may count what it lets in.
+    pub(crate) fn take(&mut self, max: usize, mut same: impl FnMut(&M) -> bool) -> Vec<Started<M>> {
         let mut offsets = Vec::new();
         for (offset, (_, m)) in &self.ready {
             if offsets.len() == max.max(1) {
@@ -291,6 +292,27 @@ mod tests {
             "y stays for a transaction of its own"
         );
         assert_eq!(offsets(&w.take(3, |r| *r == "y")), [1]);
+    }
+
+    /// `same` may count what it lets in (the bytes of a unit, capped as a
+    /// batch's are): once it says no, nothing more of that run joins.
+    #[test]
+    fn a_transaction_stops_taking_when_told_it_is_full() {
+        let mut w = Window::default();
+        for (i, event) in ["aaaa", "bbbb", "cccc", "dddd"].into_iter().enumerate() {
+            w.push(i as i64, Some(i as u64), event);
+        }
+        // The first (4 bytes) is taken as it comes; up to 10 bytes in all.
+        let mut bytes = 4;
+        let unit = w.take(10, |e| {
+            let fits = bytes < 10;
+            if fits {
+                bytes += e.len();
+            }
+            fits
+        });
+        assert_eq!(offsets(&unit), [0, 1, 2], "12 bytes: full");
+        assert_eq!(offsets(&w.take(10, |_| true)), [3]);
     }
 
     #[test]

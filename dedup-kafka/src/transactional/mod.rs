@@ -427,7 +427,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             drop(held);
             self.stats.touch();
             done?;
-            backlog = finished? || batch.len() >= self.batching.size;
+            backlog = finished? || gathering.is_some_and(|g| g.is_full(batch.len()));
         }
         tracing::info!("transactional consumer stopping");
         Ok(())

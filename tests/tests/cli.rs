@@ -104,7 +104,9 @@ async fn claims_get_release_stats_and_purge(pool: PgPool) {
         "a 4h TTL: {got}"
     );
     let text = stdout(&claim(&pool, "get", &ids[0], &[]).await);
-    assert!(text.contains("live, expires in 3h59m"), "{text}");
+    // 3h59m a moment after the claim; a loaded machine (the full gate
+    // failed on 3h58m) may take a minute or more to get here.
+    assert!(text.contains("live, expires in 3h5"), "{text}");
 
     // Expired claims of another handler, waiting for the purger.
     sqlx::query(

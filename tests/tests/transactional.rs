@@ -266,9 +266,24 @@ async fn events_and(partitions: i32, n: i64, extra: &[(&str, &[u8])]) -> (String
 
 /// Produces the events `e<i>` for each `i` of `range`, keyed by their ids.
 async fn send_events(producer: &FutureProducer, topic: &str, range: std::ops::Range<i64>) {
+    send_events_with(producer, topic, range, serde_json::json!({})).await;
+}
+
+/// [`send_events`], each event with `extra`'s fields too.
+async fn send_events_with(
+    producer: &FutureProducer,
+    topic: &str,
+    range: std::ops::Range<i64>,
+    extra: serde_json::Value,
+) {
     for i in range {
         let id = format!("e{i}");
-        send(producer, topic, &id, &event(&id, i), None).await;
+        let mut payload = serde_json::json!({"event_id": id, "n": i});
+        payload
+            .as_object_mut()
+            .expect("an object")
+            .extend(extra.as_object().expect("an object").clone());
+        send(producer, topic, &id, payload.to_string().as_bytes(), None).await;
     }
 }
 
@@ -608,14 +623,10 @@ async fn a_backlog_goes_without_waiting_for_the_linger() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_records_fill_a_transaction_by_bytes() {
     let (topic, out, group) = topics(1).await;
-    let p = producer();
     let n = 12;
-    for i in 0..n {
-        let id = format!("e{i}");
-        // About 420 bytes each: three fill 1,000.
-        let payload = serde_json::json!({"event_id": id, "n": i, "pad": "x".repeat(400)});
-        send(&p, &topic, &id, payload.to_string().as_bytes(), None).await;
-    }
+    // About 420 bytes each: three fill 1,000.
+    let pad = serde_json::json!({"pad": "x".repeat(400)});
+    send_events_with(&producer(), &topic, 0..n, pad).await;
     let stats = drain_with(
         TransactionalConsumer::builder(&topic, forward(&out, "1h"))
             .group_id(&group)
@@ -1137,13 +1148,9 @@ async fn a_consumer_waiting_out_an_outage_stays_in_its_group() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_of_handlers_that_never_wait_keeps_the_consumer_in_its_group() {
     let (topic, out, group) = topics(2).await;
-    let p = producer();
     let n = 16;
-    for i in 0..n {
-        let id = format!("e{i}");
-        let payload = serde_json::json!({"event_id": id, "n": i, "compute_ms": 600});
-        send(&p, &topic, &id, payload.to_string().as_bytes(), None).await;
-    }
+    let compute = serde_json::json!({"compute_ms": 600});
+    send_events_with(&producer(), &topic, 0..n, compute).await;
     let consumer = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
         .brokers(brokers())
         .group_id(&group)

@@ -18,7 +18,6 @@ use futures_util::stream::FuturesUnordered;
 use rdkafka::message::{Message as _, OwnedMessage};
 
 use crate::dead_letter as dead_letters;
-use crate::pipeline::ingest::bytes_of;
 use crate::pipeline::keyed::{OrderKey, Window, share};
 use crate::retry::Jitter;
 use crate::route::{Pick, TopicRoutes};
@@ -45,7 +44,6 @@ pub(super) async fn worker<S: DedupStore>(
 ) {
     let n = shared.settings.key_concurrency;
     let batch_size = shared.settings.batching.size;
-    let batch_bytes = shared.settings.batching.bytes;
     partition.redelivery_window.store(
         shared.settings.max_buffered_per_partition as i64,
         Ordering::Relaxed,
@@ -149,13 +147,16 @@ pub(super) async fn worker<S: DedupStore>(
                 Some(_) => share(window.ready(), n - running.len(), batch_size),
                 None => 1,
             };
-            // A unit is full at `batch_bytes` too, as a batch is.
-            let mut bytes = window.first_ready().map_or(0, |(_, m)| bytes_of(m));
+            // A unit is full at `batch_bytes` too, counted as a batch's are.
+            let mut filling = shared.settings.batching.start(false);
+            if let Some((_, first)) = window.first_ready() {
+                filling.took(first);
+            }
             let (unit, messages): (Unit, Vec<OwnedMessage>) = window
                 .take(max, |(i, m)| {
-                    let fits = *i == index && bytes < batch_bytes;
+                    let fits = *i == index && !filling.bytes_full();
                     if fits {
-                        bytes = bytes.saturating_add(bytes_of(m));
+                        filling.took(m);
                     }
                     fits
                 })

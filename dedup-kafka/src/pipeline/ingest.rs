@@ -74,7 +74,12 @@ impl Gathering {
     /// Whether a batch holding `len` (and the bytes counted) is full: what
     /// comes next is a backlog, taken without lingering.
     pub(crate) fn is_full(&self, len: usize) -> bool {
-        len >= self.size || self.bytes >= self.most_bytes
+        len >= self.size || self.bytes_full()
+    }
+
+    /// Whether the bytes counted reached the most allowed.
+    pub(crate) fn bytes_full(&self) -> bool {
+        self.bytes >= self.most_bytes
     }
 
     /// How long to wait for the next message of a batch holding `len`
@@ -94,7 +99,7 @@ impl Gathering {
 }
 
 /// The bytes of `msg` a batch counts: its key and payload.
-pub(crate) fn bytes_of<M: Message>(msg: &M) -> usize {
+fn bytes_of<M: Message>(msg: &M) -> usize {
     msg.key().map_or(0, <[u8]>::len) + msg.payload().map_or(0, <[u8]>::len)
 }
 

@@ -67,6 +67,19 @@ impl ConsumerChild {
         Ok(ConsumerChild { child, stdin })
     }
 
+    /// CPU time the child's process has used so far (user and system, all
+    /// its threads), in clock ticks (USER_HZ, 100 a second), where
+    /// /proc is readable.
+    pub(crate) fn cpu_ticks(&self) -> Option<u64> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).ok()?;
+        // Fields after the command's closing parenthesis: state is the
+        // first (field 3), utime and stime fields 14 and 15.
+        let mut fields = stat.rsplit_once(')')?.1.split_whitespace().skip(11);
+        let utime: u64 = fields.next()?.parse().ok()?;
+        let stime: u64 = fields.next()?.parse().ok()?;
+        Some(utime + stime)
+    }
+
     /// Whether the child is still running; an error once it has failed.
     pub(crate) fn check(&mut self) -> Result<(), BoxError> {
         match self.child.try_wait()? {

@@ -121,6 +121,7 @@ pub(crate) async fn run(mode: &str, args: &Args) -> Result<Report, BoxError> {
     let group = format!("{topic}-g");
     let acks = Producer::spawn(&topic, args.events, args.duplicates, 0, None)?.finish()?;
     let total = work.len() as u64;
+    crate::settle_disk();
     let started = Instant::now();
     // The Kafka Streams application's state (its RocksDB store), removed
     // after the run.
@@ -273,6 +274,7 @@ async fn first_applied(
             .await
             .map_err(|(e, _)| e)?;
     }
+    crate::settle_disk();
     let started = Instant::now();
     let run = Transactional::spawn(brokers, topic, group, output, args);
     while run.stats.snapshot().applied < args.partitions as u64 {

@@ -9,7 +9,15 @@
 //! not by twenty; its rate is taken from the first commit on (the
 //! consumer's start is shown apart); the modes whose ratios are reported run
 //! interleaved and repeated (`--repeats`, 3: A B A B A B), and each ratio is
-//! the median of the rounds' ratios with its spread (min-max). `per-message`
+//! the median of the rounds' ratios with its spread (min-max). Each run
+//! prints its rate; a mode with a consumer also prints the machine's CPU
+//! over its measured window (busy, and stolen by the hypervisor for
+//! another guest) and the consumer's CPU time per event, and a round of
+//! one during which another guest took over `--max-steal` (1%) of the CPU
+//! runs again right away (up to 3 tries, the least disturbed kept; that
+//! pair is then A A' B). Before such a mode's clock starts, the machine's
+//! dirty pages are written out (`sync`), so that the input's writeback
+//! does not land inside the run. `per-message`
 //! (a tenth of the events), `kafka-restore`, `batched-purge` and the steady
 //! modes run once, after the rounds. `--quick`: 200,000 events, one round,
 //! for development. `--modes a,b` runs only those.
@@ -323,6 +331,9 @@ struct Args {
     /// `--min-seconds`: a repeated mode's rounds run at least this long
     /// (by default; sized by a warm-up run, see [`size_runs`]).
     min_seconds: f64,
+    /// `--max-steal`: a round during which another guest of the host took
+    /// more than this share of the machine's CPU (percent) runs again.
+    max_steal: f64,
     /// Whether `--events` was given (then every mode runs exactly that).
     events_given: bool,
     /// Events per mode, where a warm-up run sized it above `events`.
@@ -333,6 +344,16 @@ struct Args {
 /// more on this machine, so a scheduler hiccup or the consumer's start
 /// moves a ratio by a point, not by twenty.
 const EVENTS: usize = 2_000_000;
+/// A round during which the hypervisor gave more than this share of the
+/// machine's CPU (percent) to another guest runs again (`--max-steal`).
+/// The transactional Kafka-only mode, bound by one thread, lost a fifth of
+/// its rate to 12% stolen (and a tenth to 6%), while 0-0.5% left it within
+/// 1.5% of its neighbours; the plain loop, waiting more than working,
+/// hardly moved. A ratio of a disturbed run to an undisturbed one measures
+/// the neighbour.
+const MAX_STEAL: f64 = 1.0;
+/// Tries of a round before its least disturbed one is kept (and flagged).
+const TRIES: usize = 3;
 /// Events per mode with `--quick`.
 const QUICK_EVENTS: usize = 200_000;
 
@@ -371,6 +392,7 @@ fn args() -> Result<Args, String> {
         full_table: false,
         delete_sent: false,
         min_seconds: 20.0,
+        max_steal: MAX_STEAL,
         events_given: false,
         sized: HashMap::new(),
     };
@@ -387,6 +409,9 @@ fn args() -> Result<Args, String> {
                 a.min_seconds = value()?
                     .parse()
                     .map_err(|e| format!("--min-seconds: {e}"))?
+            }
+            "--max-steal" => {
+                a.max_steal = value()?.parse().map_err(|e| format!("--max-steal: {e}"))?
             }
             "--repeats" => {
                 a.repeats = value()?
@@ -452,7 +477,7 @@ fn args() -> Result<Args, String> {
             "--dump" => a.dump = Some(value()?),
             other => {
                 return Err(format!(
-                    "unknown flag {other}; flags: --events --quick --repeats --min-seconds --modes a,b --duplicates --partitions --json --purge \
+                    "unknown flag {other}; flags: --events --quick --repeats --min-seconds --max-steal pct --modes a,b --duplicates --partitions --json --purge \
                      --outbox --delete-sent --kafka-only --full-table --claims n --keyed --tiers --per-tx --relay-batch --logical-batch --mode --rate --seconds --set key=value \
                      --max-buffered --linger ms --dump file (with --mode steady or steady-purge)"
                 ));
@@ -536,6 +561,79 @@ struct Report {
     /// without a consumer.
     #[serde(default)]
     start_s: f64,
+    /// The machine's CPU over the measured window (from the first commit
+    /// on), where /proc/stat is readable: what a noisy neighbour took.
+    #[serde(default)]
+    cpu: Option<CpuShare>,
+    /// How many times its round ran for this report (more than one where
+    /// another guest took over `--max-steal` of the CPU).
+    #[serde(default)]
+    tries: usize,
+}
+
+/// The machine's CPU time so far (all cores, in clock ticks, from
+/// /proc/stat's first line): everything, idle (with I/O wait), and stolen
+/// by the hypervisor for other guests.
+#[derive(Clone, Copy)]
+struct CpuTimes {
+    total: u64,
+    idle: u64,
+    steal: u64,
+}
+
+impl CpuTimes {
+    fn now() -> Option<Self> {
+        Self::parse(&std::fs::read_to_string("/proc/stat").ok()?)
+    }
+
+    fn parse(stat: &str) -> Option<Self> {
+        let line = stat.lines().next()?.strip_prefix("cpu ")?;
+        let f: Vec<u64> = line
+            .split_whitespace()
+            .map(|v| v.parse().unwrap_or(0))
+            .collect();
+        // user nice system idle iowait irq softirq steal (guest time is
+        // already in user and nice).
+        let at = |i: usize| f.get(i).copied().unwrap_or(0);
+        Some(CpuTimes {
+            total: (0..8).map(at).sum(),
+            idle: at(3) + at(4),
+            steal: at(7),
+        })
+    }
+}
+
+/// Shares of the machine's CPU time between two [`CpuTimes`], in percent:
+/// busy (this run, the broker, PostgreSQL and anything else running) and
+/// stolen (another guest on the same host had the core). A round that ran
+/// faster or slower than its neighbours shows here whether the machine
+/// was the cause.
+#[derive(Clone, Copy, serde::Serialize, serde::Deserialize)]
+struct CpuShare {
+    busy_pct: f64,
+    steal_pct: f64,
+    /// The consumer's process: its CPU time per event over the window,
+    /// in microseconds. The same code on a machine that runs it slower
+    /// (most likely another guest on the core's other hyperthread,
+    /// sharing its caches and memory bandwidth: not counted as stolen)
+    /// takes more.
+    #[serde(default)]
+    consumer_us: Option<f64>,
+}
+
+impl CpuShare {
+    fn between(before: CpuTimes, after: CpuTimes) -> Option<Self> {
+        let total = after.total.checked_sub(before.total)? as f64;
+        (total > 0.0).then(|| CpuShare {
+            busy_pct: 100.0
+                * (total
+                    - after.idle.saturating_sub(before.idle) as f64
+                    - after.steal.saturating_sub(before.steal) as f64)
+                / total,
+            steal_pct: 100.0 * after.steal.saturating_sub(before.steal) as f64 / total,
+            consumer_us: None,
+        })
+    }
 }
 
 /// PostgreSQL's WAL so far: bytes from the insert position (exact),
@@ -632,7 +730,30 @@ impl Report {
             claims_bound: None,
             wal: None,
             start_s: 0.0,
+            cpu: None,
+            tries: 1,
         }
+    }
+
+    /// One line for the run as it ends: its rate, how long it was
+    /// measured, and what the machine's CPU did meanwhile.
+    fn summary(&self) -> String {
+        let cpu = match self.cpu {
+            Some(c) => format!(
+                ", machine CPU busy {:.0}%, stolen {:.1}%{}",
+                c.busy_pct,
+                c.steal_pct,
+                c.consumer_us
+                    .map(|us| format!(", consumer {us:.2} us of CPU an event"))
+                    .unwrap_or_default()
+            ),
+            None => String::new(),
+        };
+        format!(
+            "{:.0} events/s over {:.1} s{cpu}",
+            self.events_per_s,
+            self.seconds - self.start_s
+        )
     }
 
     /// The rate from the first commit on: the consumer's start (its
@@ -641,6 +762,7 @@ impl Report {
     /// shown apart (`start_s`), so that it does not move a ratio.
     fn steady_from(mut self, first: Option<FirstCommit>) -> Self {
         if let Some(first) = first {
+            self.cpu = first.cpu;
             let left = self.events as f64 - first.done as f64;
             let window = self.seconds - first.seconds;
             if left > 0.0 && window > 0.0 {
@@ -658,6 +780,8 @@ impl Report {
 struct FirstCommit {
     seconds: f64,
     done: u64,
+    /// The machine's CPU from this commit to the last (set at the end).
+    cpu: Option<CpuShare>,
 }
 
 /// What [`watch_commits`] saw: each event's latency (ms) and the first
@@ -720,6 +844,26 @@ async fn reset_table(pool: &sqlx::PgPool) -> Result<(), BoxError> {
         sqlx::query("TRUNCATE dedup_claims").execute(pool).await?;
     }
     Ok(())
+}
+
+/// Writes this machine's dirty pages to disk before a clock starts: the
+/// workload just produced (hundreds of MB in the broker's log) would
+/// otherwise be written back about 30 s later (the kernel's
+/// dirty_expire), in bursts of 400 MB inside the measured window, on the
+/// same disk the broker appends to and PostgreSQL flushes its WAL to.
+/// Whether a burst fell inside a run, and where, moved its rate.
+pub(crate) fn settle_disk() {
+    match Command::new("sync").status() {
+        Ok(status) if status.success() => {}
+        Ok(status) => {
+            eprintln!(
+                "  sync before the run failed ({status}): the input's writeback may land inside it"
+            )
+        }
+        Err(e) => {
+            eprintln!("  no sync before the run ({e}): the input's writeback may land inside it")
+        }
+    }
 }
 
 /// Writes out what the modes before left dirty in PostgreSQL's buffers
@@ -880,6 +1024,7 @@ async fn run_mode(mode: &str, args: &Args) -> Result<Report, BoxError> {
     // this process, whose peak RSS is the consumer's).
     let acks = Producer::spawn(&topic, args.events, args.duplicates, 0, None)?.finish()?;
     checkpoint(store.pool()).await;
+    settle_disk();
     let wal_before = WalCounters::read(store.pool()).await;
 
     let started = Instant::now();
@@ -964,7 +1109,9 @@ async fn watch_commits(
     let mut committed_at: HashMap<i32, i64> = HashMap::new();
     let mut latencies = Vec::with_capacity(total as usize);
     let mut done = 0u64;
-    let mut first = None;
+    let mut first: Option<FirstCommit> = None;
+    let mut cpu_at_first = None;
+    let mut consumer_at_first = None;
     let mut failing_since: Option<Instant> = None;
     while done < total {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1008,10 +1155,23 @@ async fn watch_commits(
             first = Some(FirstCommit {
                 seconds: started.elapsed().as_secs_f64(),
                 done,
+                cpu: None,
             });
+            cpu_at_first = CpuTimes::now();
+            consumer_at_first = consumer.cpu_ticks();
         }
         if started.elapsed() > Duration::from_secs(3600) {
             return Err("gave up after an hour".into());
+        }
+    }
+    if let (Some(first), Some(before), Some(after)) = (&mut first, cpu_at_first, CpuTimes::now()) {
+        first.cpu = CpuShare::between(before, after);
+        if let (Some(cpu), Some(before), Some(after)) =
+            (&mut first.cpu, consumer_at_first, consumer.cpu_ticks())
+        {
+            let events = total.saturating_sub(first.done).max(1) as f64;
+            // USER_HZ: 100 ticks a second.
+            cpu.consumer_us = Some(after.saturating_sub(before) as f64 * 10_000.0 / events);
         }
     }
     Ok(Commits { latencies, first })
@@ -1223,6 +1383,7 @@ fn size_runs(repeated: &[&str], args: &mut Args) -> Result<(), BoxError> {
     for mode in repeated.iter().filter(|m| **m != "batched-full") {
         eprintln!("  warm-up: {mode} ...");
         let r = run_child(mode, &warm, None)?;
+        eprintln!("  warm-up: {mode}: {}", r.summary());
         if r.applied_rows != r.expected_rows {
             return Err(format!(
                 "warm-up of {mode}: {} effects where {} were expected",
@@ -1241,6 +1402,51 @@ fn size_runs(repeated: &[&str], args: &mut Args) -> Result<(), BoxError> {
         }
     }
     Ok(())
+}
+
+/// Round `round` of `mode`: run again (up to [`TRIES`] times in all)
+/// while another guest took more than `--max-steal` of the machine's CPU
+/// during it; the least disturbed try is kept, and flagged if it is over.
+fn undisturbed_round(mode: &str, round: usize, args: &Args) -> Result<Report, BoxError> {
+    let mut kept: Option<Report> = None;
+    let mut tries = 0;
+    for attempt in 1..=TRIES {
+        tries = attempt;
+        eprintln!("  round {round}/{}: {mode} ...", args.repeats);
+        let report = run_child(mode, args, None)?;
+        eprintln!(
+            "  round {round}/{}: {mode}: {}",
+            args.repeats,
+            report.summary()
+        );
+        if report.applied_rows != report.expected_rows {
+            // A wrong end state is the run's result whatever the machine
+            // did: kept, for the check after the rounds to fail.
+            return Ok(Report {
+                tries: attempt,
+                ..report
+            });
+        }
+        let steal = report.cpu.map_or(0.0, |c| c.steal_pct);
+        let better = kept
+            .as_ref()
+            .is_none_or(|k| steal < k.cpu.map_or(0.0, |c| c.steal_pct));
+        if better {
+            kept = Some(report);
+        }
+        if steal <= args.max_steal {
+            break;
+        }
+        if attempt < TRIES {
+            eprintln!(
+                "  round {round}/{}: {mode} runs again: {steal:.1}% of the machine's CPU was stolen by another guest (--max-steal {})",
+                args.repeats, args.max_steal
+            );
+        }
+    }
+    let mut kept = kept.expect("one try at least");
+    kept.tries = tries;
+    Ok(kept)
 }
 
 /// Runs `mode` in a child process and returns its report.
@@ -1436,8 +1642,7 @@ async fn main() -> Result<(), BoxError> {
     let mut runs = Runs(Vec::new());
     for round in 1..=args.repeats {
         for mode in &repeated {
-            eprintln!("  round {round}/{}: {mode} ...", args.repeats);
-            runs.0.push(run_child(mode, &args, None)?);
+            runs.0.push(undisturbed_round(mode, round, &args)?);
         }
     }
     for mode in &once {
@@ -1454,7 +1659,9 @@ async fn main() -> Result<(), BoxError> {
         } else {
             None
         };
-        runs.0.push(run_child(mode, &args, rate)?);
+        let report = run_child(mode, &args, rate)?;
+        eprintln!("  {mode}: {}", report.summary());
+        runs.0.push(report);
     }
 
     if args.json {
@@ -1464,6 +1671,20 @@ async fn main() -> Result<(), BoxError> {
     }
     print_table(&runs, &modes);
     print_ratios(&runs, &args);
+    for r in runs.0.iter().filter(|r| r.tries > 1) {
+        let steal = r.cpu.map_or(0.0, |c| c.steal_pct);
+        if steal > args.max_steal {
+            println!(
+                "note: a round of {} was disturbed in all {} tries (the kept one lost {steal:.1}% of the CPU to another guest): its ratio weighs the neighbour",
+                r.mode, r.tries
+            );
+        } else {
+            println!(
+                "note: a round of {} ran {} times: another guest took over {}% of the CPU in the runs before",
+                r.mode, r.tries, args.max_steal
+            );
+        }
+    }
     let short: Vec<_> = runs
         .0
         .iter()
@@ -1707,5 +1928,29 @@ fn print_ratios(runs: &Runs, args: &Args) {
     }
     if !args.outbox && !args.kafka_only {
         print_wal(runs);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cpu_share_counts_stolen_time_apart_from_busy_and_idle() {
+        // user nice system idle iowait irq softirq steal guest guest_nice
+        let before = CpuTimes::parse(
+            "cpu  1000 0 200 5000 100 0 50 10 0 0\ncpu0 500 0 100 2500 50 0 25 5 0 0\n",
+        )
+        .unwrap();
+        // 1,000 ticks later: 500 busy (user 300, system 150, softirq 50),
+        // 350 idle, 50 waiting on I/O, 100 stolen.
+        let after = CpuTimes::parse("cpu  1300 0 350 5350 150 0 100 110 0 0\n").unwrap();
+        let share = CpuShare::between(before, after).unwrap();
+        assert!((share.busy_pct - 50.0).abs() < 1e-9, "{}", share.busy_pct);
+        assert!((share.steal_pct - 10.0).abs() < 1e-9, "{}", share.steal_pct);
+        // No time passed, or counters from another boot: no share.
+        assert!(CpuShare::between(after, after).is_none());
+        assert!(CpuShare::between(after, before).is_none());
+        assert!(CpuTimes::parse("intr 1 2 3\n").is_none());
     }
 }

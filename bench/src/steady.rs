@@ -219,6 +219,7 @@ pub(crate) async fn run_steady(args: &Args, mode: &str) -> Result<Report, BoxErr
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
+    crate::settle_disk();
     eprintln!("  {mode}: {rate:.0} events/s for {:.0} s", args.seconds);
     let mut producer = Producer::spawn(&topic, events, args.duplicates, window, Some(rate))?;
     let started = Instant::now();

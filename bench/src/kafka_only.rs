@@ -377,20 +377,40 @@ pub(crate) async fn plain(
     }
 }
 
+/// A reader's context: a partition's end is what the reader waits for,
+/// not an error. librdkafka also reports it as a client error, which
+/// rust-rdkafka's default context logs at ERROR level, six lines a count.
+pub(crate) struct EndIsNoError;
+
+impl rdkafka::ClientContext for EndIsNoError {
+    fn error(&self, error: KafkaError, reason: &str) {
+        let end = matches!(
+            &error,
+            KafkaError::Global(rdkafka::types::RDKafkaErrorCode::PartitionEOF)
+                | KafkaError::PartitionEOF(_)
+        );
+        if !end {
+            tracing::error!("librdkafka: {error}: {reason}");
+        }
+    }
+}
+
+impl rdkafka::consumer::ConsumerContext for EndIsNoError {}
+
 /// A `read_committed` reader of `topic`'s `partitions` from their start,
 /// reporting each partition's end (`PartitionEOF`).
 pub(crate) fn committed_reader(
     brokers: &str,
     topic: &str,
     partitions: i32,
-) -> Result<BaseConsumer, BoxError> {
-    let reader: BaseConsumer = ClientConfig::new()
+) -> Result<BaseConsumer<EndIsNoError>, BoxError> {
+    let reader: BaseConsumer<EndIsNoError> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .set("group.id", format!("{topic}-read"))
         .set("isolation.level", "read_committed")
         .set("enable.partition.eof", "true")
         .set("enable.auto.commit", "false")
-        .create()?;
+        .create_with_context(EndIsNoError)?;
     let mut assignment = rdkafka::TopicPartitionList::new();
     for p in 0..partitions {
         assignment.add_partition_offset(topic, p, rdkafka::Offset::Beginning)?;

@@ -288,26 +288,16 @@ async fn first_applied(
     Ok(seconds)
 }
 
-/// The consumer's prefetch in dedup's runtimes (dedup-kafka's
-/// `config::PREFETCH_DEFAULTS`): with librdkafka's defaults a consumer's
-/// queue fills to 100,000 messages and its fetcher then waits a whole
-/// second (`fetch.queue.backoff.ms`) before looking again, which starved
-/// the plain loop (it ran 125,000-131,000 events/s with the machine
-/// 27-35% busy).
-const PREFETCH: [(&str, &str); 4] = [
-    ("queued.max.messages.kbytes", "2048"),
-    ("queued.min.messages", "5000"),
-    ("fetch.queue.backoff.ms", "10"),
-    ("fetch.wait.max.ms", "100"),
-];
-
 /// The plain pipeline: consume, transform, produce with an idempotent
 /// producer, store each offset once its output is acknowledged (in order
 /// per partition), librdkafka auto-committing them every 100 ms. At least
 /// once: a crash repeats what was produced after the last commit. It
-/// fetches as dedup's runtimes do ([`PREFETCH`]), so the two pipelines
-/// differ by the claims and the transactions, not by librdkafka's fetch
-/// defaults.
+/// fetches as dedup's runtimes do ([`dedup_kafka::PREFETCH_DEFAULTS`]), so
+/// the two pipelines differ by the claims and the transactions, not by
+/// librdkafka's fetch defaults: with those its queue filled to 100,000
+/// messages and its fetcher then waited a whole second
+/// (`fetch.queue.backoff.ms`), which starved it (125,000-131,000 events/s
+/// with the machine 27-35% busy).
 pub(crate) async fn plain(
     brokers: String,
     topic: String,
@@ -316,7 +306,7 @@ pub(crate) async fn plain(
     mut stop: tokio::sync::oneshot::Receiver<()>,
 ) -> Result<(), BoxError> {
     let mut config = ClientConfig::new();
-    for (k, v) in PREFETCH {
+    for (k, v) in dedup_kafka::PREFETCH_DEFAULTS {
         config.set(k, v);
     }
     let consumer: Arc<StreamConsumer> = Arc::new(

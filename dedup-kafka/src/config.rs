@@ -232,7 +232,10 @@ pub(crate) const STATISTICS_INTERVAL_MS: &str = "5000";
 /// default) fetches only when that one returns. At 100 ms a pause-resume
 /// cycle near a partition's end costs at most that, and a caught-up
 /// consumer sends 10 empty fetches a second per broker instead of 2.
-pub(crate) const PREFETCH_DEFAULTS: [(&str, &str); 4] = [
+///
+/// Public so that a consumer of your own beside dedup's (a plain loop to
+/// compare with, as dedup-bench's `kafka-plain`) can fetch the same way.
+pub const PREFETCH_DEFAULTS: [(&str, &str); 4] = [
     ("queued.max.messages.kbytes", "2048"),
     ("queued.min.messages", "5000"),
     ("fetch.queue.backoff.ms", "10"),

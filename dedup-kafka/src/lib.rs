@@ -25,7 +25,7 @@ mod transactional;
 mod ttl_check;
 
 pub use builder::ConsumerBuilder;
-pub use config::OnFingerprintMismatch;
+pub use config::{OnFingerprintMismatch, PREFETCH_DEFAULTS};
 pub use consumer::Consumer;
 pub use dlq::{
     DEAD_LETTER_HEADERS, DeadLetterHeaders, MAX_ERROR_MESSAGE_BYTES, MalformedHeaders,

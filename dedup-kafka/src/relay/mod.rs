@@ -607,7 +607,13 @@ impl<S: OutboxSource> Relay<S> {
                     }
                     Ok(round) => {
                         failures = 0;
-                        if round.taken == self.batch_size || round.past_in_flight || purging {
+                        // Only an empty lease means there is nothing to
+                        // take. A short one may be short of events another
+                        // relay's batch held back (their key's earlier
+                        // events were its): that relay marks them, which
+                        // wakes nobody on a store that cannot notify, so
+                        // this relay looks again instead of waiting.
+                        if round.taken > 0 || round.past_in_flight || purging {
                             continue; // more may be waiting, or more to purge
                         }
                         None

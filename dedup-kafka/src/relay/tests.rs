@@ -2,8 +2,9 @@
 //! answers, and a producer that failed fatally (librdkafka's mock cluster
 //! refusing it a producer id, as a broker denying the principal would).
 
-use std::sync::Arc;
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use dedup_core::StoreError;
@@ -14,13 +15,29 @@ use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 
 use super::Relay;
 
-/// An outbox of one event that is never marked: each lease offers it again.
-/// With `hang_first`, the first lease never answers (a frozen database).
-/// `leases` counts them, shared with the test.
-#[derive(Default)]
+/// An outbox of scripted events, by default one that is never marked (each
+/// lease offers it again). With `hang_first`, the first lease never
+/// answers (a frozen database); with `first_short`, it offers only the
+/// first event, as a lease does while another relay holds the key of the
+/// others. `leases` counts them, shared with the test.
 struct Stub {
+    pending: Mutex<BTreeSet<i64>>,
+    marks: bool,
     hang_first: bool,
+    first_short: bool,
     leases: Arc<AtomicU32>,
+}
+
+impl Default for Stub {
+    fn default() -> Self {
+        Stub {
+            pending: Mutex::new(BTreeSet::from([1])),
+            marks: false,
+            hang_first: false,
+            first_short: false,
+            leases: Arc::default(),
+        }
+    }
 }
 
 impl OutboxSource for Stub {
@@ -28,17 +45,35 @@ impl OutboxSource for Stub {
 
     async fn lease_pending(
         &self,
-        _limit: usize,
+        limit: usize,
         _lease_for: Duration,
     ) -> Result<((), Vec<OutboxRecord>), StoreError> {
-        if self.leases.fetch_add(1, Ordering::SeqCst) == 0 && self.hang_first {
+        let first = self.leases.fetch_add(1, Ordering::SeqCst) == 0;
+        if first && self.hang_first {
             std::future::pending::<()>().await;
         }
-        let record = OutboxRecord::new(1, "e-1".into(), "out".into(), b"{}".to_vec());
-        Ok(((), vec![record]))
+        let take = if first && self.first_short { 1 } else { limit };
+        let pending = self.pending.lock().expect("pending");
+        let records = pending
+            .iter()
+            .take(take)
+            .map(|&seq| OutboxRecord::new(seq, format!("e-{seq}"), "out".into(), b"{}".to_vec()))
+            .collect();
+        Ok(((), records))
     }
 
-    async fn finish(&self, _: &(), _: &[i64], _: &[PublishFailure]) -> Result<(), StoreError> {
+    async fn finish(
+        &self,
+        _: &(),
+        published: &[i64],
+        _: &[PublishFailure],
+    ) -> Result<(), StoreError> {
+        if self.marks {
+            let mut pending = self.pending.lock().expect("pending");
+            for seq in published {
+                pending.remove(seq);
+            }
+        }
         Ok(())
     }
 
@@ -57,6 +92,7 @@ async fn a_lease_that_never_answers_is_given_up_and_the_relay_goes_on() {
     let source = Stub {
         hang_first: true,
         leases: leases.clone(),
+        ..Stub::default()
     };
     let mock = MockCluster::<DefaultProducerContext>::new(1).expect("mock cluster");
     let relay = Relay::builder(source)
@@ -107,4 +143,36 @@ async fn a_producer_that_failed_fatally_stops_the_relay_with_an_error() {
             .contains("fatal error of the relay's producer"),
         "{err}"
     );
+}
+
+/// Relays of a store that cannot notify (MySQL, SQLite) both took short
+/// batches, each held back by the other's keys, and both waited out their
+/// poll interval with the outbox full: a short batch is not a drained
+/// outbox, only an empty one is.
+#[tokio::test]
+async fn a_short_batch_is_followed_by_another_look_not_by_the_poll_interval() {
+    let source = Stub {
+        pending: Mutex::new((1..=3).collect()),
+        marks: true,
+        first_short: true,
+        ..Stub::default()
+    };
+    let mock = MockCluster::<DefaultProducerContext>::new(1).expect("mock cluster");
+    let relay = Relay::builder(source)
+        .brokers(mock.bootstrap_servers())
+        .batch_size(7)
+        .poll_interval(Duration::from_secs(60))
+        .build()
+        .expect("relay");
+    let stats = relay.stats();
+    let stopped = async move {
+        while stats.snapshot().published < 3 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let ran = tokio::time::timeout(Duration::from_secs(15), relay.run_until(stopped))
+        .await
+        .expect("the events held back from the first batch wait for the 60 s poll interval")
+        .expect("ran");
+    assert_eq!(ran.published, 3, "{ran}");
 }

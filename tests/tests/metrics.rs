@@ -228,12 +228,16 @@ async fn healthz_is_503_until_the_group_assigns_then_200(pool: PgPool) {
     let topic = create_topic(1).await;
     let group = unique("g");
     // A member that joins, then stops polling: the next rebalance waits for
-    // it until its max.poll.interval.ms runs out.
+    // it until it leaves (closed below). Its max.poll.interval.ms and
+    // session timeout, after which it would be gone by itself, are far
+    // longer than the example can take to start on a loaded machine (at
+    // 30 s and 6 s, the group once assigned within the 3 s this test
+    // waits).
     let stuck: BaseConsumer = rdkafka::ClientConfig::new()
         .set("bootstrap.servers", brokers())
         .set("group.id", &group)
-        .set("session.timeout.ms", "6000")
-        .set("max.poll.interval.ms", "30000")
+        .set("session.timeout.ms", "45000")
+        .set("max.poll.interval.ms", "600000")
         .create()
         .expect("member");
     stuck.subscribe(&[&topic]).expect("subscribe");
@@ -276,6 +280,9 @@ async fn healthz_is_503_until_the_group_assigns_then_200(pool: PgPool) {
     let (status, _) = get(port, "/livez").await.expect("answer");
     assert_eq!(status, 200, "live while it waits for its group");
 
+    // The stuck member leaves (closing, it answers the rebalance): the
+    // group assigns the partition to the example.
+    drop(stuck);
     let deadline = Instant::now() + Duration::from_secs(90);
     loop {
         assert!(Instant::now() < deadline, "never ready");
@@ -287,7 +294,6 @@ async fn healthz_is_503_until_the_group_assigns_then_200(pool: PgPool) {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    drop(stuck);
 }
 
 /// A 1 s TTL on a topic that keeps records for a week: the payments example

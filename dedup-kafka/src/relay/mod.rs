@@ -298,8 +298,9 @@ pub struct RelayHealth {
     )]
     pub live_limit: Duration,
     /// Rounds in a row in which nothing got through: the broker refuses
-    /// or is down, or only events that fail are pending (a poison event
-    /// holds its key back; other keys go on).
+    /// or is down, only events that fail are pending (a poison event
+    /// holds its key back; other keys go on), or the outbox is so slow
+    /// that a batch's send window ran out before its first send.
     pub failing_rounds: u32,
     /// The last round could not read the outbox: the store is being
     /// waited out.
@@ -602,6 +603,15 @@ impl<S: OutboxSource> Relay<S> {
                 let wait = match round {
                     // Nothing got through: the broker is likely down.
                     Ok(round) if round.failed > 0 && round.published == 0 => {
+                        failures += 1;
+                        Some(self.retry.backoff(failures, jitter.next()))
+                    }
+                    // Took events and settled none, nothing in flight: the
+                    // sends were cut before the first (the lease took the
+                    // whole send window: a slow store), and the events went
+                    // back. Looking again at once would lease them again
+                    // for nothing: the store is slow, the relay backs off.
+                    Ok(round) if round.taken > 0 && round.published == 0 && carried.is_none() => {
                         failures += 1;
                         Some(self.retry.backoff(failures, jitter.next()))
                     }

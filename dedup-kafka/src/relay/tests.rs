@@ -19,12 +19,15 @@ use super::Relay;
 /// lease offers it again). With `hang_first`, the first lease never
 /// answers (a frozen database); with `first_short`, it offers only the
 /// first event, as a lease does while another relay holds the key of the
-/// others. `leases` counts them, shared with the test.
+/// others; each lease takes `slow`. `leases` counts them, shared with the
+/// test.
 struct Stub {
     pending: Mutex<BTreeSet<i64>>,
     marks: bool,
     hang_first: bool,
     first_short: bool,
+    /// How long each lease takes.
+    slow: Duration,
     leases: Arc<AtomicU32>,
 }
 
@@ -35,6 +38,7 @@ impl Default for Stub {
             marks: false,
             hang_first: false,
             first_short: false,
+            slow: Duration::ZERO,
             leases: Arc::default(),
         }
     }
@@ -52,6 +56,7 @@ impl OutboxSource for Stub {
         if first && self.hang_first {
             std::future::pending::<()>().await;
         }
+        tokio::time::sleep(self.slow).await;
         let take = if first && self.first_short { 1 } else { limit };
         let pending = self.pending.lock().expect("pending");
         let records = pending
@@ -175,4 +180,53 @@ async fn a_short_batch_is_followed_by_another_look_not_by_the_poll_interval() {
         .expect("the events held back from the first batch wait for the 60 s poll interval")
         .expect("ran");
     assert_eq!(ran.published, 3, "{ran}");
+}
+
+/// A lease slower than the batch's send window (a loaded database): no
+/// send starts, the event goes back, and the relay must not lease it again
+/// at once, round after round, while it reports itself healthy: it backs
+/// off and counts the rounds as failing.
+#[tokio::test]
+async fn a_lease_slower_than_the_send_window_is_a_failing_round_backed_off() {
+    let leases = Arc::new(AtomicU32::new(0));
+    let source = Stub {
+        slow: Duration::from_millis(700),
+        leases: leases.clone(),
+        ..Stub::default()
+    };
+    let mock = MockCluster::<DefaultProducerContext>::new(1).expect("mock cluster");
+    // A send window of (3 s - 2 s) / 2 = 0.5 s from the lease's start.
+    let relay = Relay::builder(source)
+        .brokers(mock.bootstrap_servers())
+        .delivery_timeout(Duration::from_secs(2))
+        .lease_timeout(Duration::from_secs(3))
+        .retry(
+            crate::RetryPolicy::default()
+                .with_backoff(Duration::from_secs(2), Duration::from_secs(2)),
+        )
+        .build()
+        .expect("relay");
+    let stats = relay.stats();
+    let watched = stats.clone();
+    let stopped = async move {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while watched.health().failing_rounds == 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    let ran = tokio::time::timeout(Duration::from_secs(30), relay.run_until(stopped))
+        .await
+        .expect("stopped")
+        .expect("ran");
+    assert_eq!(ran.published, 0, "{ran}");
+    assert!(
+        stats.health().failing_rounds >= 1,
+        "a round that took an event and settled none is failing: {:?}",
+        stats.health()
+    );
+    assert!(
+        leases.load(Ordering::SeqCst) <= 2,
+        "backed off, not leased again at once: {} leases",
+        leases.load(Ordering::SeqCst)
+    );
 }

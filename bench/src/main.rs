@@ -570,7 +570,15 @@ struct Report {
     /// another guest took over `--max-steal` of the CPU).
     #[serde(default)]
     tries: usize,
+    /// The rate after the first [`LATE_AFTER_S`] seconds of commits (a
+    /// JVM's warm-up, a claims map's first growth left out), where the
+    /// run went on at least 5 s longer.
+    #[serde(default)]
+    late_events_per_s: Option<f64>,
 }
+
+/// Seconds from a run's first commit after which its late rate is taken.
+const LATE_AFTER_S: f64 = 10.0;
 
 /// The machine's CPU time so far (all cores, in clock ticks, from
 /// /proc/stat's first line): everything, idle (with I/O wait), and stolen
@@ -733,6 +741,7 @@ impl Report {
             start_s: 0.0,
             cpu: None,
             tries: 1,
+            late_events_per_s: None,
         }
     }
 
@@ -756,8 +765,12 @@ impl Report {
             ),
             None => String::new(),
         };
+        let late = self
+            .late_events_per_s
+            .map(|late| format!(" ({late:.0} after its first {LATE_AFTER_S:.0} s)"))
+            .unwrap_or_default();
         format!(
-            "{:.0} events/s over {:.1} s{cpu}",
+            "{:.0} events/s over {:.1} s{late}{cpu}",
             self.events_per_s,
             self.seconds - self.start_s
         )
@@ -770,6 +783,7 @@ impl Report {
     fn steady_from(mut self, first: Option<FirstCommit>) -> Self {
         if let Some(first) = first {
             self.cpu = first.cpu;
+            self.late_events_per_s = first.late_events_per_s;
             let left = self.events as f64 - first.done as f64;
             let window = self.seconds - first.seconds;
             if left > 0.0 && window > 0.0 {
@@ -789,6 +803,9 @@ struct FirstCommit {
     done: u64,
     /// The machine's CPU from this commit to the last (set at the end).
     cpu: Option<CpuShare>,
+    /// The rate from [`LATE_AFTER_S`] after this commit to the last (set
+    /// at the end, where the run lasted 5 s longer than that).
+    late_events_per_s: Option<f64>,
 }
 
 /// What [`watch_commits`] saw: each event's latency (ms) and the first
@@ -1120,6 +1137,9 @@ async fn watch_commits(
     let mut cpu_at_first = None;
     let mut consumer_at_first = None;
     let mut failing_since: Option<Instant> = None;
+    // (seconds from the clock's start, events committed) at each change,
+    // for DEDUP_BENCH_SLICES.
+    let mut progress: Vec<(f64, u64)> = Vec::new();
     while done < total {
         tokio::time::sleep(Duration::from_millis(20)).await;
         consumer.check()?;
@@ -1158,11 +1178,15 @@ async fn watch_commits(
                 done += 1;
             }
         }
+        if progress.last().is_none_or(|&(_, d)| d != done) {
+            progress.push((started.elapsed().as_secs_f64(), done));
+        }
         if first.is_none() && done > 0 {
             first = Some(FirstCommit {
                 seconds: started.elapsed().as_secs_f64(),
                 done,
                 cpu: None,
+                late_events_per_s: None,
             });
             cpu_at_first = CpuTimes::now();
             consumer_at_first = consumer.cpu_ticks();
@@ -1181,7 +1205,45 @@ async fn watch_commits(
             cpu.consumer_us = Some(after.saturating_sub(before) as f64 * 10_000.0 / events);
         }
     }
+    print_slices(&progress);
+    if let Some(first) = &mut first {
+        first.late_events_per_s = late_rate(&progress, first.seconds + LATE_AFTER_S);
+    }
     Ok(Commits { latencies, first })
+}
+
+/// The rate over `progress` ((seconds, events committed) at each change)
+/// from the first change at or after `from` to the last, if that is 5 s
+/// or more.
+fn late_rate(progress: &[(f64, u64)], from: f64) -> Option<f64> {
+    let &(t0, d0) = progress.iter().find(|(t, _)| *t >= from)?;
+    let &(t1, d1) = progress.last()?;
+    (t1 - t0 >= 5.0).then(|| (d1 - d0) as f64 / (t1 - t0))
+}
+
+/// With `DEDUP_BENCH_SLICES=<seconds>`, the run's rate over consecutive
+/// slices of that length from its first commit: where within a run its
+/// time went (a JVM's warm-up, a slower minute of the machine).
+fn print_slices(progress: &[(f64, u64)]) {
+    let Some(len) = std::env::var("DEDUP_BENCH_SLICES")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|len| *len > 0.0)
+    else {
+        return;
+    };
+    let Some(&(start, mut done)) = progress.first() else {
+        return;
+    };
+    let mut from = start;
+    let mut rates = Vec::new();
+    for &(t, d) in progress {
+        if t - from >= len {
+            rates.push(format!("{:.0}", (d - done) as f64 / (t - from)));
+            (from, done) = (t, d);
+        }
+    }
+    eprintln!("    events/s per {len} s slice: {}", rates.join(" "));
 }
 
 /// A fresh topic for `mode`.
@@ -1376,7 +1438,12 @@ fn events_for(mode: &str, args: &Args) -> usize {
 /// fills the page cache and PostgreSQL's buffers, which the first round
 /// after a restart otherwise paid for), and then runs
 /// max(`--events`, 1.25 x its warm-up rate x `--min-seconds`) events, in
-/// steps of 100,000. Not with `--events` given, `--quick` or
+/// steps of 100,000. A warm-up measured over less than
+/// [`WARM_UP_SECONDS`] runs again, sized to last that long: a tenth of the
+/// events was over in 0.8-1.7 s for the Kafka-only modes, mostly their
+/// ramp (the fetcher's, the claims map's first growth), and sized their
+/// runs to 13-16 s (kafka-plain ran 238,000 events/s in such a warm-up
+/// and 373,000-462,000 in the rounds). Not with `--events` given, `--quick` or
 /// `--min-seconds 0`; nor for `batched-full`, whose run fills a table of
 /// millions of claims first and lasts long enough anyway.
 fn size_runs(repeated: &[&str], args: &mut Args) -> Result<(), BoxError> {
@@ -1388,15 +1455,19 @@ fn size_runs(repeated: &[&str], args: &mut Args) -> Result<(), BoxError> {
         ..args.clone()
     };
     for mode in repeated.iter().filter(|m| **m != "batched-full") {
-        eprintln!("  warm-up: {mode} ...");
-        let r = run_child(mode, &warm, None)?;
-        eprintln!("  warm-up: {mode}: {}", r.summary());
-        if r.applied_rows != r.expected_rows {
-            return Err(format!(
-                "warm-up of {mode}: {} effects where {} were expected",
-                r.applied_rows, r.expected_rows
-            )
-            .into());
+        let mut r = warm_up(mode, &warm)?;
+        let measured = r.seconds - r.start_s;
+        if measured < WARM_UP_SECONDS {
+            let events = (r.events_per_s * 1.25 * WARM_UP_SECONDS) as usize;
+            if events > warm.events {
+                r = warm_up(
+                    mode,
+                    &Args {
+                        events,
+                        ..warm.clone()
+                    },
+                )?;
+            }
         }
         let wanted =
             (r.events_per_s * 1.25 * args.min_seconds / 100_000.0).ceil() as usize * 100_000;
@@ -1409,6 +1480,24 @@ fn size_runs(repeated: &[&str], args: &mut Args) -> Result<(), BoxError> {
         }
     }
     Ok(())
+}
+
+/// How long a warm-up that sizes a mode's runs is measured, at least.
+const WARM_UP_SECONDS: f64 = 5.0;
+
+/// One warm-up run of `mode` (not counted), checked.
+fn warm_up(mode: &str, warm: &Args) -> Result<Report, BoxError> {
+    eprintln!("  warm-up: {mode} ({} events) ...", warm.events);
+    let r = run_child(mode, warm, None)?;
+    eprintln!("  warm-up: {mode}: {}", r.summary());
+    if r.applied_rows != r.expected_rows {
+        return Err(format!(
+            "warm-up of {mode}: {} effects where {} were expected",
+            r.applied_rows, r.expected_rows
+        )
+        .into());
+    }
+    Ok(r)
 }
 
 /// Round `round` of `mode`: run again (up to [`TRIES`] times in all)
@@ -1530,8 +1619,14 @@ impl Runs {
     /// `a`'s throughput over `b`'s, round by round (a mode run once is
     /// compared with each round of the other).
     fn ratio(&self, a: &str, b: &str) -> Option<Ratio> {
-        let xs: Vec<f64> = self.of(a).map(|r| r.events_per_s).collect();
-        let ys: Vec<f64> = self.of(b).map(|r| r.events_per_s).collect();
+        self.ratio_of(a, b, |r| Some(r.events_per_s))
+    }
+
+    /// As [`ratio`](Self::ratio), of the rate `pick` reads; `None` unless
+    /// every run of both has one.
+    fn ratio_of(&self, a: &str, b: &str, pick: fn(&Report) -> Option<f64>) -> Option<Ratio> {
+        let xs: Vec<f64> = self.of(a).map(pick).collect::<Option<_>>()?;
+        let ys: Vec<f64> = self.of(b).map(pick).collect::<Option<_>>()?;
         if xs.is_empty() || ys.is_empty() {
             return None;
         }
@@ -1870,9 +1965,19 @@ fn print_ratios(runs: &Runs, args: &Args) {
         ]
     };
     println!("ratios of events/s (each round's pair, median over the rounds):");
-    for (a, b, note) in lines {
+    for (a, b, note) in &lines {
         if let Some(ratio) = runs.ratio(a, b) {
             println!("  {a}/{b} {ratio} {note}");
+        }
+    }
+    if args.kafka_only {
+        println!(
+            "the same after each run's first {LATE_AFTER_S:.0} s of commits (a JVM's warm-up left out):"
+        );
+        for (a, b, _) in &lines {
+            if let Some(ratio) = runs.ratio_of(a, b, |r| r.late_events_per_s) {
+                println!("  {a}/{b} {ratio}");
+            }
         }
     }
     if args.kafka_only {
@@ -1957,5 +2062,41 @@ mod tests {
         assert!(CpuShare::between(after, after).is_none());
         assert!(CpuShare::between(after, before).is_none());
         assert!(CpuTimes::parse("intr 1 2 3\n").is_none());
+    }
+
+    #[test]
+    fn the_late_rate_leaves_out_a_slow_start_and_needs_5_s_after_it() {
+        // 1,000 events/s for the first 10 s (a JVM warming up), then
+        // 10,000 events/s for 10 s.
+        let mut progress: Vec<(f64, u64)> = (0..=10).map(|t| (t as f64, t * 1_000)).collect();
+        progress.extend((11..=20).map(|t| (t as f64, 10_000 + (t - 10) * 10_000)));
+        let late = late_rate(&progress, 10.0).unwrap();
+        assert!((late - 10_000.0).abs() < 1e-9, "{late}");
+        // From 10.5 s on: the first change at or after it, 11 s.
+        let late = late_rate(&progress, 10.5).unwrap();
+        assert!((late - 10_000.0).abs() < 1e-9, "{late}");
+        // Under 5 s left after the start: no late rate.
+        assert_eq!(late_rate(&progress, 16.0), None);
+        assert_eq!(late_rate(&[], 0.0), None);
+    }
+
+    #[test]
+    fn a_late_ratio_is_only_given_when_every_run_has_a_late_rate() {
+        let run = |mode: &str, rate: f64, late: Option<f64>| Report {
+            events_per_s: rate,
+            late_events_per_s: late,
+            ..Report::new(mode, 1_000, 1.0, vec![1.0], (1, 1), 1)
+        };
+        let runs = Runs(vec![
+            run("a", 200.0, Some(300.0)),
+            run("b", 100.0, Some(100.0)),
+            run("a", 200.0, Some(300.0)),
+            run("b", 100.0, Some(150.0)),
+        ]);
+        let late = runs.ratio_of("a", "b", |r| r.late_events_per_s).unwrap();
+        assert!((late.min - 2.0).abs() < 1e-9 && (late.max - 3.0).abs() < 1e-9);
+        assert!((runs.ratio("a", "b").unwrap().median - 2.0).abs() < 1e-9);
+        let runs = Runs(vec![run("a", 200.0, Some(300.0)), run("b", 100.0, None)]);
+        assert!(runs.ratio_of("a", "b", |r| r.late_events_per_s).is_none());
     }
 }

@@ -1137,8 +1137,8 @@ async fn watch_commits(
     let mut cpu_at_first = None;
     let mut consumer_at_first = None;
     let mut failing_since: Option<Instant> = None;
-    // (seconds from the clock's start, events committed) at each change,
-    // for DEDUP_BENCH_SLICES.
+    // (seconds from the clock's start, events committed) at each change:
+    // the late rate and DEDUP_BENCH_SLICES.
     let mut progress: Vec<(f64, u64)> = Vec::new();
     while done < total {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1979,8 +1979,6 @@ fn print_ratios(runs: &Runs, args: &Args) {
                 println!("  {a}/{b} {ratio}");
             }
         }
-    }
-    if args.kafka_only {
         for r in runs.of("kafka-restore") {
             println!(
                 "kafka-restore: a new owner of {} claims applied its first events {:.2} s after its start (see above for the part that is restoring)",

@@ -601,17 +601,16 @@ impl<S: OutboxSource> Relay<S> {
                     self.stats.store_answered.store(true, Ordering::Release);
                 }
                 let wait = match round {
-                    // Nothing got through: the broker is likely down.
-                    Ok(round) if round.failed > 0 && round.published == 0 => {
-                        failures += 1;
-                        Some(self.retry.backoff(failures, jitter.next()))
-                    }
-                    // Took events and settled none, nothing in flight: the
-                    // sends were cut before the first (the lease took the
-                    // whole send window: a slow store), and the events went
-                    // back. Looking again at once would lease them again
-                    // for nothing: the store is slow, the relay backs off.
-                    Ok(round) if round.taken > 0 && round.published == 0 && carried.is_none() => {
+                    // Nothing got through: the broker is likely down, or
+                    // (events taken and none settled, none in flight) the
+                    // sends were cut before the first because the lease
+                    // took the whole send window, and the events went
+                    // back: looking again at once would lease them again
+                    // for nothing while the store is slow.
+                    Ok(round)
+                        if round.published == 0
+                            && (round.failed > 0 || (round.taken > 0 && carried.is_none())) =>
+                    {
                         failures += 1;
                         Some(self.retry.backoff(failures, jitter.next()))
                     }

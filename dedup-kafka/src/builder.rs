@@ -314,7 +314,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         I: IntoIterator,
         I::Item: AsRef<str>,
     {
-        self.tiers = Some(crate::RetryTiers::new(delays).map_err(|e| e.to_string()));
+        self.tiers = Some(crate::RetryTiers::new(delays).map_err(Error::into_config_message));
         self
     }
 
@@ -605,6 +605,15 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             Some(Err(why)) => return Err(Error::Config(why)),
             Some(Ok(tiers)) => with_tiers(routes, &tiers)?,
         };
+        for route in routes.iter().flat_map(|t| t.handlers()) {
+            if let Some(place) = route.tiers.as_ref().filter(|p| !p.is_tier()) {
+                crate::tiers::refuse_short_ttl(
+                    route.handler.scope(),
+                    route.handler.ttl(),
+                    &place.tiers,
+                )?;
+            }
+        }
         if let Some(topic) = order_by.keys().next() {
             return Err(Error::Config(format!(
                 "order_by({topic:?}, ..): the consumer has no handler for that topic"
@@ -937,6 +946,48 @@ mod tests {
         assert_eq!(others.handler.scope(), "dedup.unrouted/g/orders");
         assert_eq!(others.handler.ttl().to_string(), "2h", "the longest");
         assert_eq!(others.dead_letter_topic, "orders.dlq");
+    }
+
+    /// A handler whose TTL the way through its retry tiers can outlive
+    /// is refused at build, in both runtimes, with the sum in the error:
+    /// its claims would lapse while its events wait in a tier.
+    #[tokio::test]
+    async fn a_ttl_the_tiers_can_outlive_is_refused_at_build() {
+        let db = |tiers: crate::RetryTiers| {
+            Consumer::builder(MemoryStore::new())
+                .group_id("g")
+                .handle("orders", placed)
+                .retry_tiers_with(tiers)
+                .build()
+                .map(drop)
+        };
+        let tiers = |d: &[&str]| crate::RetryTiers::new(d).expect("tiers");
+        let err = db(tiers(&["30m", "45m"])).unwrap_err().to_string();
+        assert!(
+            err.contains("\"orders\"")
+                && err.contains("TTL 1h")
+                && err.contains("30m + 45m = 1h15m"),
+            "{err}"
+        );
+        assert!(db(tiers(&["30m", "29m"])).is_ok());
+        let err = db(tiers(&["30m", "29m"]).hold_keys(true))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("30m + 29m + 29m = 1h28m"), "{err}");
+        // Echo's TTL is 1m.
+        let kafka_only = |d: &[&str]| {
+            crate::TransactionalConsumer::builder("t", Echo)
+                .group_id("g")
+                .retry_tiers(d.to_vec())
+                .build()
+                .map(drop)
+        };
+        let err = kafka_only(&["30s", "31s"]).unwrap_err().to_string();
+        assert!(
+            err.contains("TTL 1m is not longer") && err.contains("30s + 31s = 1m1s"),
+            "{err}"
+        );
+        assert!(kafka_only(&["30s", "29s"]).is_ok());
     }
 
     /// A Kafka-only handler that outputs nothing.

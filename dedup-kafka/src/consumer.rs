@@ -294,15 +294,6 @@ impl<S: DedupStore> Consumer<S> {
     /// Checks the retry tiers' topics (see `tiers::check_topics`).
     async fn check_tiers(&self) -> Result<(), Error> {
         let mut tiers: Vec<std::sync::Arc<crate::tiers::TopicTiers>> = Vec::new();
-        for route in self.routes.values().flat_map(|r| r.handlers()) {
-            if let Some(place) = route.tiers.as_ref().filter(|p| !p.is_tier()) {
-                crate::tiers::warn_short_ttl(
-                    route.handler.scope(),
-                    route.handler.ttl(),
-                    &place.tiers,
-                );
-            }
-        }
         for route in self.routes.values().flat_map(|r| r.all()) {
             if let Some(place) = &route.tiers
                 && !tiers

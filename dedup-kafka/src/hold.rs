@@ -185,6 +185,27 @@ pub(crate) async fn let_out<S: DedupStore>(
 mod tests {
     use super::*;
 
+    /// A hold record's id is pinned: records an earlier version (or a
+    /// build on another toolchain) wrote are read by this one.
+    #[test]
+    fn hold_records_name_the_key_by_a_fixed_hash() {
+        let origin = Origin {
+            topic: "payments".into(),
+            partition: 2,
+            offset: 41,
+            timestamp: None,
+        };
+        let key = crate::pipeline::keyed::order_key(b"acct-1");
+        assert_eq!(
+            in_record("payments-v1", &origin, key).id(),
+            "c7cec55bbc7c3c19.00000000000000000041.in"
+        );
+        assert_eq!(
+            out_record("payments-v1", &origin, key).id(),
+            "c7cec55bbc7c3c19.00000000000000000041.out"
+        );
+    }
+
     #[test]
     fn a_key_is_held_while_an_event_of_it_is_in_and_not_out() {
         let id = |key: u64, offset: i64, kind: &str| format!("{key:016x}.{offset:020}.{kind}");

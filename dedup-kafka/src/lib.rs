@@ -63,6 +63,17 @@ pub enum Error {
     Fatal(String),
 }
 
+impl Error {
+    /// A configuration error's own words (without the "invalid consumer
+    /// configuration" its display adds), to be wrapped again later.
+    pub(crate) fn into_config_message(self) -> String {
+        match self {
+            Error::Config(message) => message,
+            other => other.to_string(),
+        }
+    }
+}
+
 impl From<rdkafka::error::KafkaError> for Error {
     fn from(e: rdkafka::error::KafkaError) -> Self {
         Error::Kafka(e)

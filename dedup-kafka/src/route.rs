@@ -184,22 +184,7 @@ impl OrderBy {
         &self,
         msg: &rdkafka::message::OwnedMessage,
     ) -> Option<crate::pipeline::keyed::OrderKey> {
-        self.key_with(msg, crate::pipeline::keyed::order_key)
-    }
-
-    /// The ordering key of `msg` as a hash that is the same in every build
-    /// and on every platform (FNV-1a): what is stored of it (key
-    /// hold-back's records).
-    pub(crate) fn stored_key_of(&self, msg: &rdkafka::message::OwnedMessage) -> Option<u64> {
-        self.key_with(msg, |bytes| fingerprint(bytes, &[]))
-    }
-
-    /// The ordering key of `msg`, hashed by `order_key`.
-    fn key_with(
-        &self,
-        msg: &rdkafka::message::OwnedMessage,
-        order_key: fn(&[u8]) -> u64,
-    ) -> Option<u64> {
+        use crate::pipeline::keyed::order_key;
         use dedup_core::Headers as _;
         use rdkafka::message::Message as _;
         match &self.0 {
@@ -461,7 +446,7 @@ impl<S: 'static> Route<S> {
         place
             .tiers
             .hold_keys
-            .then(|| place.tiers.order_by.stored_key_of(msg))
+            .then(|| place.tiers.order_by.key_of(msg))
             .flatten()
     }
 
@@ -572,7 +557,7 @@ impl<S: 'static> Route<S> {
             "{:020}.{timestamp}.{}.{:016x}",
             msg.offset().max(0),
             payload.len(),
-            fingerprint(msg.key().unwrap_or_default(), payload)
+            crate::pipeline::keyed::fnv1a(msg.key().unwrap_or_default(), payload)
         );
         self.dead_letter_key(msg.topic(), msg.partition(), id)
     }
@@ -626,18 +611,6 @@ pub(crate) const MOVED: &str = ".moved";
 pub(crate) enum Before {
     DeadLettered,
     Moved,
-}
-
-/// FNV-1a (64 bits) of a message's key and payload: stable across
-/// versions and platforms (it is stored), not cryptographic (telling two
-/// unrelated messages apart is all it is for).
-fn fingerprint(key: &[u8], payload: &[u8]) -> u64 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for &byte in key.iter().chain(&[0xff]).chain(payload) {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    hash
 }
 
 pub(crate) type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -912,7 +885,7 @@ where
 
 #[cfg(test)]
 mod tests {
-    use super::{fingerprint, top_level_string};
+    use super::top_level_string;
 
     #[test]
     fn an_event_type_field_is_read_at_the_top_level_only() {
@@ -941,14 +914,17 @@ mod tests {
         );
     }
 
+    /// Dead-letter records hold this fingerprint: pinned, so an earlier
+    /// version's records are still found for a redelivery of their message.
     #[test]
-    fn fingerprints_are_stable_and_tell_key_from_payload() {
-        // The FNV-1a test vector for the empty input, after the separator.
-        assert_eq!(fingerprint(b"", b""), 0xaf64_724c_8602_eb6e);
-        assert_ne!(fingerprint(b"ab", b"c"), fingerprint(b"a", b"bc"));
+    fn message_fingerprints_are_pinned_and_tell_payloads_apart() {
+        assert_eq!(
+            crate::pipeline::keyed::fnv1a(b"", b""),
+            0xaf64_724c_8602_eb6e
+        );
         assert_ne!(
-            fingerprint(b"k", b"{\"amount\":1}"),
-            fingerprint(b"k", b"{\"amount\":2}")
+            crate::pipeline::keyed::fnv1a(b"k", b"{\"amount\":1}"),
+            crate::pipeline::keyed::fnv1a(b"k", b"{\"amount\":2}")
         );
     }
 }

@@ -497,21 +497,53 @@ pub(crate) async fn check_topics(
     Ok(())
 }
 
-/// Warns when handler `scope`'s TTL is shorter than the way through its
-/// topic's tiers (their delays together): a duplicate applied at the origin
-/// while its event waits in a tier may have expired by the time the tier's
-/// copy is applied, which is then applied again.
-pub(crate) fn warn_short_ttl(scope: &str, ttl: dedup_core::Ttl, tiers: &TopicTiers) {
-    let path: Duration = tiers.tiers.iter().map(|t| t.delay).sum();
-    if ttl.as_duration() < path {
-        tracing::warn!(
-            handler = scope,
-            ttl = %ttl,
-            tiers = ?path,
-            "the handler's TTL is shorter than its retry tiers' delays together: a duplicate \
-             applied while its event waits in a tier may have expired when the tier's copy is \
-             applied, and the event is applied twice; give the TTL more than the tiers' delays"
-        );
+/// Refuses handler `scope`'s TTL when it is not longer than an event's way
+/// through its topic's tiers: the tiers' delays together, and under key
+/// hold-back one more round of the last tier (an event that follows
+/// another may wait a round there after the one it follows finishes).
+/// Its claim (and its hold record) would then expire while the event
+/// waits in a tier: a duplicate applied at the origin meanwhile would have
+/// lapsed when the tier's copy is applied, which is applied again, and a
+/// lapsed hold would let the key's later events pass it.
+pub(crate) fn refuse_short_ttl(
+    scope: &str,
+    ttl: dedup_core::Ttl,
+    tiers: &TopicTiers,
+) -> Result<(), Error> {
+    let mut legs: Vec<Duration> = tiers.tiers.iter().map(|t| t.delay).collect();
+    if tiers.hold_keys
+        && let Some(last) = legs.last().copied()
+    {
+        legs.push(last);
+    }
+    let path: Duration = legs.iter().sum();
+    if ttl.as_duration() > path {
+        return Ok(());
+    }
+    let sum = legs
+        .iter()
+        .map(|d| shown(*d))
+        .collect::<Vec<_>>()
+        .join(" + ");
+    let hold = match tiers.hold_keys {
+        true => ", the last counted twice under key hold-back",
+        false => "",
+    };
+    Err(Error::Config(format!(
+        "handler {scope:?} of {:?}: its TTL {ttl} is not longer than the way through its retry \
+         tiers ({sum} = {}{hold}): a claim would expire while its event waits in a tier, and \
+         a duplicate could be applied twice; give the TTL more than {} or shorten the tiers",
+        tiers.origin,
+        shown(path),
+        shown(path),
+    )))
+}
+
+/// A delay in the TTL grammar (`1h5m30s`) where it is whole seconds.
+fn shown(delay: Duration) -> String {
+    match dedup_core::Ttl::from_secs(delay.as_secs()) {
+        Some(ttl) if delay.subsec_nanos() == 0 => ttl.to_string(),
+        _ => format!("{delay:?}"),
     }
 }
 
@@ -630,6 +662,35 @@ mod tests {
         assert!(fixed.is_err(), "one topic for every handled topic");
         let own = RetryTier::new("later", Duration::from_secs(600)).topic("{topic}.{name}.q");
         assert_eq!(own.topic_for("orders"), "orders.later.q");
+    }
+
+    /// A TTL the tiers' way can outlive is refused, with the sum in the
+    /// error; under key hold-back the last tier counts twice.
+    #[test]
+    fn a_ttl_not_longer_than_the_tiers_way_is_refused() {
+        let ttl = |s: &str| dedup_core::Ttl::parse(s).unwrap();
+        let tiers = RetryTiers::new(["30s", "5m", "1h"]).unwrap();
+        let of = tiers.of("payments", crate::OrderBy::default(), 1);
+        let err = refuse_short_ttl("pay", ttl("1h"), &of)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("TTL 1h is not longer") && err.contains("30s + 5m + 1h = 1h5m30s"),
+            "{err}"
+        );
+        assert!(
+            refuse_short_ttl("pay", ttl("1h5m30s"), &of).is_err(),
+            "equal"
+        );
+        assert!(refuse_short_ttl("pay", ttl("1h5m31s"), &of).is_ok());
+        let held = tiers
+            .hold_keys(true)
+            .of("payments", crate::OrderBy::default(), 1);
+        let err = refuse_short_ttl("pay", ttl("2h"), &held)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("30s + 5m + 1h + 1h = 2h5m30s"), "{err}");
+        assert!(refuse_short_ttl("pay", ttl("3h"), &held).is_ok());
     }
 
     #[test]

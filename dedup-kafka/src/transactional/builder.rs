@@ -264,7 +264,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         I: IntoIterator,
         I::Item: AsRef<str>,
     {
-        self.tiers = Some(crate::RetryTiers::new(delays).map_err(|e| e.to_string()));
+        self.tiers = Some(crate::RetryTiers::new(delays).map_err(Error::into_config_message));
         self
     }
 
@@ -367,6 +367,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
                 crate::tiers::KAFKA_ONLY_ATTEMPTS_IN_PLACE,
             )
         });
+        if let Some(tiers) = &tiers {
+            crate::tiers::refuse_short_ttl(self.handler.scope(), self.handler.ttl(), tiers)?;
+        }
         let mut topics = vec![self.topic.clone()];
         topics.extend(
             tiers

@@ -260,7 +260,6 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         crate::ttl_check::check(self.ttl_check, &self.shared_config, &checked).await?;
         if let Some(tiers) = &self.tiers {
             crate::tiers::check_topics(&self.shared_config, vec![tiers.clone()], true).await?;
-            crate::tiers::warn_short_ttl(self.handler.scope(), self.handler.ttl(), tiers);
             // Their series exist from the start too.
             for tier in &tiers.tiers {
                 let _registered = self.record().metrics.moved_series(&tier.name);

@@ -211,6 +211,11 @@ enum RetryCommand {
         /// were to wait.
         #[arg(long)]
         yes: bool,
+        /// The consumers' retry tiers' signing key (`RetryTiers::signing_key`):
+        /// a file holding it. The copies are signed with it; without it a
+        /// consumer with a key dead-letters them as forged.
+        #[arg(long, env = "DEDUP_TIER_KEY_FILE")]
+        tier_key_file: Option<std::path::PathBuf>,
     },
 }
 
@@ -323,13 +328,21 @@ async fn run(command: Command) -> Result<Box<dyn Report>, Failure> {
             group,
             key,
             yes,
+            tier_key_file,
         }) => {
             if !yes {
                 return Err(Failure::new(
                     "releasing applies the waiting events now; add --yes to confirm",
                 ));
             }
-            Box::new(retry::release(&kafka, &topic, &group, &key).await?)
+            let signing = match tier_key_file {
+                Some(path) => Some(
+                    dedup_kafka::TierKey::from_file(&path)
+                        .map_err(|e| Failure::new(format!("--tier-key-file: {e}")))?,
+                ),
+                None => None,
+            };
+            Box::new(retry::release(&kafka, &topic, &group, &key, signing.as_ref()).await?)
         }
         Command::Outbox(OutboxCommand::Pending {
             database_url,

@@ -11,7 +11,7 @@ use crate::time::rfc3339_millis;
 use crate::{Failure, KafkaArgs, Report};
 use dedup_kafka::{
     DEAD_LETTER_HEADERS, ORIGIN_HEADERS, RETRY_ATTEMPT_HEADER, RETRY_DUE_HEADER,
-    RETRY_RELEASED_HEADER, RETRY_TIER_HEADER,
+    RETRY_RELEASED_HEADER, RETRY_SIGNATURE_HEADER, RETRY_TIER_HEADER,
 };
 
 /// A tier's record and what its headers say.
@@ -199,6 +199,7 @@ pub(crate) async fn release(
     topic: &str,
     group: &str,
     keys: &[String],
+    signing: Option<&dedup_kafka::TierKey>,
 ) -> Result<Released, Failure> {
     let waiting = waiting(kafka, topic, group, keys)?;
     let producer: FutureProducer = kafka::config(kafka)?
@@ -217,7 +218,8 @@ pub(crate) async fn release(
         let from = format!("{topic}/{}/{}", w.msg.partition(), w.msg.offset());
         let mut headers = OwnedHeaders::new();
         if let Some(original) = w.msg.headers() {
-            for h in original.iter().filter(|h| h.key != RETRY_RELEASED_HEADER) {
+            let own = |key: &str| key == RETRY_RELEASED_HEADER || key == RETRY_SIGNATURE_HEADER;
+            for h in original.iter().filter(|h| !own(h.key)) {
                 headers = headers.insert(Header {
                     key: h.key,
                     value: h.value,
@@ -228,6 +230,15 @@ pub(crate) async fn release(
             key: RETRY_RELEASED_HEADER,
             value: Some(from.as_bytes()),
         });
+        // Signed over the copy's own headers, key and payload, as the
+        // consumer checks it.
+        if let Some(signing) = signing {
+            let signature = signing.sign(w.msg.key(), w.msg.payload(), Some(&headers));
+            headers = headers.insert(Header {
+                key: RETRY_SIGNATURE_HEADER,
+                value: Some(signature.as_bytes()),
+            });
+        }
         let mut record = FutureRecord::<[u8], [u8]>::to(origin)
             .partition(*partition)
             .headers(headers);

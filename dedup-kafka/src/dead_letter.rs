@@ -96,8 +96,10 @@ pub(crate) async fn dead_letter<S: DedupStore>(
         None => {
             route.record(&shared.stats).dead_lettered();
             records.push(route.dead_letter_record(msg));
-            // Dead-lettered from a tier: it no longer holds its key.
+            // Dead-lettered from a tier: it no longer holds its key (one
+            // whose tier headers are forged never held one).
             if route.in_tier()
+                && why.kind != crate::tiers::FORGED
                 && let Some(key) = route.hold_key(msg)
             {
                 records.push(crate::hold::out_record(&shared.group, &why.origin, key));

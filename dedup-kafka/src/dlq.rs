@@ -89,6 +89,8 @@ pub(crate) struct Moved<'a> {
     pub(crate) due_ms: i64,
     /// Attempts in all so far, across the origin and the tiers.
     pub(crate) attempts: u32,
+    /// Signs the moved record, if the tiers have a key.
+    pub(crate) key: Option<&'a crate::TierKey>,
 }
 
 fn truncate(s: &str, max: usize) -> &str {
@@ -130,8 +132,10 @@ pub const REPLAYED_FROM_HEADER: &str = "dedup.replayed.from";
 /// a retry tier, not the tier's headers of an earlier move either (they
 /// are set afresh).
 fn kept(key: &str, moving: bool) -> bool {
-    // A released copy's mark: its dead letter or move is the event's own.
+    // A released copy's mark: its dead letter or move is the event's own;
+    // a signature is made afresh for each move, and a dead letter has none.
     key != crate::tiers::RETRY_RELEASED_HEADER
+        && key != crate::tiers::RETRY_SIGNATURE_HEADER
         && !DEAD_LETTER_HEADERS.contains(&key)
         && !(moving
             && (crate::tiers::ORIGIN_HEADERS.contains(&key)
@@ -238,6 +242,17 @@ pub(crate) fn headers(
                 value: Some(value.as_bytes()),
             });
         }
+    }
+    // Signed last, over what it signs (a move is never truncated: one too
+    // large goes to the dead-letter topic instead).
+    if let Some(key) = why.moved.as_ref().and_then(|m| m.key)
+        && truncated.is_none()
+    {
+        let signature = key.sign(msg.key(), msg.payload(), Some(&out));
+        out = out.insert(Header {
+            key: crate::tiers::RETRY_SIGNATURE_HEADER,
+            value: Some(signature.as_bytes()),
+        });
     }
     // Made while its message was processed (feature `opentelemetry`): the
     // dead letter's trace context is that processing's span, child of the
@@ -646,6 +661,7 @@ mod tests {
                 tier: "30s",
                 due_ms: 1,
                 attempts: 3,
+                key: None,
             }),
             ..why
         };
@@ -772,6 +788,7 @@ mod tests {
                 tier: "5m",
                 due_ms: 9_000,
                 attempts: 8,
+                key: None,
             }),
         };
         let all = all_headers(&headers(&msg, &onward, None));

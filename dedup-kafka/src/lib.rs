@@ -38,7 +38,8 @@ pub use shutdown::shutdown_signal;
 pub use stats::{Health, LIVE_POLL_LIMIT, Stats, StatsSnapshot};
 pub use tiers::{
     DEFAULT_ATTEMPTS_IN_PLACE, KAFKA_ONLY_ATTEMPTS_IN_PLACE, ORIGIN_HEADERS, RETRY_ATTEMPT_HEADER,
-    RETRY_DUE_HEADER, RETRY_RELEASED_HEADER, RETRY_TIER_HEADER, ReadTiers, RetryTier, RetryTiers,
+    RETRY_DUE_HEADER, RETRY_RELEASED_HEADER, RETRY_SIGNATURE_HEADER, RETRY_TIER_HEADER, ReadTiers,
+    RetryTier, RetryTiers, TierKey,
 };
 pub use transactional::{
     OutputRecord, Outputs, TransactionalConsumer, TransactionalConsumerBuilder,

@@ -489,15 +489,51 @@ impl<S: 'static> Route<S> {
 
     /// Where `msg` came from before any move: itself, or (read from a tier,
     /// or a copy released from one to a topic with tiers) what its
-    /// `dedup.origin.*` say.
+    /// `dedup.origin.*` say, if they are its own.
     pub(crate) fn origin(&self, msg: &rdkafka::message::OwnedMessage) -> crate::tiers::Origin {
         crate::tiers::origin_of(msg, self.reads_origin_headers(msg))
     }
 
     /// Whether `msg`'s `dedup.origin.*` and `dedup.retry.attempt` are its
-    /// own story: read from a tier, or released from one.
+    /// own story: read from a tier, or released from one, and not forged.
     fn reads_origin_headers(&self, msg: &rdkafka::message::OwnedMessage) -> bool {
-        self.in_tier() || (self.tiers.is_some() && crate::tiers::released(msg))
+        self.claimed(msg).is_some() && self.forged(msg).is_none()
+    }
+
+    /// What `msg` says it is: a tier's record, or a copy released home.
+    fn claimed(&self, msg: &rdkafka::message::OwnedMessage) -> Option<crate::tiers::Claimed<'_>> {
+        let place = self.tiers.as_ref()?;
+        match place.at {
+            Some(at) => Some(crate::tiers::Claimed::Tier {
+                origin: &place.tiers.origin,
+                tier: &place.tiers.tiers[at].name,
+            }),
+            None => crate::tiers::released(msg).then_some(crate::tiers::Claimed::Released),
+        }
+    }
+
+    /// Why `msg`'s tier headers are not its own, if it has such headers and
+    /// they are not (`tiers::forged`): it is then dead-lettered as itself.
+    pub(crate) fn forged(&self, msg: &rdkafka::message::OwnedMessage) -> Option<String> {
+        let claimed = self.claimed(msg)?;
+        let key = self.tiers.as_ref().and_then(|p| p.tiers.key.as_ref());
+        crate::tiers::forged(msg, claimed, key)
+    }
+
+    /// Whether `msg` is a copy released home from a tier whose headers are
+    /// its own: it stands for its origin, and lets its key go.
+    pub(crate) fn released(&self, msg: &rdkafka::message::OwnedMessage) -> bool {
+        matches!(self.claimed(msg), Some(crate::tiers::Claimed::Released))
+            && self.forged(msg).is_none()
+    }
+
+    /// The delay of the tier this route reads (`Duration::MAX` for a
+    /// handled topic's route).
+    pub(crate) fn tier_delay(&self) -> std::time::Duration {
+        self.tiers
+            .as_ref()
+            .and_then(|p| Some(p.tiers.tiers[p.at?].delay))
+            .unwrap_or(std::time::Duration::MAX)
     }
 
     /// Whether this route reads a retry tier.

@@ -97,8 +97,10 @@ pub fn key_concurrency() -> Result<usize, Box<dyn std::error::Error>> {
     }
 }
 
-/// `DEDUP_RETRY_TIERS` (delays like `5s,30s`) and `DEDUP_RETRY_HOLD_KEYS=1`:
-/// the consumer's retry tiers, if any (`<topic>.retry-5s`...).
+/// `DEDUP_RETRY_TIERS` (delays like `5s,30s`), `DEDUP_RETRY_HOLD_KEYS=1`
+/// and `DEDUP_TIER_KEY_FILE` (the tiers' signing key, as `dedup retry
+/// release` reads it): the consumer's retry tiers, if any
+/// (`<topic>.retry-5s`...).
 pub fn retry_tiers() -> Result<Option<dedup_kafka::RetryTiers>, Box<dyn std::error::Error>> {
     let Ok(delays) = std::env::var("DEDUP_RETRY_TIERS") else {
         return Ok(None);
@@ -107,9 +109,11 @@ pub fn retry_tiers() -> Result<Option<dedup_kafka::RetryTiers>, Box<dyn std::err
         return Ok(None);
     }
     let hold = std::env::var("DEDUP_RETRY_HOLD_KEYS").is_ok_and(|v| v == "1");
-    Ok(Some(
-        dedup_kafka::RetryTiers::new(delays.split(','))?.hold_keys(hold),
-    ))
+    let mut tiers = dedup_kafka::RetryTiers::new(delays.split(','))?.hold_keys(hold);
+    if let Some(path) = std::env::var_os("DEDUP_TIER_KEY_FILE") {
+        tiers = tiers.signing_key(dedup_kafka::TierKey::from_file(path)?);
+    }
+    Ok(Some(tiers))
 }
 
 /// `--exit-when-idle <ttl>`, the one flag of the consumer examples, if

@@ -1676,6 +1676,92 @@ async fn a_transiently_failing_event_waits_in_tiers_while_the_rest_go_on_and_is_
     }
 }
 
+/// With a signing key the Kafka-only runtime signs its moves and reads
+/// them back; a record written into its tier without the key's signature
+/// (naming the input as its origin) is dead-lettered as itself, kind
+/// `forged_tier_headers`, and nothing of it is output.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tier_record_without_the_keys_signature_is_dead_lettered_as_itself() {
+    use rdkafka::message::{Header, OwnedHeaders};
+    let (topic, out, group) = topics(1).await;
+    let tier = format!("{topic}.retry-2s");
+    common::create_named_topic(&tier, 1).await;
+    let p = producer();
+    let forged = [
+        ("dedup.origin.topic", topic.as_str()),
+        ("dedup.origin.partition", "0"),
+        ("dedup.origin.offset", "7"),
+        ("dedup.retry.tier", "2s"),
+    ]
+    .into_iter()
+    .fold(OwnedHeaders::new(), |h, (key, value)| {
+        h.insert(Header {
+            key,
+            value: Some(value.as_bytes()),
+        })
+    });
+    let payload = event("forged", 1);
+    let record = FutureRecord::to(&tier)
+        .key("forged")
+        .payload(&payload)
+        .headers(forged);
+    p.send(record, Duration::from_secs(10))
+        .await
+        .expect("produced");
+    // Fails for its first second: moved to the tier, applied from it.
+    let id = unique("slow");
+    let slow = serde_json::json!({"event_id": id, "n": -1, "transient_secs": 1})
+        .to_string()
+        .into_bytes();
+    send_raw(&p, &topic, &id, &slow).await;
+    send_events(&p, &topic, 0..5).await;
+    let tiers = dedup_kafka::RetryTiers::new(["2s"])
+        .expect("tiers")
+        .signing_key(dedup_kafka::TierKey::new("a-test-key-of-more-than-16-bytes").expect("key"));
+    let consumer = TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+        .brokers(brokers())
+        .group_id(&group)
+        .retry_tiers_with(tiers)
+        .build()
+        .expect("consumer");
+    let member = Member::start(consumer);
+    let stats = member.stats.clone();
+    wait_until(
+        "the moved event applied, the forged one dead-lettered",
+        60,
+        || {
+            let s = stats.snapshot();
+            s.applied >= 6 && s.dead_lettered >= 1
+        },
+    )
+    .await;
+    let done = member.stop().await;
+    assert_eq!(
+        (done.applied, done.moved, done.dead_lettered),
+        (6, 1, 1),
+        "{done:?}"
+    );
+    assert_eq!(outputs(&out).await, each_once(5, &[id.as_str()]));
+    let moved = read_all(&tier, "read_committed").await;
+    assert!(
+        moved
+            .iter()
+            .any(|m| header(m, "dedup.retry.signature").is_some()),
+        "the runtime's own move is signed"
+    );
+    let dead = read_all(&format!("{topic}.dlq"), "read_committed").await;
+    assert_eq!(ids(&dead), ["forged"]);
+    assert_eq!(
+        header(&dead[0], "dedup.error.kind"),
+        Some("forged_tier_headers")
+    );
+    assert_eq!(
+        header(&dead[0], "dedup.original.topic"),
+        Some(tier.as_str())
+    );
+    assert_eq!(header(&dead[0], "dedup.original.offset"), Some("0"));
+}
+
 /// Tiers that cannot be read with their input partitions are refused:
 /// a tier topic of another partition count at start-up, key hold-back
 /// and reading tiers elsewhere at build.

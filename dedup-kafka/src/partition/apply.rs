@@ -72,10 +72,15 @@ pub(super) async fn process_batch<S: DedupStore>(
             bad.push((i, Unprepared::Before(before)));
             continue;
         }
+        // Tier headers that are not its own: the message's fault.
+        if let Some(why) = route.forged(msg) {
+            bad.push((i, Unprepared::Forged(why)));
+            continue;
+        }
         // Under key hold-back, a copy released from a tier goes alone (it
         // lets its key go), and an event whose key waits in a tier follows
         // it.
-        if route.hold_key(msg).is_some() && crate::tiers::released(msg) {
+        if route.hold_key(msg).is_some() && route.released(msg) {
             bad.push((i, Unprepared::Alone));
             continue;
         }
@@ -313,6 +318,8 @@ enum Unprepared {
     /// A copy released from a tier, under key hold-back: run on its own,
     /// in offset order with the others, so that it lets its key go.
     Alone,
+    /// Its tier headers are not its own (`Route::forged`), for this reason.
+    Forged(String),
 }
 
 /// Finishes a message that was not prepared for its batch: dead-letters
@@ -328,6 +335,7 @@ async fn dead_letter_unprepared<S: DedupStore>(
     let (kind, message) = match unprepared {
         Unprepared::Error(e) => (e.kind(), error_chain(e)),
         Unprepared::Panic(message) => ("panic", message.clone()),
+        Unprepared::Forged(message) => (crate::tiers::FORGED, message.clone()),
         Unprepared::Before(before) => {
             dead_letters::skip(shared, route, msg, *before);
             return true;
@@ -363,6 +371,12 @@ pub(super) async fn process<S: DedupStore>(
     msg: &OwnedMessage,
     jitter: &mut Jitter,
 ) -> bool {
+    // Tier headers that are not its own: the message's fault, dead-lettered
+    // as itself, releasing nothing.
+    if let Some(message) = route.forged(msg) {
+        let why = route.dead_letter(msg, crate::tiers::FORGED, message, 1);
+        return dead_letter(shared, route, partition, msg, why, jitter).await;
+    }
     let Some(key) = route.hold_key(msg) else {
         return !matches!(
             attempts(shared, route, partition, msg, jitter).await,
@@ -384,7 +398,7 @@ pub(super) async fn process<S: DedupStore>(
         // A tier's record, or a copy released from one, lets its key go;
         // until that is recorded it is not finished (a redelivery is
         // skipped by its claim and lets the key go then).
-        Ended::Here if route.in_tier() || crate::tiers::released(msg) => {
+        Ended::Here if route.in_tier() || route.released(msg) => {
             crate::hold::let_out(shared, route, &origin, key, jitter).await
         }
         Ended::Here => true,

@@ -145,7 +145,9 @@ pub(crate) async fn worker<S: DedupStore>(
         let route = &routes.all()[index];
         // A retry tier's record not yet due: the partition is paused until
         // it is.
-        if route.in_tier() && !crate::tiers::until_due(&shared, &partition, &msg).await {
+        if route.in_tier()
+            && !crate::tiers::until_due(&shared, &partition, &msg, route.tier_delay()).await
+        {
             break;
         }
         // Only a transactional handler takes batches; a lease-mode one
@@ -163,7 +165,7 @@ pub(crate) async fn worker<S: DedupStore>(
                 let in_tier = route.in_tier();
                 let same = |m: &OwnedMessage| {
                     matches!(routes.pick(m), Pick::Route(i) if i == index)
-                        && (!in_tier || crate::tiers::due_in(m).is_zero())
+                        && (!in_tier || crate::tiers::due_in(m, route.tier_delay()).is_zero())
                 };
                 gather(&mut inbox, &mut carried, msg, idle, &shared.settings, same).await
             }

@@ -333,6 +333,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     // The fate is what the caller wants in either case, not an error to box.
     #[allow(clippy::result_large_err)]
     pub(super) fn prepare(&self, msg: &OwnedMessage) -> Result<Prepared<H::Event>, Fate> {
+        // Tier headers that are not its own: the message's fault.
+        if let Some(why) = self.forged(msg) {
+            return Err(dead(crate::tiers::FORGED, why, 1));
+        }
         let payload = msg.payload().unwrap_or_default();
         let headers = meta_of(msg);
         match attempt::contained(|| self.handler.prepare(payload, &headers)) {

@@ -355,7 +355,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 }
             }
             self.apply_changes(&consumer, &mut states, &mut batch, &mut waiting);
-            waiting.hold_undue(&consumer, &self.topics, &mut batch)?;
+            waiting.hold_undue(&consumer, &self.topics, self.tiers.as_deref(), &mut batch)?;
             held.count(batch.len());
             let restored = tokio::select! {
                 restored = self.restore_assigned(&consumer, &mut states, &batch, &mut jitter, &stop_rx) => restored?,

@@ -30,7 +30,7 @@ use super::rebalance::{Lane, Membership, Topics};
 use crate::Error;
 use crate::dlq::DeadLetter;
 use crate::retry::RetryPolicy;
-use crate::tiers::{Origin, PAUSE_FROM, TierTopic};
+use crate::tiers::{Claimed, Origin, PAUSE_FROM, TierTopic};
 
 impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// The retry policy of attempts in place: with retry tiers, transient
@@ -58,9 +58,31 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     }
 
     /// Whether `msg`'s `dedup.origin.*` and `dedup.retry.attempt` are its
-    /// own story: read from a tier, or a copy released from one.
+    /// own story: read from a tier, or a copy released from one, and not
+    /// forged.
     fn reads_origin_headers(&self, msg: &OwnedMessage) -> bool {
-        self.topics.lane(msg).topic > 0 || (self.tiers.is_some() && crate::tiers::released(msg))
+        self.claimed(msg).is_some() && self.forged(msg).is_none()
+    }
+
+    /// What `msg` says it is: a tier's record, or a copy released home.
+    fn claimed(&self, msg: &OwnedMessage) -> Option<Claimed<'_>> {
+        let tiers = self.tiers.as_ref()?;
+        match self.topics.lane(msg).topic {
+            0 => crate::tiers::released(msg).then_some(Claimed::Released),
+            // The input is topic 0; tier i is topic i + 1.
+            i => Some(Claimed::Tier {
+                origin: &tiers.origin,
+                tier: &tiers.tiers[i - 1].name,
+            }),
+        }
+    }
+
+    /// Why `msg`'s tier headers are not its own, if it has such headers and
+    /// they are not (`tiers::forged`): it is then dead-lettered as itself.
+    pub(super) fn forged(&self, msg: &OwnedMessage) -> Option<String> {
+        let claimed = self.claimed(msg)?;
+        let key = self.tiers.as_ref().and_then(|t| t.key.as_ref());
+        crate::tiers::forged(msg, claimed, key)
     }
 
     /// Where `msg` came from before any move.
@@ -165,6 +187,7 @@ impl Waiting {
         &mut self,
         consumer: &StreamConsumer<Membership>,
         topics: &Topics,
+        tiers: Option<&crate::tiers::TopicTiers>,
         batch: &mut Vec<OwnedMessage>,
     ) -> Result<(), Error> {
         let mut cut: BTreeMap<Lane, (i64, Option<i64>)> = BTreeMap::new();
@@ -177,7 +200,8 @@ impl Waiting {
                 cut.insert(lane, (msg.offset(), None));
                 continue;
             }
-            let wait = crate::tiers::due_in(msg);
+            let delay = tiers.map_or(Duration::ZERO, |t| t.tiers[lane.topic - 1].delay);
+            let wait = crate::tiers::due_in(msg, delay);
             // A shorter wait is not waited: the record runs now, at most
             // that much early, rather than its partition being paused,
             // sought back and fetched again.

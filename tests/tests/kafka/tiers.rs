@@ -646,6 +646,172 @@ async fn the_cli_lists_what_waits_in_a_tier_and_releases_it(pool: PgPool) {
     assert_eq!(balance(&pool).await, 2);
 }
 
+/// Records that only claim to be the runtime's own change nothing. With a
+/// signing key and key hold-back: an unsigned record written straight to
+/// the tier, and an unsigned "released" copy on the origin topic naming
+/// the held event, are dead-lettered as themselves (kind
+/// `forged_tier_headers`, their own topic and offset as the original), the
+/// forged copy is not applied and releases nothing: the key's next event
+/// still follows the held one. `dedup retry release` with the key then
+/// releases both, applied in their order.
+#[sqlx::test(migrations = false)]
+async fn forged_tier_headers_are_dead_lettered_and_release_nothing(pool: PgPool) {
+    let store = failing_store(&pool).await;
+    let topic = create_topic(1).await;
+    let tier = create_tiers(&topic, &["1m"], 1).await.remove(0);
+    let dlq = format!("{topic}.dlq");
+    common::create_named_topic(&dlq, 1).await;
+    let group = unique("g");
+    let secret = "a-test-key-of-more-than-16-bytes";
+    let key_file = std::env::temp_dir().join(unique("tier-key"));
+    std::fs::write(&key_file, format!("{secret}\n")).expect("key file");
+    let running = start(
+        consumer(&store, &group)
+            .retry_tiers_with(
+                RetryTiers::new(["1m"])
+                    .expect("tiers")
+                    .attempts_in_place(1)
+                    .hold_keys(true)
+                    .signing_key(dedup_kafka::TierKey::new(secret).expect("key")),
+            )
+            .handle(&topic, apply_timed),
+    );
+    let producer = producer();
+    let headers = |pairs: &[(&str, String)]| {
+        pairs.iter().fold(OwnedHeaders::new(), |h, (key, value)| {
+            h.insert(Header {
+                key,
+                value: Some(value.as_bytes()),
+            })
+        })
+    };
+    let origin = |offset: i64| {
+        vec![
+            ("dedup.origin.topic", topic.clone()),
+            ("dedup.origin.partition", "0".to_owned()),
+            ("dedup.origin.offset", offset.to_string()),
+        ]
+    };
+    // Straight into the tier, well formed but unsigned (it would credit
+    // acct-2 as if it had come from the topic).
+    let mut on_tier = origin(5);
+    on_tier.push(("dedup.retry.tier", "1m".to_owned()));
+    produce(
+        &producer,
+        &tier,
+        "acct-2",
+        &timed("acct-2", 50),
+        Some(headers(&on_tier)),
+    )
+    .await;
+    running
+        .wait_for("the forged tier record dead-lettered", |s| {
+            s.dead_lettered == 1
+        })
+        .await;
+
+    // acct-bad's first payment fails and waits in the tier, holding its key.
+    produce(&producer, &topic, "acct-bad", &timed("acct-bad", 0), None).await;
+    running.wait_for("moved", |s| s.moved == 1).await;
+    sqlx::query("DELETE FROM failing")
+        .execute(&pool)
+        .await
+        .expect("failure over");
+    // A "released" copy naming it (offset 0), unsigned: it must not stand
+    // for it, be applied, or let the key go.
+    let mut released = origin(0);
+    released.push(("dedup.retry.released", format!("{tier}/0/0")));
+    let forged = timed("acct-bad", 99);
+    produce(
+        &producer,
+        &topic,
+        "acct-bad",
+        &forged,
+        Some(headers(&released)),
+    )
+    .await;
+    running
+        .wait_for("the forged copy dead-lettered", |s| s.dead_lettered == 2)
+        .await;
+    // So the key is still held: its next payment follows into the tier,
+    // while another account's is applied.
+    produce(&producer, &topic, "acct-bad", &timed("acct-bad", 1), None).await;
+    produce(&producer, &topic, "acct-1", &timed("acct-1", 2), None).await;
+    running
+        .wait_for("acct-bad's next followed, acct-1 applied", |s| {
+            s.moved == 2 && s.applied == 1
+        })
+        .await;
+
+    let dead = common::read_from(&brokers(), &dlq, 2).await;
+    let originals: Vec<(Option<&str>, Option<&str>, Option<&str>)> = dead
+        .iter()
+        .map(|d| {
+            assert_eq!(header(d, "dedup.error.kind"), Some("forged_tier_headers"));
+            (
+                header(d, "dedup.original.topic"),
+                header(d, "dedup.original.offset"),
+                header(d, "dedup.error.message"),
+            )
+        })
+        .collect();
+    assert_eq!(
+        originals[0].0,
+        Some(tier.as_str()),
+        "as itself: {originals:?}"
+    );
+    assert_eq!(originals[1].0, Some(topic.as_str()), "{originals:?}");
+    assert_eq!(
+        originals[1].1,
+        Some("1"),
+        "its own offset, not 0: {originals:?}"
+    );
+    assert!(
+        originals
+            .iter()
+            .all(|o| o.2.is_some_and(|m| m.contains("dedup.retry.signature"))),
+        "{originals:?}"
+    );
+
+    // The operator releases them with the key: applied now, in order.
+    let key_path = key_file.to_str().expect("utf-8 path");
+    let released = dedup_cli(&[
+        "--json",
+        "retry",
+        "release",
+        &tier,
+        "--group",
+        &group,
+        "--yes",
+        "--tier-key-file",
+        key_path,
+    ])
+    .await;
+    std::fs::remove_file(&key_file).expect("remove the key file");
+    assert_eq!(
+        released["released"].as_array().map(Vec::len),
+        Some(2),
+        "{released:#}"
+    );
+    running
+        .wait_for("the released payments applied", |s| s.applied == 3)
+        .await;
+    let stats = running.stop().await;
+    assert_eq!(stats.dead_lettered, 2, "{stats:?}");
+    let order: Vec<i64> = sqlx::query_scalar(
+        "SELECT seq FROM applied WHERE account IN ('acct-bad', 'acct-2') ORDER BY applied_ms, seq",
+    )
+    .fetch_all(&pool)
+    .await
+    .expect("order");
+    assert_eq!(
+        order,
+        [0, 1],
+        "the forged ones never applied; the held key in order"
+    );
+    assert_eq!(balance(&pool).await, 3);
+}
+
 /// A refund: another event type on the payments' topic, by its `type`
 /// field, recorded by its own handler.
 #[derive(serde::Deserialize)]

@@ -18,6 +18,11 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
 
+mod trust;
+
+pub(crate) use trust::{Claimed, FORGED, forged};
+pub use trust::{RETRY_SIGNATURE_HEADER, TierKey};
+
 use crate::Error;
 use crate::partition::Runtime;
 use crate::partition::state::Partition;
@@ -129,6 +134,7 @@ pub struct RetryTiers {
     attempts: Option<u32>,
     read: ReadTiers,
     hold_keys: bool,
+    key: Option<TierKey>,
 }
 
 /// Attempts in place before an event moves on, by default, in the
@@ -201,6 +207,7 @@ impl RetryTiers {
             attempts: None,
             read: ReadTiers::Here,
             hold_keys: false,
+            key: None,
         })
     }
 
@@ -226,6 +233,20 @@ impl RetryTiers {
     /// (as Spring Kafka's retry topics do).
     pub fn hold_keys(mut self, hold: bool) -> Self {
         self.hold_keys = hold;
+        self
+    }
+
+    /// Signs the records moved to the tiers with `key`, and dead-letters a
+    /// tier's record, or a copy released home, that does not carry its
+    /// signature (default: none; see [`TierKey`]). Without a key, a
+    /// record's tier headers are still read only when they fit where it
+    /// was read (its origin on the tier's handled topic and partition, a
+    /// released copy's on its own, earlier); with one, a producer without
+    /// the key cannot release a held key or name another origin either.
+    /// Records already in the tiers unsigned are dead-lettered once a key
+    /// is set: set it while the tiers are empty, or replay those.
+    pub fn signing_key(mut self, key: TierKey) -> Self {
+        self.key = Some(key);
         self
     }
 
@@ -261,6 +282,7 @@ impl RetryTiers {
             hold_keys: self.hold_keys,
             order_by,
             attempts: self.attempts.unwrap_or(attempts),
+            key: self.key.clone(),
             tiers: self
                 .tiers
                 .iter()
@@ -268,6 +290,7 @@ impl RetryTiers {
                     name: t.name.clone(),
                     topic: t.topic_for(topic),
                     delay: t.delay,
+                    key: self.key.clone(),
                 })
                 .collect(),
         })
@@ -284,6 +307,8 @@ pub(crate) struct TopicTiers {
     /// What orders the handled topic's events (the key held).
     pub(crate) order_by: crate::OrderBy,
     pub(crate) attempts: u32,
+    /// Signs and checks the tiers' records.
+    pub(crate) key: Option<TierKey>,
     pub(crate) tiers: Vec<TierTopic>,
 }
 
@@ -293,6 +318,7 @@ pub(crate) struct TierTopic {
     pub(crate) name: String,
     pub(crate) topic: String,
     pub(crate) delay: Duration,
+    pub(crate) key: Option<TierKey>,
 }
 
 impl TierTopic {
@@ -315,6 +341,7 @@ impl TierTopic {
             tier: &self.name,
             due_ms,
             attempts: attempts_before(msg, from_headers).saturating_add(attempts),
+            key: self.key.as_ref(),
         }
     }
 }
@@ -351,13 +378,7 @@ pub(crate) struct Origin {
 
 /// A header's value as text.
 pub(crate) fn header<'m>(msg: &'m OwnedMessage, key: &str) -> Option<&'m str> {
-    let headers = msg.headers()?;
-    // The last one wins, as for a consumer reading headers.
-    headers
-        .iter()
-        .filter(|h| h.key == key)
-        .last()
-        .and_then(|h| std::str::from_utf8(h.value?).ok())
+    trust::last(msg.headers(), key).and_then(|v| std::str::from_utf8(v).ok())
 }
 
 /// `msg`'s origin: the message itself, or (`from_headers`: read from a
@@ -409,12 +430,14 @@ pub(crate) fn now_ms() -> i64 {
 }
 
 /// How long until a tier's record is due; zero if it is, or says no due
-/// time.
-pub(crate) fn due_in(msg: &OwnedMessage) -> Duration {
+/// time. Never longer than its tier's `delay`: a record moved there was due
+/// at most that long after its move, so a later due time (a forged header,
+/// or a clock that jumped back) would only stall the tier's partition.
+pub(crate) fn due_in(msg: &OwnedMessage, delay: Duration) -> Duration {
     let Some(due) = header(msg, RETRY_DUE_HEADER).and_then(|d| d.parse::<i64>().ok()) else {
         return Duration::ZERO;
     };
-    Duration::from_millis(due.saturating_sub(now_ms()).max(0) as u64)
+    Duration::from_millis(due.saturating_sub(now_ms()).max(0) as u64).min(delay)
 }
 
 /// The start-up check: each retry tier's topic exists with at least as
@@ -560,8 +583,9 @@ pub(crate) async fn until_due<S>(
     shared: &Runtime<S>,
     partition: &Partition,
     msg: &OwnedMessage,
+    delay: Duration,
 ) -> bool {
-    let wait = due_in(msg);
+    let wait = due_in(msg, delay);
     if wait.is_zero() {
         return true;
     }
@@ -716,13 +740,23 @@ mod tests {
         assert_eq!(origin_of(&moved, false).offset, 17);
         assert_eq!(attempts_before(&moved, true), 4);
         assert_eq!(attempts_before(&moved, false), 0);
-        let wait = due_in(&moved);
+        let wait = due_in(&moved, Duration::from_secs(3600));
         assert!(wait > Duration::from_secs(58) && wait <= Duration::from_secs(60));
 
         let bare = message(&[(RETRY_DUE_HEADER, "not a time")]);
         assert_eq!(origin_of(&bare, true).topic, "payments.retry-30s");
-        assert_eq!(due_in(&bare), Duration::ZERO, "unreadable: due now");
+        assert_eq!(
+            due_in(&bare, Duration::MAX),
+            Duration::ZERO,
+            "unreadable: due now"
+        );
         let past = message(&[(RETRY_DUE_HEADER, "5")]);
-        assert_eq!(due_in(&past), Duration::ZERO);
+        assert_eq!(due_in(&past, Duration::MAX), Duration::ZERO);
+        let far = message(&[(RETRY_DUE_HEADER, &(now_ms() + 86_400_000).to_string())]);
+        assert_eq!(
+            due_in(&far, Duration::from_secs(30)),
+            Duration::from_secs(30),
+            "never longer than the tier's delay"
+        );
     }
 }

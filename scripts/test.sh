@@ -20,6 +20,10 @@ export DATABASE_URL MYSQL_URL KAFKA_BROKERS
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
+# The workspace's shape: file sizes, and dedup-kafka's layers (no import
+# cycle; the runtimes never import each other). See ARCHITECTURE.md.
+python3 scripts/architecture.py
+
 # The alert rules, checked and unit-tested on synthetic series (promtool,
 # installed by deps.sh).
 (cd dashboards && promtool check rules alerts.yml && promtool test rules alerts.test.yml)

@@ -187,6 +187,9 @@ impl Report for Listing {
 pub(crate) struct Released {
     topic: String,
     released: Vec<(String, i32, i64)>,
+    /// Records of the tier not released, with why: their tier headers are
+    /// not the runtime's (`<tier>/<partition>/<offset>`, reason).
+    refused: Vec<(String, String)>,
 }
 
 /// Releases what waits in retry tier `topic` for `group` (those of `keys`
@@ -207,6 +210,7 @@ pub(crate) async fn release(
         .create()
         .map_err(|e| kafka::refused("producer", &e))?;
     let mut released = Vec::new();
+    let mut refused = Vec::new();
     for w in &waiting {
         let Some((origin, partition, offset)) = &w.origin else {
             return Err(Failure::new(format!(
@@ -216,6 +220,22 @@ pub(crate) async fn release(
             )));
         };
         let from = format!("{topic}/{}/{}", w.msg.partition(), w.msg.offset());
+        // Never sign (or send home) what the runtime did not move: a record
+        // written into the tier by another producer, naming someone else's
+        // event as its origin, would release that event's key.
+        if *partition != w.msg.partition() {
+            refused.push((
+                from,
+                format!("its origin {origin}/{partition}/{offset} is not this partition's"),
+            ));
+            continue;
+        }
+        if let Some(signing) = signing
+            && !signing.verifies(&w.msg)
+        {
+            refused.push((from, "not signed with this key".to_owned()));
+            continue;
+        }
         let mut headers = OwnedHeaders::new();
         if let Some(original) = w.msg.headers() {
             let own = |key: &str| key == RETRY_RELEASED_HEADER || key == RETRY_SIGNATURE_HEADER;
@@ -257,6 +277,7 @@ pub(crate) async fn release(
     Ok(Released {
         topic: topic.to_owned(),
         released,
+        refused,
     })
 }
 
@@ -270,6 +291,16 @@ impl Report for Released {
         for (topic, partition, offset) in &self.released {
             out.push_str(&format!("  {topic}/{partition}/{offset}\n"));
         }
+        if !self.refused.is_empty() {
+            out.push_str(&format!(
+                "not released, {} record(s) whose tier headers are not dedup's own (the \
+                 consumers dead-letter them as forged when they come due):\n",
+                self.refused.len()
+            ));
+            for (record, why) in &self.refused {
+                out.push_str(&format!("  {record}: {why}\n"));
+            }
+        }
         out
     }
 
@@ -277,6 +308,7 @@ impl Report for Released {
         json!({
             "topic": self.topic,
             "released": self.released.iter().map(|(t, p, o)| json!({"topic": t, "partition": p, "offset": o})).collect::<Vec<_>>(),
+            "refused": self.refused.iter().map(|(r, why)| json!({"record": r, "reason": why})).collect::<Vec<_>>(),
         })
     }
 }

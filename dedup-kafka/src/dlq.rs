@@ -78,19 +78,7 @@ pub(crate) struct DeadLetter<'a> {
     /// letter's `dedup.original.*`, a moved record's `dedup.origin.*`.
     pub(crate) origin: crate::tiers::Origin,
     /// Set for a move to a retry tier (`topic` is the tier's).
-    pub(crate) moved: Option<Moved<'a>>,
-}
-
-/// A move to a retry tier.
-pub(crate) struct Moved<'a> {
-    /// The tier's name.
-    pub(crate) tier: &'a str,
-    /// When the moved record is due (ms since the Unix epoch).
-    pub(crate) due_ms: i64,
-    /// Attempts in all so far, across the origin and the tiers.
-    pub(crate) attempts: u32,
-    /// Signs the moved record, if the tiers have a key.
-    pub(crate) key: Option<&'a crate::TierKey>,
+    pub(crate) moved: Option<crate::tiers::Moved<'a>>,
 }
 
 fn truncate(s: &str, max: usize) -> &str {
@@ -657,7 +645,7 @@ mod tests {
 
         // A move to a retry tier is not a dead letter: no dedup.original.*.
         let moved = DeadLetter {
-            moved: Some(Moved {
+            moved: Some(crate::tiers::Moved {
                 tier: "30s",
                 due_ms: 1,
                 attempts: 3,
@@ -784,7 +772,7 @@ mod tests {
             attempts: 4,
             handler: "h",
             origin: origin.clone(),
-            moved: Some(Moved {
+            moved: Some(crate::tiers::Moved {
                 tier: "5m",
                 due_ms: 9_000,
                 attempts: 8,

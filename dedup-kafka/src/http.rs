@@ -39,7 +39,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use serde::Serialize;
 
-use crate::relay::{RelayHealth, RelayStats};
+use crate::stats::{RelayHealth, RelayStats};
 use crate::{Error, Health, Stats};
 
 /// How long a client has to send its request's headers.

@@ -1,41 +1,38 @@
 #![doc = include_str!("../README.md")]
 
-mod builder;
 mod config;
-mod consumer;
-mod dead_letter;
+mod database;
 mod dlq;
 mod failpoint;
-mod hold;
 #[cfg(feature = "http")]
 pub mod http;
 mod metrics;
 #[cfg(feature = "opentelemetry")]
 mod otel;
-mod partition;
 mod pipeline;
-mod rebalance;
 mod relay;
 mod retry;
-mod route;
+mod select;
 mod shutdown;
 mod stats;
 mod tiers;
 mod transactional;
 mod ttl_check;
 
-pub use builder::ConsumerBuilder;
 pub use config::{OnFingerprintMismatch, PREFETCH_DEFAULTS};
-pub use consumer::Consumer;
+pub use database::builder::ConsumerBuilder;
+pub use database::consumer::Consumer;
 pub use dlq::{
     DEAD_LETTER_HEADERS, DeadLetterHeaders, MAX_ERROR_MESSAGE_BYTES, MalformedHeaders,
     OriginalMessage, REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER, TRUNCATED_PAYLOAD_BYTES,
 };
-pub use relay::{Relay, RelayBuilder, RelayHealth, RelayStats, RelayStatsSnapshot};
+pub use relay::{Relay, RelayBuilder};
 pub use retry::RetryPolicy;
-pub use route::{EventType, OrderBy, OtherTypes};
+pub use select::{EventType, OrderBy, OtherTypes};
 pub use shutdown::shutdown_signal;
-pub use stats::{Health, LIVE_POLL_LIMIT, Stats, StatsSnapshot};
+pub use stats::{
+    Health, LIVE_POLL_LIMIT, RelayHealth, RelayStats, RelayStatsSnapshot, Stats, StatsSnapshot,
+};
 pub use tiers::{
     DEFAULT_ATTEMPTS_IN_PLACE, KAFKA_ONLY_ATTEMPTS_IN_PLACE, ORIGIN_HEADERS, RETRY_ATTEMPT_HEADER,
     RETRY_DUE_HEADER, RETRY_RELEASED_HEADER, RETRY_SIGNATURE_HEADER, RETRY_TIER_HEADER, ReadTiers,

@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// Counters of a running consumer.
@@ -336,6 +336,121 @@ impl Stats {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |last| {
                 (last == u64::MAX || last < now).then_some(now)
             });
+    }
+}
+
+/// Counters of a running relay.
+#[derive(Debug, Default)]
+pub struct RelayStats {
+    pub(crate) published: AtomicU64,
+    pub(crate) failed: AtomicU64,
+    pub(crate) batches: AtomicU64,
+    pub(crate) running: AtomicBool,
+    /// When the relay's loop last turned.
+    pub(crate) last_turn: Mutex<Option<Instant>>,
+    /// How long the loop may go without a turn and still be live.
+    pub(crate) live_limit: Duration,
+    /// Rounds in a row that published nothing of what they took, or could
+    /// not read the outbox.
+    pub(crate) failing_rounds: AtomicU32,
+    /// Whether the last round could not read the outbox.
+    pub(crate) store_failing: AtomicBool,
+    pub(crate) store_answered: AtomicBool,
+    pub(crate) fatal: Mutex<Option<String>>,
+}
+
+/// What a health probe needs to know of a relay; see
+/// [`is_live`](Self::is_live) and [`is_ready`](Self::is_ready).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[non_exhaustive]
+pub struct RelayHealth {
+    /// `run`/`run_until` started and has not returned.
+    pub running: bool,
+    /// How long since the relay's loop last turned.
+    #[serde(rename = "since_last_turn_seconds", serialize_with = "seconds")]
+    pub since_last_turn: Duration,
+    /// The longest the loop may take between turns while healthy (its
+    /// timeouts and waits added up).
+    #[serde(rename = "live_limit_seconds", serialize_with = "seconds")]
+    pub live_limit: Duration,
+    /// Rounds in a row in which nothing got through: the broker refuses
+    /// or is down, only events that fail are pending (a poison event
+    /// holds its key back; other keys go on), or the outbox is so slow
+    /// that a batch's send window ran out before its first send.
+    pub failing_rounds: u32,
+    /// The last round could not read the outbox: the store is being
+    /// waited out.
+    pub outage: bool,
+    /// Whether the outbox has answered since start.
+    pub store_answered: bool,
+    /// Why the relay stopped, if it stopped with an error.
+    pub fatal: Option<String>,
+}
+
+impl RelayHealth {
+    /// For a liveness probe: running, no fatal error, and the loop turned
+    /// within its [`live_limit`](Self::live_limit). Not live: restart it.
+    pub fn is_live(&self) -> bool {
+        self.running && self.fatal.is_none() && self.since_last_turn < self.live_limit
+    }
+
+    /// For a readiness probe: live, the outbox answered, and its last round
+    /// could read it. A broker that refuses the relay shows in
+    /// [`failing_rounds`](Self::failing_rounds), not here: a poison event
+    /// fails rounds the same way, and taking the relay out would not help.
+    pub fn is_ready(&self) -> bool {
+        self.is_live() && self.store_answered && !self.outage
+    }
+}
+
+/// A copy of the counters at one moment.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RelayStatsSnapshot {
+    /// Events the broker acknowledged and the outbox marked sent.
+    pub published: u64,
+    /// Publish attempts that failed (the events stay pending).
+    pub failed: u64,
+    /// Batches finished (each one lease and one marking transaction).
+    pub batches: u64,
+}
+
+impl RelayStats {
+    /// The counters now.
+    pub fn snapshot(&self) -> RelayStatsSnapshot {
+        RelayStatsSnapshot {
+            published: self.published.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+            batches: self.batches.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The relay's health now, for liveness and readiness probes.
+    pub fn health(&self) -> RelayHealth {
+        let last_turn = *self.last_turn.lock().unwrap_or_else(|p| p.into_inner());
+        RelayHealth {
+            running: self.running.load(Ordering::Acquire),
+            since_last_turn: last_turn.map_or(Duration::ZERO, |at| at.elapsed()),
+            live_limit: self.live_limit,
+            failing_rounds: self.failing_rounds.load(Ordering::Acquire),
+            outage: self.store_failing.load(Ordering::Acquire),
+            store_answered: self.store_answered.load(Ordering::Acquire),
+            fatal: self.fatal.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        }
+    }
+
+    pub(crate) fn turned(&self) {
+        *self.last_turn.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+    }
+}
+
+impl fmt::Display for RelayStatsSnapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "published={} failed={} batches={}",
+            self.published, self.failed, self.batches
+        )
     }
 }
 

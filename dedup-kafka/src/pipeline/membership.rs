@@ -4,7 +4,7 @@
 //! the same way in both; each callback contained, so a panic never unwinds
 //! through librdkafka. What a revoke or an assignment does beyond that is
 //! the runtime's: the database runtime hands its revoked partitions' batches
-//! over and commits ([`HandOver`](crate::rebalance::HandOver)); the
+//! over and commits (its `HandOver`, an [`OnRebalance`] of its own); the
 //! Kafka-only one queues the change for its loop, which polls only while no
 //! transaction is open.
 

@@ -4,9 +4,9 @@
 use std::collections::HashSet;
 use std::fmt;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use dedup_core::outbox::{OutboxSource, PublishFailure};
 use rdkafka::producer::{FutureProducer, Producer as _};
@@ -17,6 +17,7 @@ use crate::failpoint::failpoint;
 use crate::metrics::RelayMetrics;
 use crate::pipeline::fatal_error;
 use crate::retry::{Jitter, RetryPolicy};
+use crate::stats::{RelayStats, RelayStatsSnapshot};
 
 mod publish;
 
@@ -256,127 +257,6 @@ impl<S: OutboxSource> RelayBuilder<S> {
 
 /// How often the relay reads its backlog for the gauges.
 const BACKLOG_INTERVAL: Duration = Duration::from_secs(5);
-
-/// Counters of a running relay.
-#[derive(Debug, Default)]
-pub struct RelayStats {
-    published: AtomicU64,
-    failed: AtomicU64,
-    batches: AtomicU64,
-    running: AtomicBool,
-    /// When the relay's loop last turned.
-    last_turn: Mutex<Option<Instant>>,
-    /// How long the loop may go without a turn and still be live.
-    live_limit: Duration,
-    /// Rounds in a row that published nothing of what they took, or could
-    /// not read the outbox.
-    failing_rounds: AtomicU32,
-    /// Whether the last round could not read the outbox.
-    store_failing: AtomicBool,
-    store_answered: AtomicBool,
-    fatal: Mutex<Option<String>>,
-}
-
-/// What a health probe needs to know of a relay; see
-/// [`is_live`](Self::is_live) and [`is_ready`](Self::is_ready).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-#[non_exhaustive]
-pub struct RelayHealth {
-    /// `run`/`run_until` started and has not returned.
-    pub running: bool,
-    /// How long since the relay's loop last turned.
-    #[serde(
-        rename = "since_last_turn_seconds",
-        serialize_with = "crate::stats::seconds"
-    )]
-    pub since_last_turn: Duration,
-    /// The longest the loop may take between turns while healthy (its
-    /// timeouts and waits added up).
-    #[serde(
-        rename = "live_limit_seconds",
-        serialize_with = "crate::stats::seconds"
-    )]
-    pub live_limit: Duration,
-    /// Rounds in a row in which nothing got through: the broker refuses
-    /// or is down, only events that fail are pending (a poison event
-    /// holds its key back; other keys go on), or the outbox is so slow
-    /// that a batch's send window ran out before its first send.
-    pub failing_rounds: u32,
-    /// The last round could not read the outbox: the store is being
-    /// waited out.
-    pub outage: bool,
-    /// Whether the outbox has answered since start.
-    pub store_answered: bool,
-    /// Why the relay stopped, if it stopped with an error.
-    pub fatal: Option<String>,
-}
-
-impl RelayHealth {
-    /// For a liveness probe: running, no fatal error, and the loop turned
-    /// within its [`live_limit`](Self::live_limit). Not live: restart it.
-    pub fn is_live(&self) -> bool {
-        self.running && self.fatal.is_none() && self.since_last_turn < self.live_limit
-    }
-
-    /// For a readiness probe: live, the outbox answered, and its last round
-    /// could read it. A broker that refuses the relay shows in
-    /// [`failing_rounds`](Self::failing_rounds), not here: a poison event
-    /// fails rounds the same way, and taking the relay out would not help.
-    pub fn is_ready(&self) -> bool {
-        self.is_live() && self.store_answered && !self.outage
-    }
-}
-
-/// A copy of the counters at one moment.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct RelayStatsSnapshot {
-    /// Events the broker acknowledged and the outbox marked sent.
-    pub published: u64,
-    /// Publish attempts that failed (the events stay pending).
-    pub failed: u64,
-    /// Batches finished (each one lease and one marking transaction).
-    pub batches: u64,
-}
-
-impl RelayStats {
-    /// The counters now.
-    pub fn snapshot(&self) -> RelayStatsSnapshot {
-        RelayStatsSnapshot {
-            published: self.published.load(Ordering::Relaxed),
-            failed: self.failed.load(Ordering::Relaxed),
-            batches: self.batches.load(Ordering::Relaxed),
-        }
-    }
-
-    /// The relay's health now, for liveness and readiness probes.
-    pub fn health(&self) -> RelayHealth {
-        let last_turn = *self.last_turn.lock().unwrap_or_else(|p| p.into_inner());
-        RelayHealth {
-            running: self.running.load(Ordering::Acquire),
-            since_last_turn: last_turn.map_or(Duration::ZERO, |at| at.elapsed()),
-            live_limit: self.live_limit,
-            failing_rounds: self.failing_rounds.load(Ordering::Acquire),
-            outage: self.store_failing.load(Ordering::Acquire),
-            store_answered: self.store_answered.load(Ordering::Acquire),
-            fatal: self.fatal.lock().unwrap_or_else(|p| p.into_inner()).clone(),
-        }
-    }
-
-    fn turned(&self) {
-        *self.last_turn.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
-    }
-}
-
-impl fmt::Display for RelayStatsSnapshot {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "published={} failed={} batches={}",
-            self.published, self.failed, self.batches
-        )
-    }
-}
 
 /// Publishes an outbox's events to Kafka: the other half of exactly-once
 /// along a chain of services.

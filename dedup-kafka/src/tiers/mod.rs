@@ -13,19 +13,19 @@
 //! Failures that are the environment's (an outage, a timeout) never go to a
 //! tier: they are waited out in place.
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
+use rdkafka::message::{Message as _, OwnedMessage};
 
+mod checks;
 mod trust;
+
+pub(crate) use checks::{check_topics, refuse_short_ttl};
 
 pub(crate) use trust::{Claimed, FORGED, forged};
 pub use trust::{RETRY_SIGNATURE_HEADER, TierKey};
 
 use crate::Error;
-use crate::partition::Runtime;
-use crate::partition::state::Partition;
 
 /// Which tier a record is in (its name).
 pub const RETRY_TIER_HEADER: &str = "dedup.retry.tier";
@@ -135,6 +135,7 @@ pub struct RetryTiers {
     read: ReadTiers,
     hold_keys: bool,
     key: Option<TierKey>,
+    require_signatures: bool,
 }
 
 /// Attempts in place before an event moves on, by default, in the
@@ -208,6 +209,7 @@ impl RetryTiers {
             read: ReadTiers::Here,
             hold_keys: false,
             key: None,
+            require_signatures: true,
         })
     }
 
@@ -233,6 +235,18 @@ impl RetryTiers {
     /// (as Spring Kafka's retry topics do).
     pub fn hold_keys(mut self, hold: bool) -> Self {
         self.hold_keys = hold;
+        self
+    }
+
+    /// Whether a tier's record, or a copy released home, without a valid
+    /// signature of the [`signing_key`](Self::signing_key) is dead-lettered
+    /// (default: true). Set it false while a key is rolled out or changed:
+    /// moves are signed, signatures are not checked (the other checks
+    /// still are). Once every process signs with the key and the records
+    /// moved before have left the tiers (the tiers' delays together after
+    /// the last process was deployed), set it back.
+    pub fn require_signatures(mut self, require: bool) -> Self {
+        self.require_signatures = require;
         self
     }
 
@@ -283,6 +297,7 @@ impl RetryTiers {
             order_by,
             attempts: self.attempts.unwrap_or(attempts),
             key: self.key.clone(),
+            require_signatures: self.require_signatures,
             tiers: self
                 .tiers
                 .iter()
@@ -307,8 +322,10 @@ pub(crate) struct TopicTiers {
     /// What orders the handled topic's events (the key held).
     pub(crate) order_by: crate::OrderBy,
     pub(crate) attempts: u32,
-    /// Signs and checks the tiers' records.
+    /// Signs the tiers' records.
     pub(crate) key: Option<TierKey>,
+    /// Whether records without its signature are forged.
+    pub(crate) require_signatures: bool,
     pub(crate) tiers: Vec<TierTopic>,
 }
 
@@ -319,6 +336,15 @@ pub(crate) struct TierTopic {
     pub(crate) topic: String,
     pub(crate) delay: Duration,
     pub(crate) key: Option<TierKey>,
+}
+
+impl TopicTiers {
+    /// Whether `msg`, read as `claimed`, has tier headers that are not its
+    /// own (`trust::forged`), with the signature checked if required.
+    pub(crate) fn forged(&self, msg: &OwnedMessage, claimed: Claimed<'_>) -> Option<String> {
+        let checking = self.key.as_ref().filter(|_| self.require_signatures);
+        forged(msg, claimed, checking)
+    }
 }
 
 impl TierTopic {
@@ -336,14 +362,26 @@ impl TierTopic {
         from_headers: bool,
         attempts: u32,
         due_ms: i64,
-    ) -> crate::dlq::Moved<'_> {
-        crate::dlq::Moved {
+    ) -> Moved<'_> {
+        Moved {
             tier: &self.name,
             due_ms,
             attempts: attempts_before(msg, from_headers).saturating_add(attempts),
             key: self.key.as_ref(),
         }
     }
+}
+
+/// A move to a retry tier.
+pub(crate) struct Moved<'a> {
+    /// The tier's name.
+    pub(crate) tier: &'a str,
+    /// When the moved record is due (ms since the Unix epoch).
+    pub(crate) due_ms: i64,
+    /// Attempts in all so far, across the origin and the tiers.
+    pub(crate) attempts: u32,
+    /// Signs the moved record, if the tiers have a key.
+    pub(crate) key: Option<&'a TierKey>,
 }
 
 /// Where a route stands among its topic's tiers: the handled topic
@@ -430,144 +468,21 @@ pub(crate) fn now_ms() -> i64 {
 }
 
 /// How long until a tier's record is due; zero if it is, or says no due
-/// time. Never longer than its tier's `delay`: a record moved there was due
-/// at most that long after its move, so a later due time (a forged header,
-/// or a clock that jumped back) would only stall the tier's partition.
+/// time. Never later than its tier's `delay` after the record was written
+/// (its timestamp: the move's time): a later due time (a forged header, a
+/// clock that jumped back) would only stall the tier's partition. The bound
+/// is a fixed time, so reading the record again after a pause does not
+/// move it; a timestamp ahead of this clock is refused (`trust::forged`).
 pub(crate) fn due_in(msg: &OwnedMessage, delay: Duration) -> Duration {
     let Some(due) = header(msg, RETRY_DUE_HEADER).and_then(|d| d.parse::<i64>().ok()) else {
         return Duration::ZERO;
     };
-    Duration::from_millis(due.saturating_sub(now_ms()).max(0) as u64).min(delay)
-}
-
-/// The start-up check: each retry tier's topic exists with at least as
-/// many partitions as its handled topic (a move keeps its origin's
-/// partition), exactly as many if `exact` (the Kafka-only runtime reads a
-/// tier's partition with its input's). A handled topic that cannot be read
-/// is left to the consumer; a broker that does not answer is only warned
-/// about.
-pub(crate) async fn check_topics(
-    admin: &rdkafka::ClientConfig,
-    tiers: Vec<std::sync::Arc<TopicTiers>>,
-    exact: bool,
-) -> Result<(), Error> {
-    if tiers.is_empty() {
-        return Ok(());
-    }
-    let admin = admin.clone();
-    let counted = tokio::task::spawn_blocking(move || {
-        let client: rdkafka::consumer::BaseConsumer = admin.create()?;
-        let mut out = Vec::new();
-        for topic in &tiers {
-            let count = |name: &str| -> Result<usize, rdkafka::error::KafkaError> {
-                let metadata = rdkafka::consumer::Consumer::fetch_metadata(
-                    &client,
-                    Some(name),
-                    Duration::from_secs(10),
-                )?;
-                let Some(topic) = metadata.topics().iter().find(|t| t.name() == name) else {
-                    return Ok(0);
-                };
-                match topic.error() {
-                    None => Ok(topic.partitions().len()),
-                    Some(
-                        rdkafka::types::RDKafkaRespErr::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART,
-                    ) => Ok(0),
-                    // Not authorized, no leader yet...: not known to be missing.
-                    Some(e) => Err(rdkafka::error::KafkaError::MetadataFetch(e.into())),
-                }
-            };
-            let origin = count(&topic.origin)?;
-            for tier in &topic.tiers {
-                out.push((
-                    topic.origin.clone(),
-                    origin,
-                    tier.topic.clone(),
-                    count(&tier.topic)?,
-                ));
-            }
-        }
-        Ok::<_, rdkafka::error::KafkaError>(out)
-    })
-    .await
-    .map_err(|e| Error::Fatal(format!("checking the retry tiers' topics: {e}")))?;
-    let counted = match counted {
-        Ok(counted) => counted,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot check the retry tiers' topics");
-            return Ok(());
-        }
+    let delay_ms = delay.as_millis().min(i64::MAX as u128) as i64;
+    let latest = match msg.timestamp().to_millis() {
+        Some(written) => written.saturating_add(delay_ms),
+        None => now_ms().saturating_add(delay_ms),
     };
-    for (origin, partitions, tier, has) in counted {
-        if partitions == 0 {
-            continue;
-        }
-        if has < partitions || (exact && has != partitions) {
-            let what = match has {
-                0 => "does not exist".to_owned(),
-                n => format!("has {n} partitions"),
-            };
-            let why = match exact {
-                true => "a tier's partition is read with its input partition",
-                false => "a move keeps its origin's partition",
-            };
-            return Err(Error::Config(format!(
-                "the retry tier's topic {tier:?} {what}: create it with {partitions} \
-                 partitions, as many as {origin:?} ({why})"
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// Refuses handler `scope`'s TTL when it is not longer than an event's way
-/// through its topic's tiers: the tiers' delays together, and under key
-/// hold-back one more round of the last tier (an event that follows
-/// another may wait a round there after the one it follows finishes).
-/// Its claim (and its hold record) would then expire while the event
-/// waits in a tier: a duplicate applied at the origin meanwhile would have
-/// lapsed when the tier's copy is applied, which is applied again, and a
-/// lapsed hold would let the key's later events pass it.
-pub(crate) fn refuse_short_ttl(
-    scope: &str,
-    ttl: dedup_core::Ttl,
-    tiers: &TopicTiers,
-) -> Result<(), Error> {
-    let mut legs: Vec<Duration> = tiers.tiers.iter().map(|t| t.delay).collect();
-    if tiers.hold_keys
-        && let Some(last) = legs.last().copied()
-    {
-        legs.push(last);
-    }
-    let path: Duration = legs.iter().sum();
-    if ttl.as_duration() > path {
-        return Ok(());
-    }
-    let sum = legs
-        .iter()
-        .map(|d| shown(*d))
-        .collect::<Vec<_>>()
-        .join(" + ");
-    let hold = match tiers.hold_keys {
-        true => ", the last counted twice under key hold-back",
-        false => "",
-    };
-    Err(Error::Config(format!(
-        "handler {scope:?} of {:?}: its TTL {ttl} is not longer than the way through its retry \
-         tiers ({sum} = {}{hold}): a claim would expire while its event waits in a tier, and \
-         a duplicate could be applied twice; give the TTL more than {} or shorten the tiers",
-        tiers.origin,
-        shown(path),
-        shown(path),
-    )))
-}
-
-/// A delay in the TTL grammar (`1h5m30s`) where it is whole seconds.
-fn shown(delay: Duration) -> String {
-    match dedup_core::Ttl::from_secs(delay.as_secs()) {
-        Some(ttl) if delay.subsec_nanos() == 0 => ttl.to_string(),
-        _ => format!("{delay:?}"),
-    }
+    Duration::from_millis(due.min(latest).saturating_sub(now_ms()).max(0) as u64)
 }
 
 /// Waits shorter than this do not pause a tier's partition: the database
@@ -575,58 +490,18 @@ fn shown(delay: Duration) -> String {
 /// early.
 pub(crate) const PAUSE_FROM: Duration = Duration::from_millis(200);
 
-/// Waits until `msg`, the next record of a tier's partition, is due: the
-/// partition is paused at the broker meanwhile (nothing more is fetched of
-/// it) and resumed after. `false` if the consumer stops or the partition
-/// is revoked or released first.
-pub(crate) async fn until_due<S>(
-    shared: &Runtime<S>,
-    partition: &Partition,
-    msg: &OwnedMessage,
-    delay: Duration,
-) -> bool {
-    let wait = due_in(msg, delay);
-    if wait.is_zero() {
-        return true;
-    }
-    // A short wait is slept: pausing would make librdkafka drop and fetch
-    // again what it had fetched of the partition.
-    if wait < PAUSE_FROM {
-        return crate::partition::wait_unless_stopped(shared, partition, wait).await;
-    }
-    tracing::debug!(
-        offset = msg.offset(),
-        ?wait,
-        "waiting until the tier's record is due"
-    );
-    partition.due_wait.store(true, Ordering::SeqCst);
-    partition.due_at_ms.store(
-        now_ms().saturating_add(wait.as_millis() as i64),
-        Ordering::Relaxed,
-    );
-    // The consumer loop pauses and resumes it: only it calls librdkafka's
-    // pause and resume, in the order they are asked for.
-    let ask = |pace| {
-        let _ = shared
-            .drained
-            .send((partition.topic.clone(), partition.partition, pace));
-    };
-    ask(crate::partition::Pace::WaitDue);
-    let due = crate::partition::wait_unless_stopped(shared, partition, wait).await;
-    partition.due_wait.store(false, Ordering::SeqCst);
-    partition.due_at_ms.store(0, Ordering::Relaxed);
-    // Resumed unless its queue is still over half its bound (then the
-    // worker asks again once it has drained).
-    ask(crate::partition::Pace::Drained);
-    due
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use rdkafka::message::{Header, OwnedHeaders};
 
+    /// A tier's record written (moved) now.
     fn message(headers: &[(&str, &str)]) -> OwnedMessage {
+        message_at(now_ms(), headers)
+    }
+
+    /// A tier's record written at `written` (ms).
+    fn message_at(written: i64, headers: &[(&str, &str)]) -> OwnedMessage {
         let mut owned = OwnedHeaders::new();
         for (key, value) in headers {
             owned = owned.insert(Header {
@@ -638,7 +513,7 @@ mod tests {
             Some(b"{}".to_vec()),
             None,
             "payments.retry-30s".into(),
-            rdkafka::Timestamp::CreateTime(1_000),
+            rdkafka::Timestamp::CreateTime(written),
             3,
             17,
             Some(owned),
@@ -688,35 +563,6 @@ mod tests {
         assert_eq!(own.topic_for("orders"), "orders.later.q");
     }
 
-    /// A TTL the tiers' way can outlive is refused, with the sum in the
-    /// error; under key hold-back the last tier counts twice.
-    #[test]
-    fn a_ttl_not_longer_than_the_tiers_way_is_refused() {
-        let ttl = |s: &str| dedup_core::Ttl::parse(s).unwrap();
-        let tiers = RetryTiers::new(["30s", "5m", "1h"]).unwrap();
-        let of = tiers.of("payments", crate::OrderBy::default(), 1);
-        let err = refuse_short_ttl("pay", ttl("1h"), &of)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            err.contains("TTL 1h is not longer") && err.contains("30s + 5m + 1h = 1h5m30s"),
-            "{err}"
-        );
-        assert!(
-            refuse_short_ttl("pay", ttl("1h5m30s"), &of).is_err(),
-            "equal"
-        );
-        assert!(refuse_short_ttl("pay", ttl("1h5m31s"), &of).is_ok());
-        let held = tiers
-            .hold_keys(true)
-            .of("payments", crate::OrderBy::default(), 1);
-        let err = refuse_short_ttl("pay", ttl("2h"), &held)
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("30s + 5m + 1h + 1h = 2h5m30s"), "{err}");
-        assert!(refuse_short_ttl("pay", ttl("3h"), &held).is_ok());
-    }
-
     #[test]
     fn a_tiers_record_says_its_origin_attempts_and_due_time() {
         let moved = message(&[
@@ -752,11 +598,19 @@ mod tests {
         );
         let past = message(&[(RETRY_DUE_HEADER, "5")]);
         assert_eq!(due_in(&past, Duration::MAX), Duration::ZERO);
-        let far = message(&[(RETRY_DUE_HEADER, &(now_ms() + 86_400_000).to_string())]);
+        // Never later than the tier's delay after the record was written,
+        // whatever its due time says, and read again later the bound stays.
+        let a_day = (now_ms() + 86_400_000).to_string();
+        let far = message(&[(RETRY_DUE_HEADER, &a_day)]);
+        let wait = due_in(&far, Duration::from_secs(30));
+        assert!(
+            wait > Duration::from_secs(29) && wait <= Duration::from_secs(30),
+            "{wait:?}"
+        );
+        let written_long_ago = message_at(now_ms() - 3_600_000, &[(RETRY_DUE_HEADER, &a_day)]);
         assert_eq!(
-            due_in(&far, Duration::from_secs(30)),
-            Duration::from_secs(30),
-            "never longer than the tier's delay"
+            due_in(&written_long_ago, Duration::from_secs(30)),
+            Duration::ZERO
         );
     }
 }

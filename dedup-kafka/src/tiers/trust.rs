@@ -116,8 +116,9 @@ impl TierKey {
         mac.iter().map(|b| format!("{b:02x}")).collect()
     }
 
-    /// Whether `msg` carries this key's signature of itself.
-    pub(crate) fn signed(&self, msg: &OwnedMessage) -> bool {
+    /// Whether `msg` carries this key's signature of itself (in
+    /// [`RETRY_SIGNATURE_HEADER`]).
+    pub fn verifies(&self, msg: &OwnedMessage) -> bool {
         let Some(hex) = last(msg.headers(), RETRY_SIGNATURE_HEADER) else {
             return false;
         };
@@ -172,13 +173,18 @@ pub(super) fn last<'h, H: Headers>(headers: Option<&'h H>, name: &str) -> Option
 }
 
 fn from_hex(hex: &[u8]) -> Option<Vec<u8>> {
-    if !hex.len().is_multiple_of(2) {
+    if !hex.len().is_multiple_of(2) || !hex.iter().all(u8::is_ascii_hexdigit) {
         return None;
     }
     hex.chunks(2)
         .map(|pair| u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok())
         .collect()
 }
+
+/// How far a tier's record's timestamp (its move's time, on the moving
+/// process's clock) may be ahead of the reader's clock: its due time is
+/// bounded by it (`tiers::due_in`).
+const MAX_AHEAD_MS: i64 = 5 * 60 * 1000;
 
 /// What a record with tier headers says it is.
 #[derive(Debug, Clone, Copy)]
@@ -218,6 +224,16 @@ pub(crate) fn forged(
                     msg.partition(),
                     msg.topic()
                 ))
+            } else if let Some(ahead) = msg
+                .timestamp()
+                .to_millis()
+                .map(|t| t - super::now_ms())
+                .filter(|ahead| *ahead > MAX_AHEAD_MS)
+            {
+                Some(format!(
+                    "its timestamp is {} s ahead of this consumer's clock",
+                    ahead / 1000
+                ))
             } else if text(RETRY_TIER_HEADER) != Some(tier) {
                 Some(format!(
                     "its {RETRY_TIER_HEADER} is {:?}, not {tier:?}, the tier it was read from",
@@ -243,7 +259,7 @@ pub(crate) fn forged(
         return wrong;
     }
     match key {
-        Some(key) if !key.signed(msg) => Some(format!(
+        Some(key) if !key.verifies(msg) => Some(format!(
             "its {RETRY_SIGNATURE_HEADER} is missing or does not match the consumer's tier key \
              (it names {named})"
         )),
@@ -254,7 +270,8 @@ pub(crate) fn forged(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dlq::{DeadLetter, Moved, headers};
+    use crate::dlq::{DeadLetter, headers};
+    use crate::tiers::Moved;
     use crate::tiers::Origin;
     use rdkafka::message::{Header, OwnedHeaders};
 
@@ -332,7 +349,7 @@ mod tests {
         let original = record("payments", 2, 41, OwnedHeaders::new());
         let key = key();
         let signed = moved(&original, Some(&key));
-        assert!(key.signed(&signed));
+        assert!(key.verifies(&signed));
         assert_eq!(forged(&signed, TIER, Some(&key)), None);
         // Unsigned, it passes only without a key.
         let unsigned = moved(&original, None);
@@ -341,7 +358,7 @@ mod tests {
         assert!(why.contains("dedup.retry.signature"), "{why}");
         // Another key's signature is no signature.
         let other = TierKey::new("another key of sixteen+ bytes").expect("key");
-        assert!(!other.signed(&signed));
+        assert!(!other.verifies(&signed));
     }
 
     /// Every header that steers the runtime, the key and the payload are
@@ -353,7 +370,7 @@ mod tests {
         let signed = moved(&original, Some(&key));
         for name in SIGNED {
             let changed = record("payments.retry-30s", 2, 7, with(&signed, name, Some("9")));
-            assert!(!key.signed(&changed), "{name} changed");
+            assert!(!key.verifies(&changed), "{name} changed");
         }
         let dropped = record(
             "payments.retry-30s",
@@ -361,7 +378,7 @@ mod tests {
             7,
             with(&signed, ORIGIN_HEADERS[3], None),
         );
-        assert!(!key.signed(&dropped), "a header left out");
+        assert!(!key.verifies(&dropped), "a header left out");
         let other_payload = OwnedMessage::new(
             Some(br#"{"event_id":"e2"}"#.to_vec()),
             Some(b"acct-1".to_vec()),
@@ -371,7 +388,7 @@ mod tests {
             7,
             signed.headers().cloned(),
         );
-        assert!(!key.signed(&other_payload), "another payload");
+        assert!(!key.verifies(&other_payload), "another payload");
         let other_key = OwnedMessage::new(
             signed.payload().map(<[u8]>::to_vec),
             Some(b"acct-2".to_vec()),
@@ -381,14 +398,14 @@ mod tests {
             7,
             signed.headers().cloned(),
         );
-        assert!(!key.signed(&other_key), "another record key");
+        assert!(!key.verifies(&other_key), "another record key");
         let garbage = record(
             "payments.retry-30s",
             2,
             7,
             with(&signed, RETRY_SIGNATURE_HEADER, Some("zz")),
         );
-        assert!(!key.signed(&garbage));
+        assert!(!key.verifies(&garbage));
     }
 
     /// Without a key, tier headers are read only where they fit: a tier's
@@ -421,6 +438,17 @@ mod tests {
             forged(&moved_partition, TIER, None).is_some(),
             "another partition"
         );
+        let ahead = OwnedMessage::new(
+            good.payload().map(<[u8]>::to_vec),
+            None,
+            "payments.retry-30s".into(),
+            rdkafka::Timestamp::CreateTime(super::super::now_ms() + 3_600_000),
+            2,
+            7,
+            good.headers().cloned(),
+        );
+        let why = forged(&ahead, TIER, None).expect("written an hour from now");
+        assert!(why.contains("ahead of this consumer's clock"), "{why}");
         let bare = record("payments.retry-30s", 2, 7, OwnedHeaders::new());
         let why = forged(&bare, TIER, None).expect("no origin");
         assert!(why.contains("missing"), "{why}");
@@ -443,6 +471,34 @@ mod tests {
         assert!(
             forged(&released(2, 90), Claimed::Released, Some(&key)).is_some(),
             "unsigned, with a key"
+        );
+    }
+
+    /// While a key is rolled out, moves are signed and signatures not
+    /// required; the other checks still hold.
+    #[test]
+    fn signatures_can_be_made_before_they_are_required() {
+        let original = record("payments", 2, 41, OwnedHeaders::new());
+        let tiers = |require| {
+            crate::RetryTiers::new(["30s"])
+                .expect("tiers")
+                .signing_key(key())
+                .require_signatures(require)
+                .of("payments", crate::OrderBy::default(), 1)
+        };
+        let unsigned = moved(&original, None);
+        assert!(tiers(true).forged(&unsigned, TIER).is_some());
+        assert_eq!(tiers(false).forged(&unsigned, TIER), None);
+        let elsewhere = Claimed::Tier {
+            origin: "orders",
+            tier: "30s",
+        };
+        assert!(tiers(false).forged(&unsigned, elsewhere).is_some());
+        let signed = moved(&original, tiers(false).tiers[0].key.as_ref());
+        assert_eq!(
+            tiers(true).forged(&signed, TIER),
+            None,
+            "signed by the moves"
         );
     }
 

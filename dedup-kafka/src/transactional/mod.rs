@@ -355,7 +355,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 }
             }
             self.apply_changes(&consumer, &mut states, &mut batch, &mut waiting);
-            waiting.hold_undue(&consumer, &self.topics, self.tiers.as_deref(), &mut batch)?;
+            waiting.hold_undue(
+                &consumer,
+                &self.topics,
+                self.tiers.as_deref(),
+                |m| self.forged(m).is_some(),
+                &mut batch,
+            )?;
             held.count(batch.len());
             let restored = tokio::select! {
                 restored = self.restore_assigned(&consumer, &mut states, &batch, &mut jitter, &stop_rx) => restored?,

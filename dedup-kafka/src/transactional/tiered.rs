@@ -81,8 +81,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// they are not (`tiers::forged`): it is then dead-lettered as itself.
     pub(super) fn forged(&self, msg: &OwnedMessage) -> Option<String> {
         let claimed = self.claimed(msg)?;
-        let key = self.tiers.as_ref().and_then(|t| t.key.as_ref());
-        crate::tiers::forged(msg, claimed, key)
+        self.tiers.as_ref()?.forged(msg, claimed)
     }
 
     /// Where `msg` came from before any move.
@@ -182,12 +181,13 @@ impl Waiting {
     /// one not yet due (or each record of a parked partition): the
     /// partition is paused and sought back to that record, so nothing more
     /// of it is fetched until it is due. Records of the input are never
-    /// held.
+    /// held, nor are records whose tier headers are `forged`.
     pub(super) fn hold_undue(
         &mut self,
         consumer: &StreamConsumer<Membership>,
         topics: &Topics,
         tiers: Option<&crate::tiers::TopicTiers>,
+        forged: impl Fn(&OwnedMessage) -> bool,
         batch: &mut Vec<OwnedMessage>,
     ) -> Result<(), Error> {
         let mut cut: BTreeMap<Lane, (i64, Option<i64>)> = BTreeMap::new();
@@ -198,6 +198,11 @@ impl Waiting {
             }
             if self.parked.contains(&lane) {
                 cut.insert(lane, (msg.offset(), None));
+                continue;
+            }
+            // One whose tier headers are forged is not waited for: it is
+            // dead-lettered as it comes.
+            if forged(msg) {
                 continue;
             }
             let delay = tiers.map_or(Duration::ZERO, |t| t.tiers[lane.topic - 1].delay);

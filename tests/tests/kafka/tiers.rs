@@ -773,7 +773,23 @@ async fn forged_tier_headers_are_dead_lettered_and_release_nothing(pool: PgPool)
         "{originals:?}"
     );
 
-    // The operator releases them with the key: applied now, in order.
+    // Behind them in the tier (so still waiting when the operator acts),
+    // an unsigned record naming acct-bad's second payment (offset 2) as
+    // its origin: signed by the CLI, it would release that payment's hold.
+    let mut planted = origin(2);
+    planted.push(("dedup.retry.tier", "1m".to_owned()));
+    let planted_payload = timed("acct-bad", 98);
+    produce(
+        &producer,
+        &tier,
+        "acct-bad",
+        &planted_payload,
+        Some(headers(&planted)),
+    )
+    .await;
+
+    // The operator releases them with the key: applied now, in order; the
+    // planted record is refused, neither signed nor sent.
     let key_path = key_file.to_str().expect("utf-8 path");
     let released = dedup_cli(&[
         "--json",
@@ -791,6 +807,16 @@ async fn forged_tier_headers_are_dead_lettered_and_release_nothing(pool: PgPool)
     assert_eq!(
         released["released"].as_array().map(Vec::len),
         Some(2),
+        "{released:#}"
+    );
+    assert_eq!(
+        released["refused"].as_array().map(Vec::len),
+        Some(1),
+        "{released:#}"
+    );
+    assert_eq!(
+        released["refused"][0]["record"],
+        format!("{tier}/0/3"),
         "{released:#}"
     );
     running

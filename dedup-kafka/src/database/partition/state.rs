@@ -50,7 +50,7 @@ pub(crate) struct Partition {
     /// Under key hold-back, what the origin partition's worker knows of
     /// its keys held by events in retry tiers; read at its first need.
     /// By the scope of their records.
-    pub(crate) holds: Mutex<HashMap<String, crate::hold::Held>>,
+    pub(crate) holds: Mutex<HashMap<String, crate::database::hold::Held>>,
     pub(crate) sender: mpsc::UnboundedSender<OwnedMessage>,
 }
 

@@ -12,9 +12,9 @@ use rdkafka::ClientConfig;
 
 use crate::Error;
 use crate::config::{self, ClientSettings, Settings, redacted};
-use crate::consumer::Consumer;
+use crate::database::consumer::Consumer;
+use crate::database::route::Route;
 use crate::retry::RetryPolicy;
-use crate::route::Route;
 use crate::stats::StatsSnapshot;
 
 /// Builds a [`Consumer`]: brokers, group, topic -> handler routes, and any
@@ -199,7 +199,9 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self.route(
             topic.into(),
             None,
-            crate::route::Effect::Transactional(Arc::new(crate::route::Erased(Arc::new(handler)))),
+            crate::database::route::Effect::Transactional(Arc::new(
+                crate::database::route::Erased(Arc::new(handler)),
+            )),
         )
     }
 
@@ -225,7 +227,9 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self.route(
             topic.into(),
             Some(event_type),
-            crate::route::Effect::Transactional(Arc::new(crate::route::Erased(Arc::new(handler)))),
+            crate::database::route::Effect::Transactional(Arc::new(
+                crate::database::route::Erased(Arc::new(handler)),
+            )),
         )
     }
 
@@ -243,7 +247,9 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self.route(
             topic.into(),
             Some(event_type),
-            crate::route::Effect::Leased(Arc::new(crate::route::Leased(handler))),
+            crate::database::route::Effect::Leased(Arc::new(crate::database::route::Leased(
+                handler,
+            ))),
         )
     }
 
@@ -261,7 +267,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         mut self,
         topic: String,
         event_type: Option<crate::EventType>,
-        handler: crate::route::Effect<S>,
+        handler: crate::database::route::Effect<S>,
     ) -> Self {
         self.routes.push(Route {
             dead_letter_topic: format!("{topic}.dlq"),
@@ -290,7 +296,9 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self.route(
             topic.into(),
             None,
-            crate::route::Effect::Leased(Arc::new(crate::route::Leased(handler))),
+            crate::database::route::Effect::Leased(Arc::new(crate::database::route::Leased(
+                handler,
+            ))),
         )
     }
 
@@ -605,8 +613,10 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             Some(Err(why)) => return Err(Error::Config(why)),
             Some(Ok(tiers)) => with_tiers(routes, &tiers)?,
         };
+        // Every route with tiers: with ReadTiers::Only there are only the
+        // tiers' own.
         for route in routes.iter().flat_map(|t| t.handlers()) {
-            if let Some(place) = route.tiers.as_ref().filter(|p| !p.is_tier()) {
+            if let Some(place) = &route.tiers {
                 crate::tiers::refuse_short_ttl(
                     route.handler.scope(),
                     route.handler.ttl(),
@@ -672,9 +682,9 @@ impl<S: DedupStore> ConsumerBuilder<S> {
 /// topic's routes know their tiers, and (unless another process reads
 /// them) each tier has routes of its own; with [`ReadTiers::Only`](crate::ReadTiers::Only), only those.
 fn with_tiers<S: DedupStore>(
-    routes: Vec<crate::route::TopicRoutes<S>>,
+    routes: Vec<crate::database::route::TopicRoutes<S>>,
     tiers: &crate::RetryTiers,
-) -> Result<Vec<crate::route::TopicRoutes<S>>, Error> {
+) -> Result<Vec<crate::database::route::TopicRoutes<S>>, Error> {
     use crate::ReadTiers;
     let handled: HashSet<String> = routes.iter().map(|t| t.topic.clone()).collect();
     let mut out = Vec::new();
@@ -717,7 +727,7 @@ fn topic_routes<S: DedupStore>(
     routes: Vec<Route<S>>,
     other_types: &HashMap<String, crate::OtherTypes>,
     group: &str,
-) -> Result<Vec<crate::route::TopicRoutes<S>>, Error> {
+) -> Result<Vec<crate::database::route::TopicRoutes<S>>, Error> {
     let mut by_topic: Vec<(String, Vec<Route<S>>)> = Vec::new();
     for route in routes {
         match by_topic.iter_mut().find(|(t, _)| *t == route.topic) {
@@ -743,7 +753,7 @@ fn topic_routes<S: DedupStore>(
                      handle_type(topic, EventType::header(..) or EventType::field(..), handler)"
                 )));
             }
-            out.push(crate::route::TopicRoutes::one(routes.remove(0)));
+            out.push(crate::database::route::TopicRoutes::one(routes.remove(0)));
             continue;
         }
         if routes.iter().any(|r| r.event_type.is_none()) {
@@ -782,20 +792,24 @@ fn topic_routes<S: DedupStore>(
             event_type: None,
             dead_letter_topic: routes[0].dead_letter_topic.clone(),
             tiers: None,
-            handler: crate::route::Effect::Leased(Arc::new(crate::route::Unrouted {
-                // The group's own: another group of the same store that
-                // leaves the same types unhandled dead-letters them too,
-                // to its own topic.
-                scope: format!("dedup.unrouted/{group}/{topic}"),
-                topic: topic.clone(),
-                by: by.clone(),
-                known,
-                ttl,
-            })),
+            handler: crate::database::route::Effect::Leased(Arc::new(
+                crate::database::route::Unrouted {
+                    // The group's own: another group of the same store that
+                    // leaves the same types unhandled dead-letters them too,
+                    // to its own topic.
+                    scope: format!("dedup.unrouted/{group}/{topic}"),
+                    topic: topic.clone(),
+                    by: by.clone(),
+                    known,
+                    ttl,
+                },
+            )),
             metrics: std::sync::OnceLock::new(),
         };
         let skip = other_types.get(&topic) == Some(&crate::OtherTypes::Skip);
-        out.push(crate::route::TopicRoutes::typed(by, routes, others, skip));
+        out.push(crate::database::route::TopicRoutes::typed(
+            by, routes, others, skip,
+        ));
     }
     Ok(out)
 }

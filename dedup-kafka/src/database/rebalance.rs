@@ -10,7 +10,7 @@ use rdkafka::TopicPartitionList;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer as _, ConsumerContext};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 
-use crate::partition::state::{Partition, PartitionMap, lock};
+use crate::database::partition::state::{Partition, PartitionMap, lock};
 use crate::pipeline::membership::{Membership, OnRebalance, contained};
 
 /// The database runtime's rebalance: a revoke hands the revoked

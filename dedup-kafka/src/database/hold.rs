@@ -22,11 +22,11 @@ use std::collections::{BTreeSet, HashMap};
 
 use dedup_core::{DedupKey, DedupStore};
 
-use crate::partition::Runtime;
-use crate::partition::state::Partition;
+use crate::database::partition::Runtime;
+use crate::database::partition::state::Partition;
+use crate::database::route::Route;
 use crate::pipeline::keyed::OrderKey;
 use crate::retry::Jitter;
-use crate::route::Route;
 use crate::tiers::Origin;
 
 /// Per ordering key, the origin offsets of its events in the tiers.
@@ -103,7 +103,7 @@ async fn read<S: DedupStore>(
     only: Option<OrderKey>,
     jitter: &mut Jitter,
 ) -> Option<Held> {
-    let ids = crate::dead_letter::recorded_from(shared, partition, from, jitter).await?;
+    let ids = crate::database::dead_letter::recorded_from(shared, partition, from, jitter).await?;
     let mut ids: Vec<String> = ids.into_iter().collect();
     ids.sort_unstable();
     Some(held_in(&ids, only))
@@ -178,7 +178,7 @@ pub(crate) async fn let_out<S: DedupStore>(
     jitter: &mut Jitter,
 ) -> bool {
     let out = out_record(&shared.group, origin, key);
-    crate::dead_letter::record_all(shared, route, &[out], true, jitter).await
+    crate::database::dead_letter::record_all(shared, route, &[out], true, jitter).await
 }
 
 #[cfg(test)]

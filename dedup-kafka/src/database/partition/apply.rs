@@ -12,7 +12,8 @@ use rdkafka::message::{Message as _, OwnedMessage};
 use tracing::Instrument;
 
 use crate::config::OnFingerprintMismatch;
-use crate::dead_letter::{self as dead_letters, dead_letter};
+use crate::database::dead_letter::{self as dead_letters, dead_letter};
+use crate::database::route::{Before, ErasedHandler, Route};
 use crate::failpoint::failpoint;
 use crate::metrics::RetryReason;
 use crate::pipeline::attempt::{self, AttemptTimedOut, Ran};
@@ -20,7 +21,6 @@ use crate::pipeline::decision::{Decision, Fault};
 use crate::pipeline::outage::Retrying;
 use crate::pipeline::{error_chain, meta_of};
 use crate::retry::Jitter;
-use crate::route::{Before, ErasedHandler, Route};
 
 use super::state::Partition;
 use super::{Runtime, wait_unless_stopped};
@@ -95,7 +95,9 @@ pub(super) async fn process_batch<S: DedupStore>(
                 bad.push((i, Unprepared::Follow(earlier)));
                 continue;
             }
-            match crate::hold::earlier(shared, route, partition, &origin, key, jitter).await {
+            match crate::database::hold::earlier(shared, route, partition, &origin, key, jitter)
+                .await
+            {
                 None => return 0,
                 Some(Some(earlier)) => {
                     following.insert(key, origin.offset);
@@ -384,7 +386,7 @@ pub(super) async fn process<S: DedupStore>(
         );
     };
     let origin = route.origin(msg);
-    match crate::hold::earlier(shared, route, partition, &origin, key, jitter).await {
+    match crate::database::hold::earlier(shared, route, partition, &origin, key, jitter).await {
         None => return false,
         Some(Some(earlier)) => {
             let why = route.follow(msg, earlier);
@@ -399,7 +401,7 @@ pub(super) async fn process<S: DedupStore>(
         // until that is recorded it is not finished (a redelivery is
         // skipped by its claim and lets the key go then).
         Ended::Here if route.in_tier() || route.released(msg) => {
-            crate::hold::let_out(shared, route, &origin, key, jitter).await
+            crate::database::hold::let_out(shared, route, &origin, key, jitter).await
         }
         Ended::Here => true,
     }

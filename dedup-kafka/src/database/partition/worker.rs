@@ -11,10 +11,10 @@ use tokio::sync::mpsc;
 use tracing::Instrument;
 
 use crate::config::Settings;
-use crate::dead_letter::{self as dead_letters};
+use crate::database::dead_letter::{self as dead_letters};
+use crate::database::route::{Pick, TopicRoutes};
 use crate::pipeline::ingest::within;
 use crate::retry::Jitter;
-use crate::route::{Pick, TopicRoutes};
 use crate::stats::Stats;
 
 use super::apply::{message_span, process, process_batch};
@@ -144,9 +144,11 @@ pub(crate) async fn worker<S: DedupStore>(
         };
         let route = &routes.all()[index];
         // A retry tier's record not yet due: the partition is paused until
-        // it is.
+        // it is (one whose tier headers are forged is dead-lettered as it
+        // comes, not waited for).
         if route.in_tier()
-            && !crate::tiers::until_due(&shared, &partition, &msg, route.tier_delay()).await
+            && route.forged(&msg).is_none()
+            && !super::until_due(&shared, &partition, &msg, route.tier_delay()).await
         {
             break;
         }
@@ -206,7 +208,7 @@ pub(crate) async fn worker<S: DedupStore>(
 /// first, are finished; fewer than all only when it stopped.
 pub(super) async fn run_unit<S: DedupStore>(
     shared: &Arc<Runtime<S>>,
-    route: &Arc<crate::route::Route<S>>,
+    route: &Arc<crate::database::route::Route<S>>,
     partition: &Partition,
     batch: &[OwnedMessage],
     dead_lettered: &HashSet<String>,

@@ -19,14 +19,14 @@ use tokio::task::JoinSet;
 
 use crate::Error;
 use crate::config::Settings;
+use crate::database::partition::Runtime;
+use crate::database::partition::state::{Partition, PartitionMap, lock};
+use crate::database::partition::worker::worker;
+use crate::database::rebalance::{HandOver, RebalanceContext, commit};
+use crate::database::route::TopicRoutes;
 use crate::metrics::ConsumerGauges;
-use crate::partition::Runtime;
-use crate::partition::state::{Partition, PartitionMap, lock};
-use crate::partition::worker::worker;
 use crate::pipeline::fatal_error;
 use crate::pipeline::membership::Membership;
-use crate::rebalance::{HandOver, RebalanceContext, commit};
-use crate::route::TopicRoutes;
 use crate::shutdown::shutdown_signal;
 use crate::stats::{Stats, StatsSnapshot};
 
@@ -38,7 +38,7 @@ pub struct Consumer<S: DedupStore> {
     shared: Arc<Runtime<S>>,
     pub(crate) routes: HashMap<String, Arc<TopicRoutes<S>>>,
     partitions: PartitionMap,
-    drained: mpsc::UnboundedReceiver<(String, i32, crate::partition::Pace)>,
+    drained: mpsc::UnboundedReceiver<(String, i32, crate::database::partition::Pace)>,
     admin_config: ClientConfig,
     pub(crate) group: String,
     /// The partitions whose key-ordered gauges were last set.
@@ -208,8 +208,8 @@ impl<S: DedupStore> Consumer<S> {
                     break Some(Error::Fatal(why.unwrap_or_default()));
                 }
                 Some((topic, partition, pace)) = self.drained.recv() => match pace {
-                    crate::partition::Pace::Drained => self.resume(&topic, partition),
-                    crate::partition::Pace::WaitDue => self.pause_until_due(&topic, partition),
+                    crate::database::partition::Pace::Drained => self.resume(&topic, partition),
+                    crate::database::partition::Pace::WaitDue => self.pause_until_due(&topic, partition),
                 },
                 Some(done) = workers.join_next(), if !workers.is_empty() => {
                     if let Err(e) = done

@@ -11,9 +11,12 @@
 //!   retries, and what becomes of each message.
 
 mod apply;
+mod due;
 mod keyed;
 pub(crate) mod state;
 pub(crate) mod worker;
+
+pub(crate) use due::until_due;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -28,8 +31,8 @@ use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::{Semaphore, mpsc, watch};
 
 use crate::config::Settings;
+use crate::database::rebalance::RebalanceContext;
 use crate::pipeline::attempt::{self, Ran};
-use crate::rebalance::RebalanceContext;
 
 use self::state::{Gate, Partition};
 use crate::stats::Stats;
@@ -113,7 +116,7 @@ impl<S: DedupStore> Runtime<S> {
     async fn run_handler<Fut>(
         &self,
         span: tracing::Span,
-        route: &crate::route::Route<S>,
+        route: &crate::database::route::Route<S>,
         call: impl FnOnce(Arc<S>) -> Fut,
     ) -> Ran<Fut::Output>
     where

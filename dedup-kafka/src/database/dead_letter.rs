@@ -18,15 +18,15 @@ use std::sync::atomic::Ordering;
 use dedup_core::{DedupKey, DedupStore};
 use rdkafka::message::{Message as _, OwnedMessage};
 
+use crate::database::partition::state::Partition;
+use crate::database::partition::{Runtime, wait_unless_stopped};
+use crate::database::route::{Before, Route};
 use crate::dlq::{self, DeadLetter};
 use crate::failpoint::failpoint;
-use crate::partition::state::Partition;
-use crate::partition::{Runtime, wait_unless_stopped};
 use crate::pipeline::attempt::timed_out;
 use crate::pipeline::decision::{Decision, Fault};
 use crate::pipeline::outage::Retrying;
 use crate::retry::Jitter;
-use crate::route::{Before, Route};
 
 /// Dead-letters `msg` once, or (`why.moved`) moves it to a retry tier
 /// once: unless the store says either was done already, produces it, then
@@ -88,8 +88,8 @@ pub(crate) async fn dead_letter<S: DedupStore>(
             if !route.in_tier()
                 && let Some(key) = route.hold_key(msg)
             {
-                let held = crate::hold::in_record(&shared.group, &why.origin, key);
-                crate::hold::went_in(partition, &held, key, &why.origin);
+                let held = crate::database::hold::in_record(&shared.group, &why.origin, key);
+                crate::database::hold::went_in(partition, &held, key, &why.origin);
                 records.push(held);
             }
         }
@@ -102,7 +102,11 @@ pub(crate) async fn dead_letter<S: DedupStore>(
                 && why.kind != crate::tiers::FORGED
                 && let Some(key) = route.hold_key(msg)
             {
-                records.push(crate::hold::out_record(&shared.group, &why.origin, key));
+                records.push(crate::database::hold::out_record(
+                    &shared.group,
+                    &why.origin,
+                    key,
+                ));
             }
         }
     }

@@ -17,10 +17,10 @@ use futures_util::StreamExt as _;
 use futures_util::stream::FuturesUnordered;
 use rdkafka::message::{Message as _, OwnedMessage};
 
-use crate::dead_letter as dead_letters;
+use crate::database::dead_letter as dead_letters;
+use crate::database::route::{Pick, TopicRoutes};
 use crate::pipeline::keyed::{OrderKey, Window, share};
 use crate::retry::Jitter;
-use crate::route::{Pick, TopicRoutes};
 
 use super::state::Partition;
 use super::worker::{Inbox, counted_out, run_unit};

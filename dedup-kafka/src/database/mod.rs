@@ -1,0 +1,23 @@
+//! The database runtime: each event claimed in the transaction of its
+//! effect, its offset committed after that transaction commits.
+//!
+//! - [`builder`]: `ConsumerBuilder`, its settings checked at `build()`;
+//! - [`consumer`]: `Consumer`, its poll loop, commits and start-up checks;
+//! - [`route`]: a topic's handlers, by event type, behind one interface;
+//! - [`partition`]: the partition workers (batches, key-ordered units,
+//!   retries, dead letters, offsets);
+//! - [`rebalance`]: handing a revoked partition's work over;
+//! - [`dead_letter`]: dead letters and moves to a retry tier, recorded in
+//!   the store;
+//! - [`hold`]: key hold-back's records for retry tiers.
+//!
+//! It imports `pipeline/` and the shared root, never the Kafka-only
+//! runtime (`transactional/`); `scripts/architecture.py` checks it.
+
+pub(crate) mod builder;
+pub(crate) mod consumer;
+pub(crate) mod dead_letter;
+pub(crate) mod hold;
+pub(crate) mod partition;
+pub(crate) mod rebalance;
+pub(crate) mod route;

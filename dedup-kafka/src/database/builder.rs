@@ -199,8 +199,8 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self.route(
             topic.into(),
             None,
-            crate::database::route::Effect::Transactional(Arc::new(
-                crate::database::route::Erased(Arc::new(handler)),
+            crate::database::effect::Effect::Transactional(Arc::new(
+                crate::database::effect::Erased(Arc::new(handler)),
             )),
         )
     }
@@ -227,8 +227,8 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self.route(
             topic.into(),
             Some(event_type),
-            crate::database::route::Effect::Transactional(Arc::new(
-                crate::database::route::Erased(Arc::new(handler)),
+            crate::database::effect::Effect::Transactional(Arc::new(
+                crate::database::effect::Erased(Arc::new(handler)),
             )),
         )
     }
@@ -247,7 +247,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self.route(
             topic.into(),
             Some(event_type),
-            crate::database::route::Effect::Leased(Arc::new(crate::database::route::Leased(
+            crate::database::effect::Effect::Leased(Arc::new(crate::database::effect::Leased(
                 handler,
             ))),
         )
@@ -267,7 +267,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         mut self,
         topic: String,
         event_type: Option<crate::EventType>,
-        handler: crate::database::route::Effect<S>,
+        handler: crate::database::effect::Effect<S>,
     ) -> Self {
         self.routes.push(Route {
             dead_letter_topic: format!("{topic}.dlq"),
@@ -296,7 +296,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self.route(
             topic.into(),
             None,
-            crate::database::route::Effect::Leased(Arc::new(crate::database::route::Leased(
+            crate::database::effect::Effect::Leased(Arc::new(crate::database::effect::Leased(
                 handler,
             ))),
         )
@@ -792,7 +792,7 @@ fn topic_routes<S: DedupStore>(
             event_type: None,
             dead_letter_topic: routes[0].dead_letter_topic.clone(),
             tiers: None,
-            handler: crate::database::route::Effect::Leased(Arc::new(
+            handler: crate::database::effect::Effect::Leased(Arc::new(
                 crate::database::route::Unrouted {
                     // The group's own: another group of the same store that
                     // leaves the same types unhandled dead-letters them too,

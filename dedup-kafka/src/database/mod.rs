@@ -3,7 +3,9 @@
 //!
 //! - [`builder`]: `ConsumerBuilder`, its settings checked at `build()`;
 //! - [`consumer`]: `Consumer`, its poll loop, commits and start-up checks;
-//! - [`route`]: a topic's handlers, by event type, behind one interface;
+//! - [`route`]: a topic's routes (its handlers, by event type) and what a
+//!   route does with a failure (dead letters, moves, its tiers);
+//! - [`effect`]: a route's handler behind one interface, by its effect;
 //! - [`partition`]: the partition workers (batches, key-ordered units,
 //!   retries, dead letters, offsets);
 //! - [`rebalance`]: handing a revoked partition's work over;
@@ -17,6 +19,7 @@
 pub(crate) mod builder;
 pub(crate) mod consumer;
 pub(crate) mod dead_letter;
+pub(crate) mod effect;
 pub(crate) mod hold;
 pub(crate) mod partition;
 pub(crate) mod rebalance;

@@ -13,7 +13,8 @@ use tracing::Instrument;
 
 use crate::config::OnFingerprintMismatch;
 use crate::database::dead_letter::{self as dead_letters, dead_letter};
-use crate::database::route::{Before, ErasedHandler, Route};
+use crate::database::effect::ErasedHandler;
+use crate::database::route::{Before, Route};
 use crate::failpoint::failpoint;
 use crate::metrics::RetryReason;
 use crate::pipeline::attempt::{self, AttemptTimedOut, Ran};

@@ -1,13 +1,12 @@
 //! The consumer's builder: brokers, group, routes, librdkafka settings
 //! passed through, and the runtime's settings.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
 use std::time::Duration;
 
-use dedup_core::{DedupStore, Handler};
+use dedup_core::DedupStore;
 use rdkafka::ClientConfig;
 
 use crate::Error;
@@ -39,25 +38,25 @@ use crate::stats::StatsSnapshot;
 /// # Ok(()) }
 /// ```
 pub struct ConsumerBuilder<S> {
-    store: S,
+    pub(super) store: S,
     /// The brokers, the group and the librdkafka settings passed through.
-    client: ClientSettings,
+    pub(super) client: ClientSettings,
     /// librdkafka settings of the dead-letter producer only.
-    dead_letter_settings: Vec<(String, String)>,
-    routes: Vec<Route<S>>,
-    dead_letter_overrides: HashMap<String, String>,
+    pub(super) dead_letter_settings: Vec<(String, String)>,
+    pub(super) routes: Vec<Route<S>>,
+    pub(super) dead_letter_overrides: HashMap<String, String>,
     /// What becomes of the other event types of a typed topic.
-    other_types: HashMap<String, crate::OtherTypes>,
-    order_by: HashMap<String, crate::OrderBy>,
+    pub(super) other_types: HashMap<String, crate::OtherTypes>,
+    pub(super) order_by: HashMap<String, crate::OrderBy>,
     /// The retry tiers of every handled topic, or why they are wrong.
-    tiers: Option<Result<crate::RetryTiers, String>>,
-    runtime: Settings,
+    pub(super) tiers: Option<Result<crate::RetryTiers, String>>,
+    pub(super) runtime: Settings,
     /// Whether `max_concurrent_partitions` was set (else it is fitted to
     /// the store's connections).
-    concurrency_set: bool,
+    pub(super) concurrency_set: bool,
     /// Where to serve metrics and health, if anywhere.
     #[cfg(feature = "http")]
-    http: Option<String>,
+    pub(super) http: Option<String>,
 }
 
 impl<S> fmt::Debug for ConsumerBuilder<S> {
@@ -188,118 +187,6 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     ) -> Self {
         self.dead_letter_settings.push((key.into(), value.into()));
         self
-    }
-
-    /// Routes `topic` to `handler`. Its dead letters go to `<topic>.dlq`
-    /// unless [`dead_letter_topic`](Self::dead_letter_topic) says otherwise.
-    pub fn handle<H>(self, topic: impl Into<String>, handler: H) -> Self
-    where
-        H: Handler<Tx = S::Tx>,
-    {
-        self.route(
-            topic.into(),
-            None,
-            crate::database::effect::Effect::Transactional(Arc::new(
-                crate::database::effect::Erased(Arc::new(handler)),
-            )),
-        )
-    }
-
-    /// Routes one event type of `topic` to `handler`, for a topic that
-    /// carries several (what an outbox router produces per aggregate: each
-    /// type with its own handler, key and TTL). Every handler of the topic
-    /// names its type the same way: the same header
-    /// (`EventType::header("event-type", "OrderPlaced")`) or the same
-    /// top-level JSON field (`EventType::field("type", "OrderPlaced")`, as
-    /// `#[serde(tag = "type")]` writes it). A message of a type no handler
-    /// takes is dead-lettered with kind `unrouted` (see
-    /// [`other_types`](Self::other_types)). Consecutive messages of one type
-    /// share batches; a partition's messages still go in order.
-    pub fn handle_type<H>(
-        self,
-        topic: impl Into<String>,
-        event_type: crate::EventType,
-        handler: H,
-    ) -> Self
-    where
-        H: Handler<Tx = S::Tx>,
-    {
-        self.route(
-            topic.into(),
-            Some(event_type),
-            crate::database::effect::Effect::Transactional(Arc::new(
-                crate::database::effect::Erased(Arc::new(handler)),
-            )),
-        )
-    }
-
-    /// [`handle_type`](Self::handle_type) for a lease-mode handler.
-    pub fn handle_leased_type<H>(
-        self,
-        topic: impl Into<String>,
-        event_type: crate::EventType,
-        handler: H,
-    ) -> Self
-    where
-        S: dedup_core::LeaseStore,
-        H: dedup_core::LeaseHandler,
-    {
-        self.route(
-            topic.into(),
-            Some(event_type),
-            crate::database::effect::Effect::Leased(Arc::new(crate::database::effect::Leased(
-                handler,
-            ))),
-        )
-    }
-
-    /// What becomes of a message of `topic` whose type none of its
-    /// handlers takes ([`handle_type`](Self::handle_type)): dead-lettered
-    /// with kind `unrouted` (the default), or skipped and counted as
-    /// `ignored`, for a topic that carries types this consumer does not
-    /// handle.
-    pub fn other_types(mut self, topic: impl Into<String>, other: crate::OtherTypes) -> Self {
-        self.other_types.insert(topic.into(), other);
-        self
-    }
-
-    fn route(
-        mut self,
-        topic: String,
-        event_type: Option<crate::EventType>,
-        handler: crate::database::effect::Effect<S>,
-    ) -> Self {
-        self.routes.push(Route {
-            dead_letter_topic: format!("{topic}.dlq"),
-            topic,
-            tiers: None,
-            event_type,
-            handler,
-            metrics: std::sync::OnceLock::new(),
-        });
-        self
-    }
-
-    /// Routes `topic` to a lease-mode handler (`#[idempotent(lease =
-    /// "30s")]`), whose effect lies outside the store: each message is
-    /// acquired, its effect run under the lease, and completed, one message
-    /// of a partition at a time (up to [`key_concurrency`](Self::key_concurrency)
-    /// at once, one per ordering key). A message whose event another holder's lease covers waits
-    /// (never dead-lettered for it) until that lease is done (then skipped)
-    /// or expires (then taken over). Keep `attempt_timeout` above the
-    /// longest effect: an abandoned attempt leaves its lease to expire.
-    pub fn handle_leased<H>(self, topic: impl Into<String>, handler: H) -> Self
-    where
-        S: dedup_core::LeaseStore,
-        H: dedup_core::LeaseHandler,
-    {
-        self.route(
-            topic.into(),
-            None,
-            crate::database::effect::Effect::Leased(Arc::new(crate::database::effect::Leased(
-                handler,
-            ))),
-        )
     }
 
     /// Non-blocking retries: after a few short attempts in place, an event
@@ -602,7 +489,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 route.dead_letter_topic = dlq.clone();
             }
         }
-        let mut routes = topic_routes(routes, &other_types, &group)?;
+        let mut routes = crate::database::route::topic_routes(routes, &other_types, &group)?;
         for topic in &mut routes {
             if let Some(order) = order_by.remove(&topic.topic) {
                 topic.order_by = order;
@@ -611,7 +498,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         let routes = match tiers {
             None => routes,
             Some(Err(why)) => return Err(Error::Config(why)),
-            Some(Ok(tiers)) => with_tiers(routes, &tiers)?,
+            Some(Ok(tiers)) => crate::database::route::with_tiers(routes, &tiers)?,
         };
         // Every route with tiers: with ReadTiers::Only there are only the
         // tiers' own.
@@ -676,142 +563,6 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     ) -> Result<StatsSnapshot, Error> {
         self.build()?.run_until(shutdown).await
     }
-}
-
-/// The handled topics' routes with their retry tiers: each handled
-/// topic's routes know their tiers, and (unless another process reads
-/// them) each tier has routes of its own; with [`ReadTiers::Only`](crate::ReadTiers::Only), only those.
-fn with_tiers<S: DedupStore>(
-    routes: Vec<crate::database::route::TopicRoutes<S>>,
-    tiers: &crate::RetryTiers,
-) -> Result<Vec<crate::database::route::TopicRoutes<S>>, Error> {
-    use crate::ReadTiers;
-    let handled: HashSet<String> = routes.iter().map(|t| t.topic.clone()).collect();
-    let mut out = Vec::new();
-    for mut topic in routes {
-        let place = crate::tiers::Place {
-            tiers: tiers.of(
-                &topic.topic,
-                topic.order_by.clone(),
-                crate::tiers::DEFAULT_ATTEMPTS_IN_PLACE,
-            ),
-            at: None,
-        };
-        for tier in &place.tiers.tiers {
-            let dead_letters = topic.all().iter().map(|r| &r.dead_letter_topic);
-            if handled.contains(&tier.topic) || dead_letters.clone().any(|d| *d == tier.topic) {
-                return Err(Error::Config(format!(
-                    "retry tier {:?} of {:?} would be read from {:?}, which is a handled or \
-                     dead-letter topic: name its tier's topic otherwise",
-                    tier.name, topic.topic, tier.topic
-                )));
-            }
-        }
-        topic.set_tiers(&place);
-        if tiers.reader() != ReadTiers::Elsewhere {
-            for at in 0..place.tiers.tiers.len() {
-                out.push(topic.for_tier(&place, at));
-            }
-        }
-        if tiers.reader() != ReadTiers::Only {
-            out.push(topic);
-        }
-    }
-    Ok(out)
-}
-
-/// The routes grouped by topic: one handler, or one per event type plus
-/// the route of the other types. Refuses two handlers of one topic unless
-/// each takes its own event type, named the same way.
-fn topic_routes<S: DedupStore>(
-    routes: Vec<Route<S>>,
-    other_types: &HashMap<String, crate::OtherTypes>,
-    group: &str,
-) -> Result<Vec<crate::database::route::TopicRoutes<S>>, Error> {
-    let mut by_topic: Vec<(String, Vec<Route<S>>)> = Vec::new();
-    for route in routes {
-        match by_topic.iter_mut().find(|(t, _)| *t == route.topic) {
-            Some((_, same)) => same.push(route),
-            None => by_topic.push((route.topic.clone(), vec![route])),
-        }
-    }
-    if let Some(topic) = other_types.keys().find(|t| {
-        !by_topic
-            .iter()
-            .any(|(topic, rs)| topic == *t && rs[0].event_type.is_some())
-    }) {
-        return Err(Error::Config(format!(
-            "other_types({topic:?}, ..): the topic has no handle_type handlers"
-        )));
-    }
-    let mut out = Vec::with_capacity(by_topic.len());
-    for (topic, mut routes) in by_topic {
-        if routes.iter().all(|r| r.event_type.is_none()) {
-            if routes.len() > 1 {
-                return Err(Error::Config(format!(
-                    "topic {topic:?} has two handlers: give each its event type with \
-                     handle_type(topic, EventType::header(..) or EventType::field(..), handler)"
-                )));
-            }
-            out.push(crate::database::route::TopicRoutes::one(routes.remove(0)));
-            continue;
-        }
-        if routes.iter().any(|r| r.event_type.is_none()) {
-            return Err(Error::Config(format!(
-                "topic {topic:?} has handlers by event type and one without: route every \
-                 type with handle_type, or use handle alone"
-            )));
-        }
-        let types: Vec<&crate::EventType> = routes
-            .iter()
-            .filter_map(|r| r.event_type.as_ref())
-            .collect();
-        let by = types[0].selector().clone();
-        if let Some(other) = types.iter().find(|t| *t.selector() != by) {
-            return Err(Error::Config(format!(
-                "topic {topic:?} names its event types by {by} and by {}: every handler of a \
-                 topic reads the type the same way",
-                other.selector()
-            )));
-        }
-        let mut seen = HashSet::new();
-        if let Some(dup) = types.iter().find(|t| !seen.insert(t.value())) {
-            return Err(Error::Config(format!(
-                "topic {topic:?} has two handlers of event type {:?}",
-                dup.value()
-            )));
-        }
-        let known: Vec<String> = types.iter().map(|t| t.value().to_owned()).collect();
-        let ttl = routes
-            .iter()
-            .map(|r| r.handler.ttl())
-            .max()
-            .expect("at least one route");
-        let others = Route {
-            topic: topic.clone(),
-            event_type: None,
-            dead_letter_topic: routes[0].dead_letter_topic.clone(),
-            tiers: None,
-            handler: crate::database::effect::Effect::Leased(Arc::new(
-                crate::database::route::Unrouted {
-                    // The group's own: another group of the same store that
-                    // leaves the same types unhandled dead-letters them too,
-                    // to its own topic.
-                    scope: format!("dedup.unrouted/{group}/{topic}"),
-                    topic: topic.clone(),
-                    by: by.clone(),
-                    known,
-                    ttl,
-                },
-            )),
-            metrics: std::sync::OnceLock::new(),
-        };
-        let skip = other_types.get(&topic) == Some(&crate::OtherTypes::Skip);
-        out.push(crate::database::route::TopicRoutes::typed(
-            by, routes, others, skip,
-        ));
-    }
-    Ok(out)
 }
 
 #[cfg(test)]

@@ -35,20 +35,20 @@ use crate::stats::{Stats, StatsSnapshot};
 /// transaction has committed (or the message was skipped as a duplicate, or
 /// dead-lettered).
 pub struct Consumer<S: DedupStore> {
-    shared: Arc<Runtime<S>>,
+    pub(super) shared: Arc<Runtime<S>>,
     pub(crate) routes: HashMap<String, Arc<TopicRoutes<S>>>,
-    partitions: PartitionMap,
-    drained: mpsc::UnboundedReceiver<(String, i32, crate::database::partition::Pace)>,
-    admin_config: ClientConfig,
+    pub(super) partitions: PartitionMap,
+    pub(super) drained: mpsc::UnboundedReceiver<(String, i32, crate::database::partition::Pace)>,
+    pub(super) admin_config: ClientConfig,
     pub(crate) group: String,
     /// The partitions whose key-ordered gauges were last set.
-    keyed_reported: std::sync::Mutex<HashSet<(String, i32)>>,
+    pub(super) keyed_reported: std::sync::Mutex<HashSet<(String, i32)>>,
     /// The retry tiers' partitions whose due gauges were last set.
-    tiers_reported: std::sync::Mutex<HashSet<(String, i32)>>,
+    pub(super) tiers_reported: std::sync::Mutex<HashSet<(String, i32)>>,
     /// Resumed partitions whose fetcher is still to be woken.
     wakes: Arc<std::sync::Mutex<Wakes>>,
     /// The task waking them, if one runs (awaited at shutdown).
-    waking: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    pub(super) waking: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// The metrics and health endpoints to serve while running.
     #[cfg(feature = "http")]
     pub(crate) http: Option<crate::http::HttpEndpoints>,
@@ -304,101 +304,6 @@ impl<S: DedupStore> Consumer<S> {
             }
         }
         crate::tiers::check_topics(&self.admin_config, tiers, false).await
-    }
-
-    /// Refreshes what health and the gauges report: the loop's turn, the
-    /// assignment, paused partitions, the longest-running partition, the
-    /// messages in flight per topic.
-    fn refresh(&self, gauges: &ConsumerGauges) {
-        let stats = &self.shared.stats;
-        stats.polled();
-        let (mut paused, mut oldest) = (0u64, std::time::Duration::ZERO);
-        let mut in_flight: HashMap<&str, usize> =
-            self.routes.keys().map(|t| (t.as_str(), 0)).collect();
-        for p in lock(&self.partitions).values() {
-            // Back-pressure only: a tier's partition waiting for a due
-            // record is not behind.
-            if p.paused.load(Ordering::Acquire) && !p.due_wait.load(Ordering::Acquire) {
-                paused += 1;
-            }
-            match p.busy_since_ms.load(Ordering::Acquire) {
-                u64::MAX => {}
-                since => oldest = oldest.max(stats.age_of(since)),
-            }
-            if let Some(n) = in_flight.get_mut(p.topic.as_str()) {
-                *n += p.queued.load(Ordering::Acquire);
-            }
-        }
-        if self.shared.settings.key_concurrency > 0 {
-            self.refresh_keyed();
-        }
-        if self.routes.values().any(|r| r.in_tier()) {
-            self.refresh_tiers();
-        }
-        gauges.report(stats, paused as usize, oldest);
-        for (topic, n) in in_flight {
-            crate::metrics::in_flight(topic, n);
-        }
-    }
-
-    /// The key-ordered gauges of each assigned partition; those of a
-    /// partition no longer assigned go to zero once.
-    fn refresh_keyed(&self) {
-        let mut reported = self
-            .keyed_reported
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let mut now = HashSet::new();
-        for p in lock(&self.partitions).values() {
-            crate::metrics::keyed(
-                &p.topic,
-                p.partition,
-                p.keyed_running.load(Ordering::Relaxed),
-                p.keyed_waiting.load(Ordering::Relaxed),
-            );
-            now.insert((p.topic.clone(), p.partition));
-        }
-        for (topic, partition) in reported.difference(&now) {
-            crate::metrics::keyed(topic, *partition, 0, 0);
-        }
-        *reported = now;
-    }
-
-    /// How long each assigned retry tier's partition waits for its next
-    /// record to be due (0 while it runs); a partition no longer assigned
-    /// goes to zero once.
-    fn refresh_tiers(&self) {
-        let mut reported = self
-            .tiers_reported
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let mut now = HashSet::new();
-        let clock = crate::tiers::now_ms();
-        // Every assigned partition of a tier, also one no record came from.
-        let Ok(assigned) = rdkafka::consumer::Consumer::assignment(&self.shared.kafka) else {
-            return;
-        };
-        let partitions = lock(&self.partitions);
-        for elem in assigned.elements() {
-            if !self.routes.get(elem.topic()).is_some_and(|r| r.in_tier()) {
-                continue;
-            }
-            let key = (elem.topic().to_owned(), elem.partition());
-            let due_at = partitions
-                .get(&key)
-                .map_or(0, |p| p.due_at_ms.load(Ordering::Relaxed));
-            let due_in = match due_at {
-                0 => 0,
-                at => at.saturating_sub(clock).max(0),
-            };
-            crate::metrics::tier_due(&key.0, key.1, due_in as f64 / 1000.0);
-            now.insert(key);
-        }
-        drop(partitions);
-        for (topic, partition) in reported.difference(&now) {
-            crate::metrics::tier_due(topic, *partition, 0.0);
-        }
-        *reported = now;
     }
 
     /// Hands a message to its partition's worker, starting one if needed.

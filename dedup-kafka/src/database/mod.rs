@@ -2,7 +2,9 @@
 //! effect, its offset committed after that transaction commits.
 //!
 //! - [`builder`]: `ConsumerBuilder`, its settings checked at `build()`;
+//! - [`handle`]: which handler takes which topic (`handle`, `handle_type`...);
 //! - [`consumer`]: `Consumer`, its poll loop, commits and start-up checks;
+//!   `gauges`: what health and the gauges report, refreshed by that loop;
 //! - [`route`]: a topic's routes (its handlers, by event type) and what a
 //!   route does with a failure (dead letters, moves, its tiers);
 //! - [`effect`]: a route's handler behind one interface, by its effect;
@@ -20,6 +22,8 @@ pub(crate) mod builder;
 pub(crate) mod consumer;
 pub(crate) mod dead_letter;
 pub(crate) mod effect;
+mod gauges;
+pub(crate) mod handle;
 pub(crate) mod hold;
 pub(crate) mod partition;
 pub(crate) mod rebalance;

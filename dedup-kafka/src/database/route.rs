@@ -6,9 +6,10 @@
 use crate::database::effect::{BoxFuture, Effect, ErasedApply};
 use crate::pipeline::record::Record;
 use crate::select::{EventType, OrderBy, Selector, event_type_of, said_type};
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use dedup_core::{DedupKey, Error, Headers, Outcome, Ttl, ordered_scope};
+use dedup_core::{DedupKey, DedupStore, Error, Headers, Outcome, Ttl, ordered_scope};
 
 /// The routes of one topic: its one handler, or a handler per event type
 /// plus the route of the types none takes.
@@ -453,6 +454,140 @@ pub(crate) const MOVED: &str = ".moved";
 pub(crate) enum Before {
     DeadLettered,
     Moved,
+}
+
+/// The handled topics' routes with their retry tiers: each handled
+/// topic's routes know their tiers, and (unless another process reads
+/// them) each tier has routes of its own; with [`ReadTiers::Only`](crate::ReadTiers::Only), only those.
+pub(crate) fn with_tiers<S: DedupStore>(
+    routes: Vec<TopicRoutes<S>>,
+    tiers: &crate::RetryTiers,
+) -> Result<Vec<TopicRoutes<S>>, crate::Error> {
+    use crate::ReadTiers;
+    let handled: HashSet<String> = routes.iter().map(|t| t.topic.clone()).collect();
+    let mut out = Vec::new();
+    for mut topic in routes {
+        let place = crate::tiers::Place {
+            tiers: tiers.of(
+                &topic.topic,
+                topic.order_by.clone(),
+                crate::tiers::DEFAULT_ATTEMPTS_IN_PLACE,
+            ),
+            at: None,
+        };
+        for tier in &place.tiers.tiers {
+            let dead_letters = topic.all().iter().map(|r| &r.dead_letter_topic);
+            if handled.contains(&tier.topic) || dead_letters.clone().any(|d| *d == tier.topic) {
+                return Err(crate::Error::Config(format!(
+                    "retry tier {:?} of {:?} would be read from {:?}, which is a handled or \
+                     dead-letter topic: name its tier's topic otherwise",
+                    tier.name, topic.topic, tier.topic
+                )));
+            }
+        }
+        topic.set_tiers(&place);
+        if tiers.reader() != ReadTiers::Elsewhere {
+            for at in 0..place.tiers.tiers.len() {
+                out.push(topic.for_tier(&place, at));
+            }
+        }
+        if tiers.reader() != ReadTiers::Only {
+            out.push(topic);
+        }
+    }
+    Ok(out)
+}
+
+/// The routes grouped by topic: one handler, or one per event type plus
+/// the route of the other types. Refuses two handlers of one topic unless
+/// each takes its own event type, named the same way.
+pub(crate) fn topic_routes<S: DedupStore>(
+    routes: Vec<Route<S>>,
+    other_types: &HashMap<String, crate::OtherTypes>,
+    group: &str,
+) -> Result<Vec<TopicRoutes<S>>, crate::Error> {
+    let mut by_topic: Vec<(String, Vec<Route<S>>)> = Vec::new();
+    for route in routes {
+        match by_topic.iter_mut().find(|(t, _)| *t == route.topic) {
+            Some((_, same)) => same.push(route),
+            None => by_topic.push((route.topic.clone(), vec![route])),
+        }
+    }
+    if let Some(topic) = other_types.keys().find(|t| {
+        !by_topic
+            .iter()
+            .any(|(topic, rs)| topic == *t && rs[0].event_type.is_some())
+    }) {
+        return Err(crate::Error::Config(format!(
+            "other_types({topic:?}, ..): the topic has no handle_type handlers"
+        )));
+    }
+    let mut out = Vec::with_capacity(by_topic.len());
+    for (topic, mut routes) in by_topic {
+        if routes.iter().all(|r| r.event_type.is_none()) {
+            if routes.len() > 1 {
+                return Err(crate::Error::Config(format!(
+                    "topic {topic:?} has two handlers: give each its event type with \
+                     handle_type(topic, EventType::header(..) or EventType::field(..), handler)"
+                )));
+            }
+            out.push(TopicRoutes::one(routes.remove(0)));
+            continue;
+        }
+        if routes.iter().any(|r| r.event_type.is_none()) {
+            return Err(crate::Error::Config(format!(
+                "topic {topic:?} has handlers by event type and one without: route every \
+                 type with handle_type, or use handle alone"
+            )));
+        }
+        let types: Vec<&crate::EventType> = routes
+            .iter()
+            .filter_map(|r| r.event_type.as_ref())
+            .collect();
+        let by = types[0].selector().clone();
+        if let Some(other) = types.iter().find(|t| *t.selector() != by) {
+            return Err(crate::Error::Config(format!(
+                "topic {topic:?} names its event types by {by} and by {}: every handler of a \
+                 topic reads the type the same way",
+                other.selector()
+            )));
+        }
+        let mut seen = HashSet::new();
+        if let Some(dup) = types.iter().find(|t| !seen.insert(t.value())) {
+            return Err(crate::Error::Config(format!(
+                "topic {topic:?} has two handlers of event type {:?}",
+                dup.value()
+            )));
+        }
+        let known: Vec<String> = types.iter().map(|t| t.value().to_owned()).collect();
+        let ttl = routes
+            .iter()
+            .map(|r| r.handler.ttl())
+            .max()
+            .expect("at least one route");
+        let others = Route {
+            topic: topic.clone(),
+            event_type: None,
+            dead_letter_topic: routes[0].dead_letter_topic.clone(),
+            tiers: None,
+            handler: crate::database::effect::Effect::Leased(Arc::new(
+                crate::database::route::Unrouted {
+                    // The group's own: another group of the same store that
+                    // leaves the same types unhandled dead-letters them too,
+                    // to its own topic.
+                    scope: format!("dedup.unrouted/{group}/{topic}"),
+                    topic: topic.clone(),
+                    by: by.clone(),
+                    known,
+                    ttl,
+                },
+            )),
+            metrics: std::sync::OnceLock::new(),
+        };
+        let skip = other_types.get(&topic) == Some(&crate::OtherTypes::Skip);
+        out.push(TopicRoutes::typed(by, routes, others, skip));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

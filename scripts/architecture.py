@@ -41,9 +41,6 @@ OVERSIZE = {
     "dedup-cli/src/console/reading.rs": 789,
     "dedup-core/src/conformance/outbox.rs": 635,
     "dedup-core/src/testing.rs": 760,
-    "dedup-kafka/src/transactional/transact.rs": 695,
-    "dedup-mysql/src/lib.rs": 699,
-    "dedup-postgres/src/lib.rs": 640,
 }
 
 RUNTIMES = {"database", "transactional"}

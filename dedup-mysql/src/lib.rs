@@ -3,15 +3,14 @@
 use std::error::Error as StdError;
 use std::fmt;
 use std::sync::Arc;
-use std::time::SystemTime;
 
 use dedup_core::{
-    Acquire, Claim, Classification, DedupKey, DedupStore, Fingerprint, LeaseStore, PurgeConfig,
-    PurgeExpired, Purger, StoreError, Token, Ttl,
+    Claim, Classification, DedupKey, DedupStore, Fingerprint, PurgeConfig, PurgeExpired, Purger,
+    StoreError, Ttl,
 };
 use dedup_sql::{
     BatchClaims, Dialect, SqlConfig, TableName, Taken, age_from_micros, fingerprint_from,
-    held_or_done, live_claim, run_migrations, sql, time_from_unix_micros, ttl_seconds,
+    live_claim, run_migrations, sql, time_from_unix_micros, ttl_seconds,
 };
 use sqlx::MySqlPool;
 use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPoolOptions};
@@ -19,6 +18,7 @@ use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPoolOptions};
 pub use dedup_sql::{Error, InvalidTableName, OutboxConfig, SqlLease};
 
 pub mod admin;
+mod lease;
 mod outbox;
 pub use dedup_core::outbox::Retention;
 pub use outbox::{OutboxReader, OutboxWriter, enqueue};
@@ -141,18 +141,7 @@ struct Statements {
     live_ids: Arc<str>,
     purge_take: Arc<str>,
     purge_delete: Arc<str>,
-    lease: LeaseStatements,
-}
-
-/// Lease mode's statements.
-struct LeaseStatements {
-    acquire: Arc<str>,
-    next_token: Arc<str>,
-    set_token: Arc<str>,
-    extend: Arc<str>,
-    expiry: Arc<str>,
-    complete: Arc<str>,
-    release: Arc<str>,
+    lease: lease::LeaseStatements,
 }
 
 /// The `ON DUPLICATE KEY UPDATE` clause that takes a row over only if its
@@ -160,7 +149,7 @@ struct LeaseStatements {
 /// now`. MySQL assigns left to right, each later expression seeing the
 /// earlier ones' new values, so `expires_at` (which every condition
 /// reads) goes last.
-fn take_over_if_expired(extra: &[(&str, &str)]) -> String {
+pub(crate) fn take_over_if_expired(extra: &[(&str, &str)]) -> String {
     let expired = format!("expires_at <= {NOW_US}");
     let mut set = vec![
         ("claims", "claims + 1".to_owned()),
@@ -240,33 +229,8 @@ impl Statements {
             live_ids: live_ids.into(),
             purge_take: purge_take.into(),
             purge_delete: purge_delete.into(),
-            lease: LeaseStatements::new(&t, &tokens),
+            lease: lease::LeaseStatements::new(&t, &tokens),
         })
-    }
-}
-
-impl LeaseStatements {
-    fn new(t: &str, tokens: &str) -> Self {
-        let update = take_over_if_expired(&[("token", "NULL"), ("in_progress", "1")]);
-        let held = "WHERE scope = ? AND id = ? AND token = ? AND in_progress = 1";
-        LeaseStatements {
-            acquire: format!(
-                "INSERT INTO {t} (scope, id, claimed_at, expires_at, fingerprint, tag, in_progress) \
-                 VALUES (?, ?, {NOW_US}, {NOW_US} + ? * 1000000, ?, ?, 1) {update}"
-            )
-            .into(),
-            // The connection's LAST_INSERT_ID, returned in the statement's
-            // own result: no second read, no other session's value.
-            next_token: format!("UPDATE {tokens} SET last = LAST_INSERT_ID(last + 1)").into(),
-            set_token: format!("UPDATE {t} SET token = ? WHERE scope = ? AND id = ?").into(),
-            extend: format!("UPDATE {t} SET expires_at = {NOW_US} + ? * 1000000 {held}").into(),
-            expiry: format!("SELECT expires_at FROM {t} WHERE scope = ? AND id = ?").into(),
-            complete: format!(
-                "UPDATE {t} SET expires_at = {NOW_US} + ? * 1000000, in_progress = 0 {held}"
-            )
-            .into(),
-            release: format!("DELETE FROM {t} {held}").into(),
-        }
     }
 }
 
@@ -359,19 +323,19 @@ impl MySqlStore {
 /// An error of the store's own statements. Their text is fixed, so a
 /// missing column (`1054`) says the table is of another version than this
 /// code: the environment's, as [`MySql::classify_code`] says of it anyway.
-fn store_error(e: sqlx::Error) -> StoreError {
+pub(crate) fn store_error(e: sqlx::Error) -> StoreError {
     dedup_sql::store_error::<MySql>(e)
 }
 
 /// A random tag for the rows one claim statement takes.
-fn new_tag() -> i64 {
+pub(crate) fn new_tag() -> i64 {
     let (high, _) = uuid::Uuid::new_v4().as_u64_pair();
     i64::from_ne_bytes(high.to_ne_bytes())
 }
 
 /// A claim row read back: its tag, claim count, expiry, age (µs),
 /// fingerprint, whether a lease is in progress, and the lease's token.
-type ClaimRow = (i64, i64, i64, i64, Option<Vec<u8>>, i8, i64);
+pub(crate) type ClaimRow = (i64, i64, i64, i64, Option<Vec<u8>>, i8, i64);
 
 /// A claim row of a batch read back: its scope and id, then a [`ClaimRow`].
 type BatchRow = (
@@ -540,125 +504,6 @@ impl DedupStore for MySqlStore {
 
     fn error_code(&self, error: &(dyn StdError + 'static)) -> Option<String> {
         dedup_sql::error_code::<MySql>(error)
-    }
-}
-
-/// A token as BIGINT holds it (the counter starts at 1).
-fn token_param(token: Token) -> i64 {
-    i64::try_from(token).unwrap_or(i64::MAX)
-}
-
-impl LeaseStore for MySqlStore {
-    async fn acquire(
-        &self,
-        key: &DedupKey,
-        fingerprint: Option<Fingerprint>,
-        lease: Ttl,
-    ) -> Result<Acquire, StoreError> {
-        let statements = &self.statements.lease;
-        let mut tx = self.begin_tx().await?;
-        let tag = new_tag();
-        sqlx::query(sql(&statements.acquire))
-            .bind(key.scope())
-            .bind(key.id())
-            .bind(ttl_seconds(lease))
-            .bind(fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
-            .bind(tag)
-            .execute(&mut *tx)
-            .await
-            .map_err(store_error)?;
-        let (taken, claims, expires_us, age_us, kept, in_progress, token): ClaimRow =
-            sqlx::query_as(sql(&self.statements.claimed))
-                .bind(key.scope())
-                .bind(key.id())
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(store_error)?;
-        if taken != tag {
-            tx.rollback().await.map_err(store_error)?;
-            return Ok(held_or_done((
-                in_progress != 0,
-                token,
-                expires_us,
-                age_us,
-                kept,
-            )));
-        }
-        // The counter moves only with a lease taken, and its row is locked
-        // only from here to the commit.
-        let token = sqlx::query(sql(&statements.next_token))
-            .execute(&mut *tx)
-            .await
-            .map_err(store_error)?
-            .last_insert_id();
-        sqlx::query(sql(&statements.set_token))
-            .bind(token_param(token))
-            .bind(key.scope())
-            .bind(key.id())
-            .execute(&mut *tx)
-            .await
-            .map_err(store_error)?;
-        tx.commit().await.map_err(store_error)?;
-        Ok(Acquire::Acquired {
-            token,
-            reclaimed: claims > 1,
-        })
-    }
-
-    async fn extend(
-        &self,
-        key: &DedupKey,
-        token: Token,
-        lease: Ttl,
-    ) -> Result<Option<SystemTime>, StoreError> {
-        let statements = &self.statements.lease;
-        let mut tx = self.begin_tx().await?;
-        // sqlx asks for found rows: the count is of rows matched (held),
-        // even one whose new expiry equals its old.
-        let held = sqlx::query(sql(&statements.extend))
-            .bind(ttl_seconds(lease))
-            .bind(key.scope())
-            .bind(key.id())
-            .bind(token_param(token))
-            .execute(&mut *tx)
-            .await
-            .map_err(store_error)?
-            .rows_affected();
-        if held != 1 {
-            tx.rollback().await.map_err(store_error)?;
-            return Ok(None);
-        }
-        let expires: i64 = sqlx::query_scalar(sql(&statements.expiry))
-            .bind(key.scope())
-            .bind(key.id())
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(store_error)?;
-        tx.commit().await.map_err(store_error)?;
-        Ok(Some(time_from_unix_micros(expires)))
-    }
-
-    async fn complete(&self, key: &DedupKey, token: Token, ttl: Ttl) -> Result<bool, StoreError> {
-        let done = sqlx::query(sql(&self.statements.lease.complete))
-            .bind(ttl_seconds(ttl))
-            .bind(key.scope())
-            .bind(key.id())
-            .bind(token_param(token))
-            .execute(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    async fn release(&self, key: &DedupKey, token: Token) -> Result<bool, StoreError> {
-        let released = sqlx::query(sql(&self.statements.lease.release))
-            .bind(key.scope())
-            .bind(key.id())
-            .bind(token_param(token))
-            .execute(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(released.rows_affected() == 1)
     }
 }
 

@@ -24,6 +24,7 @@ mod claims;
 mod fate;
 mod outputs;
 mod rebalance;
+mod refusal;
 mod restore;
 mod tiered;
 mod transact;

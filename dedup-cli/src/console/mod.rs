@@ -25,6 +25,7 @@ mod guard;
 mod overview;
 mod pages;
 mod reading;
+mod replay;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -320,7 +321,7 @@ async fn route(console: &Console, asked: &Asked) -> Answer {
         ([], true, _) => overview::page(console, asked).await,
         (["dlq"], true, _) => reading::topics(console, asked).await,
         (["dlq", topic], true, _) => reading::topic(console, topic, asked).await,
-        (["dlq", topic, "replay"], _, true) => reading::replay(console, topic, asked).await,
+        (["dlq", topic, "replay"], _, true) => replay::replay(console, topic, asked).await,
         (["dlq", topic, partition, offset], true, _) => match (partition.parse(), offset.parse()) {
             (Ok(p), Ok(o)) => reading::letter(console, topic, p, o, asked).await,
             _ => not_found(console),

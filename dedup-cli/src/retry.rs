@@ -212,28 +212,36 @@ pub(crate) async fn release(
     let mut released = Vec::new();
     let mut refused = Vec::new();
     for w in &waiting {
-        let Some((origin, partition, offset)) = &w.origin else {
-            return Err(Failure::new(format!(
-                "{topic}/{}/{} has no dedup.origin.* headers: is {topic} a retry tier of dedup?",
-                w.msg.partition(),
-                w.msg.offset()
-            )));
-        };
         let from = format!("{topic}/{}/{}", w.msg.partition(), w.msg.offset());
         // Never sign (or send home) what the runtime did not move: a record
         // written into the tier by another producer, naming someone else's
-        // event as its origin, would release that event's key.
-        if *partition != w.msg.partition() {
+        // event as its origin, would release that event's key. Without a
+        // key this is a best effort (a move keeps its partition, and a
+        // tier's topic names its handled topic); with one, the signature
+        // covers the origin.
+        let Some((origin, partition, offset)) = &w.origin else {
+            refused.push((from, "it has no readable dedup.origin.* headers".to_owned()));
+            continue;
+        };
+        if *partition != w.msg.partition() || !topic.contains(origin.as_str()) {
             refused.push((
                 from,
-                format!("its origin {origin}/{partition}/{offset} is not this partition's"),
+                format!(
+                    "its origin {origin}/{partition}/{offset} is not in this partition of a \
+                     topic whose tier this is"
+                ),
             ));
             continue;
         }
         if let Some(signing) = signing
             && !signing.verifies(&w.msg)
         {
-            refused.push((from, "not signed with this key".to_owned()));
+            refused.push((
+                from,
+                "not signed with this key (during a key roll-out, with \
+                 require_signatures(false), leave --tier-key-file out)"
+                    .to_owned(),
+            ));
             continue;
         }
         let mut headers = OwnedHeaders::new();
@@ -293,8 +301,8 @@ impl Report for Released {
         }
         if !self.refused.is_empty() {
             out.push_str(&format!(
-                "not released, {} record(s) whose tier headers are not dedup's own (the \
-                 consumers dead-letter them as forged when they come due):\n",
+                "not released, {} record(s) whose tier headers may not be dedup's own (a \
+                 consumer that judges them forged dead-letters them when they come due):\n",
                 self.refused.len()
             ));
             for (record, why) in &self.refused {

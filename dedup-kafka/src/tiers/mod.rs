@@ -472,16 +472,18 @@ pub(crate) fn now_ms() -> i64 {
 /// (its timestamp: the move's time): a later due time (a forged header, a
 /// clock that jumped back) would only stall the tier's partition. The bound
 /// is a fixed time, so reading the record again after a pause does not
-/// move it; a timestamp ahead of this clock is refused (`trust::forged`).
+/// move it; a record without a timestamp, or one ahead of this clock, is
+/// refused (`trust::forged`) and due now.
 pub(crate) fn due_in(msg: &OwnedMessage, delay: Duration) -> Duration {
     let Some(due) = header(msg, RETRY_DUE_HEADER).and_then(|d| d.parse::<i64>().ok()) else {
         return Duration::ZERO;
     };
     let delay_ms = delay.as_millis().min(i64::MAX as u128) as i64;
-    let latest = match msg.timestamp().to_millis() {
-        Some(written) => written.saturating_add(delay_ms),
-        None => now_ms().saturating_add(delay_ms),
-    };
+    // One without a timestamp is not the runtime's (`trust::forged`): due.
+    let latest = msg
+        .timestamp()
+        .to_millis()
+        .map_or(i64::MIN, |written| written.saturating_add(delay_ms));
     Duration::from_millis(due.min(latest).saturating_sub(now_ms()).max(0) as u64)
 }
 

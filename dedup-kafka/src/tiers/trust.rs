@@ -186,6 +186,25 @@ fn from_hex(hex: &[u8]) -> Option<Vec<u8>> {
 /// bounded by it (`tiers::due_in`).
 const MAX_AHEAD_MS: i64 = 5 * 60 * 1000;
 
+/// Why a tier record's timestamp (the bound on its due time) cannot be the
+/// runtime's, if it cannot: none (the runtime's moves always carry one), or
+/// more than [`MAX_AHEAD_MS`] ahead of this clock. Without this a record
+/// could put its due time out of reach for ever (`tiers::due_in`).
+fn stamp_refused(msg: &OwnedMessage) -> Option<String> {
+    let Some(written) = msg.timestamp().to_millis() else {
+        return Some("it has no timestamp (the runtime's moves always carry one)".to_owned());
+    };
+    let ahead = written - super::now_ms();
+    (ahead > MAX_AHEAD_MS).then(|| {
+        format!(
+            "its timestamp is {} s ahead of this consumer's clock (more than {} s: a forged \
+             one, or the moving process's clock is that far off)",
+            ahead / 1000,
+            MAX_AHEAD_MS / 1000
+        )
+    })
+}
+
 /// What a record with tier headers says it is.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Claimed<'a> {
@@ -224,16 +243,8 @@ pub(crate) fn forged(
                     msg.partition(),
                     msg.topic()
                 ))
-            } else if let Some(ahead) = msg
-                .timestamp()
-                .to_millis()
-                .map(|t| t - super::now_ms())
-                .filter(|ahead| *ahead > MAX_AHEAD_MS)
-            {
-                Some(format!(
-                    "its timestamp is {} s ahead of this consumer's clock",
-                    ahead / 1000
-                ))
+            } else if let Some(why) = stamp_refused(msg) {
+                Some(why)
             } else if text(RETRY_TIER_HEADER) != Some(tier) {
                 Some(format!(
                     "its {RETRY_TIER_HEADER} is {:?}, not {tier:?}, the tier it was read from",
@@ -449,6 +460,17 @@ mod tests {
         );
         let why = forged(&ahead, TIER, None).expect("written an hour from now");
         assert!(why.contains("ahead of this consumer's clock"), "{why}");
+        let unstamped = OwnedMessage::new(
+            good.payload().map(<[u8]>::to_vec),
+            None,
+            "payments.retry-30s".into(),
+            rdkafka::Timestamp::NotAvailable,
+            2,
+            7,
+            good.headers().cloned(),
+        );
+        let why = forged(&unstamped, TIER, None).expect("no timestamp");
+        assert!(why.contains("no timestamp"), "{why}");
         let bare = record("payments.retry-30s", 2, 7, OwnedHeaders::new());
         let why = forged(&bare, TIER, None).expect("no origin");
         assert!(why.contains("missing"), "{why}");

@@ -788,8 +788,12 @@ async fn forged_tier_headers_are_dead_lettered_and_release_nothing(pool: PgPool)
     )
     .await;
 
+    // And one with no tier headers at all: it must not stop the release of
+    // the others.
+    produce(&producer, &tier, "acct-9", &timed("acct-9", 97), None).await;
+
     // The operator releases them with the key: applied now, in order; the
-    // planted record is refused, neither signed nor sent.
+    // planted records are refused, neither signed nor sent.
     let key_path = key_file.to_str().expect("utf-8 path");
     let released = dedup_cli(&[
         "--json",
@@ -811,7 +815,7 @@ async fn forged_tier_headers_are_dead_lettered_and_release_nothing(pool: PgPool)
     );
     assert_eq!(
         released["refused"].as_array().map(Vec::len),
-        Some(1),
+        Some(2),
         "{released:#}"
     );
     assert_eq!(

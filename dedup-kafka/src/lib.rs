@@ -2,7 +2,7 @@
 
 mod config;
 mod database;
-mod dlq;
+mod dead_letter_format;
 mod failpoint;
 #[cfg(feature = "http")]
 pub mod http;
@@ -22,7 +22,7 @@ mod ttl_check;
 pub use config::{OnFingerprintMismatch, PREFETCH_DEFAULTS};
 pub use database::builder::ConsumerBuilder;
 pub use database::consumer::Consumer;
-pub use dlq::{
+pub use dead_letter_format::{
     DEAD_LETTER_HEADERS, DeadLetterHeaders, MAX_ERROR_MESSAGE_BYTES, MalformedHeaders,
     OriginalMessage, REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER, TRUNCATED_PAYLOAD_BYTES,
 };

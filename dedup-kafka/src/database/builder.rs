@@ -95,7 +95,7 @@ impl<S> ConsumerBuilder<S> {
             // dead-lettered.
             (
                 "message.max.bytes".to_owned(),
-                crate::dlq::MAX_DEAD_LETTER_BYTES.to_owned(),
+                crate::dead_letter_format::MAX_DEAD_LETTER_BYTES.to_owned(),
             ),
             // One dead letter per request: dead letters are rare, and
             // batched together they could exceed a limit each one fits.

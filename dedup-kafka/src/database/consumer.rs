@@ -19,10 +19,10 @@ use tokio::task::JoinSet;
 
 use crate::Error;
 use crate::config::Settings;
+use crate::database::handover::{HandOver, RebalanceContext, commit};
 use crate::database::partition::Runtime;
 use crate::database::partition::state::{Partition, PartitionMap, lock};
 use crate::database::partition::worker::worker;
-use crate::database::rebalance::{HandOver, RebalanceContext, commit};
 use crate::database::route::TopicRoutes;
 use crate::metrics::ConsumerGauges;
 use crate::pipeline::fatal_error;

@@ -21,7 +21,7 @@ use rdkafka::message::{Message as _, OwnedMessage};
 use crate::database::partition::state::Partition;
 use crate::database::partition::{Runtime, wait_unless_stopped};
 use crate::database::route::{Before, Route};
-use crate::dlq::{self, DeadLetter};
+use crate::dead_letter_format::{self, DeadLetter};
 use crate::failpoint::failpoint;
 use crate::pipeline::attempt::timed_out;
 use crate::pipeline::decision::{Decision, Fault};
@@ -321,7 +321,7 @@ async fn produce<S>(
     let mut retrying = Retrying::new(&shared.stats, shared.settings.retry);
     loop {
         attempt += 1;
-        match dlq::send(
+        match dead_letter_format::send(
             &shared.producer,
             msg,
             why,
@@ -349,8 +349,10 @@ async fn produce<S>(
                 }
                 return Sent::Acknowledged;
             }
-            Err(e) if dlq::is_too_large(&e) && why.moved.is_some() => return Sent::TooLarge,
-            Err(e) if dlq::is_missing_partition(&e) && why.moved.is_some() => {
+            Err(e) if dead_letter_format::is_too_large(&e) && why.moved.is_some() => {
+                return Sent::TooLarge;
+            }
+            Err(e) if dead_letter_format::is_missing_partition(&e) && why.moved.is_some() => {
                 shared.fail(format!(
                     "the retry tier's topic {:?} has no partition {} ({e}): give it as many \
                      partitions as {:?} (a move keeps its origin's partition)",
@@ -358,14 +360,14 @@ async fn produce<S>(
                 ));
                 return Sent::No;
             }
-            Err(e) if dlq::is_too_large(&e) && keep != Some(0) => {
+            Err(e) if dead_letter_format::is_too_large(&e) && keep != Some(0) => {
                 keep = Some(match keep {
-                    None => dlq::TRUNCATED_PAYLOAD_BYTES,
+                    None => dead_letter_format::TRUNCATED_PAYLOAD_BYTES,
                     Some(_) => 0,
                 });
                 tracing::warn!(error = %e, keep, "the dead letter is too large for the broker; sending it with its payload cut");
             }
-            Err(e) if dlq::is_too_large(&e) => {
+            Err(e) if dead_letter_format::is_too_large(&e) => {
                 shared.fail(format!(
                     "a dead letter for {:?} is too large even without its payload (its key and \
                      headers exceed the topic's max.message.bytes): raise the limit of {:?}",
@@ -373,10 +375,10 @@ async fn produce<S>(
                 ));
                 return Sent::No;
             }
-            Err(e) if dlq::is_unwritable(&e) => {
+            Err(e) if dead_letter_format::is_unwritable(&e) => {
                 let since = *unwritable_since.get_or_insert_with(std::time::Instant::now);
-                let lasting = since.elapsed() >= dlq::UNWRITABLE_FOR && attempt >= 3;
-                if dlq::is_invalid(&e) || lasting {
+                let lasting = since.elapsed() >= dead_letter_format::UNWRITABLE_FOR && attempt >= 3;
+                if dead_letter_format::is_invalid(&e) || lasting {
                     shared.fail(match why.moved {
                         Some(_) => format!(
                             "the retry tier's topic {:?} cannot be written ({e}): create it (as \

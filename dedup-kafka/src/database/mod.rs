@@ -10,7 +10,7 @@
 //! - [`effect`]: a route's handler behind one interface, by its effect;
 //! - [`partition`]: the partition workers (batches, key-ordered units,
 //!   retries, dead letters, offsets);
-//! - [`rebalance`]: handing a revoked partition's work over;
+//! - [`handover`]: handing a revoked partition's work over;
 //! - [`dead_letter`]: dead letters and moves to a retry tier, recorded in
 //!   the store;
 //! - [`hold`]: key hold-back's records for retry tiers.
@@ -24,7 +24,7 @@ pub(crate) mod dead_letter;
 pub(crate) mod effect;
 mod gauges;
 pub(crate) mod handle;
+pub(crate) mod handover;
 pub(crate) mod hold;
 pub(crate) mod partition;
-pub(crate) mod rebalance;
 pub(crate) mod route;

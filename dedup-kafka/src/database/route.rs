@@ -4,7 +4,7 @@
 //! which tier headers it trusts. The handlers themselves are in `effect`.
 
 use crate::database::effect::{BoxFuture, Effect, ErasedApply};
-use crate::pipeline::record::Record;
+use crate::pipeline::outcome::Record;
 use crate::select::{EventType, OrderBy, Selector, event_type_of, said_type};
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -210,8 +210,8 @@ impl<S: 'static> Route<S> {
         kind: &'static str,
         message: String,
         attempts: u32,
-    ) -> crate::dlq::DeadLetter<'_> {
-        crate::dlq::DeadLetter {
+    ) -> crate::dead_letter_format::DeadLetter<'_> {
+        crate::dead_letter_format::DeadLetter {
             topic: &self.dead_letter_topic,
             kind,
             message,
@@ -231,7 +231,7 @@ impl<S: 'static> Route<S> {
         kind: &'static str,
         message: String,
         attempts: u32,
-    ) -> crate::dlq::DeadLetter<'_> {
+    ) -> crate::dead_letter_format::DeadLetter<'_> {
         let why = self.dead_letter(msg, kind, message, attempts);
         match self.tiers.as_ref().and_then(|p| p.next()) {
             Some(next) => self.moved_to(msg, why, next),
@@ -265,7 +265,7 @@ impl<S: 'static> Route<S> {
         &self,
         msg: &rdkafka::message::OwnedMessage,
         earlier: i64,
-    ) -> crate::dlq::DeadLetter<'_> {
+    ) -> crate::dead_letter_format::DeadLetter<'_> {
         let message =
             format!("an earlier event of its key (offset {earlier}) waits in a retry tier");
         let why = self.dead_letter(msg, "held", message, 0);
@@ -282,9 +282,9 @@ impl<S: 'static> Route<S> {
     fn moved_to<'a>(
         &self,
         msg: &rdkafka::message::OwnedMessage,
-        mut why: crate::dlq::DeadLetter<'a>,
+        mut why: crate::dead_letter_format::DeadLetter<'a>,
         tier: &'a crate::tiers::TierTopic,
-    ) -> crate::dlq::DeadLetter<'a> {
+    ) -> crate::dead_letter_format::DeadLetter<'a> {
         why.topic = &tier.topic;
         why.moved = Some(tier.moved(
             msg,

@@ -13,7 +13,7 @@
 //!   offset below which all are finished.
 //! - [`membership`]: the rebalance context: what a member owns, its count,
 //!   its lag, the rebalance counters, each callback contained.
-//! - [`record`]: what became of a message, in the counters and the metrics
+//! - [`outcome`]: what became of a message, in the counters and the metrics
 //!   at once.
 
 pub(crate) mod attempt;
@@ -22,7 +22,7 @@ pub(crate) mod ingest;
 pub(crate) mod keyed;
 pub(crate) mod membership;
 pub(crate) mod outage;
-pub(crate) mod record;
+pub(crate) mod outcome;
 
 use rdkafka::message::{Headers as _, Message as _, OwnedMessage};
 

@@ -281,7 +281,7 @@ pub(crate) fn forged(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::dlq::{DeadLetter, headers};
+    use crate::dead_letter_format::{DeadLetter, headers};
     use crate::tiers::Moved;
     use crate::tiers::Origin;
     use rdkafka::message::{Header, OwnedHeaders};

@@ -16,10 +16,10 @@ use super::TransactionalConsumer;
 use super::busy::Busy;
 use super::claims::{self, ClaimDigest, PartitionClaims};
 use super::fate::{Fate, Halt, Staged, independent_of, now_ms};
-use super::rebalance::{Lane, Membership, Topics};
+use super::lanes::{Lane, Membership, Topics};
 use super::transact::Attempt;
 use crate::Error;
-use crate::dlq;
+use crate::dead_letter_format;
 use crate::metrics::RetryReason;
 use crate::retry::Jitter;
 
@@ -392,7 +392,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .get_or_insert_with(Instant::now);
-            if since.elapsed() >= dlq::UNWRITABLE_FOR && failures >= 3 {
+            if since.elapsed() >= dead_letter_format::UNWRITABLE_FOR && failures >= 3 {
                 return Err(Error::Fatal(format!(
                     "a topic of the transaction cannot be written ({why}) for {:?}: create it or \
                      grant the producer's principal Write on it",

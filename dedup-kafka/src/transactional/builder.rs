@@ -13,7 +13,7 @@ use super::outputs::Outputs;
 use super::TransactionalConsumer;
 use crate::Error;
 use crate::config::{self, ClientSettings, OnFingerprintMismatch};
-use crate::dlq;
+use crate::dead_letter_format;
 use crate::retry::{Jitter, RetryPolicy};
 use crate::stats::{Stats, StatsSnapshot};
 
@@ -396,7 +396,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         let mut producer = shared.clone();
         // A record that just fitted its input topic still fits the
         // dead-letter topic with dedup's headers (a user's setting wins).
-        producer.set("message.max.bytes", dlq::MAX_DEAD_LETTER_BYTES);
+        producer.set(
+            "message.max.bytes",
+            dead_letter_format::MAX_DEAD_LETTER_BYTES,
+        );
         no_linger_unless_set(&mut producer, &self.producer_settings);
         for (k, v) in &self.producer_settings {
             producer.set(k, v);
@@ -412,7 +415,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         let producer: FutureProducer = producer.create()?;
         let stats = Arc::new(Stats::new());
         Ok(TransactionalConsumer {
-            topics: super::rebalance::Topics::new(topics),
+            topics: super::lanes::Topics::new(topics),
             tiers,
             #[cfg(feature = "http")]
             http: crate::http::bind(self.http, &group, stats.clone())?,

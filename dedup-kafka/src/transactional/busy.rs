@@ -30,7 +30,7 @@ use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::Message as _;
 use tokio::sync::watch;
 
-use super::rebalance::{Change, Lane, Membership, Topics};
+use super::lanes::{Change, Lane, Membership, Topics};
 use crate::Error;
 
 /// How often the run loop polls while a batch runs: well inside any

@@ -15,7 +15,7 @@ use super::fate::{Fate, dead};
 use super::outputs::Outputs;
 use super::transact::{Attempt, Source};
 use crate::Error;
-use crate::dlq;
+use crate::dead_letter_format;
 
 impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// A send refused outright. Its own size or topic: its message's fate.
@@ -85,7 +85,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     ),
                 ))
             }
-            Source::DeadLetter(i) if dlq::is_too_large(&e) => {
+            Source::DeadLetter(i) if dead_letter_format::is_too_large(&e) => {
                 let Fate::Dead {
                     kind,
                     message,
@@ -96,7 +96,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     unreachable!("a dead letter's source is dead");
                 };
                 let keep = match keep {
-                    None => Some(dlq::TRUNCATED_PAYLOAD_BYTES),
+                    None => Some(dead_letter_format::TRUNCATED_PAYLOAD_BYTES),
                     Some(0) => {
                         return Err(Error::Fatal(format!(
                             "a dead letter for {:?} is too large even without its payload: raise the topic's max.message.bytes",
@@ -208,7 +208,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             }
             _ => Ok(Attempt::Rewind {
                 why: format!("a record was refused: {e}"),
-                unwritable: dlq::is_unwritable(&e),
+                unwritable: dead_letter_format::is_unwritable(&e),
                 lost: false,
             }),
         }

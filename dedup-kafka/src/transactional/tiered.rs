@@ -25,10 +25,10 @@ use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::message::{Message as _, OwnedMessage};
 
 use super::TransactionalConsumer;
+use super::lanes::{Lane, Membership, Topics};
 use super::outputs::Outputs;
-use super::rebalance::{Lane, Membership, Topics};
 use crate::Error;
-use crate::dlq::DeadLetter;
+use crate::dead_letter_format::DeadLetter;
 use crate::retry::RetryPolicy;
 use crate::tiers::{Claimed, Origin, PAUSE_FROM, TierTopic};
 

@@ -15,10 +15,10 @@ use super::outputs::Outputs;
 use super::TransactionalConsumer;
 use super::claims::{self, ClaimDigest};
 use super::fate::Fate;
-use super::rebalance::Membership;
+use super::lanes::Membership;
 use super::refusal::{first_refusal, is_fatal, is_records_fault};
 use crate::Error;
-use crate::dlq::{self, DeadLetter};
+use crate::dead_letter_format::{self, DeadLetter};
 
 /// Where a record of the transaction came from, to tell whose fault its
 /// failure is.
@@ -293,7 +293,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         origin: self.origin(msg),
                         moved: None,
                     };
-                    let record = dlq::record(msg, &why, *keep);
+                    let record = dead_letter_format::record(msg, &why, *keep);
                     self.send(record, Source::DeadLetter(i), sent, isolate)
                         .await
                 }
@@ -305,7 +305,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     due_ms,
                 } => {
                     let why = self.move_to(msg, *tier, kind, message.clone(), *attempts, *due_ms);
-                    let record = dlq::record(msg, &why, None);
+                    let record = dead_letter_format::record(msg, &why, None);
                     self.send(record, Source::Move(i), sent, isolate).await
                 }
             };
@@ -447,7 +447,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         self.abort().await?;
         Ok(Attempt::Rewind {
             why: format!("{step}: {e}"),
-            unwritable: dlq::is_unwritable(&e),
+            unwritable: dead_letter_format::is_unwritable(&e),
             lost: false,
         })
     }

@@ -8,12 +8,15 @@
 //! - [`worker`]: a partition's worker loop, its queue and its batches'
 //!   gathering;
 //! - [`apply`]: one batch in one transaction, or one message with its
-//!   retries, and what becomes of each message.
+//!   retries, and what becomes of each message;
+//! - [`units`]: the worker under key-ordered concurrency, up to n units
+//!   (transactions) at once over a `pipeline::keyed::Window`;
+//! - [`due`]: a retry tier's partition waiting for its next record.
 
 mod apply;
 mod due;
-mod keyed;
 pub(crate) mod state;
+mod units;
 pub(crate) mod worker;
 
 pub(crate) use due::until_due;
@@ -31,7 +34,7 @@ use rdkafka::{Offset, TopicPartitionList};
 use tokio::sync::{Semaphore, mpsc, watch};
 
 use crate::config::Settings;
-use crate::database::rebalance::RebalanceContext;
+use crate::database::handover::RebalanceContext;
 use crate::pipeline::attempt::{self, Ran};
 
 use self::state::{Gate, Partition};

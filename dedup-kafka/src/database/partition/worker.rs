@@ -91,7 +91,7 @@ pub(crate) async fn worker<S: DedupStore>(
     // A retry tier's partition runs in order, one due record after
     // another: its records wait for their due time at its head.
     if shared.settings.key_concurrency > 0 && !routes.in_tier() {
-        return super::keyed::worker(&shared, &routes, &partition, inbox).await;
+        return super::units::worker(&shared, &routes, &partition, inbox).await;
     }
     let mut jitter = Jitter::new(partition.partition as u64);
     let mut stopping = shared.stopping.subscribe();

@@ -305,33 +305,25 @@ impl<S: 'static> Route<S> {
     /// Whether `msg`'s `dedup.origin.*` and `dedup.retry.attempt` are its
     /// own story: read from a tier, or released from one, and not forged.
     fn reads_origin_headers(&self, msg: &rdkafka::message::OwnedMessage) -> bool {
-        self.claimed(msg).is_some() && self.forged(msg).is_none()
-    }
-
-    /// What `msg` says it is: a tier's record, or a copy released home.
-    fn claimed(&self, msg: &rdkafka::message::OwnedMessage) -> Option<crate::tiers::Claimed<'_>> {
-        let place = self.tiers.as_ref()?;
-        match place.at {
-            Some(at) => Some(crate::tiers::Claimed::Tier {
-                origin: &place.tiers.origin,
-                tier: &place.tiers.tiers[at].name,
-            }),
-            None => crate::tiers::released(msg).then_some(crate::tiers::Claimed::Released),
-        }
+        self.tiers
+            .as_ref()
+            .is_some_and(|p| p.tiers.trusts_origin(p.at, msg))
     }
 
     /// Why `msg`'s tier headers are not its own, if it has such headers and
-    /// they are not (`tiers::forged`): it is then dead-lettered as itself.
+    /// they are not (`TopicTiers::forged`): it is then dead-lettered as
+    /// itself.
     pub(crate) fn forged(&self, msg: &rdkafka::message::OwnedMessage) -> Option<String> {
-        let claimed = self.claimed(msg)?;
-        self.tiers.as_ref()?.tiers.forged(msg, claimed)
+        let place = self.tiers.as_ref()?;
+        place.tiers.forged(place.at, msg)
     }
 
     /// Whether `msg` is a copy released home from a tier whose headers are
     /// its own: it stands for its origin, and lets its key go.
     pub(crate) fn released(&self, msg: &rdkafka::message::OwnedMessage) -> bool {
-        matches!(self.claimed(msg), Some(crate::tiers::Claimed::Released))
-            && self.forged(msg).is_none()
+        self.tiers
+            .as_ref()
+            .is_some_and(|p| p.at.is_none() && p.tiers.trusted_release(msg))
     }
 
     /// The delay of the tier this route reads (`Duration::MAX` for a

@@ -339,11 +339,38 @@ pub(crate) struct TierTopic {
 }
 
 impl TopicTiers {
-    /// Whether `msg`, read as `claimed`, has tier headers that are not its
-    /// own (`trust::forged`), with the signature checked if required.
-    pub(crate) fn forged(&self, msg: &OwnedMessage, claimed: Claimed<'_>) -> Option<String> {
+    /// What `msg` says it is, read from tier `at` (`None`: the handled
+    /// topic): a tier's record, or a copy released home; `None` for an
+    /// ordinary record. One reading for both runtimes.
+    pub(crate) fn claimed(&self, at: Option<usize>, msg: &OwnedMessage) -> Option<Claimed<'_>> {
+        match at {
+            Some(at) => Some(Claimed::Tier {
+                origin: &self.origin,
+                tier: &self.tiers[at].name,
+            }),
+            None => released(msg).then_some(Claimed::Released),
+        }
+    }
+
+    /// Why `msg`, read from tier `at`, has tier headers that are not its
+    /// own (`trust::forged`, the signature checked if required), if it has
+    /// such headers and they are not: it is then dead-lettered as itself.
+    pub(crate) fn forged(&self, at: Option<usize>, msg: &OwnedMessage) -> Option<String> {
         let checking = self.key.as_ref().filter(|_| self.require_signatures);
-        forged(msg, claimed, checking)
+        forged(msg, self.claimed(at, msg)?, checking)
+    }
+
+    /// Whether `msg`, read from tier `at`, is a tier's record or a released
+    /// copy whose headers are its own: its `dedup.origin.*` and
+    /// `dedup.retry.attempt` tell its story.
+    pub(crate) fn trusts_origin(&self, at: Option<usize>, msg: &OwnedMessage) -> bool {
+        self.claimed(at, msg).is_some() && self.forged(at, msg).is_none()
+    }
+
+    /// Whether `msg`, read from the handled topic, is a copy released home
+    /// whose headers are its own: it stands for its origin.
+    pub(crate) fn trusted_release(&self, msg: &OwnedMessage) -> bool {
+        released(msg) && self.forged(None, msg).is_none()
     }
 }
 

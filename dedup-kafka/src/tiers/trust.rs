@@ -509,16 +509,16 @@ mod tests {
                 .of("payments", crate::OrderBy::default(), 1)
         };
         let unsigned = moved(&original, None);
-        assert!(tiers(true).forged(&unsigned, TIER).is_some());
-        assert_eq!(tiers(false).forged(&unsigned, TIER), None);
-        let elsewhere = Claimed::Tier {
-            origin: "orders",
-            tier: "30s",
-        };
-        assert!(tiers(false).forged(&unsigned, elsewhere).is_some());
+        assert!(tiers(true).forged(Some(0), &unsigned).is_some());
+        assert_eq!(tiers(false).forged(Some(0), &unsigned), None);
+        let elsewhere = crate::RetryTiers::new(["30s"])
+            .expect("tiers")
+            .require_signatures(false)
+            .of("orders", crate::OrderBy::default(), 1);
+        assert!(elsewhere.forged(Some(0), &unsigned).is_some());
         let signed = moved(&original, tiers(false).tiers[0].key.as_ref());
         assert_eq!(
-            tiers(true).forged(&signed, TIER),
+            tiers(true).forged(Some(0), &signed),
             None,
             "signed by the moves"
         );

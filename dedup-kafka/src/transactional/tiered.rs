@@ -30,7 +30,7 @@ use super::outputs::Outputs;
 use crate::Error;
 use crate::dead_letter_format::DeadLetter;
 use crate::retry::RetryPolicy;
-use crate::tiers::{Claimed, Origin, PAUSE_FROM, TierTopic};
+use crate::tiers::{Origin, PAUSE_FROM, TierTopic};
 
 impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// The retry policy of attempts in place: with retry tiers, transient
@@ -61,27 +61,22 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// own story: read from a tier, or a copy released from one, and not
     /// forged.
     fn reads_origin_headers(&self, msg: &OwnedMessage) -> bool {
-        self.claimed(msg).is_some() && self.forged(msg).is_none()
+        self.tiers
+            .as_ref()
+            .is_some_and(|t| t.trusts_origin(self.tier_at(msg), msg))
     }
 
-    /// What `msg` says it is: a tier's record, or a copy released home.
-    fn claimed(&self, msg: &OwnedMessage) -> Option<Claimed<'_>> {
-        let tiers = self.tiers.as_ref()?;
-        match self.topics.lane(msg).topic {
-            0 => crate::tiers::released(msg).then_some(Claimed::Released),
-            // The input is topic 0; tier i is topic i + 1.
-            i => Some(Claimed::Tier {
-                origin: &tiers.origin,
-                tier: &tiers.tiers[i - 1].name,
-            }),
-        }
+    /// The tier `msg` was read from: `None` for the input (topic 0); tier
+    /// i is topic i + 1.
+    fn tier_at(&self, msg: &OwnedMessage) -> Option<usize> {
+        self.topics.lane(msg).topic.checked_sub(1)
     }
 
     /// Why `msg`'s tier headers are not its own, if it has such headers and
-    /// they are not (`tiers::forged`): it is then dead-lettered as itself.
+    /// they are not (`TopicTiers::forged`): it is then dead-lettered as
+    /// itself.
     pub(super) fn forged(&self, msg: &OwnedMessage) -> Option<String> {
-        let claimed = self.claimed(msg)?;
-        self.tiers.as_ref()?.forged(msg, claimed)
+        self.tiers.as_ref()?.forged(self.tier_at(msg), msg)
     }
 
     /// Where `msg` came from before any move.

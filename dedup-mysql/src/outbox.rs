@@ -2,42 +2,66 @@
 //! transaction, [`OutboxReader`] for the relay.
 
 use std::collections::{HashMap, HashSet};
-use std::fmt;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::future::Future;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use dedup_core::StoreError;
-use dedup_core::outbox::{
-    OutboxMessage, OutboxRecord, OutboxSource, PublishFailure, Retention, poll_for_events,
-};
+use dedup_core::outbox::{OutboxMessage, OutboxRecord, PublishFailure, Retention};
+use dedup_sql::polled::{self, LastSeq, PolledStatements};
 use dedup_sql::{
-    OutboxConfig, OutboxRow, SqlLease, TableName, encode_headers, json_seqs, millis, outbox_record,
-    run_migrations, sql,
+    Outbox, OutboxRow, OutboxStore, SqlLease, TableName, json_seqs, millis, outbox_record, sql,
 };
-use sqlx::{MySqlConnection, MySqlPool};
+use sqlx::MySqlConnection;
 
 use crate::{Error, InvalidTableName, MySql, NOW_US, store_error};
+
+/// An outbox table in a MySQL or MariaDB database: [`enqueue`](OutboxWriter::enqueue)
+/// events inside your transaction, [`migrate`](OutboxWriter::migrate) it at
+/// start-up, and hand [`reader`](OutboxWriter::reader) to a relay. Cloning
+/// is cheap.
+///
+/// ```no_run
+/// # async fn example(store: dedup_mysql::MySqlStore) -> Result<(), Box<dyn std::error::Error>> {
+/// use dedup_core::OutboxMessage;
+/// use dedup_mysql::OutboxWriter;
+///
+/// let outbox = OutboxWriter::default();
+/// outbox.migrate(store.pool()).await?;
+/// let mut tx = store.pool().begin().await?;
+/// sqlx::query("UPDATE accounts SET balance = balance + 500 WHERE id = 'a'")
+///     .execute(&mut *tx)
+///     .await?;
+/// outbox
+///     .enqueue(&mut tx, OutboxMessage::json("payment-recorded", &"a")?.with_key("a"))
+///     .await?;
+/// tx.commit().await?; // the event exists if and only if the change does
+/// # Ok(()) }
+/// ```
+pub type OutboxWriter = dedup_sql::OutboxWriter<MySql>;
+
+/// An outbox as a relay reads it: an [`OutboxSource`](dedup_core::outbox::OutboxSource)
+/// over a pool. A batch is leased with one short transaction (a lease id
+/// and an expiry on the server's clock, rows taken `FOR UPDATE SKIP
+/// LOCKED`), published with no transaction open, and marked in another.
+/// MySQL cannot notify: a waiting relay polls, so an event committed while
+/// it waits is published within about 250 ms (events that become available
+/// otherwise, within the relay's `poll_interval`).
+pub type OutboxReader = dedup_sql::OutboxReader<MySql>;
 
 /// The outbox migrations, rendered with the configured table name.
 static OUTBOX_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./outbox-migrations");
 
 /// The statements of one outbox, built once from its validated name.
-struct Statements {
-    table: TableName,
-    retention: Retention,
+pub struct Statements {
     enqueue: Arc<str>,
-    last_seq: Arc<str>,
     candidates: Arc<str>,
     earliest: Arc<str>,
     lease: Arc<str>,
     leased: Arc<str>,
-    mark_sent: Arc<str>,
-    record_failure: Arc<str>,
-    release: Arc<str>,
     purge_take: Arc<str>,
     purge_delete: Arc<str>,
-    backlog: Arc<str>,
+    polled: PolledStatements,
 }
 
 /// A JSON array of sequence numbers as rows `js.s`.
@@ -48,9 +72,21 @@ const JSON_SEQS: &str = "JSON_TABLE(?, '$[*]' COLUMNS (s BIGINT PATH '$')) AS js
 pub(crate) const BEGIN_READ_COMMITTED: &str =
     "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
 
-impl Statements {
-    fn new(config: &OutboxConfig) -> Result<Self, InvalidTableName> {
-        let table = TableName::parse_unqualified(&config.table)?.with_backticks();
+impl OutboxStore for MySql {
+    type Db = sqlx::MySql;
+    type Statements = Statements;
+    type Watch = LastSeq;
+    type Lease = SqlLease;
+
+    fn migrator() -> &'static sqlx::migrate::Migrator {
+        &OUTBOX_MIGRATOR
+    }
+
+    fn table(name: &str) -> Result<TableName, InvalidTableName> {
+        Ok(TableName::parse_unqualified(name)?.with_backticks())
+    }
+
+    fn statements(table: &TableName, retention: Retention) -> Statements {
         let t = table.quoted();
         let enqueue = format!(
             "INSERT INTO {t} (event_id, topic, msg_key, payload, headers, enqueued_at) \
@@ -91,7 +127,7 @@ impl Statements {
                  CAST(o.attempts AS SIGNED) \
              FROM {t} o JOIN {JSON_SEQS} ON o.seq = js.s ORDER BY o.seq"
         );
-        let mark_sent = match config.retention {
+        let mark_sent = match retention {
             Retention::Delete => format!("DELETE o FROM {t} o JOIN {JSON_SEQS} ON o.seq = js.s"),
             Retention::Keep(_) => format!(
                 "UPDATE {t} o JOIN {JSON_SEQS} ON o.seq = js.s \
@@ -116,65 +152,107 @@ impl Statements {
             "SELECT COUNT(*), CAST(COALESCE({NOW_US} - MIN(enqueued_at), 0) AS SIGNED) FROM {t} \
              WHERE sent_at IS NULL"
         );
-        Ok(Statements {
-            last_seq: format!("SELECT CAST(COALESCE(MAX(seq), 0) AS SIGNED) FROM {t}").into(),
-            table,
-            retention: config.retention,
+        Statements {
             enqueue: enqueue.into(),
             candidates: candidates.into(),
             earliest: earliest.into(),
             lease: lease.into(),
             leased: leased.into(),
-            mark_sent: mark_sent.into(),
-            record_failure: record_failure.into(),
-            release: release.into(),
             purge_take: purge_take.into(),
             purge_delete: format!("DELETE o FROM {t} o JOIN {JSON_SEQS} ON o.seq = js.s").into(),
-            backlog: backlog.into(),
+            polled: PolledStatements {
+                last_seq: format!("SELECT CAST(COALESCE(MAX(seq), 0) AS SIGNED) FROM {t}").into(),
+                mark_sent: mark_sent.into(),
+                record_failure: record_failure.into(),
+                release: release.into(),
+                backlog: backlog.into(),
+            },
+        }
+    }
+
+    fn enqueue<'a>(
+        outbox: &'a Outbox<MySql>,
+        conn: &'a mut MySqlConnection,
+        message: OutboxMessage,
+    ) -> impl Future<Output = Result<String, sqlx::Error>> + Send + 'a {
+        polled::enqueue::<sqlx::MySql>(conn, &outbox.statements().enqueue, message)
+    }
+
+    async fn lease(
+        reader: &OutboxReader,
+        limit: usize,
+        lease_for: Duration,
+        _before: Option<&SqlLease>,
+    ) -> Result<(SqlLease, Vec<OutboxRecord>), StoreError> {
+        again_after_deadlock(|| lease_once(reader, limit, lease_for)).await
+    }
+
+    async fn finish(
+        reader: &OutboxReader,
+        lease: &SqlLease,
+        published: &[i64],
+        failed: &[PublishFailure],
+    ) -> Result<(), StoreError> {
+        if lease.seqs().is_empty() && published.is_empty() {
+            return Ok(());
+        }
+        let statements = &reader.outbox().statements().polled;
+        again_after_deadlock(|| async {
+            let mut tx = reader
+                .pool()
+                .begin_with(BEGIN_READ_COMMITTED)
+                .await
+                .map_err(store_error)?;
+            polled::settle::<sqlx::MySql>(&mut tx, statements, lease, published, failed)
+                .await
+                .map_err(store_error)?;
+            tx.commit().await.map_err(store_error)
         })
+        .await
     }
-}
 
-/// An outbox table in a MySQL or MariaDB database: [`enqueue`](OutboxWriter::enqueue)
-/// events inside your transaction, [`migrate`](OutboxWriter::migrate) it at
-/// start-up, and hand [`reader`](OutboxWriter::reader) to a relay. Cloning
-/// is cheap.
-///
-/// ```no_run
-/// # async fn example(store: dedup_mysql::MySqlStore) -> Result<(), Box<dyn std::error::Error>> {
-/// use dedup_core::OutboxMessage;
-/// use dedup_mysql::OutboxWriter;
-///
-/// let outbox = OutboxWriter::default();
-/// outbox.migrate(store.pool()).await?;
-/// let mut tx = store.pool().begin().await?;
-/// sqlx::query("UPDATE accounts SET balance = balance + 500 WHERE id = 'a'")
-///     .execute(&mut *tx)
-///     .await?;
-/// outbox
-///     .enqueue(&mut tx, OutboxMessage::json("payment-recorded", &"a")?.with_key("a"))
-///     .await?;
-/// tx.commit().await?; // the event exists if and only if the change does
-/// # Ok(()) }
-/// ```
-#[derive(Clone)]
-pub struct OutboxWriter {
-    statements: Arc<Statements>,
-}
-
-impl fmt::Debug for OutboxWriter {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OutboxWriter")
-            .field("table", &self.statements.table.to_string())
-            .field("retention", &self.statements.retention)
-            .finish()
+    fn wait_for_events(
+        reader: &OutboxReader,
+        timeout: Duration,
+    ) -> impl Future<Output = ()> + Send + '_ {
+        let statements = &reader.outbox().statements().polled;
+        polled::poll_newer::<MySql, _>(reader.pool(), statements, reader.watch(), timeout)
     }
-}
 
-impl Default for OutboxWriter {
-    /// The table `dedup_outbox`, rows kept an hour after publishing.
-    fn default() -> Self {
-        OutboxWriter::new(OutboxConfig::default()).expect("the default outbox table name is valid")
+    async fn purge_sent(
+        reader: &OutboxReader,
+        keep: Duration,
+        limit: u32,
+    ) -> Result<u64, StoreError> {
+        let statements = reader.outbox().statements();
+        let mut tx = reader
+            .pool()
+            .begin_with(BEGIN_READ_COMMITTED)
+            .await
+            .map_err(store_error)?;
+        let seqs: Vec<i64> = sqlx::query_scalar(sql(&statements.purge_take))
+            .bind(millis(keep))
+            .bind(i64::from(limit))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        if seqs.is_empty() {
+            tx.rollback().await.map_err(store_error)?;
+            return Ok(0);
+        }
+        let done = sqlx::query(sql(&statements.purge_delete))
+            .bind(json_seqs(&seqs))
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        tx.commit().await.map_err(store_error)?;
+        Ok(done.rows_affected())
+    }
+
+    fn backlog(
+        reader: &OutboxReader,
+    ) -> impl Future<Output = Result<(u64, Duration), StoreError>> + Send + '_ {
+        polled::backlog::<MySql, _>(reader.pool(), &reader.outbox().statements().polled)
     }
 }
 
@@ -190,272 +268,79 @@ pub async fn enqueue(conn: &mut MySqlConnection, message: OutboxMessage) -> Resu
 
 impl crate::MySqlStore {
     /// The outbox with default settings (table `dedup_outbox`) over this
-    /// store's pool: the relay's [`OutboxSource`].
+    /// store's pool: the relay's [`OutboxSource`](dedup_core::outbox::OutboxSource).
     pub fn outbox_reader(&self) -> OutboxReader {
         DEFAULT_OUTBOX.reader(self.pool().clone())
     }
 }
 
-impl OutboxWriter {
-    /// An outbox with `config`.
-    pub fn new(config: OutboxConfig) -> Result<Self, Error> {
-        Ok(OutboxWriter {
-            statements: Arc::new(Statements::new(&config)?),
-        })
-    }
-
-    /// Creates or upgrades the outbox table; safe to call at every start
-    /// (tracked in `<table>_migrations`).
-    pub async fn migrate(&self, pool: &MySqlPool) -> Result<(), Error> {
-        run_migrations(pool, &OUTBOX_MIGRATOR, &self.statements.table)
-            .await
-            .map_err(Error::migrate::<MySql>)
-    }
-
-    /// Writes `message` into the outbox inside the transaction `conn`
-    /// belongs to, and returns its event id: the one set on the message, or
-    /// a new random UUID. The event is published only if that transaction
-    /// commits.
-    pub async fn enqueue(
-        &self,
-        conn: &mut MySqlConnection,
-        message: OutboxMessage,
-    ) -> Result<String, Error> {
-        let event_id = message
-            .event_id
-            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
-        sqlx::query(sql(&self.statements.enqueue))
-            .bind(&event_id)
-            .bind(message.topic)
-            .bind(message.key)
-            .bind(message.payload)
-            .bind(encode_headers(&message.headers))
-            .execute(conn)
-            .await
-            .map_err(Error::database::<MySql>)?;
-        Ok(event_id)
-    }
-
-    /// The relay's view of this outbox over `pool`.
-    pub fn reader(&self, pool: MySqlPool) -> OutboxReader {
-        OutboxReader {
-            pool,
-            statements: self.statements.clone(),
-            seen: Arc::default(),
-        }
-    }
-}
-
-/// An outbox as a relay reads it: an [`OutboxSource`] over a pool. A
-/// batch is leased with one short transaction (a lease id and an expiry on
-/// the server's clock, rows taken `FOR UPDATE SKIP LOCKED`), published with
-/// no transaction open, and marked in another. MySQL cannot notify: a
-/// waiting relay polls ([`poll_for_events`]), so an event committed while
-/// it waits is published within about 250 ms (events that become available
-/// otherwise, within the relay's `poll_interval`).
-#[derive(Clone)]
-pub struct OutboxReader {
-    pool: MySqlPool,
-    statements: Arc<Statements>,
-    /// The newest sequence number when this reader last leased: a wait
-    /// ends once the outbox has another.
-    seen: Arc<AtomicI64>,
-}
-
-impl fmt::Debug for OutboxReader {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OutboxReader")
-            .field("table", &self.statements.table.to_string())
-            .field("retention", &self.statements.retention)
-            .finish_non_exhaustive()
-    }
-}
-
-impl OutboxReader {
-    /// One lease, in one transaction.
-    async fn lease_once(
-        &self,
-        limit: usize,
-        lease_for: Duration,
-    ) -> Result<(SqlLease, Vec<OutboxRecord>), StoreError> {
-        let id = SqlLease::new_id();
-        let mut tx = self
-            .pool
-            .begin_with(BEGIN_READ_COMMITTED)
-            .await
-            .map_err(store_error)?;
-        let last: i64 = sqlx::query_scalar(sql(&self.statements.last_seq))
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(store_error)?;
-        let candidates: Vec<(i64, Option<Vec<u8>>)> =
-            sqlx::query_as(sql(&self.statements.candidates))
-                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(store_error)?;
-        let mut taken: Vec<i64> = candidates.iter().map(|(seq, _)| *seq).collect();
-        let keys: HashSet<&[u8]> = candidates
-            .iter()
-            .filter_map(|(_, k)| k.as_deref())
-            .collect();
-        if !keys.is_empty() {
-            let hex: Vec<String> = keys.iter().map(|k| to_hex(k)).collect();
-            let earliest: Vec<(Vec<u8>, i64)> = sqlx::query_as(sql(&self.statements.earliest))
-                .bind(serde_json::Value::from(hex).to_string())
-                .bind(json_seqs(&taken))
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(store_error)?;
-            let earliest: HashMap<Vec<u8>, i64> = earliest.into_iter().collect();
-            taken = candidates
-                .iter()
-                .filter(|(seq, key)| {
-                    key.as_ref()
-                        .and_then(|k| earliest.get(k))
-                        .is_none_or(|first| seq < first)
-                })
-                .map(|(seq, _)| *seq)
-                .collect();
-        }
-        let rows: Vec<OutboxRow> = if taken.is_empty() {
-            Vec::new()
-        } else {
-            let seqs = json_seqs(&taken);
-            sqlx::query(sql(&self.statements.lease))
-                .bind(&seqs)
-                .bind(id)
-                .bind(millis(lease_for))
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
-            sqlx::query_as(sql(&self.statements.leased))
-                .bind(&seqs)
-                .fetch_all(&mut *tx)
-                .await
-                .map_err(store_error)?
-        };
-        tx.commit().await.map_err(store_error)?;
-        self.seen.store(last, Ordering::Release);
-        let lease = SqlLease::new(id, rows.iter().map(|row| row.0).collect());
-        Ok((lease, rows.into_iter().map(outbox_record).collect()))
-    }
-
-    /// One settling of a batch, in one transaction.
-    async fn finish_once(
-        &self,
-        lease: &SqlLease,
-        published: &[i64],
-        failed: &[PublishFailure],
-    ) -> Result<(), StoreError> {
-        if lease.seqs().is_empty() && published.is_empty() {
-            return Ok(());
-        }
-        let mut tx = self
-            .pool
-            .begin_with(BEGIN_READ_COMMITTED)
-            .await
-            .map_err(store_error)?;
-        if !published.is_empty() {
-            sqlx::query(sql(&self.statements.mark_sent))
-                .bind(json_seqs(published))
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
-        }
-        for failure in failed {
-            sqlx::query(sql(&self.statements.record_failure))
-                .bind(&failure.reason)
-                .bind(millis(failure.retry_after))
-                .bind(failure.seq)
-                .bind(lease.id())
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
-        }
-        let held = dedup_sql::unsettled(lease.seqs(), published, failed);
-        if !held.is_empty() {
-            sqlx::query(sql(&self.statements.release))
-                .bind(json_seqs(&held))
-                .bind(lease.id())
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
-        }
-        tx.commit().await.map_err(store_error)
-    }
-}
-
-impl OutboxSource for OutboxReader {
-    type Lease = SqlLease;
-
-    async fn lease_pending(
-        &self,
-        limit: usize,
-        lease_for: Duration,
-    ) -> Result<(SqlLease, Vec<OutboxRecord>), StoreError> {
-        again_after_deadlock(|| self.lease_once(limit, lease_for)).await
-    }
-
-    async fn finish(
-        &self,
-        lease: &SqlLease,
-        published: &[i64],
-        failed: &[PublishFailure],
-    ) -> Result<(), StoreError> {
-        again_after_deadlock(|| self.finish_once(lease, published, failed)).await
-    }
-
-    async fn wait_for_events(&self, timeout: Duration) {
-        let seen = self.seen.load(Ordering::Acquire);
-        poll_for_events(timeout, || async {
-            let last: i64 = sqlx::query_scalar(sql(&self.statements.last_seq))
-                .fetch_one(&self.pool)
-                .await
-                .map_err(store_error)?;
-            Ok(last != seen)
-        })
-        .await;
-    }
-
-    async fn purge_sent(&self, limit: u32) -> Result<u64, StoreError> {
-        let Retention::Keep(keep) = self.statements.retention else {
-            return Ok(0);
-        };
-        let mut tx = self
-            .pool
-            .begin_with(BEGIN_READ_COMMITTED)
-            .await
-            .map_err(store_error)?;
-        let seqs: Vec<i64> = sqlx::query_scalar(sql(&self.statements.purge_take))
-            .bind(millis(keep))
-            .bind(i64::from(limit))
+/// One lease, in one transaction.
+async fn lease_once(
+    reader: &OutboxReader,
+    limit: usize,
+    lease_for: Duration,
+) -> Result<(SqlLease, Vec<OutboxRecord>), StoreError> {
+    let statements = reader.outbox().statements();
+    let id = SqlLease::new_id();
+    let mut tx = reader
+        .pool()
+        .begin_with(BEGIN_READ_COMMITTED)
+        .await
+        .map_err(store_error)?;
+    let last: i64 = sqlx::query_scalar(sql(&statements.polled.last_seq))
+        .fetch_one(&mut *tx)
+        .await
+        .map_err(store_error)?;
+    let candidates: Vec<(i64, Option<Vec<u8>>)> = sqlx::query_as(sql(&statements.candidates))
+        .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+        .fetch_all(&mut *tx)
+        .await
+        .map_err(store_error)?;
+    let mut taken: Vec<i64> = candidates.iter().map(|(seq, _)| *seq).collect();
+    let keys: HashSet<&[u8]> = candidates
+        .iter()
+        .filter_map(|(_, k)| k.as_deref())
+        .collect();
+    if !keys.is_empty() {
+        let hex: Vec<String> = keys.iter().map(|k| to_hex(k)).collect();
+        let earliest: Vec<(Vec<u8>, i64)> = sqlx::query_as(sql(&statements.earliest))
+            .bind(serde_json::Value::from(hex).to_string())
+            .bind(json_seqs(&taken))
             .fetch_all(&mut *tx)
             .await
             .map_err(store_error)?;
-        if seqs.is_empty() {
-            tx.rollback().await.map_err(store_error)?;
-            return Ok(0);
-        }
-        let done = sqlx::query(sql(&self.statements.purge_delete))
-            .bind(json_seqs(&seqs))
+        let earliest: HashMap<Vec<u8>, i64> = earliest.into_iter().collect();
+        taken = candidates
+            .iter()
+            .filter(|(seq, key)| {
+                key.as_ref()
+                    .and_then(|k| earliest.get(k))
+                    .is_none_or(|first| seq < first)
+            })
+            .map(|(seq, _)| *seq)
+            .collect();
+    }
+    let rows: Vec<OutboxRow> = if taken.is_empty() {
+        Vec::new()
+    } else {
+        let seqs = json_seqs(&taken);
+        sqlx::query(sql(&statements.lease))
+            .bind(&seqs)
+            .bind(id)
+            .bind(millis(lease_for))
             .execute(&mut *tx)
             .await
             .map_err(store_error)?;
-        tx.commit().await.map_err(store_error)?;
-        Ok(done.rows_affected())
-    }
-
-    async fn backlog(&self) -> Result<Option<(u64, Duration)>, StoreError> {
-        let (pending, oldest_us): (i64, i64) = sqlx::query_as(sql(&self.statements.backlog))
-            .fetch_one(&self.pool)
+        sqlx::query_as(sql(&statements.leased))
+            .bind(&seqs)
+            .fetch_all(&mut *tx)
             .await
-            .map_err(store_error)?;
-        Ok(Some((
-            u64::try_from(pending).unwrap_or(0),
-            Duration::from_micros(u64::try_from(oldest_us).unwrap_or(0)),
-        )))
-    }
+            .map_err(store_error)?
+    };
+    tx.commit().await.map_err(store_error)?;
+    reader.watch().saw(last);
+    let lease = SqlLease::new(id, rows.iter().map(|row| row.0).collect());
+    Ok((lease, rows.into_iter().map(outbox_record).collect()))
 }
 
 /// How many times a transaction InnoDB chose as a deadlock's victim is run.

@@ -1,17 +1,52 @@
 //! The transactional outbox on PostgreSQL: [`enqueue`] inside the caller's
 //! transaction, [`OutboxReader`] for the relay.
 
-use std::fmt;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use dedup_core::StoreError;
-use dedup_core::outbox::{OutboxMessage, OutboxRecord, OutboxSource, PublishFailure};
-use dedup_sql::{TableName, run_migrations, sql};
+use dedup_core::outbox::{OutboxMessage, OutboxRecord, PublishFailure};
+use dedup_sql::{Outbox, OutboxStore, TableName, sql};
+use sqlx::PgConnection;
 use sqlx::postgres::PgListener;
-use sqlx::{PgConnection, PgPool};
 
 use crate::{Error, InvalidTableName, Pg, store_error};
+
+/// An outbox table: [`enqueue`](OutboxWriter::enqueue) events inside your
+/// transaction, [`migrate`](OutboxWriter::migrate) it at start-up, and hand
+/// [`reader`](OutboxWriter::reader) to a relay. Cloning is cheap.
+///
+/// ```no_run
+/// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+/// use dedup_core::OutboxMessage;
+/// use dedup_postgres::OutboxWriter;
+///
+/// let outbox = OutboxWriter::default();
+/// outbox.migrate(&pool).await?;
+/// let mut tx = pool.begin().await?;
+/// sqlx::query("UPDATE accounts SET balance = balance + 500 WHERE id = 'a'")
+///     .execute(&mut *tx)
+///     .await?;
+/// let event_id = outbox
+///     .enqueue(
+///         &mut tx,
+///         OutboxMessage::json("payment-recorded", &serde_json::json!({"account": "a"}))?
+///             .with_key("a"),
+///     )
+///     .await?;
+/// tx.commit().await?; // the event exists if and only if the change does
+/// # let _ = event_id; Ok(()) }
+/// ```
+pub type OutboxWriter = dedup_sql::OutboxWriter<Pg>;
+
+/// An outbox as a relay reads it: an [`OutboxSource`](dedup_core::outbox::OutboxSource)
+/// over a pool. A
+/// batch is leased in one short transaction (one row in `<table>_leases`
+/// holding its events, with an expiry on the database clock; relays lease
+/// one at a time), published with no transaction open, and marked in
+/// another short transaction that deletes the lease. Relays wake on
+/// `LISTEN`/`NOTIFY` and poll as a fallback.
+pub type OutboxReader = dedup_sql::OutboxReader<Pg>;
 
 /// The outbox migrations, rendered with the configured table name.
 static OUTBOX_MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("./outbox-migrations");
@@ -24,9 +59,7 @@ pub use dedup_core::outbox::Retention;
 pub use dedup_sql::OutboxConfig;
 
 /// The statements of one outbox, built once from its validated name.
-struct Statements {
-    table: TableName,
-    retention: Retention,
+pub struct Statements {
     enqueue: Arc<str>,
     lease_lock: Arc<str>,
     lease_pending: Arc<str>,
@@ -34,13 +67,25 @@ struct Statements {
     record_failures: Arc<str>,
     release: Arc<str>,
     purge_sent: Arc<str>,
-    pending: Arc<str>,
-    oldest_pending: Arc<str>,
+    backlog: Arc<str>,
 }
 
-impl Statements {
-    fn new(config: &OutboxConfig) -> Result<Self, InvalidTableName> {
-        let table = TableName::parse(&config.table)?;
+impl OutboxStore for Pg {
+    type Db = sqlx::Postgres;
+    type Statements = Statements;
+    type Watch = Wakeups;
+    type Lease = PgLease;
+    const LEASES_AHEAD: bool = true;
+
+    fn migrator() -> &'static sqlx::migrate::Migrator {
+        &OUTBOX_MIGRATOR
+    }
+
+    fn table(name: &str) -> Result<TableName, InvalidTableName> {
+        TableName::parse(name)
+    }
+
+    fn statements(table: &TableName, retention: Retention) -> Statements {
         let t = table.quoted();
         let enqueue = format!(
             "INSERT INTO {t} (event_id, topic, key, payload, header_names, header_values) \
@@ -100,7 +145,7 @@ impl Statements {
         // Marking is right whoever holds the lease now (the broker
         // acknowledged the event); a row another relay marked first keeps
         // its time.
-        let mark_sent = match config.retention {
+        let mark_sent = match retention {
             Retention::Delete => format!("DELETE FROM {t} WHERE seq = ANY($1)"),
             Retention::Keep(_) => {
                 format!("UPDATE {t} SET sent_at = now() WHERE seq = ANY($1) AND sent_at IS NULL")
@@ -126,17 +171,13 @@ impl Statements {
                  WHERE sent_at IS NOT NULL AND sent_at < now() - $1 * interval '1 second' \
                  ORDER BY sent_at LIMIT $2 FOR UPDATE SKIP LOCKED))"
         );
-        let pending = format!("SELECT count(*) FROM {t} WHERE sent_at IS NULL");
         // Seconds on the database clock, so no date-time crate is needed.
-        let oldest_pending = format!(
-            "SELECT extract(epoch FROM now() - min(enqueued_at))::float8 \
+        let backlog = format!(
+            "SELECT count(*), \
+                 coalesce(extract(epoch FROM now() - min(enqueued_at))::float8, 0) \
              FROM {t} WHERE sent_at IS NULL"
         );
-        Ok(Statements {
-            pending: pending.into(),
-            oldest_pending: oldest_pending.into(),
-            table,
-            retention: config.retention,
+        Statements {
             enqueue: enqueue.into(),
             lease_lock: lease_lock.into(),
             lease_pending: lease_pending.into(),
@@ -144,53 +185,154 @@ impl Statements {
             record_failures: record_failures.into(),
             release: release.into(),
             purge_sent: purge_sent.into(),
-        })
+            backlog: backlog.into(),
+        }
     }
-}
 
-/// An outbox table: [`enqueue`](OutboxWriter::enqueue) events inside your
-/// transaction, [`migrate`](OutboxWriter::migrate) it at start-up, and hand
-/// [`reader`](OutboxWriter::reader) to a relay. Cloning is cheap.
-///
-/// ```no_run
-/// # async fn example(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
-/// use dedup_core::OutboxMessage;
-/// use dedup_postgres::OutboxWriter;
-///
-/// let outbox = OutboxWriter::default();
-/// outbox.migrate(&pool).await?;
-/// let mut tx = pool.begin().await?;
-/// sqlx::query("UPDATE accounts SET balance = balance + 500 WHERE id = 'a'")
-///     .execute(&mut *tx)
-///     .await?;
-/// let event_id = outbox
-///     .enqueue(
-///         &mut tx,
-///         OutboxMessage::json("payment-recorded", &serde_json::json!({"account": "a"}))?
-///             .with_key("a"),
-///     )
-///     .await?;
-/// tx.commit().await?; // the event exists if and only if the change does
-/// # let _ = event_id; Ok(()) }
-/// ```
-#[derive(Clone)]
-pub struct OutboxWriter {
-    statements: Arc<Statements>,
-}
-
-impl fmt::Debug for OutboxWriter {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OutboxWriter")
-            .field("table", &self.statements.table.to_string())
-            .field("retention", &self.statements.retention)
-            .finish()
+    async fn enqueue(
+        outbox: &Outbox<Pg>,
+        conn: &mut PgConnection,
+        message: OutboxMessage,
+    ) -> Result<String, sqlx::Error> {
+        let (names, values): (Vec<String>, Vec<Vec<u8>>) = message.headers.into_iter().unzip();
+        sqlx::query_scalar(sql(&outbox.statements().enqueue))
+            .bind(message.event_id)
+            .bind(message.topic)
+            .bind(message.key)
+            .bind(message.payload)
+            .bind(names)
+            .bind(values)
+            .fetch_one(conn)
+            .await
     }
-}
 
-impl Default for OutboxWriter {
-    /// The table `dedup_outbox`, rows kept an hour after publishing.
-    fn default() -> Self {
-        OutboxWriter::new(OutboxConfig::default()).expect("the default outbox table name is valid")
+    /// One lease: the advisory lock, then the lease's statement, in one
+    /// short transaction. `before`: the caller's batch in flight, whose
+    /// keys do not hold this one back.
+    async fn lease(
+        reader: &OutboxReader,
+        limit: usize,
+        lease_for: Duration,
+        before: Option<&PgLease>,
+    ) -> Result<(PgLease, Vec<OutboxRecord>), StoreError> {
+        let statements = reader.outbox().statements();
+        // Listen before looking, so an event enqueued right after an empty
+        // look still wakes the relay.
+        ensure_listening(reader).await;
+        let mut tx = reader.pool().begin().await.map_err(store_error)?;
+        // Whatever the server's default: under REPEATABLE READ the snapshot
+        // would be taken before the lock was, and a lease committed while
+        // this one waited for it would go unseen (its rows leased twice).
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        sqlx::query(sql(&statements.lease_lock))
+            .bind(format!("dedup outbox lease {}", reader.outbox().table()))
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        let mut rows: Vec<PendingRow> = sqlx::query_as(sql(&statements.lease_pending))
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .bind(i64::try_from(lease_for.as_millis()).unwrap_or(i64::MAX))
+            .bind(before.and_then(|lease| lease.id.as_deref()))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        tx.commit().await.map_err(store_error)?;
+        // RETURNING keeps no order.
+        rows.sort_unstable_by_key(|row| row.seq);
+        let lease = PgLease {
+            id: rows.first().map(|row| row.lease_id.clone()),
+            seqs: rows.iter().map(|row| row.seq).collect(),
+        };
+        Ok((lease, rows.into_iter().map(OutboxRecord::from).collect()))
+    }
+
+    async fn finish(
+        reader: &OutboxReader,
+        lease: &PgLease,
+        published: &[i64],
+        failed: &[PublishFailure],
+    ) -> Result<(), StoreError> {
+        let Some(lease_id) = &lease.id else {
+            return Ok(()); // an empty batch holds nothing
+        };
+        let statements = reader.outbox().statements();
+        let mut tx = reader.pool().begin().await.map_err(store_error)?;
+        if !published.is_empty() {
+            sqlx::query(sql(&statements.mark_sent))
+                .bind(published)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?;
+        }
+        if !failed.is_empty() {
+            let seqs: Vec<i64> = failed.iter().map(|f| f.seq).collect();
+            let reasons: Vec<&str> = failed.iter().map(|f| f.reason.as_str()).collect();
+            let delays: Vec<i64> = failed
+                .iter()
+                .map(|f| i64::try_from(f.retry_after.as_millis()).unwrap_or(i64::MAX))
+                .collect();
+            sqlx::query(sql(&statements.record_failures))
+                .bind(seqs)
+                .bind(reasons)
+                .bind(delays)
+                .bind(lease_id)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?;
+        }
+        // Whatever the batch neither published nor failed goes back with
+        // the lease.
+        sqlx::query(sql(&statements.release))
+            .bind(lease_id)
+            .execute(&mut *tx)
+            .await
+            .map_err(store_error)?;
+        let held = dedup_sql::unsettled(&lease.seqs, published, failed);
+        if !published.is_empty() || !held.is_empty() {
+            // Delivered at commit: another relay whose batch came back short
+            // because this one held some of its keys looks again now.
+            sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(reader.outbox().table().to_string())
+                .bind(&*reader.watch().own)
+                .execute(&mut *tx)
+                .await
+                .map_err(store_error)?;
+        }
+        tx.commit().await.map_err(store_error)
+    }
+
+    async fn wait_for_events(reader: &OutboxReader, timeout: Duration) {
+        ensure_listening(reader).await;
+        let _ = tokio::time::timeout(timeout, reader.watch().notified.notified()).await;
+    }
+
+    async fn purge_sent(
+        reader: &OutboxReader,
+        keep: Duration,
+        limit: u32,
+    ) -> Result<u64, StoreError> {
+        let done = sqlx::query(sql(&reader.outbox().statements().purge_sent))
+            .bind(i64::try_from(keep.as_secs()).unwrap_or(i64::MAX))
+            .bind(i64::from(limit))
+            .execute(reader.pool())
+            .await
+            .map_err(store_error)?;
+        Ok(done.rows_affected())
+    }
+
+    async fn backlog(reader: &OutboxReader) -> Result<(u64, Duration), StoreError> {
+        let (pending, oldest): (i64, f64) =
+            sqlx::query_as(sql(&reader.outbox().statements().backlog))
+                .fetch_one(reader.pool())
+                .await
+                .map_err(store_error)?;
+        Ok((
+            u64::try_from(pending).unwrap_or(0),
+            Duration::from_secs_f64(oldest.max(0.0)),
+        ))
     }
 }
 
@@ -206,79 +348,17 @@ pub async fn enqueue(conn: &mut PgConnection, message: OutboxMessage) -> Result<
 
 impl crate::PgStore {
     /// The outbox with default settings (table `dedup_outbox`) over this
-    /// store's pool: the relay's [`OutboxSource`].
+    /// store's pool: the relay's [`OutboxSource`](dedup_core::outbox::OutboxSource).
     pub fn outbox_reader(&self) -> OutboxReader {
         DEFAULT_OUTBOX.reader(self.pool().clone())
     }
-}
-
-impl OutboxWriter {
-    /// An outbox with `config`.
-    pub fn new(config: OutboxConfig) -> Result<Self, Error> {
-        Ok(OutboxWriter {
-            statements: Arc::new(Statements::new(&config)?),
-        })
-    }
-
-    /// Creates or upgrades the outbox table (and its notify trigger). Safe
-    /// to call from every instance at start-up; tracked in
-    /// `<table>_migrations`.
-    pub async fn migrate(&self, pool: &PgPool) -> Result<(), Error> {
-        run_migrations(pool, &OUTBOX_MIGRATOR, &self.statements.table)
-            .await
-            .map_err(Error::migrate::<Pg>)
-    }
-
-    /// Writes `message` into the outbox inside the transaction `conn`
-    /// belongs to (pass `&mut tx` or, from a handler, `tx`), and returns
-    /// its event id: the one set on the message, or a new random UUID. The
-    /// event is published only if that transaction commits.
-    pub async fn enqueue(
-        &self,
-        conn: &mut PgConnection,
-        message: OutboxMessage,
-    ) -> Result<String, Error> {
-        let (names, values): (Vec<String>, Vec<Vec<u8>>) = message.headers.into_iter().unzip();
-        sqlx::query_scalar(sql(&self.statements.enqueue))
-            .bind(message.event_id)
-            .bind(message.topic)
-            .bind(message.key)
-            .bind(message.payload)
-            .bind(names)
-            .bind(values)
-            .fetch_one(conn)
-            .await
-            .map_err(Error::database::<Pg>)
-    }
-
-    /// The relay's view of this outbox over `pool`.
-    pub fn reader(&self, pool: PgPool) -> OutboxReader {
-        OutboxReader {
-            pool,
-            statements: self.statements.clone(),
-            wakeups: Arc::default(),
-        }
-    }
-}
-
-/// An outbox as a relay reads it: an [`OutboxSource`] over a pool. A
-/// batch is leased in one short transaction (one row in `<table>_leases`
-/// holding its events, with an expiry on the database clock; relays lease
-/// one at a time), published with no transaction open, and marked in
-/// another short transaction that deletes the lease. Relays wake on
-/// `LISTEN`/`NOTIFY` and poll as a fallback.
-#[derive(Clone)]
-pub struct OutboxReader {
-    pool: PgPool,
-    statements: Arc<Statements>,
-    wakeups: Arc<Wakeups>,
 }
 
 /// The outbox's notifications, read as they come by a task of their own
 /// (while the relay publishes or backs off too): PostgreSQL's shared
 /// notification queue is never held back by this listener, and however
 /// many arrive between two waits, they wake the relay once.
-struct Wakeups {
+pub struct Wakeups {
     notified: Arc<tokio::sync::Notify>,
     listening: tokio::sync::Mutex<Listening>,
     /// The payload of this reader's own notifications (a finished batch
@@ -347,123 +427,50 @@ async fn read_notifications(
     }
 }
 
+/// Starts reading the outbox's channel if no task does. A failure
+/// only means the relay polls until the next try.
+async fn ensure_listening(reader: &OutboxReader) {
+    let mut listening = reader.watch().listening.lock().await;
+    if listening
+        .task
+        .as_ref()
+        .is_some_and(|task| !task.is_finished())
+    {
+        return;
+    }
+    // After a failure, not on every look: each try may wait for a
+    // connection of a busy pool.
+    if listening
+        .next_try
+        .is_some_and(|at| tokio::time::Instant::now() < at)
+    {
+        return;
+    }
+    let channel = reader.outbox().table().to_string();
+    let connect = async {
+        let mut listener = PgListener::connect_with(reader.pool()).await?;
+        listener.listen(&channel).await?;
+        Ok::<_, sqlx::Error>(listener)
+    };
+    match tokio::time::timeout(LISTEN_TIMEOUT, connect).await {
+        Ok(Ok(listener)) => {
+            let notified = reader.watch().notified.clone();
+            let own = reader.watch().own.clone();
+            listening.task = Some(tokio::spawn(read_notifications(listener, notified, own)));
+            listening.next_try = None;
+            return;
+        }
+        Ok(Err(e)) => tracing::warn!(error = %e, "outbox: cannot LISTEN; polling"),
+        Err(_) => tracing::warn!("outbox: LISTEN timed out; polling"),
+    }
+    listening.next_try = Some(tokio::time::Instant::now() + LISTEN_TIMEOUT);
+}
+
 /// A batch leased by [`OutboxReader`]: its id and rows.
 #[derive(Debug)]
 pub struct PgLease {
     id: Option<String>,
     seqs: Vec<i64>,
-}
-
-impl fmt::Debug for OutboxReader {
-    // The pool's options hold the password; show only what is safe.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("OutboxReader")
-            .field("table", &self.statements.table.to_string())
-            .field("retention", &self.statements.retention)
-            .finish_non_exhaustive()
-    }
-}
-
-impl OutboxReader {
-    /// How many events wait to be published: the relay's backlog, worth
-    /// exporting as a metric.
-    pub async fn pending(&self) -> Result<i64, StoreError> {
-        sqlx::query_scalar(sql(&self.statements.pending))
-            .fetch_one(&self.pool)
-            .await
-            .map_err(store_error)
-    }
-
-    /// How long the oldest pending event has waited (`None` when nothing
-    /// waits): the relay's lag, on the database clock.
-    pub async fn oldest_pending_age(&self) -> Result<Option<Duration>, StoreError> {
-        let seconds: Option<f64> = sqlx::query_scalar(sql(&self.statements.oldest_pending))
-            .fetch_one(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(seconds.map(|s| Duration::from_secs_f64(s.max(0.0))))
-    }
-
-    /// Starts reading the outbox's channel if no task does. A failure
-    /// only means the relay polls until the next try.
-    async fn ensure_listening(&self) {
-        let mut listening = self.wakeups.listening.lock().await;
-        if listening
-            .task
-            .as_ref()
-            .is_some_and(|task| !task.is_finished())
-        {
-            return;
-        }
-        // After a failure, not on every look: each try may wait for a
-        // connection of a busy pool.
-        if listening
-            .next_try
-            .is_some_and(|at| tokio::time::Instant::now() < at)
-        {
-            return;
-        }
-        let channel = self.statements.table.to_string();
-        let connect = async {
-            let mut listener = PgListener::connect_with(&self.pool).await?;
-            listener.listen(&channel).await?;
-            Ok::<_, sqlx::Error>(listener)
-        };
-        match tokio::time::timeout(LISTEN_TIMEOUT, connect).await {
-            Ok(Ok(listener)) => {
-                let notified = self.wakeups.notified.clone();
-                let own = self.wakeups.own.clone();
-                listening.task = Some(tokio::spawn(read_notifications(listener, notified, own)));
-                listening.next_try = None;
-                return;
-            }
-            Ok(Err(e)) => tracing::warn!(error = %e, "outbox: cannot LISTEN; polling"),
-            Err(_) => tracing::warn!("outbox: LISTEN timed out; polling"),
-        }
-        listening.next_try = Some(tokio::time::Instant::now() + LISTEN_TIMEOUT);
-    }
-
-    /// One lease: the advisory lock, then the lease's statement, in one
-    /// short transaction. `before`: the caller's batch in flight, whose
-    /// keys do not hold this one back.
-    async fn lease(
-        &self,
-        limit: usize,
-        lease_for: Duration,
-        before: Option<&str>,
-    ) -> Result<(PgLease, Vec<OutboxRecord>), StoreError> {
-        // Listen before looking, so an event enqueued right after an empty
-        // look still wakes the relay.
-        self.ensure_listening().await;
-        let mut tx = self.pool.begin().await.map_err(store_error)?;
-        // Whatever the server's default: under REPEATABLE READ the snapshot
-        // would be taken before the lock was, and a lease committed while
-        // this one waited for it would go unseen (its rows leased twice).
-        sqlx::query("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-            .execute(&mut *tx)
-            .await
-            .map_err(store_error)?;
-        sqlx::query(sql(&self.statements.lease_lock))
-            .bind(format!("dedup outbox lease {}", self.statements.table))
-            .execute(&mut *tx)
-            .await
-            .map_err(store_error)?;
-        let mut rows: Vec<PendingRow> = sqlx::query_as(sql(&self.statements.lease_pending))
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-            .bind(i64::try_from(lease_for.as_millis()).unwrap_or(i64::MAX))
-            .bind(before)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(store_error)?;
-        tx.commit().await.map_err(store_error)?;
-        // RETURNING keeps no order.
-        rows.sort_unstable_by_key(|row| row.seq);
-        let lease = PgLease {
-            id: rows.first().map(|row| row.lease_id.clone()),
-            seqs: rows.iter().map(|row| row.seq).collect(),
-        };
-        Ok((lease, rows.into_iter().map(OutboxRecord::from).collect()))
-    }
 }
 
 /// A pending row as `lease_pending` returns it, read by column name.
@@ -491,106 +498,5 @@ impl From<PendingRow> for OutboxRecord {
                     .collect(),
             )
             .with_attempts(u32::try_from(row.attempts).unwrap_or(0))
-    }
-}
-
-impl OutboxSource for OutboxReader {
-    type Lease = PgLease;
-
-    async fn lease_pending(
-        &self,
-        limit: usize,
-        lease_for: Duration,
-    ) -> Result<(PgLease, Vec<OutboxRecord>), StoreError> {
-        self.lease(limit, lease_for, None).await
-    }
-
-    async fn lease_pending_after(
-        &self,
-        limit: usize,
-        lease_for: Duration,
-        before: &PgLease,
-    ) -> Result<Option<(PgLease, Vec<OutboxRecord>)>, StoreError> {
-        self.lease(limit, lease_for, before.id.as_deref())
-            .await
-            .map(Some)
-    }
-
-    async fn finish(
-        &self,
-        lease: &PgLease,
-        published: &[i64],
-        failed: &[PublishFailure],
-    ) -> Result<(), StoreError> {
-        let Some(lease_id) = &lease.id else {
-            return Ok(()); // an empty batch holds nothing
-        };
-        let mut tx = self.pool.begin().await.map_err(store_error)?;
-        if !published.is_empty() {
-            sqlx::query(sql(&self.statements.mark_sent))
-                .bind(published)
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
-        }
-        if !failed.is_empty() {
-            let seqs: Vec<i64> = failed.iter().map(|f| f.seq).collect();
-            let reasons: Vec<&str> = failed.iter().map(|f| f.reason.as_str()).collect();
-            let delays: Vec<i64> = failed
-                .iter()
-                .map(|f| i64::try_from(f.retry_after.as_millis()).unwrap_or(i64::MAX))
-                .collect();
-            sqlx::query(sql(&self.statements.record_failures))
-                .bind(seqs)
-                .bind(reasons)
-                .bind(delays)
-                .bind(lease_id)
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
-        }
-        // Whatever the batch neither published nor failed goes back with
-        // the lease.
-        sqlx::query(sql(&self.statements.release))
-            .bind(lease_id)
-            .execute(&mut *tx)
-            .await
-            .map_err(store_error)?;
-        let held = dedup_sql::unsettled(&lease.seqs, published, failed);
-        if !published.is_empty() || !held.is_empty() {
-            // Delivered at commit: another relay whose batch came back short
-            // because this one held some of its keys looks again now.
-            sqlx::query("SELECT pg_notify($1, $2)")
-                .bind(self.statements.table.to_string())
-                .bind(&*self.wakeups.own)
-                .execute(&mut *tx)
-                .await
-                .map_err(store_error)?;
-        }
-        tx.commit().await.map_err(store_error)
-    }
-
-    async fn wait_for_events(&self, timeout: Duration) {
-        self.ensure_listening().await;
-        let _ = tokio::time::timeout(timeout, self.wakeups.notified.notified()).await;
-    }
-
-    async fn purge_sent(&self, limit: u32) -> Result<u64, StoreError> {
-        let Retention::Keep(keep) = self.statements.retention else {
-            return Ok(0);
-        };
-        let done = sqlx::query(sql(&self.statements.purge_sent))
-            .bind(i64::try_from(keep.as_secs()).unwrap_or(i64::MAX))
-            .bind(i64::from(limit))
-            .execute(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(done.rows_affected())
-    }
-
-    async fn backlog(&self) -> Result<Option<(u64, Duration)>, StoreError> {
-        let pending = u64::try_from(self.pending().await?).unwrap_or(0);
-        let oldest = self.oldest_pending_age().await?.unwrap_or_default();
-        Ok(Some((pending, oldest)))
     }
 }

@@ -18,9 +18,10 @@ pub use config::SqlConfig;
 pub use dialect::Dialect;
 pub use error::{Error, classify, classify_sqlx, error_code, store_error};
 pub use migrate::run_migrations;
+pub use outbox::{Outbox, OutboxReader, OutboxStore, OutboxWriter};
 pub use outbox::{
     OutboxConfig, OutboxRow, SqlLease, decode_headers, encode_headers, json_seqs, millis,
-    outbox_record, unsettled,
+    outbox_record, polled, unsettled,
 };
 pub use table::{InvalidTableName, MAX_TABLE_LEN, TableName};
 

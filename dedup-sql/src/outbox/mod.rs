@@ -1,5 +1,10 @@
 //! What the SQL outboxes share: their settings, the headers' column, the
-//! events a finished batch leaves unsettled.
+//! events a finished batch leaves unsettled, the writer and reader
+//! ([`shell`]) and, for stores that cannot notify, polling ([`polled`]).
+
+pub mod polled;
+mod shell;
+pub use shell::{Outbox, OutboxReader, OutboxStore, OutboxWriter};
 
 use std::collections::HashSet;
 use std::time::Duration;

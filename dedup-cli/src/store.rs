@@ -84,6 +84,25 @@ macro_rules! pool {
     };
 }
 
+/// A pool of whichever database a URL names.
+enum Pool {
+    Postgres(sqlx::PgPool),
+    MySql(sqlx::MySqlPool),
+    Sqlite(sqlx::SqlitePool),
+}
+
+impl Pool {
+    /// A pool of the database at `url`.
+    async fn connect(url: &str) -> Result<Self, Failure> {
+        let backend = Backend::of(url)?;
+        Ok(match backend {
+            Backend::Postgres => Pool::Postgres(pool!(sqlx::postgres::PgPoolOptions, url, backend)),
+            Backend::MySql => Pool::MySql(pool!(sqlx::mysql::MySqlPoolOptions, url, backend)),
+            Backend::Sqlite => Pool::Sqlite(pool!(sqlx::sqlite::SqlitePoolOptions, url, backend)),
+        })
+    }
+}
+
 /// A claims table of any backend.
 pub(crate) enum Claims {
     Postgres(dedup_postgres::admin::ClaimsTable),
@@ -94,32 +113,15 @@ pub(crate) enum Claims {
 impl Claims {
     /// The claims table `table` of the database at `url`.
     pub(crate) async fn open(url: &str, table: &str) -> Result<Self, Failure> {
-        let backend = Backend::of(url)?;
+        use dedup_sql::admin::ClaimsTable;
         let fail = |e| cannot_open("--table", table, e);
-        Ok(match backend {
-            Backend::Postgres => {
-                let pool = pool!(sqlx::postgres::PgPoolOptions, url, backend);
-                Claims::Postgres(
-                    dedup_postgres::admin::ClaimsTable::open(pool, table)
-                        .await
-                        .map_err(fail)?,
-                )
+        Ok(match Pool::connect(url).await? {
+            Pool::Postgres(pool) => {
+                Claims::Postgres(ClaimsTable::open(pool, table).await.map_err(fail)?)
             }
-            Backend::MySql => {
-                let pool = pool!(sqlx::mysql::MySqlPoolOptions, url, backend);
-                Claims::MySql(
-                    dedup_mysql::admin::ClaimsTable::open(pool, table)
-                        .await
-                        .map_err(fail)?,
-                )
-            }
-            Backend::Sqlite => {
-                let pool = pool!(sqlx::sqlite::SqlitePoolOptions, url, backend);
-                Claims::Sqlite(
-                    dedup_sqlite::admin::ClaimsTable::open(pool, table)
-                        .await
-                        .map_err(fail)?,
-                )
+            Pool::MySql(pool) => Claims::MySql(ClaimsTable::open(pool, table).await.map_err(fail)?),
+            Pool::Sqlite(pool) => {
+                Claims::Sqlite(ClaimsTable::open(pool, table).await.map_err(fail)?)
             }
         })
     }
@@ -159,32 +161,15 @@ pub(crate) enum Outbox {
 impl Outbox {
     /// The outbox table `table` of the database at `url`.
     pub(crate) async fn open(url: &str, table: &str) -> Result<Self, Failure> {
-        let backend = Backend::of(url)?;
+        use dedup_sql::admin::OutboxTable;
         let fail = |e| cannot_open("--table", table, e);
-        Ok(match backend {
-            Backend::Postgres => {
-                let pool = pool!(sqlx::postgres::PgPoolOptions, url, backend);
-                Outbox::Postgres(
-                    dedup_postgres::admin::OutboxTable::open(pool, table)
-                        .await
-                        .map_err(fail)?,
-                )
+        Ok(match Pool::connect(url).await? {
+            Pool::Postgres(pool) => {
+                Outbox::Postgres(OutboxTable::open(pool, table).await.map_err(fail)?)
             }
-            Backend::MySql => {
-                let pool = pool!(sqlx::mysql::MySqlPoolOptions, url, backend);
-                Outbox::MySql(
-                    dedup_mysql::admin::OutboxTable::open(pool, table)
-                        .await
-                        .map_err(fail)?,
-                )
-            }
-            Backend::Sqlite => {
-                let pool = pool!(sqlx::sqlite::SqlitePoolOptions, url, backend);
-                Outbox::Sqlite(
-                    dedup_sqlite::admin::OutboxTable::open(pool, table)
-                        .await
-                        .map_err(fail)?,
-                )
+            Pool::MySql(pool) => Outbox::MySql(OutboxTable::open(pool, table).await.map_err(fail)?),
+            Pool::Sqlite(pool) => {
+                Outbox::Sqlite(OutboxTable::open(pool, table).await.map_err(fail)?)
             }
         })
     }

@@ -2,87 +2,53 @@
 //! console call these; no SQL lives outside this crate): one claim, the
 //! claims per scope, releasing and purging, the outbox's backlog.
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use dedup_core::admin::{
-    ClaimRecord, ClaimsAdmin, OutboxAdmin, ScopeSummary, TableSize, TopicBacklog,
+use dedup_core::admin::{ClaimRecord, ScopeSummary, TableSize};
+use dedup_core::{DedupKey, DedupStore, StoreError};
+use dedup_sql::admin::{
+    AdminStore, ClaimRow, ClaimsStatements, ScopeRow, claim_record, scope_summary,
 };
-use dedup_core::{DedupKey, DedupStore, PurgeExpired, StoreError};
-use dedup_sql::{TableName, fingerprint_from, sql, time_from_unix_micros};
+use dedup_sql::{TableName, sql};
 use sqlx::SqlitePool;
 
-use crate::{Error, NOW_US, Sqlite, SqliteConfig, SqliteStore, store_error};
-
-/// A claim's columns as [`ClaimRow`] reads them, on SQLite's clock.
-fn claim_columns() -> String {
-    format!("claimed_at, expires_at, {NOW_US}, fingerprint, in_progress")
-}
-
-/// A claim as [`claim_columns`] lists it.
-type ClaimRow = (i64, i64, i64, Option<Vec<u8>>, bool);
-
-fn record((claimed, expires, now, fingerprint, in_progress): ClaimRow) -> ClaimRecord {
-    ClaimRecord::new(
-        time_from_unix_micros(claimed),
-        time_from_unix_micros(expires),
-        time_from_unix_micros(now),
-    )
-    .with_fingerprint(fingerprint_from(fingerprint))
-    .with_in_progress(in_progress)
-}
-
-/// Checks that `table` names an existing table; `what` says whose.
-async fn existing(pool: &SqlitePool, table: &str, what: &'static str) -> Result<TableName, Error> {
-    let name = TableName::parse_unqualified(table)?;
-    let found: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1")
-            .bind(table)
-            .fetch_one(pool)
-            .await
-            .map_err(Error::database::<Sqlite>)?;
-    match found {
-        0 => Err(Error::NoSuchTable {
-            what,
-            table: table.to_owned(),
-        }),
-        _ => Ok(name),
-    }
-}
-
-fn count(n: i64) -> u64 {
-    u64::try_from(n).unwrap_or(0)
-}
+use crate::{Error, InvalidTableName, NOW_US, Sqlite, SqliteConfig, SqliteStore, store_error};
 
 /// A claims table, for an operator.
-#[derive(Clone)]
-pub struct ClaimsTable {
-    store: SqliteStore,
-    statements: Arc<Statements>,
-}
+pub type ClaimsTable = dedup_sql::admin::ClaimsTable<Sqlite>;
 
-impl std::fmt::Debug for ClaimsTable {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClaimsTable")
-            .field("store", &self.store)
-            .finish_non_exhaustive()
+/// An outbox table, for an operator.
+pub type OutboxTable = dedup_sql::admin::OutboxTable<Sqlite>;
+
+impl AdminStore for Sqlite {
+    type Db = sqlx::Sqlite;
+    type Store = SqliteStore;
+
+    fn table(name: &str) -> Result<TableName, InvalidTableName> {
+        TableName::parse_unqualified(name)
     }
-}
 
-struct Statements {
-    claim: Arc<str>,
-    release: Arc<str>,
-    scopes: Arc<str>,
-    expired: Arc<str>,
-}
+    async fn exists(pool: &SqlitePool, _name: &TableName, raw: &str) -> Result<bool, sqlx::Error> {
+        let found: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1",
+        )
+        .bind(raw)
+        .fetch_one(pool)
+        .await?;
+        Ok(found > 0)
+    }
 
-impl ClaimsTable {
-    /// The claims table `table` over `pool`; an error if the name is
-    /// invalid or no such table exists.
-    pub async fn open(pool: SqlitePool, table: &str) -> Result<Self, Error> {
-        let t = existing(&pool, table, "claims").await?.quoted();
-        let columns = claim_columns();
-        let statements = Statements {
+    fn store(pool: SqlitePool, raw: &str) -> Result<SqliteStore, Error> {
+        SqliteStore::from_pool_with(pool, SqliteConfig::default().with_table(raw))
+    }
+
+    fn pool(store: &SqliteStore) -> &SqlitePool {
+        store.pool()
+    }
+
+    fn claims_statements(table: &TableName) -> ClaimsStatements {
+        let t = table.quoted();
+        // On SQLite's clock.
+        let columns = format!("claimed_at, expires_at, {NOW_US}, fingerprint, in_progress");
+        ClaimsStatements {
             claim: format!("SELECT {columns} FROM {t} WHERE scope = ?1 AND key = ?2").into(),
             release: format!("DELETE FROM {t} WHERE scope = ?1 AND key = ?2 RETURNING {columns}")
                 .into(),
@@ -92,94 +58,52 @@ impl ClaimsTable {
             )
             .into(),
             expired: format!("SELECT count(*) FROM {t} WHERE expires_at <= {NOW_US}").into(),
-        };
-        let store = SqliteStore::from_pool_with(pool, SqliteConfig::default().with_table(table))?;
-        Ok(ClaimsTable {
-            store,
-            statements: Arc::new(statements),
-        })
+        }
     }
 
-    fn pool(&self) -> &SqlitePool {
-        self.store.pool()
-    }
-}
-
-impl ClaimsAdmin for ClaimsTable {
-    async fn claim(&self, key: &DedupKey) -> Result<Option<ClaimRecord>, StoreError> {
-        let row: Option<ClaimRow> = sqlx::query_as(sql(&self.statements.claim))
+    async fn claim(table: &ClaimsTable, key: &DedupKey) -> Result<Option<ClaimRecord>, StoreError> {
+        let row: Option<ClaimRow> = sqlx::query_as(sql(&table.statements().claim))
             .bind(key.scope())
             .bind(key.id())
-            .fetch_optional(self.pool())
+            .fetch_optional(table.pool())
             .await
             .map_err(store_error)?;
-        Ok(row.map(record))
+        Ok(row.map(claim_record))
     }
 
-    async fn release(&self, key: &DedupKey) -> Result<Option<ClaimRecord>, StoreError> {
+    async fn release(
+        table: &ClaimsTable,
+        key: &DedupKey,
+    ) -> Result<Option<ClaimRecord>, StoreError> {
         // The store's write transaction: waits for the write lock up to the
         // lock timeout (5 s), not forever.
-        let mut tx = self.store.begin().await?;
-        let row: Option<ClaimRow> = sqlx::query_as(sql(&self.statements.release))
+        let mut tx = table.store().begin().await?;
+        let row: Option<ClaimRow> = sqlx::query_as(sql(&table.statements().release))
             .bind(key.scope())
             .bind(key.id())
             .fetch_optional(&mut *tx)
             .await
             .map_err(store_error)?;
-        self.store.commit(tx).await?;
-        Ok(row.map(record))
+        table.store().commit(tx).await?;
+        Ok(row.map(claim_record))
     }
 
-    async fn scopes(&self) -> Result<Vec<ScopeSummary>, StoreError> {
-        let rows: Vec<(String, i64, i64, i64, i64)> = sqlx::query_as(sql(&self.statements.scopes))
-            .fetch_all(self.pool())
+    async fn scopes(table: &ClaimsTable) -> Result<Vec<ScopeSummary>, StoreError> {
+        let rows: Vec<ScopeRow> = sqlx::query_as(sql(&table.statements().scopes))
+            .fetch_all(table.pool())
             .await
             .map_err(store_error)?;
-        Ok(rows
-            .into_iter()
-            .map(|(scope, rows, live, oldest, newest)| {
-                ScopeSummary::new(
-                    scope,
-                    count(rows),
-                    count(live),
-                    time_from_unix_micros(oldest),
-                    time_from_unix_micros(newest),
-                )
-            })
-            .collect())
+        Ok(rows.into_iter().map(scope_summary).collect())
     }
 
     /// SQLite keeps no per-table sizes without the `dbstat` table: none.
-    async fn size(&self) -> Result<Option<TableSize>, StoreError> {
+    async fn size(_table: &ClaimsTable) -> Result<Option<TableSize>, StoreError> {
         Ok(None)
     }
 
-    async fn expired(&self) -> Result<u64, StoreError> {
-        let n: i64 = sqlx::query_scalar(sql(&self.statements.expired))
-            .fetch_one(self.pool())
-            .await
-            .map_err(store_error)?;
-        Ok(count(n))
-    }
-
-    async fn purge(&self, limit: u32) -> Result<u64, StoreError> {
-        self.store.purge_expired(limit).await
-    }
-}
-
-/// An outbox table, for an operator.
-#[derive(Debug, Clone)]
-pub struct OutboxTable {
-    pool: SqlitePool,
-    backlog: Arc<str>,
-}
-
-impl OutboxTable {
-    /// The outbox table `table` over `pool`; an error if the name is
-    /// invalid or no such table exists.
-    pub async fn open(pool: SqlitePool, table: &str) -> Result<Self, Error> {
-        let t = existing(&pool, table, "outbox").await?.quoted();
-        let backlog = format!(
+    fn backlog_statement(table: &TableName) -> String {
+        let t = table.quoted();
+        format!(
             "SELECT o.topic, count(*), {NOW_US} - min(o.enqueued_at), \
              coalesce(sum(o.attempts > 0), 0), \
              coalesce(sum(o.leased_until > {NOW_US}), 0), \
@@ -187,30 +111,6 @@ impl OutboxTable {
              (SELECT l.last_error FROM {t} l WHERE l.topic = o.topic AND l.sent_at IS NULL \
                  AND l.last_error IS NOT NULL ORDER BY l.seq DESC LIMIT 1) \
              FROM {t} o WHERE o.sent_at IS NULL GROUP BY o.topic ORDER BY o.topic"
-        );
-        Ok(OutboxTable {
-            pool,
-            backlog: backlog.into(),
-        })
-    }
-}
-
-impl OutboxAdmin for OutboxTable {
-    async fn backlog_by_topic(&self) -> Result<Vec<TopicBacklog>, StoreError> {
-        type Row = (String, i64, i64, i64, i64, i64, Option<String>);
-        let rows: Vec<Row> = sqlx::query_as(sql(&self.backlog))
-            .fetch_all(&self.pool)
-            .await
-            .map_err(store_error)?;
-        Ok(rows
-            .into_iter()
-            .map(
-                |(topic, pending, age_us, failing, leased, expired, error)| {
-                    TopicBacklog::new(topic, count(pending), Duration::from_micros(count(age_us)))
-                        .with_failing(count(failing), error)
-                        .with_leases(count(leased), count(expired))
-                },
-            )
-            .collect())
+        )
     }
 }

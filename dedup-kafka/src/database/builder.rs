@@ -49,7 +49,7 @@ pub struct ConsumerBuilder<S> {
     pub(super) other_types: HashMap<String, crate::OtherTypes>,
     pub(super) order_by: HashMap<String, crate::OrderBy>,
     /// The retry tiers of every handled topic, or why they are wrong.
-    pub(super) tiers: Option<Result<crate::RetryTiers, String>>,
+    pub(super) tiers: crate::config::TierSetting,
     pub(super) runtime: Settings,
     /// Whether `max_concurrent_partitions` was set (else it is fitted to
     /// the store's connections).
@@ -71,7 +71,7 @@ impl<S> fmt::Debug for ConsumerBuilder<S> {
                 "topics",
                 &self.routes.iter().map(|r| &r.topic).collect::<Vec<_>>(),
             )
-            .field("retry", &self.runtime.retry)
+            .field("retry", &self.runtime.pipeline.retry)
             .finish_non_exhaustive()
     }
 }
@@ -131,7 +131,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
             dead_letter_overrides: HashMap::new(),
             other_types: HashMap::new(),
             order_by: HashMap::new(),
-            tiers: None,
+            tiers: Default::default(),
             runtime: Settings::default(),
             concurrency_set: false,
             #[cfg(feature = "http")]
@@ -209,14 +209,14 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         I: IntoIterator,
         I::Item: AsRef<str>,
     {
-        self.tiers = Some(crate::RetryTiers::new(delays).map_err(Error::into_config_message));
+        self.tiers.set_delays(delays);
         self
     }
 
     /// Retry tiers named and placed as `tiers` says (see
     /// [`retry_tiers`](Self::retry_tiers)).
     pub fn retry_tiers_with(mut self, tiers: crate::RetryTiers) -> Self {
-        self.tiers = Some(Ok(tiers));
+        self.tiers.set(tiers);
         self
     }
 
@@ -233,7 +233,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
 
     /// How retryable failures are retried before dead-lettering.
     pub fn retry(mut self, policy: RetryPolicy) -> Self {
-        self.runtime.retry = policy;
+        self.runtime.pipeline.retry = policy;
         self
     }
 
@@ -242,7 +242,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// of a commit per message. `1` is the per-message mode. A failure inside
     /// a batch rolls it back and replays it message by message.
     pub fn batch_size(mut self, n: usize) -> Self {
-        self.runtime.batching.size = n.max(1);
+        self.runtime.pipeline.set_batch_size(n);
         self
     }
 
@@ -251,7 +251,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// this many bytes, whichever comes first, so large records make
     /// smaller batches (a record larger than this is a batch alone).
     pub fn batch_bytes(mut self, bytes: usize) -> Self {
-        self.runtime.batching.bytes = bytes;
+        self.runtime.pipeline.batching.bytes = bytes;
         self
     }
 
@@ -260,7 +260,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// are taken at once, without waiting: under load a batch forms while
     /// the one before it runs.
     pub fn batch_linger(mut self, linger: Duration) -> Self {
-        self.runtime.batching.linger = linger;
+        self.runtime.pipeline.batching.linger = linger;
         self
     }
 
@@ -301,7 +301,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// `max_buffered_per_partition`, so a key that is slow for long holds
     /// the others back only once that many have passed it.
     pub fn key_concurrency(mut self, n: usize) -> Self {
-        self.runtime.key_concurrency = n;
+        self.runtime.pipeline.key_concurrency = n;
         self
     }
 
@@ -345,7 +345,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// the claim and skips the event. Keep it under half the shortest TTL, so
     /// that a commit abandoned in flight cannot land an expired claim.
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
-        self.runtime.attempt_timeout = timeout.max(Duration::from_millis(1));
+        self.runtime.pipeline.set_attempt_timeout(timeout);
         self
     }
 
@@ -355,7 +355,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// from the earliest offset would apply again every event older than the
     /// TTL.
     pub fn ttl_check(mut self, check: crate::TtlCheck) -> Self {
-        self.runtime.ttl_check = check;
+        self.runtime.pipeline.ttl_check = check;
         self
     }
 
@@ -364,7 +364,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     /// `fingerprint_mismatch` (the default) or skip it with a warning. Either
     /// way it is counted in `dedup_messages_total{outcome="fingerprint_mismatch"}`.
     pub fn on_fingerprint_mismatch(mut self, action: crate::OnFingerprintMismatch) -> Self {
-        self.runtime.on_fingerprint_mismatch = action;
+        self.runtime.pipeline.on_fingerprint_mismatch = action;
         self
     }
 
@@ -462,7 +462,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         } = self;
         // Under key-ordered concurrency a partition runs several
         // transactions at once: by default as many as the pool holds.
-        if runtime.key_concurrency > 0
+        if runtime.pipeline.key_concurrency > 0
             && !concurrency_set
             && let Some(connections) = store.connections()
         {
@@ -495,10 +495,9 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 topic.order_by = order;
             }
         }
-        let routes = match tiers {
+        let routes = match tiers.built()? {
             None => routes,
-            Some(Err(why)) => return Err(Error::Config(why)),
-            Some(Ok(tiers)) => crate::database::route::with_tiers(routes, &tiers)?,
+            Some(tiers) => crate::database::route::with_tiers(routes, &tiers)?,
         };
         // Every route with tiers: with ReadTiers::Only there are only the
         // tiers' own.
@@ -516,25 +515,21 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 "order_by({topic:?}, ..): the consumer has no handler for that topic"
             )));
         }
-        if runtime.key_concurrency == 0
-            && let Some(topic) = routes
-                .iter()
-                .find(|t| t.order_by != crate::OrderBy::default())
-        {
-            return Err(Error::Config(format!(
-                "order_by({:?}, ..) orders events only under key_concurrency(n): set it, or \
-                 drop order_by (a partition runs one event at a time, in offset order)",
-                topic.topic
-            )));
+        for topic in &routes {
+            runtime.pipeline.refuse_idle_order(
+                &topic.order_by,
+                &format!("order_by({:?}, ..)", topic.topic),
+                "a partition runs one event at a time, in offset order",
+            )?;
         }
-        if runtime.key_concurrency > runtime.max_concurrent_partitions
+        if runtime.pipeline.key_concurrency > runtime.max_concurrent_partitions
             && routes
                 .iter()
                 .flat_map(|t| t.all())
                 .any(|r| r.handler.batches().is_some())
         {
             tracing::info!(
-                key_concurrency = runtime.key_concurrency,
+                key_concurrency = runtime.pipeline.key_concurrency,
                 transactions = runtime.max_concurrent_partitions,
                 "a partition may run more transactions than the consumer allows at once: \
                  they take turns (raise the pool size and max_concurrent_partitions to run \
@@ -796,7 +791,7 @@ mod tests {
         let b = Consumer::builder(MemoryStore::new()).commit_interval(Duration::ZERO);
         assert_eq!(b.runtime.commit_interval, Duration::from_millis(1));
         let b = Consumer::builder(MemoryStore::new()).attempt_timeout(Duration::ZERO);
-        assert_eq!(b.runtime.attempt_timeout, Duration::from_millis(1));
+        assert_eq!(b.runtime.pipeline.attempt_timeout, Duration::from_millis(1));
     }
 
     #[test]

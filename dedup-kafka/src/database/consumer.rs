@@ -195,7 +195,7 @@ impl<S: DedupStore> Consumer<S> {
         running.probe = Some(tokio::spawn(probe_store(
             self.shared.store.clone(),
             self.shared.stats.clone(),
-            self.shared.settings.attempt_timeout,
+            self.shared.settings.pipeline.attempt_timeout,
         )));
         tokio::pin!(shutdown);
         let fatal = loop {
@@ -284,7 +284,7 @@ impl<S: DedupStore> Consumer<S> {
             })
             .collect();
         crate::ttl_check::check(
-            self.shared.settings.ttl_check,
+            self.shared.settings.pipeline.ttl_check,
             &self.admin_config,
             &handlers,
         )

@@ -185,8 +185,8 @@ pub(crate) async fn recorded_from<S: DedupStore>(
     first: &DedupKey,
     jitter: &mut Jitter,
 ) -> Option<HashSet<String>> {
-    let limit = shared.settings.attempt_timeout;
-    let mut retrying = Retrying::new(&shared.stats, shared.settings.retry);
+    let limit = shared.settings.pipeline.attempt_timeout;
+    let mut retrying = Retrying::new(&shared.stats, shared.settings.pipeline.retry);
     loop {
         let error = match tokio::time::timeout(limit, shared.store.live_ids_from(first)).await {
             Ok(Ok(ids)) => {
@@ -226,8 +226,8 @@ pub(crate) async fn record_all<S: DedupStore>(
     needed: bool,
     jitter: &mut Jitter,
 ) -> bool {
-    let policy = shared.settings.retry;
-    let limit = shared.settings.attempt_timeout;
+    let policy = shared.settings.pipeline.retry;
+    let limit = shared.settings.pipeline.attempt_timeout;
     let ttl = route.handler.ttl();
     let mut retrying = Retrying::new(&shared.stats, policy);
     loop {
@@ -318,7 +318,7 @@ async fn produce<S>(
     // or unauthorized for a while (a broker restarted with an empty cache, a
     // grant still spreading), so only a lasting refusal stops the consumer.
     let mut unwritable_since: Option<std::time::Instant> = None;
-    let mut retrying = Retrying::new(&shared.stats, shared.settings.retry);
+    let mut retrying = Retrying::new(&shared.stats, shared.settings.pipeline.retry);
     loop {
         attempt += 1;
         match dead_letter_format::send(

@@ -36,7 +36,7 @@ impl<S: DedupStore> Consumer<S> {
                 *n += p.queued.load(Ordering::Acquire);
             }
         }
-        if self.shared.settings.key_concurrency > 0 {
+        if self.shared.settings.pipeline.key_concurrency > 0 {
             self.refresh_keyed();
         }
         if self.routes.values().any(|r| r.in_tier()) {

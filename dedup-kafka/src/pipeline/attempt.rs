@@ -22,6 +22,17 @@ pub(crate) enum Ran<T> {
     TimedOut(Duration),
 }
 
+impl<T> Ran<T> {
+    /// What it returned, through `f`.
+    pub(crate) fn map<U>(self, f: impl FnOnce(T) -> U) -> Ran<U> {
+        match self {
+            Ran::Done(out) => Ran::Done(f(out)),
+            Ran::Panicked(said) => Ran::Panicked(said),
+            Ran::TimedOut(limit) => Ran::TimedOut(limit),
+        }
+    }
+}
+
 /// An attempt that outlived the attempt timeout.
 #[derive(Debug, thiserror::Error)]
 #[error(

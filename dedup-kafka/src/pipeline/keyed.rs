@@ -10,6 +10,7 @@
 //! so a slow key holds the others back only once that window is full.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::hash::Hash;
 
 /// An event's ordering key, hashed: two keys that collide are ordered as
 /// one (less concurrency, never less order).
@@ -38,61 +39,85 @@ pub(crate) fn fnv1a(key: &[u8], payload: &[u8]) -> u64 {
     hash
 }
 
+/// What orders an event: at most two keys (the database runtime's
+/// ordering key; the Kafka-only runtime's ordering key and claim). It
+/// starts once no earlier unfinished event shares one of them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Keys<K>([Option<K>; 2]);
+
+impl<K: Copy + Eq> Keys<K> {
+    /// Ordered by `key` alone, or (`None`) by nothing.
+    pub(crate) fn one(key: Option<K>) -> Self {
+        Keys([key, None])
+    }
+
+    /// Ordered by both (one, when they are equal).
+    pub(crate) fn two(first: Option<K>, second: Option<K>) -> Self {
+        match (first, second) {
+            (Some(a), Some(b)) if a == b => Keys([first, None]),
+            _ => Keys([first, second]),
+        }
+    }
+
+    pub(crate) fn iter(&self) -> impl Iterator<Item = K> + '_ {
+        self.0.iter().flatten().copied()
+    }
+}
+
 /// One partition's events under key-ordered concurrency. `M` is what the
-/// runtime keeps of an event until it starts (the message, its route).
-pub(crate) struct Window<M> {
+/// runtime keeps of an event until it starts (the message, its route);
+/// `K`, what orders it ([`Keys`]).
+pub(crate) struct Window<K, M> {
     /// Every event received and not yet passed by the committed offset, in
     /// offset order, and whether it is finished.
     pending: VecDeque<(i64, bool)>,
-    /// The keys with an event ready or started, with the events waiting
-    /// behind it, in offset order.
-    keys: HashMap<OrderKey, VecDeque<(i64, M)>>,
+    /// Each key of an unfinished event, with the offsets of its unfinished
+    /// events in offset order: the first one holds it.
+    queues: HashMap<K, VecDeque<i64>>,
     /// Events free to start, by offset: the lowest go first, so the
     /// committed offset moves on as soon as it can.
-    ready: BTreeMap<i64, (Option<OrderKey>, M)>,
-    /// Events waiting behind an earlier event of their key.
-    waiting: usize,
+    ready: BTreeMap<i64, (Keys<K>, M)>,
+    /// Events waiting behind an earlier event of one of their keys, with
+    /// how many of their keys an earlier event holds.
+    waiting: HashMap<i64, (Keys<K>, M, usize)>,
     /// Events started and not finished.
     started: usize,
 }
 
-/// An event taken to start: its offset and its ordering key, which stays
-/// taken until it finishes.
-pub(crate) type Started<M> = (i64, Option<OrderKey>, M);
+/// An event taken to start: its offset and its keys, which stay taken
+/// until it finishes.
+pub(crate) type Started<K, M> = (i64, Keys<K>, M);
 
-impl<M> Default for Window<M> {
+impl<K, M> Default for Window<K, M> {
     fn default() -> Self {
         Window {
             pending: VecDeque::new(),
-            keys: HashMap::new(),
+            queues: HashMap::new(),
             ready: BTreeMap::new(),
-            waiting: 0,
+            waiting: HashMap::new(),
             started: 0,
         }
     }
 }
 
-impl<M> Window<M> {
+impl<K: Copy + Eq + Hash, M> Window<K, M> {
     /// A received event, above every one before it (the caller checks:
-    /// [`Window::highest`]). One without an ordering key is ordered with
-    /// nothing.
-    pub(crate) fn push(&mut self, offset: i64, key: Option<OrderKey>, event: M) {
+    /// [`Window::highest`]). One without keys is ordered with nothing.
+    pub(crate) fn push(&mut self, offset: i64, keys: Keys<K>, event: M) {
         debug_assert!(self.pending.back().is_none_or(|(o, _)| *o < offset));
         self.pending.push_back((offset, false));
-        match key {
-            Some(k) => match self.keys.get_mut(&k) {
-                Some(behind) => {
-                    behind.push_back((offset, event));
-                    self.waiting += 1;
-                }
-                None => {
-                    self.keys.insert(k, VecDeque::new());
-                    self.ready.insert(offset, (key, event));
-                }
-            },
-            None => {
-                self.ready.insert(offset, (None, event));
+        let mut held = 0;
+        for key in keys.iter() {
+            let queue = self.queues.entry(key).or_default();
+            if !queue.is_empty() {
+                held += 1;
             }
+            queue.push_back(offset);
+        }
+        if held == 0 {
+            self.ready.insert(offset, (keys, event));
+        } else {
+            self.waiting.insert(offset, (keys, event, held));
         }
     }
 
@@ -112,7 +137,11 @@ impl<M> Window<M> {
     /// more for which `same` holds, in offset order (events of distinct
     /// keys: one transaction may take them all). `same` is asked of each
     /// later event in turn, and may count what it lets in.
-    pub(crate) fn take(&mut self, max: usize, mut same: impl FnMut(&M) -> bool) -> Vec<Started<M>> {
+    pub(crate) fn take(
+        &mut self,
+        max: usize,
+        mut same: impl FnMut(&M) -> bool,
+    ) -> Vec<Started<K, M>> {
         let mut offsets = Vec::new();
         for (offset, (_, m)) in &self.ready {
             if offsets.len() == max.max(1) {
@@ -122,11 +151,11 @@ impl<M> Window<M> {
                 offsets.push(*offset);
             }
         }
-        let taken: Vec<Started<M>> = offsets
+        let taken: Vec<Started<K, M>> = offsets
             .into_iter()
             .map(|o| {
-                let (key, m) = self.ready.remove(&o).expect("listed above");
-                (o, key, m)
+                let (keys, m) = self.ready.remove(&o).expect("listed above");
+                (o, keys, m)
             })
             .collect();
         self.started += taken.len();
@@ -134,22 +163,30 @@ impl<M> Window<M> {
     }
 
     /// A started event is finished (applied, skipped or dead-lettered): the
-    /// next event of its key is free to start. Returns, when it moved, the
-    /// offset to commit now (everything below it is finished) and how many
-    /// events it passed.
-    pub(crate) fn finish(&mut self, offset: i64, key: Option<OrderKey>) -> Option<(i64, usize)> {
+    /// next event of each of its keys may start, once its other key is
+    /// free too. Returns, when it moved, the offset to commit now
+    /// (everything below it is finished) and how many events it passed.
+    pub(crate) fn finish(&mut self, offset: i64, keys: Keys<K>) -> Option<(i64, usize)> {
         self.started -= 1;
         if let Ok(i) = self.pending.binary_search_by_key(&offset, |(o, _)| *o) {
             self.pending[i].1 = true;
         }
-        if let Some(k) = key {
-            match self.keys.get_mut(&k).and_then(VecDeque::pop_front) {
-                Some((next, m)) => {
-                    self.waiting -= 1;
-                    self.ready.insert(next, (key, m));
-                }
-                None => {
-                    self.keys.remove(&k);
+        for key in keys.iter() {
+            let Some(queue) = self.queues.get_mut(&key) else {
+                continue;
+            };
+            // A started event held each of its keys.
+            debug_assert_eq!(queue.front(), Some(&offset));
+            queue.pop_front();
+            let Some(&next) = queue.front() else {
+                self.queues.remove(&key);
+                continue;
+            };
+            if let Some((_, _, held)) = self.waiting.get_mut(&next) {
+                *held -= 1;
+                if *held == 0 {
+                    let (keys, m, _) = self.waiting.remove(&next).expect("looked up above");
+                    self.ready.insert(next, (keys, m));
                 }
             }
         }
@@ -184,9 +221,9 @@ impl<M> Window<M> {
         self.ready.len()
     }
 
-    /// Events waiting behind an earlier event of their key.
+    /// Events waiting behind an earlier event of one of their keys.
     pub(crate) fn waiting(&self) -> usize {
-        self.waiting
+        self.waiting.len()
     }
 
     /// Events started and not finished.
@@ -206,7 +243,7 @@ pub(crate) fn share(ready: usize, free: usize, batch: usize) -> usize {
 mod tests {
     use super::*;
 
-    fn offsets(started: &[Started<&'static str>]) -> Vec<i64> {
+    fn offsets<K>(started: &[Started<K, &'static str>]) -> Vec<i64> {
         started.iter().map(|(o, _, _)| *o).collect()
     }
 
@@ -226,12 +263,16 @@ mod tests {
     #[test]
     fn a_key_runs_one_event_at_a_time_in_offset_order() {
         let mut w = Window::default();
-        let (a, b) = (Some(order_key(b"a")), Some(order_key(b"b")));
+        let (a, b) = (
+            Keys::one(Some(order_key(b"a"))),
+            Keys::one(Some(order_key(b"b"))),
+        );
+        let none = Keys::one(None);
         w.push(10, a, "a1");
         w.push(11, b, "b1");
         w.push(12, a, "a2");
         w.push(13, a, "a3");
-        w.push(14, None, "n");
+        w.push(14, none, "n");
         assert_eq!(w.waiting(), 2);
         let first = w.take(10, |_| true);
         assert_eq!(offsets(&first), [10, 11, 14], "a's later events wait");
@@ -241,7 +282,7 @@ mod tests {
         assert_eq!(offsets(&w.take(10, |_| true)), [12]);
         assert_eq!(w.waiting(), 1);
         // b1 and the keyless one finish while a2 runs: nothing passes 12.
-        assert_eq!(w.finish(14, None), None);
+        assert_eq!(w.finish(14, none), None);
         assert_eq!(w.finish(11, b), Some((12, 1)));
         assert_eq!(w.finish(12, a), Some((13, 1)), "13 is not finished");
         assert_eq!(offsets(&w.take(10, |_| true)), [13]);
@@ -260,10 +301,10 @@ mod tests {
         for seed in 0..500u64 {
             let mut w = Window::default();
             for (i, k) in keys.iter().enumerate() {
-                w.push(i as i64, Some(order_key(&[*k])), i);
+                w.push(i as i64, Keys::one(Some(order_key(&[*k]))), i);
             }
             let mut finished = vec![false; keys.len()];
-            let mut running: Vec<Started<usize>> = Vec::new();
+            let mut running: Vec<Started<OrderKey, usize>> = Vec::new();
             let mut committed = 0;
             let mut rng = seed.wrapping_mul(6364136223846793005) | 1;
             loop {
@@ -285,7 +326,7 @@ mod tests {
                 let earlier = keys[..offset as usize]
                     .iter()
                     .enumerate()
-                    .filter(|(_, k)| Some(order_key(&[**k])) == key);
+                    .filter(|(_, k)| Keys::one(Some(order_key(&[**k]))) == key);
                 for (j, _) in earlier {
                     assert!(
                         finished[j],
@@ -307,7 +348,7 @@ mod tests {
     fn a_transaction_takes_only_events_it_can_run_together() {
         let mut w = Window::default();
         for (i, route) in ["x", "y", "x", "x"].into_iter().enumerate() {
-            w.push(i as i64, Some(i as u64), route);
+            w.push(i as i64, Keys::one(Some(i as u64)), route);
         }
         let x = w.take(3, |r| *r == "x");
         assert_eq!(
@@ -324,7 +365,7 @@ mod tests {
     fn a_transaction_stops_taking_when_told_it_is_full() {
         let mut w = Window::default();
         for (i, event) in ["aaaa", "bbbb", "cccc", "dddd"].into_iter().enumerate() {
-            w.push(i as i64, Some(i as u64), event);
+            w.push(i as i64, Keys::one(Some(i as u64)), event);
         }
         // The first (4 bytes) is taken as it comes; up to 10 bytes in all.
         let mut bytes = 4;
@@ -339,6 +380,30 @@ mod tests {
         assert_eq!(offsets(&w.take(10, |_| true)), [3]);
     }
 
+    /// The Kafka-only runtime orders by key and by claim: an event starts
+    /// once both are free, and one key given twice holds once.
+    #[test]
+    fn an_event_of_two_keys_waits_for_both() {
+        let mut w: Window<u8, &str> = Window::default();
+        w.push(0, Keys::two(Some(1), Some(10)), "key 1, claim 10");
+        w.push(1, Keys::two(Some(2), Some(20)), "key 2, claim 20");
+        w.push(2, Keys::two(Some(2), Some(10)), "behind both");
+        w.push(3, Keys::two(Some(3), Some(3)), "one key, given twice");
+        assert_eq!(offsets(&w.take(10, |_| true)), [0, 1, 3]);
+        assert_eq!(w.waiting(), 1);
+        w.finish(1, Keys::two(Some(2), Some(20)));
+        assert!(w.take(10, |_| true).is_empty(), "claim 10 is still held");
+        w.finish(3, Keys::two(Some(3), Some(3)));
+        w.finish(0, Keys::two(Some(1), Some(10)));
+        assert_eq!(offsets(&w.take(10, |_| true)), [2]);
+        assert_eq!(
+            w.finish(2, Keys::two(Some(2), Some(10))),
+            Some((4, 2)),
+            "2 and 3 pass"
+        );
+        assert_eq!((w.started(), w.waiting(), w.ready()), (0, 0, 0));
+    }
+
     #[test]
     fn ready_events_are_spread_over_the_free_transactions() {
         assert_eq!(share(1000, 32, 200), 32);
@@ -351,10 +416,10 @@ mod tests {
     #[test]
     fn skipped_events_pass_with_the_rest() {
         let mut w = Window::default();
-        w.push(0, Some(1), ());
+        w.push(0, Keys::one(Some(1u64)), ());
         assert_eq!(w.push_finished(1), None);
         let started = w.take(1, |_| true);
         assert_eq!(started.len(), 1);
-        assert_eq!(w.finish(0, Some(1)), Some((2, 2)));
+        assert_eq!(w.finish(0, Keys::one(Some(1))), Some((2, 2)));
     }
 }

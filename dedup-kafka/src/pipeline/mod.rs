@@ -1,15 +1,18 @@
 //! What both runtimes share on a message's path, whatever commits it: the
 //! Kafka-only runtime (`transactional/`) and the database runtime
-//! (`partition.rs`) call these, so a panic, a hang, an unclassified error or
+//! (`database/`) call these, so a panic, a hang, an unclassified error or
 //! an outage means the same thing in both.
 //!
 //! - [`attempt`]: runs user code where a panic or a hang is contained.
+//! - [`attempts`]: one event's attempts driven to an end: done, wait and
+//!   try again, give up (a retry tier, the dead letters) or stop.
 //! - [`decision`]: whose fault a failure is, and what follows (retry, wait
 //!   out, dead-letter, stop): a pure function, table-tested.
 //! - [`outage`]: an event's retries: the decision applied, and its wait
 //!   out of an outage as health sees it.
 //! - [`ingest`]: how a batch is gathered (linger only when idle).
-//! - [`keyed`]: key-ordered concurrency: which events may start, and the
+//! - [`keyed`]: key-ordered concurrency: which events may start (by their
+//!   ordering key, and in the Kafka-only runtime their claim too), and the
 //!   offset below which all are finished.
 //! - [`membership`]: the rebalance context: what a member owns, its count,
 //!   its lag, the rebalance counters, each callback contained.
@@ -17,6 +20,7 @@
 //!   at once.
 
 pub(crate) mod attempt;
+pub(crate) mod attempts;
 pub(crate) mod decision;
 pub(crate) mod ingest;
 pub(crate) mod keyed;

@@ -268,7 +268,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     }
                     in_place += 1;
                     self.record().retried_because(RetryReason::Environment);
-                    let wait = self.retry.backoff(in_place, jitter.next());
+                    let wait = self.pipeline.retry.backoff(in_place, jitter.next());
                     tracing::warn!(why, ?wait, "transaction aborted; running the batch again");
                     busy.open();
                     tokio::time::sleep(wait).await;
@@ -400,7 +400,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 )));
             }
         }
-        let wait = self.retry.outage_backoff(failures, jitter.next());
+        let wait = self.pipeline.retry.outage_backoff(failures, jitter.next());
         tracing::warn!(
             why,
             ?wait,

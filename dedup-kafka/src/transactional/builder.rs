@@ -13,6 +13,7 @@ use super::outputs::Outputs;
 use super::TransactionalConsumer;
 use crate::Error;
 use crate::config::{self, ClientSettings, OnFingerprintMismatch};
+use crate::config::{PipelineSettings, TierSetting};
 use crate::dead_letter_format;
 use crate::retry::{Jitter, RetryPolicy};
 use crate::stats::{Stats, StatsSnapshot};
@@ -29,17 +30,10 @@ pub struct TransactionalConsumerBuilder<H> {
     changelog_replication: i32,
     transactional_id: Option<String>,
     transaction_timeout: Duration,
-    batch_size: usize,
-    batch_linger: Duration,
-    batch_bytes: usize,
-    retry: RetryPolicy,
-    on_fingerprint_mismatch: OnFingerprintMismatch,
-    attempt_timeout: Duration,
-    key_concurrency: usize,
+    /// What both runtimes set alike.
+    pipeline: PipelineSettings,
     order_by: crate::OrderBy,
-    ttl_check: crate::TtlCheck,
-    /// The retry tiers, or why they cannot be (reported by `build`).
-    tiers: Option<Result<crate::RetryTiers, String>>,
+    tiers: TierSetting,
     /// Where to serve metrics and health, if anywhere.
     #[cfg(feature = "http")]
     http: Option<String>,
@@ -72,16 +66,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             changelog_replication: -1,
             transactional_id: None,
             transaction_timeout: Duration::from_secs(10),
-            batch_size: 5000,
-            batch_linger: Duration::from_millis(20),
-            batch_bytes: crate::pipeline::ingest::BATCH_BYTES,
-            retry: RetryPolicy::default(),
-            on_fingerprint_mismatch: OnFingerprintMismatch::default(),
-            attempt_timeout: Duration::from_secs(60),
-            key_concurrency: 0,
+            pipeline: PipelineSettings::with_batches(5000, Duration::from_millis(20)),
             order_by: crate::OrderBy::default(),
-            ttl_check: crate::TtlCheck::Warn,
-            tiers: None,
+            tiers: TierSetting::default(),
             #[cfg(feature = "http")]
             http: None,
         }
@@ -172,7 +159,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     /// commits. [`batch_bytes`](Self::batch_bytes) caps it for large
     /// records.
     pub fn batch_size(mut self, n: usize) -> Self {
-        self.batch_size = n.max(1);
+        self.pipeline.set_batch_size(n);
         self
     }
 
@@ -183,7 +170,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     /// (a record larger than this is a batch alone). Outputs much larger
     /// than their inputs call for a lower figure.
     pub fn batch_bytes(mut self, bytes: usize) -> Self {
-        self.batch_bytes = bytes;
+        self.pipeline.batching.bytes = bytes;
         self
     }
 
@@ -196,7 +183,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     /// transaction, its outputs in offset order. For handlers that wait on
     /// something slow (a lookup to enrich with).
     pub fn key_concurrency(mut self, n: usize) -> Self {
-        self.key_concurrency = n;
+        self.pipeline.key_concurrency = n;
         self
     }
 
@@ -212,22 +199,22 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     /// to the brokers. After a full batch, or one during which more came
     /// in, the next takes what is queued and goes at once.
     pub fn batch_linger(mut self, linger: Duration) -> Self {
-        self.batch_linger = linger;
+        self.pipeline.batching.linger = linger;
         self
     }
 
     /// How failures are retried: transient ones `max_attempts` times before
     /// dead-lettering, outages until `max_outage` (the failure table).
     pub fn retry(mut self, policy: RetryPolicy) -> Self {
-        self.retry = policy;
+        self.pipeline.retry = policy;
         self
     }
 
-    /// How long one handler attempt may take (default 60 s): past it the
+    /// How long one handler attempt may take (default 60 s, at least 1 ms): past it the
     /// attempt is abandoned and waited out as the environment's fault, as
     /// in the database runtime (bounded only by `max_outage`).
     pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
-        self.attempt_timeout = timeout;
+        self.pipeline.set_attempt_timeout(timeout);
         self
     }
 
@@ -237,7 +224,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     /// a replay from the earliest offset would apply again every record
     /// older than the TTL, whose claim has expired from the changelog.
     pub fn ttl_check(mut self, check: crate::TtlCheck) -> Self {
-        self.ttl_check = check;
+        self.pipeline.ttl_check = check;
         self
     }
 
@@ -264,20 +251,20 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         I: IntoIterator,
         I::Item: AsRef<str>,
     {
-        self.tiers = Some(crate::RetryTiers::new(delays).map_err(Error::into_config_message));
+        self.tiers.set_delays(delays);
         self
     }
 
     /// Retry tiers named and placed as `tiers` says (see
     /// [`retry_tiers`](Self::retry_tiers)).
     pub fn retry_tiers_with(mut self, tiers: crate::RetryTiers) -> Self {
-        self.tiers = Some(Ok(tiers));
+        self.tiers.set(tiers);
         self
     }
 
     /// What a duplicate whose fingerprint differs from its claim's gets.
     pub fn on_fingerprint_mismatch(mut self, action: OnFingerprintMismatch) -> Self {
-        self.on_fingerprint_mismatch = action;
+        self.pipeline.on_fingerprint_mismatch = action;
         self
     }
 
@@ -303,13 +290,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             )
         });
         self.client.check_env()?;
-        if self.key_concurrency == 0 && self.order_by != crate::OrderBy::default() {
-            return Err(Error::Config(
-                "order_by(..) orders events only under key_concurrency(n): set it, or drop \
-                 order_by (a batch's events run one after another, in offset order)"
-                    .into(),
-            ));
-        }
+        self.pipeline.refuse_idle_order(
+            &self.order_by,
+            "order_by(..)",
+            "a batch's events run one after another, in offset order",
+        )?;
         config::refuse_own_settings(
             &self.producer_settings,
             &config::TRANSACTIONAL_OWN_SETTINGS,
@@ -317,11 +302,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             "transactional_id() and transaction_timeout() set them; idempotence and acks=all \
              are always on",
         )?;
-        let tiers = match self.tiers {
-            None => None,
-            Some(Err(e)) => return Err(Error::Config(e)),
-            Some(Ok(tiers)) => Some(tiers),
-        };
+        let tiers = self.tiers.built()?;
         if let Some(tiers) = &tiers {
             if tiers.holds_keys() {
                 return Err(Error::Config(
@@ -433,17 +414,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             transactional_id,
             changelog_replication: self.changelog_replication,
             transaction_timeout: self.transaction_timeout,
-            batching: crate::pipeline::ingest::Batching {
-                size: self.batch_size,
-                bytes: self.batch_bytes,
-                linger: self.batch_linger,
-            },
-            retry: self.retry,
-            on_fingerprint_mismatch: self.on_fingerprint_mismatch,
-            attempt_timeout: self.attempt_timeout,
-            key_concurrency: self.key_concurrency,
+            pipeline: self.pipeline,
             order_by: self.order_by,
-            ttl_check: self.ttl_check,
             stats,
             metrics: std::sync::OnceLock::new(),
             unwritable_since: Mutex::new(None),

@@ -1,6 +1,6 @@
 //! Each message's fate: decoded, keyed, judged against the claims, and run
 //! (contained, with retries) into its outputs.
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt as _;
@@ -16,10 +16,9 @@ use super::batch::With;
 use super::claims::{self, ClaimDigest, Entry, PartitionClaims};
 use crate::Error;
 use crate::config::OnFingerprintMismatch;
-use crate::pipeline::attempt::{self, Ran};
-use crate::pipeline::decision::{Decision, Fault};
-use crate::pipeline::keyed::OrderKey;
-use crate::pipeline::outage::Retrying;
+use crate::pipeline::attempt;
+use crate::pipeline::attempts::{Attempts, Next, Tried};
+use crate::pipeline::keyed::{Keys, OrderKey, Window};
 use crate::pipeline::{error_chain, meta_of};
 use crate::retry::Jitter;
 
@@ -91,7 +90,19 @@ impl Turns {
 
 /// What a message is judged in order with under key-ordered concurrency:
 /// its ordering key and its claim, each in its partition.
-type OrderedBy = (Option<(i32, OrderKey)>, Option<(i32, ClaimDigest)>);
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum OrderedBy {
+    Key(i32, OrderKey),
+    Claim(i32, ClaimDigest),
+}
+
+/// The claim a message is ordered by, if any.
+fn claim_of(keys: Keys<OrderedBy>) -> Option<ClaimDigest> {
+    keys.iter().find_map(|k| match k {
+        OrderedBy::Claim(_, digest) => Some(digest),
+        OrderedBy::Key(..) => None,
+    })
+}
 
 /// A message decoded and keyed, for [`TransactionalConsumer::judge`].
 pub(super) struct Prepared<E> {
@@ -125,7 +136,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         jitter: &mut Jitter,
         with: &With<'_>,
     ) -> Result<(Vec<Fate>, Staged), Halt> {
-        if self.key_concurrency > 1 {
+        if self.pipeline.key_concurrency > 1 {
             return self.fates_at_once(batch, times, states, forced, with).await;
         }
         let mut fates = Vec::with_capacity(batch.len());
@@ -186,73 +197,57 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     ) -> Result<(Vec<Fate>, Staged), Halt> {
         let n = batch.len();
         let mut fates: Vec<Option<Fate>> = vec![None; n];
-        let mut prepared: Vec<Option<Prepared<H::Event>>> = (0..n).map(|_| None).collect();
-        // What each message is ordered by: its ordering key and its claim.
-        let mut order: Vec<OrderedBy> = Vec::with_capacity(n);
+        // The messages to judge, each waiting for the earlier ones of its
+        // key and its claim: the database runtime's window, over the batch.
+        let mut window = Window::default();
+        // What each message is ordered by, until it is judged.
+        let mut order: Vec<Keys<OrderedBy>> = Vec::with_capacity(n);
         // The claims applied, by claim and index: a message sees the
         // latest one before it, as when judged one after another.
         let mut applied: HashMap<(i32, ClaimDigest), BTreeMap<usize, Entry>> = HashMap::new();
         for (i, msg) in batch.iter().enumerate() {
             let p = msg.partition();
-            let key = self.order_by.key_of(msg).map(|k| (p, k));
+            let key = self.order_by.key_of(msg).map(|k| OrderedBy::Key(p, k));
             match forced.get(&i) {
                 Some(fate) => {
                     if let Fate::Applied { digest, entry, .. } = fate {
                         applied.entry((p, *digest)).or_default().insert(i, *entry);
                     }
                     fates[i] = Some(fate.clone());
-                    order.push((key, None));
+                    order.push(Keys::one(None));
                 }
                 None => match self.prepare(msg) {
                     Ok(ready) => {
-                        order.push((key, Some((p, ready.digest))));
-                        prepared[i] = Some(ready);
+                        let keys = Keys::two(key, Some(OrderedBy::Claim(p, ready.digest)));
+                        order.push(keys);
+                        window.push(i as i64, keys, ready);
                     }
                     Err(dead) => {
                         fates[i] = Some(dead);
-                        order.push((key, None));
+                        order.push(Keys::one(None));
                     }
                 },
             }
         }
         let mut running = FuturesUnordered::new();
-        let mut busy_keys = HashSet::new();
-        let mut busy_claims = HashSet::new();
-        // Below it every message is judged.
-        let mut first = 0;
         let mut turns = Turns::new();
         loop {
             turns.now_and_then().await;
-            while first < n && fates[first].is_some() {
-                first += 1;
-            }
             // In offset order, each message free to start: nothing of its
             // key or claim running, nor waiting before it.
-            let (mut held_keys, mut held_claims) = (HashSet::new(), HashSet::new());
-            for i in first..n {
-                if running.len() >= self.key_concurrency {
-                    break;
-                }
-                if prepared[i].is_none() {
-                    continue;
-                }
-                let (key, claim) = order[i];
-                let free = key.is_none_or(|k| !busy_keys.contains(&k) && !held_keys.contains(&k))
-                    && claim.is_none_or(|c| !busy_claims.contains(&c) && !held_claims.contains(&c));
-                if !free {
-                    held_keys.extend(key);
-                    held_claims.extend(claim);
-                    continue;
-                }
-                busy_keys.extend(key);
-                busy_claims.extend(claim);
-                let ready = prepared[i].take().expect("checked above");
+            let free = self.pipeline.key_concurrency.saturating_sub(running.len());
+            let started = match free {
+                0 => Vec::new(),
+                free => window.take(free, |_| true),
+            };
+            for (i, _, ready) in started {
+                let i = usize::try_from(i).expect("an index");
                 let mut view = Staged::new();
-                if let Some(c) = claim
-                    && let Some((_, entry)) =
-                        applied.get(&c).and_then(|by| by.range(..i).next_back())
+                let claim = (batch[i].partition(), ready.digest);
+                if let Some((_, entry)) =
+                    applied.get(&claim).and_then(|by| by.range(..i).next_back())
                 {
-                    view.insert(c, *entry);
+                    view.insert(claim, *entry);
                 }
                 let (msg, at) = (&batch[i], times[i]);
                 let judging = async move {
@@ -281,16 +276,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     return Err(halt);
                 }
             };
-            let (key, claim) = order[i];
-            if let Some(k) = key {
-                busy_keys.remove(&k);
+            if let (Fate::Applied { entry, .. }, Some(digest)) = (&fate, claim_of(order[i])) {
+                applied
+                    .entry((batch[i].partition(), digest))
+                    .or_default()
+                    .insert(i, *entry);
             }
-            if let Some(c) = claim {
-                busy_claims.remove(&c);
-                if let Fate::Applied { entry, .. } = &fate {
-                    applied.entry(c).or_default().insert(i, *entry);
-                }
-            }
+            window.finish(i as i64, order[i]);
             fates[i] = Some(fate);
         }
         let staged = applied
@@ -387,7 +379,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             {
                 mismatch = true;
                 tracing::warn!(key = %key, "a duplicate's fingerprint differs from its claim's: the id was reused for other content");
-                if self.on_fingerprint_mismatch == OnFingerprintMismatch::DeadLetter {
+                if self.pipeline.on_fingerprint_mismatch == OnFingerprintMismatch::DeadLetter {
                     return Ok(dead(
                         "fingerprint_mismatch",
                         format!(
@@ -410,10 +402,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             .get(&msg.partition())
             .is_some_and(|s| s.holds(&digest));
         let mut event = Some(event);
-        let mut attempt = 0u32;
-        let mut retrying = Retrying::new(&self.stats, self.in_place());
+        let mut attempts = Attempts::new(&self.stats, self.in_place(), self.record());
         loop {
-            attempt += 1;
+            let attempt = attempts.start();
             let ev = match event.take() {
                 Some(ev) => ev,
                 // It decoded once; decoding is pure.
@@ -434,18 +425,18 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             // the consumer's CPU, mostly waking the other worker thread).
             let ran = attempt::run(
                 tracing::Span::current(),
-                self.attempt_timeout,
+                self.pipeline.attempt_timeout,
                 false,
                 attempt::Start::HereFirst,
                 async move {
                     let mut out = Outputs::default();
                     let result = handler.handle(&mut out, ev).await;
-                    (out, result)
+                    result.map(|()| out).map_err(|e| e.into_unstored_error())
                 },
             )
             .await;
-            let (error, fault) = match ran {
-                Ran::Done((out, Ok(()))) => {
+            let wait = match attempts.ended(Tried::of(ran), jitter) {
+                Next::Done(out) => {
                     let ttl = i64::try_from(self.handler.ttl().as_duration().as_millis())
                         .unwrap_or(i64::MAX);
                     return Ok(Fate::Applied {
@@ -460,42 +451,23 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         reclaimed,
                     });
                 }
-                Ran::Done((_, Err(e))) => {
-                    let e = e.into_unstored_error();
-                    let fault = Fault::of(&e);
-                    (e, fault)
-                }
-                Ran::Panicked(said) => (attempt::panicked(&said), Fault::Panic),
-                Ran::TimedOut(limit) => (
-                    dedup_core::Error::Store(attempt::timed_out(limit)),
-                    Fault::TimedOut,
-                ),
-            };
-            let wait = match retrying.failed(fault, &error, jitter.next()) {
-                Decision::DeadLetter => {
-                    let (kind, message) = (fault.kind(&error), error_chain(&error));
-                    // A transient failure goes to the next retry tier, if
-                    // any; the event's own fault to the dead letters.
-                    return Ok(match (fault, self.next_tier(msg)) {
-                        (Fault::Transient, Some((tier, next))) => Fate::Moved {
+                // A transient failure goes to the next retry tier, if any;
+                // the event's own fault to the dead letters.
+                Next::GiveUp(up) => {
+                    return Ok(match (up.onward, self.next_tier(msg)) {
+                        (true, Some((tier, next))) => Fate::Moved {
                             tier,
-                            kind,
-                            message,
-                            attempts: attempt,
+                            kind: up.kind,
+                            message: up.message,
+                            attempts: up.attempts,
                             due_ms: next.due_from_now(),
                         },
-                        _ => dead(kind, message, attempt),
+                        _ => dead(up.kind, up.message, up.attempts),
                     });
                 }
-                Decision::Stop { failing_for } => {
-                    return Err(Halt::Fatal(Error::Fatal(
-                        retrying.outlasted(failing_for, &error),
-                    )));
-                }
-                Decision::Retry(wait) | Decision::WaitOut(wait) => wait,
+                Next::Stop(why) => return Err(Halt::Fatal(Error::Fatal(why))),
+                Next::Wait(wait) => wait,
             };
-            tracing::warn!(key = %key, attempt, error = %error, ?wait, "handler failed; retrying");
-            self.record().retried(fault, &error);
             let mut stopping = with.stopping.clone();
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}

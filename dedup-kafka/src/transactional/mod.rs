@@ -52,12 +52,12 @@ use self::claims::PartitionClaims;
 use self::lanes::{Change, Changes, Membership, Topics};
 use self::tiered::Waiting;
 use crate::Error;
-use crate::config::OnFingerprintMismatch;
+use crate::config::PipelineSettings;
 use crate::metrics::{ConsumerGauges, RouteMetrics};
-use crate::pipeline::ingest::{Batching, Gathering, within};
+use crate::pipeline::ingest::{Gathering, within};
 use crate::pipeline::outage::Retrying;
 use crate::pipeline::outcome::Record;
-use crate::retry::{Jitter, RetryPolicy};
+use crate::retry::Jitter;
 use crate::stats::{Stats, StatsSnapshot};
 
 /// Runs a Kafka-only handler exactly once per distinct event: outputs,
@@ -100,15 +100,10 @@ pub struct TransactionalConsumer<H> {
     transactional_id: String,
     changelog_replication: i32,
     transaction_timeout: Duration,
-    batching: Batching,
-    retry: RetryPolicy,
-    on_fingerprint_mismatch: OnFingerprintMismatch,
-    attempt_timeout: Duration,
-    /// Handler calls of a batch at once, one per ordering key and claim;
-    /// 0 or 1: one after another.
-    key_concurrency: usize,
+    /// What both runtimes set alike (key concurrency: handler calls of a
+    /// batch at once, one per ordering key and claim).
+    pipeline: PipelineSettings,
     order_by: crate::OrderBy,
-    ttl_check: crate::TtlCheck,
     stats: Arc<Stats>,
     /// Registered on first use, after the application installed its
     /// recorder.
@@ -258,7 +253,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 ttl: self.handler.ttl(),
             })
             .collect();
-        crate::ttl_check::check(self.ttl_check, &self.shared_config, &checked).await?;
+        crate::ttl_check::check(self.pipeline.ttl_check, &self.shared_config, &checked).await?;
         if let Some(tiers) = &self.tiers {
             crate::tiers::check_topics(&self.shared_config, vec![tiers.clone()], true).await?;
             // Their series exist from the start too.
@@ -345,7 +340,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     None => break,
                     Some(Ok(msg)) => {
                         gathering
-                            .get_or_insert_with(|| self.batching.start(!backlog))
+                            .get_or_insert_with(|| self.pipeline.batching.start(!backlog))
                             .took(&msg);
                         batch.push(msg.detach());
                         held.count(batch.len());
@@ -511,7 +506,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             return Ok(true);
         }
         let missing: Vec<i32> = missing.into_iter().collect();
-        let mut retrying = Retrying::new(&self.stats, self.retry);
+        let mut retrying = Retrying::new(&self.stats, self.pipeline.retry);
         loop {
             match tokio::task::block_in_place(|| {
                 let mut restored =

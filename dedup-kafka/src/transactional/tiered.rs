@@ -37,8 +37,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// failures get the tiers' few attempts before the event moves on.
     pub(super) fn in_place(&self) -> RetryPolicy {
         match &self.tiers {
-            Some(tiers) => self.retry.with_max_attempts(tiers.attempts),
-            None => self.retry,
+            Some(tiers) => self.pipeline.retry.with_max_attempts(tiers.attempts),
+            None => self.pipeline.retry,
         }
     }
 

@@ -1,30 +1,28 @@
-//! What a worker does with its messages: a batch in one transaction (its
-//! messages replayed one by one if it fails), or one message with its
-//! retries, and the dead letter of one that cannot be applied.
+//! What a worker does with a batch of its messages: one transaction (its
+//! messages replayed one by one if it fails, `message.rs`), and the dead
+//! letters of those that cannot be prepared.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
 
 use dedup_core::{DedupStore, Outcome};
 use rdkafka::message::{Message as _, OwnedMessage};
 use tracing::Instrument;
 
-use crate::config::OnFingerprintMismatch;
 use crate::database::dead_letter::{self as dead_letters, dead_letter};
 use crate::database::effect::ErasedHandler;
 use crate::database::route::{Before, Route};
 use crate::failpoint::failpoint;
 use crate::metrics::RetryReason;
 use crate::pipeline::attempt::{self, AttemptTimedOut, Ran};
-use crate::pipeline::decision::{Decision, Fault};
-use crate::pipeline::outage::Retrying;
+use crate::pipeline::decision::Fault;
 use crate::pipeline::{error_chain, meta_of};
 use crate::retry::Jitter;
 
+use super::Runtime;
+use super::message::{message_span, process, skips_mismatch};
 use super::state::Partition;
-use super::{Runtime, wait_unless_stopped};
 
 /// Runs a batch of one partition's messages in one transaction (one claim
 /// statement, one commit). If a message cannot be decoded or keyed, or any
@@ -359,234 +357,4 @@ async fn dead_letter_unprepared<S: DedupStore>(
     dead_letter(shared, route, partition, msg, why, jitter)
         .instrument(message_span(msg))
         .await
-}
-
-/// Runs one message to a final state. Returns `false` if it was abandoned
-/// (shutdown or revoke during a retry wait): then its offset is not stored.
-///
-/// Under key hold-back (`RetryTiers::hold_keys`), a message whose key
-/// waits in a retry tier follows it there at once, and a tier that
-/// finishes a message lets its key go.
-pub(super) async fn process<S: DedupStore>(
-    shared: &Arc<Runtime<S>>,
-    route: &Arc<Route<S>>,
-    partition: &Partition,
-    msg: &OwnedMessage,
-    jitter: &mut Jitter,
-) -> bool {
-    // Tier headers that are not its own: the message's fault, dead-lettered
-    // as itself, releasing nothing.
-    if let Some(message) = route.forged(msg) {
-        let why = route.dead_letter(msg, crate::tiers::FORGED, message, 1);
-        return dead_letter(shared, route, partition, msg, why, jitter).await;
-    }
-    let Some(key) = route.hold_key(msg) else {
-        return !matches!(
-            attempts(shared, route, partition, msg, jitter).await,
-            Ended::Abandoned
-        );
-    };
-    let origin = route.origin(msg);
-    match crate::database::hold::earlier(shared, route, partition, &origin, key, jitter).await {
-        None => return false,
-        Some(Some(earlier)) => {
-            let why = route.follow(msg, earlier);
-            return dead_letter(shared, route, partition, msg, why, jitter).await;
-        }
-        Some(None) => {}
-    }
-    match attempts(shared, route, partition, msg, jitter).await {
-        Ended::Abandoned => false,
-        Ended::Elsewhere => true,
-        // A tier's record, or a copy released from one, lets its key go;
-        // until that is recorded it is not finished (a redelivery is
-        // skipped by its claim and lets the key go then).
-        Ended::Here if route.in_tier() || route.released(msg) => {
-            crate::database::hold::let_out(shared, route, &origin, key, jitter).await
-        }
-        Ended::Here => true,
-    }
-}
-
-/// How a message's attempts ended.
-enum Ended {
-    /// Applied, or skipped as finished before.
-    Here,
-    /// Dead-lettered or moved to a retry tier.
-    Elsewhere,
-    /// Abandoned (shutdown, revoke): its offset is not stored.
-    Abandoned,
-}
-
-/// Runs one message's attempts to a final state.
-async fn attempts<S: DedupStore>(
-    shared: &Arc<Runtime<S>>,
-    route: &Arc<Route<S>>,
-    partition: &Partition,
-    msg: &OwnedMessage,
-    jitter: &mut Jitter,
-) -> Ended {
-    let headers = Arc::new(meta_of(msg));
-    let payload: Arc<[u8]> = msg.payload().unwrap_or_default().into();
-    // With retry tiers, few attempts before the event moves on.
-    let policy = route.in_place(shared.settings.retry);
-    // Every attempt, for logs and the dead letter's header.
-    let mut attempt = 0;
-    // The failures so far, by whose fault: the pipeline's decision rules.
-    let mut retrying = Retrying::new(&shared.stats, policy);
-    // Looks at another holder's lease (lease mode), for the back-off.
-    let mut lease_waits = 0;
-    loop {
-        attempt += 1;
-        // The permit is held while the handler runs, not while backing off,
-        // so retrying partitions do not keep the others waiting. A panicking
-        // handler fails this message instead of killing the partition.
-        let joined = {
-            let (task_route, payload, headers) = (route.clone(), payload.clone(), headers.clone());
-            shared
-                .run_handler(tracing::Span::current(), route, move |store| async move {
-                    task_route.handler.apply(&*store, &payload, &*headers).await
-                })
-                .await
-        };
-        let (outcome, fault) = match joined {
-            Ran::Done(outcome) => (outcome, None),
-            // A frozen database makes attempts hang rather than fail: the
-            // environment's fault, waited out, never dead-lettered. Until
-            // the abandoned attempt's rollback reaches the database it holds
-            // the claim's lock: the lock timeouts that follow are contention,
-            // waited out too.
-            Ran::TimedOut(limit) => (
-                Outcome::Failed(dedup_core::Error::Store(attempt::timed_out(limit))),
-                Some(Fault::TimedOut),
-            ),
-            Ran::Panicked(said) => (
-                Outcome::Failed(attempt::panicked(&said)),
-                Some(Fault::Panic),
-            ),
-        };
-        match outcome {
-            Outcome::Applied { reclaimed } => {
-                shared.stats.store_answered();
-                partition.applied(msg.offset());
-                route.record(&shared.stats).applied(reclaimed);
-                tracing::info!(outcome = "applied", reclaimed, attempt);
-                failpoint("after-commit");
-                return Ended::Here;
-            }
-            Outcome::Skipped { age, .. } => {
-                shared.stats.store_answered();
-                if partition.redelivery(msg.offset()) {
-                    route.record(&shared.stats).redelivered();
-                }
-                route.record(&shared.stats).skipped(age);
-                tracing::info!(outcome = "skipped", "duplicate within the TTL");
-                return Ended::Here;
-            }
-            Outcome::Failed(dedup_core::Error::LeaseHeld {
-                key,
-                expires_at,
-                token,
-            }) => {
-                // Lease mode: another holder's effect may be under way. Not
-                // the event's fault and bounded by the lease: look again
-                // with back-off, never later than the lease's end, without
-                // using up attempts or counting as an outage.
-                lease_waits += 1;
-                route
-                    .record(&shared.stats)
-                    .retried_because(RetryReason::LeaseHeld);
-                let until_expiry = expires_at
-                    .duration_since(std::time::SystemTime::now())
-                    .unwrap_or_default();
-                let wait = policy
-                    .backoff(lease_waits, jitter.next())
-                    .min(until_expiry + Duration::from_millis(50))
-                    .max(Duration::from_millis(20));
-                if lease_waits == 1 {
-                    tracing::info!(outcome = "waiting", %key, token, ?until_expiry, "another holder's lease covers this event");
-                }
-                if !wait_unless_stopped(shared, partition, wait).await {
-                    return Ended::Abandoned;
-                }
-            }
-            Outcome::Failed(dedup_core::Error::LeaseLost { key, token }) => {
-                // The effect ran, but its lease had expired and a newer
-                // holder took the claim over: that holder finishes the event.
-                shared.stats.store_answered();
-                route.record(&shared.stats).lease_lost();
-                tracing::warn!(outcome = "skipped", %key, token, "the lease was taken over before the effect completed: extend long effects (lease.extend()) or lengthen the lease");
-                return Ended::Here;
-            }
-            Outcome::Failed(e @ dedup_core::Error::FingerprintMismatch { .. })
-                if skips_mismatch(shared, route, &e) =>
-            {
-                shared.stats.store_answered();
-                return Ended::Here;
-            }
-            Outcome::Failed(e) => {
-                let fault = fault.unwrap_or_else(|| Fault::of(&e));
-                let wait = match retrying.failed(fault, &e, jitter.next()) {
-                    Decision::DeadLetter => {
-                        let (kind, message) = (fault.kind(&e), error_chain(&e));
-                        // A transient failure goes to the next retry tier,
-                        // if any; the event's own fault to the dead letters.
-                        let why = match fault {
-                            Fault::Transient => route.onward(msg, kind, message, attempt),
-                            _ => route.dead_letter(msg, kind, message, attempt),
-                        };
-                        return match dead_letter(shared, route, partition, msg, why, jitter).await {
-                            true => Ended::Elsewhere,
-                            false => Ended::Abandoned,
-                        };
-                    }
-                    Decision::Stop { failing_for } => {
-                        // This message stays uncommitted for the next run.
-                        shared.fail(retrying.outlasted(failing_for, &e));
-                        return Ended::Abandoned;
-                    }
-                    Decision::Retry(wait) => {
-                        tracing::warn!(outcome = "retry", attempt, ?wait, kind = e.kind(), error = %e);
-                        wait
-                    }
-                    Decision::WaitOut(wait) => {
-                        // Logged once at the outage's start and end (Stats).
-                        tracing::debug!(outcome = "waiting", attempt, ?wait, kind = e.kind(), error = %e);
-                        wait
-                    }
-                };
-                route.record(&shared.stats).retried(fault, &e);
-                if !wait_unless_stopped(shared, partition, wait).await {
-                    return Ended::Abandoned;
-                }
-            }
-        }
-    }
-}
-
-/// Counts a duplicate whose content differs from its claim's and says
-/// whether it is skipped (`on_fingerprint_mismatch(Skip)`, logged with its
-/// key) rather than dead-lettered (the default).
-fn skips_mismatch<S: 'static>(
-    shared: &Runtime<S>,
-    route: &Route<S>,
-    error: &dedup_core::Error,
-) -> bool {
-    let skip = shared.settings.on_fingerprint_mismatch == OnFingerprintMismatch::Skip;
-    route.record(&shared.stats).fingerprint_mismatch(skip);
-    if skip {
-        tracing::warn!(outcome = "skipped", kind = error.kind(), error = %error, "skipped as on_fingerprint_mismatch says");
-    }
-    skip
-}
-
-/// The span a message is processed in; the core records its dedup key.
-pub(super) fn message_span(msg: &OwnedMessage) -> tracing::Span {
-    tracing::info_span!(
-        "message",
-        topic = msg.topic(),
-        partition = msg.partition(),
-        offset = msg.offset(),
-        dedup.key = tracing::field::Empty,
-    )
 }

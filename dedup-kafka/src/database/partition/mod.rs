@@ -15,6 +15,7 @@
 
 mod apply;
 mod due;
+mod message;
 pub(crate) mod state;
 mod units;
 pub(crate) mod worker;
@@ -129,7 +130,7 @@ impl<S: DedupStore> Runtime<S> {
         let metrics = route.metrics();
         // Every transactional route takes batches; a lease's does not.
         let transaction = route.handler.batches().is_some();
-        let bounded = self.settings.key_concurrency == 0 || transaction;
+        let bounded = self.settings.pipeline.key_concurrency == 0 || transaction;
         // Held (not `let _ =`, which would release it at once) until the
         // task is joined.
         let _permit = match bounded {
@@ -142,7 +143,7 @@ impl<S: DedupStore> Runtime<S> {
         // (see attempt::run).
         let ran = attempt::run(
             span,
-            self.settings.attempt_timeout,
+            self.settings.pipeline.attempt_timeout,
             transaction,
             attempt::Start::OwnTask,
             call(self.store.clone()),

@@ -19,7 +19,7 @@ use rdkafka::message::{Message as _, OwnedMessage};
 
 use crate::database::dead_letter as dead_letters;
 use crate::database::route::{Pick, TopicRoutes};
-use crate::pipeline::keyed::{OrderKey, Window, share};
+use crate::pipeline::keyed::{Keys, OrderKey, Window, share};
 use crate::retry::Jitter;
 
 use super::state::Partition;
@@ -31,7 +31,7 @@ use super::{Runtime, store_next};
 type Held = (usize, OwnedMessage);
 
 /// The events of a unit, by offset and ordering key.
-type Unit = Vec<(i64, Option<OrderKey>)>;
+type Unit = Vec<(i64, Keys<OrderKey>)>;
 
 /// Runs the partition's messages under key-ordered concurrency until the
 /// consumer stops, the partition is revoked or released, or a unit is
@@ -42,13 +42,13 @@ pub(super) async fn worker<S: DedupStore>(
     partition: &Arc<Partition>,
     mut inbox: Inbox,
 ) {
-    let n = shared.settings.key_concurrency;
-    let batch_size = shared.settings.batching.size;
+    let n = shared.settings.pipeline.key_concurrency;
+    let batch_size = shared.settings.pipeline.batching.size;
     partition.redelivery_window.store(
         shared.settings.max_buffered_per_partition as i64,
         Ordering::Relaxed,
     );
-    let mut window: Window<Held> = Window::default();
+    let mut window: Window<OrderKey, Held> = Window::default();
     let mut running = FuturesUnordered::new();
     // When each running unit started (`Stats::clock_ms`), by unit number:
     // the oldest is what health reports as the partition's busy time.
@@ -68,7 +68,7 @@ pub(super) async fn worker<S: DedupStore>(
     // last one's (the fetch position moved back: a log truncation), which
     // the window cannot order: the consumer stops, to resume from what it
     // committed.
-    let admit = |window: &mut Window<Held>, inbox: &mut Inbox, msg: OwnedMessage| {
+    let admit = |window: &mut Window<OrderKey, Held>, inbox: &mut Inbox, msg: OwnedMessage| {
         if let Some(last) = window.highest()
             && msg.offset() <= last
         {
@@ -85,7 +85,7 @@ pub(super) async fn worker<S: DedupStore>(
         match routes.pick(&msg) {
             Pick::Route(index) => {
                 let key = routes.order_by.key_of(&msg);
-                window.push(msg.offset(), key, (index, msg));
+                window.push(msg.offset(), Keys::one(key), (index, msg));
             }
             Pick::Ignore(index) => {
                 // A type no handler takes, under OtherTypes::Skip: finished.
@@ -148,7 +148,7 @@ pub(super) async fn worker<S: DedupStore>(
                 None => 1,
             };
             // A unit is full at `batch_bytes` too, counted as a batch's are.
-            let mut filling = shared.settings.batching.start(false);
+            let mut filling = shared.settings.pipeline.batching.start(false);
             if let Some((_, first)) = window.first_ready() {
                 filling.took(first);
             }
@@ -211,7 +211,7 @@ pub(super) async fn worker<S: DedupStore>(
 
 /// What health and the gauges see of the partition: the oldest running
 /// unit's start, the events running and those waiting behind their key.
-fn report(partition: &Partition, window: &Window<Held>, started_at: &BTreeMap<u64, u64>) {
+fn report(partition: &Partition, window: &Window<OrderKey, Held>, started_at: &BTreeMap<u64, u64>) {
     let busy_since = started_at.values().next().copied().unwrap_or(u64::MAX);
     partition.busy_since_ms.store(busy_since, Ordering::Release);
     partition

@@ -17,7 +17,8 @@ use crate::pipeline::ingest::within;
 use crate::retry::Jitter;
 use crate::stats::Stats;
 
-use super::apply::{message_span, process, process_batch};
+use super::apply::process_batch;
+use super::message::{message_span, process};
 use super::state::Partition;
 use super::{Runtime, store_offset};
 
@@ -90,7 +91,7 @@ pub(crate) async fn worker<S: DedupStore>(
     let _exited = Exited(&partition);
     // A retry tier's partition runs in order, one due record after
     // another: its records wait for their due time at its head.
-    if shared.settings.key_concurrency > 0 && !routes.in_tier() {
+    if shared.settings.pipeline.key_concurrency > 0 && !routes.in_tier() {
         return super::units::worker(&shared, &routes, &partition, inbox).await;
     }
     let mut jitter = Jitter::new(partition.partition as u64);
@@ -282,7 +283,7 @@ async fn gather(
     settings: &Settings,
     same: impl Fn(&OwnedMessage) -> bool,
 ) -> Vec<OwnedMessage> {
-    let mut gathering = settings.batching.start(idle);
+    let mut gathering = settings.pipeline.batching.start(idle);
     gathering.took(&first);
     let mut batch = vec![first];
     while let Some(wait) = gathering.wait(batch.len()) {
@@ -364,13 +365,9 @@ mod tests {
     }
 
     fn lingering(linger: Duration) -> Settings {
-        Settings {
-            batching: crate::pipeline::ingest::Batching {
-                linger,
-                ..Settings::default().batching
-            },
-            ..Settings::default()
-        }
+        let mut settings = Settings::default();
+        settings.pipeline.batching.linger = linger;
+        settings
     }
 
     /// Messages that queued behind a running batch are the next batch at
@@ -414,7 +411,7 @@ mod tests {
             sender.send(msg).unwrap();
         }
         let mut settings = lingering(Duration::ZERO);
-        settings.batching.bytes = 250;
+        settings.pipeline.batching.bytes = 250;
         let first = inbox.recv().await.unwrap();
         let mut carried = VecDeque::new();
         let batch = gather(&mut inbox, &mut carried, first, false, &settings, |_| true).await;
@@ -443,7 +440,7 @@ mod tests {
             tokio::time::sleep(Duration::from_secs(60)).await;
         });
         let mut settings = lingering(Duration::from_secs(30));
-        settings.batching.size = 2;
+        settings.pipeline.batching.size = 2;
         let mut carried = VecDeque::new();
         let gathering = gather(&mut inbox, &mut carried, first, idle, &settings, |_| true);
         let batch = tokio::time::timeout(Duration::from_secs(5), gathering)

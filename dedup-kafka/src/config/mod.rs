@@ -1,5 +1,10 @@
 //! The runtime's settings and the librdkafka client configurations: the
-//! consumer's, and the idempotent producer's (dead letters and the relay).
+//! consumer's, and the idempotent producer's (dead letters and the relay);
+//! what both runtimes set alike is in [`pipeline`].
+
+mod pipeline;
+
+pub(crate) use pipeline::{PipelineSettings, TierSetting};
 
 use std::fmt;
 use std::time::Duration;
@@ -7,8 +12,6 @@ use std::time::Duration;
 use rdkafka::ClientConfig;
 
 use crate::Error;
-use crate::pipeline::ingest::Batching;
-use crate::retry::RetryPolicy;
 
 /// The bootstrap brokers unless `.brokers(...)` says otherwise.
 pub(crate) const DEFAULT_BROKERS: &str = "localhost:9092";
@@ -16,20 +19,14 @@ pub(crate) const DEFAULT_BROKERS: &str = "localhost:9092";
 /// The runtime's tunables, as the builder sets them.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Settings {
-    pub(crate) batching: Batching,
-    pub(crate) retry: RetryPolicy,
+    /// What both runtimes set alike.
+    pub(crate) pipeline: PipelineSettings,
     pub(crate) max_concurrent_partitions: usize,
-    /// Handler calls of one partition at once under key-ordered
-    /// concurrency; 0: one at a time, in offset order.
-    pub(crate) key_concurrency: usize,
     pub(crate) max_buffered_per_partition: usize,
     pub(crate) commit_interval: Duration,
     pub(crate) shutdown_timeout: Duration,
     pub(crate) revoke_timeout: Duration,
     pub(crate) dead_letter_timeout: Duration,
-    pub(crate) attempt_timeout: Duration,
-    pub(crate) ttl_check: crate::TtlCheck,
-    pub(crate) on_fingerprint_mismatch: OnFingerprintMismatch,
 }
 
 /// What the consumer does with a duplicate whose fingerprint differs from
@@ -50,22 +47,13 @@ pub enum OnFingerprintMismatch {
 impl Default for Settings {
     fn default() -> Self {
         Settings {
-            batching: Batching {
-                size: 200,
-                bytes: crate::pipeline::ingest::BATCH_BYTES,
-                linger: Duration::from_millis(5),
-            },
-            retry: RetryPolicy::default(),
+            pipeline: PipelineSettings::with_batches(200, Duration::from_millis(5)),
             max_concurrent_partitions: 16,
-            key_concurrency: 0,
             max_buffered_per_partition: 5_000,
             commit_interval: Duration::from_secs(5),
             shutdown_timeout: Duration::from_secs(30),
             revoke_timeout: Duration::from_secs(5),
             dead_letter_timeout: Duration::from_secs(30),
-            attempt_timeout: Duration::from_secs(60),
-            ttl_check: crate::TtlCheck::Warn,
-            on_fingerprint_mismatch: OnFingerprintMismatch::DeadLetter,
         }
     }
 }

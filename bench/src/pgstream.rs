@@ -1,11 +1,17 @@
 //! A minimal client of PostgreSQL's streaming replication protocol, for
 //! `outbox-logical-stream-drain`: a `replication=database` connection
-//! (SCRAM-SHA-256 or cleartext password), `START_REPLICATION .. LOGICAL`,
-//! the stream's messages, and standby status updates that confirm what was
-//! published. What Debezium reads; sqlx speaks no replication protocol.
+//! (SCRAM-SHA-256), `START_REPLICATION .. LOGICAL`, the stream's messages,
+//! and standby status updates that confirm what was published. What
+//! Debezium reads; sqlx speaks no replication protocol. The messages and
+//! SCRAM are `postgres-protocol`'s; the replication stream's own messages
+//! (inside CopyData) are read here.
 
-use sha2::{Digest as _, Sha256};
-use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _, BufReader};
+use bytes::{Buf as _, BytesMut};
+use fallible_iterator::FallibleIterator as _;
+use postgres_protocol::authentication::sasl::{self, ChannelBinding, ScramSha256};
+use postgres_protocol::message::backend::{ErrorResponseBody, Header, Message};
+use postgres_protocol::message::frontend;
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 
@@ -20,13 +26,66 @@ pub(crate) enum Streamed {
 }
 
 pub(crate) struct ReplicationStream {
-    reader: BufReader<OwnedReadHalf>,
+    reader: Reader,
     writer: OwnedWriteHalf,
 }
 
 /// The write half of a started stream: what confirms.
 pub(crate) struct Confirmer {
     writer: OwnedWriteHalf,
+}
+
+/// What the server sent.
+enum Received {
+    Message(Message),
+    /// `CopyBothResponse`, which `postgres-protocol` does not parse: the
+    /// replication stream begins.
+    CopyBoth,
+}
+
+/// The read half: the bytes read and not yet a whole message.
+struct Reader {
+    half: OwnedReadHalf,
+    buf: BytesMut,
+}
+
+impl Reader {
+    async fn next(&mut self) -> Result<Received, BoxError> {
+        loop {
+            if let Some(header) = Header::parse(&self.buf)?
+                && header.tag() == b'W'
+            {
+                let total = usize::try_from(header.len())? + 1;
+                if self.buf.len() >= total {
+                    self.buf.advance(total);
+                    return Ok(Received::CopyBoth);
+                }
+            } else if let Some(message) = Message::parse(&mut self.buf)? {
+                return Ok(Received::Message(message));
+            }
+            if self.half.read_buf(&mut self.buf).await? == 0 {
+                return Err("the server closed the connection".into());
+            }
+        }
+    }
+
+    /// The next message of a started stream.
+    async fn streamed(&mut self) -> Result<Streamed, BoxError> {
+        loop {
+            match self.next().await? {
+                Received::Message(Message::CopyData(body)) => {
+                    let data = body.data();
+                    match data.first() {
+                        Some(b'w') => return Ok(Streamed::Data(data[25..].to_vec())),
+                        Some(b'k') => return Ok(Streamed::Keepalive(data.get(17) == Some(&1))),
+                        _ => {}
+                    }
+                }
+                Received::Message(Message::ErrorResponse(body)) => return Err(error_text(&body)),
+                _ => {}
+            }
+        }
+    }
 }
 
 impl ReplicationStream {
@@ -40,101 +99,89 @@ impl ReplicationStream {
         let (user, password) = credentials.split_once(':').ok_or("a URL with a password")?;
         let (address, database) = rest.split_once('/').ok_or("a URL with a database")?;
         let database = database.split('?').next().unwrap_or(database);
-        let (reader, writer) = TcpStream::connect(address).await?.into_split();
+        let (half, writer) = TcpStream::connect(address).await?.into_split();
         let mut stream = ReplicationStream {
-            reader: BufReader::new(reader),
+            reader: Reader {
+                half,
+                buf: BytesMut::new(),
+            },
             writer,
         };
-        let mut startup = Vec::new();
-        startup.extend_from_slice(&196_608u32.to_be_bytes());
-        for (k, v) in [
-            ("user", user),
-            ("database", database),
-            ("replication", "database"),
-        ] {
-            startup.extend_from_slice(k.as_bytes());
-            startup.push(0);
-            startup.extend_from_slice(v.as_bytes());
-            startup.push(0);
-        }
-        startup.push(0);
-        let mut message = ((startup.len() + 4) as u32).to_be_bytes().to_vec();
-        message.extend_from_slice(&startup);
-        stream.writer.write_all(&message).await?;
+        let mut out = BytesMut::new();
+        frontend::startup_message(
+            [
+                ("user", user),
+                ("database", database),
+                ("replication", "database"),
+            ],
+            &mut out,
+        )?;
+        stream.writer.write_all(&out).await?;
         stream.authenticate(password).await?;
         Ok(stream)
     }
 
+    /// SCRAM-SHA-256 (a server that asks for no password, `trust`, is
+    /// taken at its word); once SCRAM began, success only after the server
+    /// proved it knows the password too.
     async fn authenticate(&mut self, password: &str) -> Result<(), BoxError> {
-        let nonce = uuid::Uuid::new_v4().simple().to_string();
-        let first_bare = format!("n=,r={nonce}");
-        let mut server_signature = Vec::new();
-        // Once SCRAM began, success only after the server proved it knows
-        // the password too (a server that asks for none, `trust`, is
-        // taken at its word).
+        let mut scram: Option<ScramSha256> = None;
         let (mut began, mut verified) = (false, false);
         loop {
-            let (kind, body) = self.read().await?;
-            match kind {
-                b'R' => {
-                    let code = u32::from_be_bytes(body[..4].try_into()?);
-                    match code {
-                        0 if verified || !began => {}
-                        0 => return Err("the server accepted without proving itself".into()),
-                        10 => {
-                            began = true;
-                            let mut p = b"SCRAM-SHA-256\0".to_vec();
-                            let first = format!("n,,{first_bare}");
-                            p.extend_from_slice(&(first.len() as u32).to_be_bytes());
-                            p.extend_from_slice(first.as_bytes());
-                            self.send(b'p', &p).await?;
-                        }
-                        11 => {
-                            let server_first = String::from_utf8(body[4..].to_vec())?;
-                            let field = |k: &str| {
-                                server_first
-                                    .split(',')
-                                    .find_map(|f| f.strip_prefix(k))
-                                    .ok_or("a SCRAM field missing")
-                            };
-                            let (r, s, i) = (field("r=")?, field("s=")?, field("i=")?);
-                            if !r.starts_with(&nonce) {
-                                return Err("the server's SCRAM nonce is not ours".into());
-                            }
-                            let salt = base64_decode(s)?;
-                            let salted = pbkdf2(password.as_bytes(), &salt, i.parse()?);
-                            let client_key = hmac(&salted, b"Client Key");
-                            let stored_key = Sha256::digest(client_key);
-                            let without_proof = format!("c=biws,r={r}");
-                            let auth_message =
-                                format!("{first_bare},{server_first},{without_proof}");
-                            let signature = hmac(&stored_key, auth_message.as_bytes());
-                            let proof: Vec<u8> = client_key
-                                .iter()
-                                .zip(signature.iter())
-                                .map(|(a, b)| a ^ b)
-                                .collect();
-                            let server_key = hmac(&salted, b"Server Key");
-                            server_signature = hmac(&server_key, auth_message.as_bytes()).to_vec();
-                            let last = format!("{without_proof},p={}", base64_encode(&proof));
-                            self.send(b'p', last.as_bytes()).await?;
-                        }
-                        12 => {
-                            let expected = format!("v={}", base64_encode(&server_signature));
-                            if server_signature.is_empty()
-                                || String::from_utf8_lossy(&body[4..]) != expected
-                            {
-                                return Err("the server's SCRAM signature does not match".into());
-                            }
-                            verified = true;
-                        }
-                        // Cleartext (3), MD5 (5) and the rest: not spoken.
-                        other => return Err(format!("authentication method {other}").into()),
-                    }
+            let Received::Message(message) = self.reader.next().await? else {
+                return Err("a stream before authentication".into());
+            };
+            let mut out = BytesMut::new();
+            match message {
+                Message::AuthenticationOk if began && !verified => {
+                    return Err("the server accepted without proving itself".into());
                 }
-                b'Z' => return Ok(()),
-                b'E' => return Err(error_text(&body).into()),
+                Message::AuthenticationSasl(body) => {
+                    let mut mechanisms = body.mechanisms();
+                    let mut offered = false;
+                    while let Some(m) = mechanisms.next()? {
+                        offered |= m == sasl::SCRAM_SHA_256;
+                    }
+                    if !offered {
+                        return Err("the server offers no SCRAM-SHA-256".into());
+                    }
+                    began = true;
+                    let client =
+                        ScramSha256::new(password.as_bytes(), ChannelBinding::unsupported());
+                    frontend::sasl_initial_response(
+                        sasl::SCRAM_SHA_256,
+                        client.message(),
+                        &mut out,
+                    )?;
+                    scram = Some(client);
+                }
+                Message::AuthenticationSaslContinue(body) => {
+                    let client = scram.as_mut().ok_or("SCRAM out of turn")?;
+                    client.update(body.data())?;
+                    frontend::sasl_response(client.message(), &mut out)?;
+                }
+                Message::AuthenticationSaslFinal(body) => {
+                    // Checks the server's signature.
+                    scram
+                        .as_mut()
+                        .ok_or("SCRAM out of turn")?
+                        .finish(body.data())?;
+                    verified = true;
+                }
+                Message::AuthenticationCleartextPassword
+                | Message::AuthenticationMd5Password(_)
+                | Message::AuthenticationKerberosV5
+                | Message::AuthenticationScmCredential
+                | Message::AuthenticationGss
+                | Message::AuthenticationSspi => {
+                    return Err("an authentication method other than SCRAM-SHA-256".into());
+                }
+                Message::ReadyForQuery(_) => return Ok(()),
+                Message::ErrorResponse(body) => return Err(error_text(&body)),
                 _ => {}
+            }
+            if !out.is_empty() {
+                self.writer.write_all(&out).await?;
             }
         }
     }
@@ -157,23 +204,23 @@ impl ReplicationStream {
     > {
         let messages = if messages { ", messages 'true'" } else { "" };
         let query = format!(
-            "START_REPLICATION SLOT {slot} LOGICAL 0/0 (proto_version '1', publication_names '{publication}'{messages})\0"
+            "START_REPLICATION SLOT {slot} LOGICAL 0/0 (proto_version '1', publication_names '{publication}'{messages})"
         );
-        self.send(b'Q', query.as_bytes()).await?;
+        let mut out = BytesMut::new();
+        frontend::query(&query, &mut out)?;
+        self.writer.write_all(&out).await?;
         loop {
-            let (kind, body) = self.read().await?;
-            match kind {
-                b'W' => break,
-                b'E' => return Err(error_text(&body).into()),
-                _ => {}
+            match self.reader.next().await? {
+                Received::CopyBoth => break,
+                Received::Message(Message::ErrorResponse(body)) => return Err(error_text(&body)),
+                Received::Message(_) => {}
             }
         }
         let (sender, receiver) = tokio::sync::mpsc::channel(10_000);
-        let ReplicationStream { reader, writer } = self;
+        let ReplicationStream { mut reader, writer } = self;
         tokio::spawn(async move {
-            let mut reading = Reading { reader };
             loop {
-                let next = reading.next().await;
+                let next = reader.streamed().await;
                 let failed = next.is_err();
                 if sender.send(next).await.is_err() || failed {
                     return;
@@ -181,34 +228,6 @@ impl ReplicationStream {
             }
         });
         Ok((receiver, Confirmer { writer }))
-    }
-
-    async fn send(&mut self, kind: u8, body: &[u8]) -> Result<(), BoxError> {
-        send(&mut self.writer, kind, body).await
-    }
-
-    async fn read(&mut self) -> Result<(u8, Vec<u8>), BoxError> {
-        read(&mut self.reader).await
-    }
-}
-
-/// The read half of a started stream.
-struct Reading {
-    reader: BufReader<OwnedReadHalf>,
-}
-
-impl Reading {
-    /// The next message of the stream.
-    async fn next(&mut self) -> Result<Streamed, BoxError> {
-        loop {
-            let (kind, body) = read(&mut self.reader).await?;
-            match (kind, body.first()) {
-                (b'd', Some(b'w')) => return Ok(Streamed::Data(body[25..].to_vec())),
-                (b'd', Some(b'k')) => return Ok(Streamed::Keepalive(body.get(17) == Some(&1))),
-                (b'E', _) => return Err(error_text(&body).into()),
-                _ => {}
-            }
-        }
     }
 }
 
@@ -226,124 +245,22 @@ impl Confirmer {
             - 946_684_800_000_000;
         body.extend_from_slice(&now.to_be_bytes());
         body.push(0);
-        send(&mut self.writer, b'd', &body).await
+        let mut out = BytesMut::new();
+        frontend::CopyData::new(&body[..])?.write(&mut out);
+        self.writer.write_all(&out).await?;
+        Ok(())
     }
 }
 
-async fn send(writer: &mut OwnedWriteHalf, kind: u8, body: &[u8]) -> Result<(), BoxError> {
-    let mut message = Vec::with_capacity(body.len() + 5);
-    message.push(kind);
-    message.extend_from_slice(&((body.len() + 4) as u32).to_be_bytes());
-    message.extend_from_slice(body);
-    writer.write_all(&message).await?;
-    Ok(())
-}
-
-async fn read(reader: &mut BufReader<OwnedReadHalf>) -> Result<(u8, Vec<u8>), BoxError> {
-    let kind = reader.read_u8().await?;
-    let len = reader.read_u32().await? as usize;
-    let mut body = vec![0; len.checked_sub(4).ok_or("a message length under 4")?];
-    reader.read_exact(&mut body).await?;
-    Ok((kind, body))
-}
-
-fn error_text(body: &[u8]) -> String {
-    body.split(|&b| b == 0)
-        .filter(|f| f.first() == Some(&b'M'))
-        .map(|f| String::from_utf8_lossy(&f[1..]).into_owned())
-        .next()
-        .unwrap_or_else(|| "a server error".into())
-}
-
-fn hmac(key: &[u8], message: &[u8]) -> [u8; 32] {
-    let mut block = [0u8; 64];
-    if key.len() > 64 {
-        block[..32].copy_from_slice(&Sha256::digest(key));
-    } else {
-        block[..key.len()].copy_from_slice(key);
-    }
-    let mut inner = Sha256::new();
-    inner.update(block.map(|b| b ^ 0x36));
-    inner.update(message);
-    let mut outer = Sha256::new();
-    outer.update(block.map(|b| b ^ 0x5c));
-    outer.update(inner.finalize());
-    outer.finalize().into()
-}
-
-fn pbkdf2(password: &[u8], salt: &[u8], iterations: u32) -> [u8; 32] {
-    let mut first = salt.to_vec();
-    first.extend_from_slice(&1u32.to_be_bytes());
-    let mut u = hmac(password, &first);
-    let mut out = u;
-    for _ in 1..iterations {
-        u = hmac(password, &u);
-        for (o, x) in out.iter_mut().zip(u.iter()) {
-            *o ^= x;
+/// The message of a server's error.
+fn error_text(body: &ErrorResponseBody) -> BoxError {
+    let mut fields = body.fields();
+    while let Ok(Some(field)) = fields.next() {
+        if field.type_() == b'M' {
+            return String::from_utf8_lossy(field.value_bytes())
+                .into_owned()
+                .into();
         }
     }
-    out
-}
-
-const BASE64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
-fn base64_encode(bytes: &[u8]) -> String {
-    let mut out = String::new();
-    for chunk in bytes.chunks(3) {
-        let n = chunk
-            .iter()
-            .enumerate()
-            .fold(0u32, |n, (i, &b)| n | (b as u32) << (16 - 8 * i));
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(BASE64[(n >> (18 - 6 * i) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
-
-fn base64_decode(text: &str) -> Result<Vec<u8>, BoxError> {
-    let mut out = Vec::new();
-    let (mut n, mut bits) = (0u32, 0);
-    for c in text.bytes().filter(|&c| c != b'=') {
-        let v = BASE64
-            .iter()
-            .position(|&b| b == c)
-            .ok_or("a bad base64 digit")? as u32;
-        n = n << 6 | v;
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            out.push((n >> bits) as u8);
-        }
-    }
-    Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn base64_round_trips() {
-        for bytes in [&b""[..], b"f", b"fo", b"foo", b"foob", b"fooba", b"foobar"] {
-            assert_eq!(base64_decode(&base64_encode(bytes)).unwrap(), bytes);
-        }
-        assert_eq!(base64_encode(b"foobar"), "Zm9vYmFy");
-        assert_eq!(base64_encode(b"fo"), "Zm8=");
-    }
-
-    #[test]
-    fn hmac_matches_rfc_4231() {
-        // Test case 2.
-        let mac = hmac(b"Jefe", b"what do ya want for nothing?");
-        let hex: String = mac.iter().map(|b| format!("{b:02x}")).collect();
-        assert_eq!(
-            hex,
-            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
-        );
-    }
+    "a server error".into()
 }

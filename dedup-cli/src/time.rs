@@ -1,47 +1,37 @@
-//! Timestamps as RFC 3339 text, without a date-time crate.
+//! Timestamps as RFC 3339 text (through `time`), durations as people read
+//! them.
+
+use time::OffsetDateTime;
+use time::format_description::BorrowedFormatItem;
+use time::macros::format_description;
 
 /// `2026-11-30T08:01:02.345Z` for milliseconds since the Unix epoch (UTC).
 pub(crate) fn rfc3339_millis(millis: i64) -> String {
-    let (secs, ms) = (millis.div_euclid(1000), millis.rem_euclid(1000));
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    let (year, month, day) = civil_from_days(days);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{ms:03}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
+    at_nanos(i128::from(millis) * 1_000_000, MILLIS)
 }
 
 /// `2026-11-30T08:01:02.345678Z` for a point in time (UTC), to the
 /// microsecond.
 pub(crate) fn rfc3339(at: std::time::SystemTime) -> String {
-    let micros: i64 = match at.duration_since(std::time::UNIX_EPOCH) {
-        Ok(after) => i64::try_from(after.as_micros()).unwrap_or(i64::MAX),
-        Err(before) => -i64::try_from(before.duration().as_micros()).unwrap_or(i64::MAX),
+    let nanos = match at.duration_since(std::time::UNIX_EPOCH) {
+        Ok(after) => i128::try_from(after.as_nanos()).unwrap_or(i128::MAX),
+        Err(before) => -i128::try_from(before.duration().as_nanos()).unwrap_or(i128::MAX),
     };
-    let millis = rfc3339_millis(micros.div_euclid(1000));
-    // `...SS.mmmZ` and the remaining microseconds.
-    format!(
-        "{}{:03}Z",
-        &millis[..millis.len() - 1],
-        micros.rem_euclid(1000)
-    )
+    at_nanos(nanos, MICROS)
 }
 
-/// The proleptic Gregorian date of a day count since 1970-01-01 (Howard
-/// Hinnant's `civil_from_days`).
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
+const MILLIS: &[BorrowedFormatItem<'static>] =
+    format_description!("[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z");
+const MICROS: &[BorrowedFormatItem<'static>] =
+    format_description!("[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:6]Z");
+
+/// `nanos` since the Unix epoch in `format`; out of the calendar's range
+/// (past the year 9999), the nanoseconds themselves.
+fn at_nanos(nanos: i128, format: &[BorrowedFormatItem<'_>]) -> String {
+    OffsetDateTime::from_unix_timestamp_nanos(nanos)
+        .ok()
+        .and_then(|at| at.format(format).ok())
+        .unwrap_or_else(|| format!("{nanos}ns after 1970-01-01T00:00:00Z"))
 }
 
 /// A duration in seconds as `3h25m`, `12m4s`, `0.4s`.

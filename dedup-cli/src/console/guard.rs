@@ -10,8 +10,10 @@
 
 use std::net::SocketAddr;
 
+use cookie::{Cookie, SameSite};
 use hyper::header::{self, HeaderMap};
 use hyper::{Method, StatusCode};
+use subtle::ConstantTimeEq as _;
 
 use super::{Answer, Asked, Console, pages};
 use crate::Failure;
@@ -61,11 +63,7 @@ fn secret() -> String {
 
 /// Compares secrets in time that does not depend on where they differ.
 fn same(a: &str, b: &str) -> bool {
-    a.len() == b.len()
-        && a.bytes()
-            .zip(b.bytes())
-            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-            == 0
+    a.as_bytes().ct_eq(b.as_bytes()).into()
 }
 
 impl Guard {
@@ -133,9 +131,9 @@ impl Guard {
             .get_all(header::COOKIE)
             .iter()
             .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(';'))
-            .filter_map(|pair| pair.trim().split_once('='))
-            .any(|(name, value)| name == COOKIE && same(value, &self.session));
+            .flat_map(Cookie::split_parse)
+            .filter_map(Result::ok)
+            .any(|c| c.name() == COOKIE && same(c.value(), &self.session));
         if !bearer && !session {
             return Err(Refused::NoToken);
         }
@@ -172,12 +170,13 @@ impl Guard {
                         .get(header::ORIGIN)
                         .and_then(|v| v.to_str().ok())
                         .is_some_and(|v| v.starts_with("https://"));
-                let secure = if https { "; Secure" } else { "" };
+                let cookie = Cookie::build((COOKIE, self.session.as_str()))
+                    .http_only(true)
+                    .same_site(SameSite::Strict)
+                    .path("/")
+                    .secure(https);
                 Ok(Answer::SignedIn {
-                    cookie: format!(
-                        "{COOKIE}={}; HttpOnly; SameSite=Strict; Path=/{secure}",
-                        self.session
-                    ),
+                    cookie: cookie.to_string(),
                     to: next,
                 })
             }
@@ -314,5 +313,69 @@ mod tests {
         assert!(Guard::new(any, Some("x".repeat(32))).is_ok());
         assert!(Guard::new("127.0.0.1:0".parse().unwrap(), None).is_ok());
         assert!(same("abc", "abc") && !same("abc", "abd") && !same("abc", "ab"));
+    }
+
+    fn asked(method: Method, path: &str, form: &str) -> Asked {
+        Asked {
+            method,
+            path: path
+                .split('/')
+                .filter(|p| !p.is_empty())
+                .map(str::to_owned)
+                .collect(),
+            target: path.to_owned(),
+            query: super::super::Fields::default(),
+            form: super::super::Fields::parse(form.as_bytes()),
+            remote: "10.0.0.9:5000".parse().unwrap(),
+        }
+    }
+
+    /// The right token gives a session cookie that a browser sends back
+    /// among its others; a wrong one, a forged one or none is refused.
+    #[test]
+    fn a_session_is_given_for_the_token_and_found_among_other_cookies() {
+        let token = "t".repeat(32);
+        let guard = Guard::new("0.0.0.0:9470".parse().unwrap(), Some(token.clone())).unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert(header::HOST, "console.example:9470".parse().unwrap());
+        headers.insert("x-forwarded-proto", "https".parse().unwrap());
+        let login = asked(Method::POST, "/login", &format!("token={token}"));
+        let Ok(Admitted::Login(Answer::SignedIn { cookie, .. })) = guard.check(&headers, &login)
+        else {
+            panic!("the right token signs in");
+        };
+        let parsed = Cookie::parse(cookie.as_str()).expect("a Set-Cookie value");
+        assert_eq!(parsed.name(), COOKIE);
+        assert_eq!(parsed.value(), guard.session);
+        assert_eq!(parsed.http_only(), Some(true));
+        assert_eq!(parsed.same_site(), Some(SameSite::Strict));
+        assert_eq!(parsed.secure(), Some(true), "behind TLS: {cookie}");
+        assert_eq!(parsed.path(), Some("/"));
+        let wrong = asked(Method::POST, "/login", "token=nope");
+        assert!(matches!(
+            guard.check(&headers, &wrong),
+            Err(Refused::WrongToken)
+        ));
+
+        let page = asked(Method::GET, "/claims", "");
+        assert!(matches!(
+            guard.check(&headers, &page),
+            Err(Refused::NoToken)
+        ));
+        headers.insert(
+            header::COOKIE,
+            format!("theme=dark; {COOKIE}={}; other=1", guard.session)
+                .parse()
+                .unwrap(),
+        );
+        assert!(matches!(guard.check(&headers, &page), Ok(Admitted::Yes)));
+        headers.insert(
+            header::COOKIE,
+            format!("{COOKIE}=forged; a=b").parse().unwrap(),
+        );
+        assert!(matches!(
+            guard.check(&headers, &page),
+            Err(Refused::NoToken)
+        ));
     }
 }

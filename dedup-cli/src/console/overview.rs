@@ -366,7 +366,10 @@ async fn scrape(url: &str) -> Result<String, String> {
         .map_err(|_| format!("no answer in {SCRAPE_TIMEOUT:?}"))?
 }
 
-/// One sample of Prometheus' text format: name, labels, value.
+/// One sample of Prometheus' text format: name, labels, value. Written
+/// here rather than taken from `prometheus-parse`, which splits labels on
+/// every `,` and `=` (a consumer group may hold both) and brings chrono
+/// and a regex engine: label values are read as the format quotes them.
 fn sample(line: &str) -> Option<(&str, Labels, f64)> {
     let line = line.trim();
     if line.is_empty() || line.starts_with('#') {

@@ -16,6 +16,11 @@ says why each rule is there).
    An import is a `crate::` or `super::` path in code (comments and test
    modules aside), resolved through the crate root's re-exports.
 
+3. ARCHITECTURE.md is a true map: every source file it names (`a.rs`,
+   `folder/b.rs`) exists (in a library crate, tests/ or bench/), and every library source file
+   with more than MAPPED lines of non-test code is named on it (by its own
+   name, or as its folder for a `mod.rs`).
+
 Exits non-zero, naming every breach, if any rule is broken.
 """
 
@@ -39,6 +44,9 @@ LIMIT = 600
 # Files not yet split, each with the non-test lines it may not exceed (none
 # now: add one only with a reason, and split it soon).
 OVERSIZE = {}
+
+# Library files longer than this (non-test lines) are on ARCHITECTURE.md.
+MAPPED = 250
 
 RUNTIMES = {"database", "transactional"}
 RELAY = "relay"
@@ -232,15 +240,56 @@ def cycles(edges):
     return out
 
 
+def library_files():
+    """Every source file of the library crates, relative to the root."""
+    for crate in LIBRARY_CRATES:
+        for dirpath, _, names in os.walk(os.path.join(ROOT, crate, "src")):
+            for name in sorted(names):
+                if name.endswith(".rs"):
+                    yield os.path.relpath(os.path.join(dirpath, name), ROOT)
+
+
+def check_map():
+    with open(os.path.join(ROOT, "ARCHITECTURE.md"), encoding="utf-8") as f:
+        text = f.read()
+    files = list(library_files())
+    # Test and bench files may be named too.
+    everything = files + [
+        os.path.relpath(os.path.join(d, n), ROOT)
+        for top in ("tests", "bench", "examples")
+        for d, _, names in os.walk(os.path.join(ROOT, top))
+        for n in names
+        if n.endswith(".rs")
+    ]
+    breaches = []
+    named = set(re.findall(r"[\w./-]*\w\.rs\b", text))
+    for name in sorted(named):
+        if not any(("/" + path).endswith("/" + name) for path in everything):
+            breaches.append(f"ARCHITECTURE.md names {name}, which no library crate has")
+    words = set(re.findall(r"[\w.-]+/?", text))
+    for path in files:
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            if non_test_lines(f.read()) <= MAPPED:
+                continue
+        base = os.path.basename(path)
+        folder = os.path.basename(os.path.dirname(path)) + "/"
+        shown = folder if base in ("mod.rs", "lib.rs", "main.rs") else base
+        if base in ("lib.rs", "main.rs"):
+            continue  # the crate itself, on the crate map
+        if shown not in words and base not in named:
+            breaches.append(f"{path}: over {MAPPED} lines and not on ARCHITECTURE.md's map")
+    return breaches
+
+
 def main():
-    breaches = check_sizes() + check_kafka_layers()
+    breaches = check_sizes() + check_kafka_layers() + check_map()
     for breach in breaches:
         print(f"architecture: {breach}", file=sys.stderr)
     if breaches:
         return 1
     listed = f" ({len(OVERSIZE)} listed over it)" if OVERSIZE else ""
     print(f"architecture: every library file within {LIMIT} lines of non-test code{listed}; "
-          "dedup-kafka's layers without cycles")
+          "dedup-kafka's layers without cycles; ARCHITECTURE.md maps the large files")
     return 0
 
 

@@ -57,7 +57,7 @@ impl LeaseStore for MySqlStore {
         fingerprint: Option<Fingerprint>,
         lease: Ttl,
     ) -> Result<Acquire, StoreError> {
-        let statements = &self.statements.lease;
+        let statements = &self.handle.statements().lease;
         let mut tx = self.begin_tx().await?;
         let tag = new_tag();
         sqlx::query(sql(&statements.acquire))
@@ -70,7 +70,7 @@ impl LeaseStore for MySqlStore {
             .await
             .map_err(store_error)?;
         let (taken, claims, expires_us, age_us, kept, in_progress, token): ClaimRow =
-            sqlx::query_as(sql(&self.statements.claimed))
+            sqlx::query_as(sql(&self.handle.statements().claimed))
                 .bind(key.scope())
                 .bind(key.id())
                 .fetch_one(&mut *tx)
@@ -113,7 +113,7 @@ impl LeaseStore for MySqlStore {
         token: Token,
         lease: Ttl,
     ) -> Result<Option<SystemTime>, StoreError> {
-        let statements = &self.statements.lease;
+        let statements = &self.handle.statements().lease;
         let mut tx = self.begin_tx().await?;
         // sqlx asks for found rows: the count is of rows matched (held),
         // even one whose new expiry equals its old.
@@ -141,23 +141,23 @@ impl LeaseStore for MySqlStore {
     }
 
     async fn complete(&self, key: &DedupKey, token: Token, ttl: Ttl) -> Result<bool, StoreError> {
-        let done = sqlx::query(sql(&self.statements.lease.complete))
+        let done = sqlx::query(sql(&self.handle.statements().lease.complete))
             .bind(ttl_seconds(ttl))
             .bind(key.scope())
             .bind(key.id())
             .bind(token_param(token))
-            .execute(&self.pool)
+            .execute(self.handle.pool())
             .await
             .map_err(store_error)?;
         Ok(done.rows_affected() == 1)
     }
 
     async fn release(&self, key: &DedupKey, token: Token) -> Result<bool, StoreError> {
-        let released = sqlx::query(sql(&self.statements.lease.release))
+        let released = sqlx::query(sql(&self.handle.statements().lease.release))
             .bind(key.scope())
             .bind(key.id())
             .bind(token_param(token))
-            .execute(&self.pool)
+            .execute(self.handle.pool())
             .await
             .map_err(store_error)?;
         Ok(released.rows_affected() == 1)

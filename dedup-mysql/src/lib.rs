@@ -9,11 +9,11 @@ use dedup_core::{
     StoreError, Ttl,
 };
 use dedup_sql::{
-    BatchClaims, Dialect, SqlConfig, TableName, Taken, age_from_micros, fingerprint_from,
-    live_claim, run_migrations, sql, time_from_unix_micros, ttl_seconds,
+    BatchClaims, ClaimStatements, Dialect, SqlConfig, StoreHandle, TableName, Taken,
+    age_from_micros, fingerprint_from, live_claim, sql, time_from_unix_micros, ttl_seconds,
 };
 use sqlx::MySqlPool;
-use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlPoolOptions};
+use sqlx::mysql::MySqlDatabaseError;
 
 pub use dedup_sql::{Error, InvalidTableName, OutboxConfig, SqlLease};
 
@@ -166,7 +166,13 @@ pub(crate) fn take_over_if_expired(extra: &[(&str, &str)]) -> String {
     format!("ON DUPLICATE KEY UPDATE {}", set.join(", "))
 }
 
-impl Statements {
+impl ClaimStatements for Statements {
+    type Dialect = MySql;
+
+    fn table(&self) -> &TableName {
+        &self.table
+    }
+
     fn new(config: &MySqlConfig) -> Result<Self, InvalidTableName> {
         let table = TableName::parse_unqualified(&config.table)?.with_backticks();
         let t = table.quoted();
@@ -242,16 +248,15 @@ impl Statements {
 /// Cloning is cheap and shares the pool.
 #[derive(Clone)]
 pub struct MySqlStore {
-    pool: MySqlPool,
-    statements: Arc<Statements>,
+    handle: StoreHandle<sqlx::MySql, Statements>,
 }
 
 impl fmt::Debug for MySqlStore {
     // The pool's options hold the password; show only what is safe.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("MySqlStore")
-            .field("table", &self.statements.table.to_string())
-            .field("pool_size", &self.pool.size())
+            .field("table", &self.handle.statements().table.to_string())
+            .field("pool_size", &self.handle.pool().size())
             .finish_non_exhaustive()
     }
 }
@@ -265,17 +270,8 @@ impl MySqlStore {
 
     /// Connects with `config`.
     pub async fn connect_with(url: &str, config: MySqlConfig) -> Result<Self, Error> {
-        let statements = Statements::new(&config)?;
-        let options: MySqlConnectOptions = url.parse().map_err(Error::database::<MySql>)?;
-        let pool = MySqlPoolOptions::new()
-            .max_connections(config.pool_size())
-            .connect_with(options)
-            .await
-            .map_err(Error::database::<MySql>)?;
-        Ok(MySqlStore {
-            pool,
-            statements: Arc::new(statements),
-        })
+        let handle = StoreHandle::connect(url, &config).await?;
+        Ok(MySqlStore { handle })
     }
 
     /// Uses an existing pool with default settings.
@@ -285,24 +281,26 @@ impl MySqlStore {
 
     /// Uses an existing pool with `config`.
     pub fn from_pool_with(pool: MySqlPool, config: MySqlConfig) -> Result<Self, Error> {
-        Ok(MySqlStore {
-            pool,
-            statements: Arc::new(Statements::new(&config)?),
-        })
+        let handle = StoreHandle::from_pool(pool, &config)?;
+        Ok(MySqlStore { handle })
     }
 
     /// The pool, for the application's own queries.
     pub fn pool(&self) -> &MySqlPool {
-        &self.pool
+        self.handle.pool()
+    }
+
+    /// The outbox with default settings (table `dedup_outbox`) over this
+    /// store's pool: the relay's [`OutboxSource`](dedup_core::outbox::OutboxSource).
+    pub fn outbox_reader(&self) -> OutboxReader {
+        outbox::DEFAULT_OUTBOX.reader(self.pool().clone())
     }
 
     /// Creates or upgrades the dedup table (tracked in
     /// `<table>_migrations`, under a named lock); safe to call from every
     /// instance at start-up.
     pub async fn migrate(&self) -> Result<(), Error> {
-        run_migrations(&self.pool, &MIGRATOR, &self.statements.table)
-            .await
-            .map_err(Error::migrate::<MySql>)
+        self.handle.migrate(&MIGRATOR).await
     }
 
     /// Starts deleting expired claims in the background (see
@@ -313,8 +311,9 @@ impl MySqlStore {
 
     /// Begins a transaction with this store's lock timeout.
     async fn begin_tx(&self) -> Result<MySqlTx, StoreError> {
-        self.pool
-            .begin_with(sql(&self.statements.begin))
+        self.handle
+            .pool()
+            .begin_with(sql(&self.handle.statements().begin))
             .await
             .map_err(store_error)
     }
@@ -386,7 +385,7 @@ impl DedupStore for MySqlStore {
         ttl: Ttl,
     ) -> Result<Claim, StoreError> {
         let tag = new_tag();
-        sqlx::query(sql(&self.statements.claim))
+        sqlx::query(sql(&self.handle.statements().claim))
             .bind(key.scope())
             .bind(key.id())
             .bind(ttl_seconds(ttl))
@@ -396,7 +395,7 @@ impl DedupStore for MySqlStore {
             .await
             .map_err(store_error)?;
         let (taken, claims, expires_us, age_us, kept, _, _): ClaimRow =
-            sqlx::query_as(sql(&self.statements.claimed))
+            sqlx::query_as(sql(&self.handle.statements().claimed))
                 .bind(key.scope())
                 .bind(key.id())
                 .fetch_one(&mut **tx)
@@ -422,14 +421,14 @@ impl DedupStore for MySqlStore {
         }
         let tag = new_tag();
         let json = json_keys(batch.distinct().iter().map(|&k| (k, batch.fingerprint(k))));
-        sqlx::query(sql(&self.statements.claim_many))
+        sqlx::query(sql(&self.handle.statements().claim_many))
             .bind(ttl_seconds(ttl))
             .bind(tag)
             .bind(&json)
             .execute(&mut **tx)
             .await
             .map_err(store_error)?;
-        let rows = sqlx::query(sql(&self.statements.claimed_many))
+        let rows = sqlx::query(sql(&self.handle.statements().claimed_many))
             .bind(&json)
             .fetch_all(&mut **tx)
             .await
@@ -467,7 +466,7 @@ impl DedupStore for MySqlStore {
         if keys.is_empty() {
             return Ok(());
         }
-        sqlx::query(sql(&self.statements.refresh))
+        sqlx::query(sql(&self.handle.statements().refresh))
             .bind(json_keys(keys.iter().map(|k| (k, None))))
             .bind(ttl_seconds(ttl))
             .execute(&mut **tx)
@@ -477,17 +476,17 @@ impl DedupStore for MySqlStore {
     }
 
     async fn live_ids_from(&self, from: &DedupKey) -> Result<Vec<String>, StoreError> {
-        let ids: Vec<Vec<u8>> = sqlx::query_scalar(sql(&self.statements.live_ids))
+        let ids: Vec<Vec<u8>> = sqlx::query_scalar(sql(&self.handle.statements().live_ids))
             .bind(from.scope())
             .bind(from.id())
-            .fetch_all(&self.pool)
+            .fetch_all(self.handle.pool())
             .await
             .map_err(store_error)?;
         Ok(ids.into_iter().map(text).collect())
     }
 
     fn connections(&self) -> Option<usize> {
-        Some(self.pool.options().get_max_connections() as usize)
+        Some(self.handle.pool().options().get_max_connections() as usize)
     }
 
     async fn commit(&self, tx: MySqlTx) -> Result<(), StoreError> {
@@ -513,15 +512,17 @@ impl PurgeExpired for MySqlStore {
         // only the rows it takes, not the gaps of the expiry index around
         // them, so claimers inserting beside them never wait for the purge.
         let mut tx = self
-            .pool
+            .handle
+            .pool()
             .begin_with(outbox::BEGIN_READ_COMMITTED)
             .await
             .map_err(store_error)?;
-        let rows: Vec<(Vec<u8>, Vec<u8>)> = sqlx::query_as(sql(&self.statements.purge_take))
-            .bind(i64::from(limit))
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(store_error)?;
+        let rows: Vec<(Vec<u8>, Vec<u8>)> =
+            sqlx::query_as(sql(&self.handle.statements().purge_take))
+                .bind(i64::from(limit))
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(store_error)?;
         if rows.is_empty() {
             tx.rollback().await.map_err(store_error)?;
             return Ok(0);
@@ -532,7 +533,7 @@ impl PurgeExpired for MySqlStore {
                 .collect(),
         )
         .to_string();
-        let done = sqlx::query(sql(&self.statements.purge_delete))
+        let done = sqlx::query(sql(&self.handle.statements().purge_delete))
             .bind(json)
             .execute(&mut *tx)
             .await

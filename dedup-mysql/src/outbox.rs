@@ -193,20 +193,16 @@ impl OutboxStore for MySql {
         published: &[i64],
         failed: &[PublishFailure],
     ) -> Result<(), StoreError> {
-        if lease.seqs().is_empty() && published.is_empty() {
-            return Ok(());
-        }
-        let statements = &reader.outbox().statements().polled;
-        again_after_deadlock(|| async {
-            let mut tx = reader
-                .pool()
-                .begin_with(BEGIN_READ_COMMITTED)
-                .await
-                .map_err(store_error)?;
-            polled::settle::<sqlx::MySql>(&mut tx, statements, lease, published, failed)
-                .await
-                .map_err(store_error)?;
-            tx.commit().await.map_err(store_error)
+        let (pool, statements) = (reader.pool(), &reader.outbox().statements().polled);
+        again_after_deadlock(|| {
+            polled::finish::<MySql, _>(
+                pool,
+                BEGIN_READ_COMMITTED,
+                statements,
+                lease,
+                published,
+                failed,
+            )
         })
         .await
     }
@@ -257,21 +253,13 @@ impl OutboxStore for MySql {
 }
 
 /// The default outbox, for [`enqueue`].
-static DEFAULT_OUTBOX: LazyLock<OutboxWriter> = LazyLock::new(OutboxWriter::default);
+pub(crate) static DEFAULT_OUTBOX: LazyLock<OutboxWriter> = LazyLock::new(OutboxWriter::default);
 
 /// Enqueues `message` in the default outbox (`dedup_outbox`) inside the
 /// transaction `conn` belongs to; returns its event id. In a handler:
 /// `dedup_mysql::enqueue(tx, message).await?`.
 pub async fn enqueue(conn: &mut MySqlConnection, message: OutboxMessage) -> Result<String, Error> {
     DEFAULT_OUTBOX.enqueue(conn, message).await
-}
-
-impl crate::MySqlStore {
-    /// The outbox with default settings (table `dedup_outbox`) over this
-    /// store's pool: the relay's [`OutboxSource`](dedup_core::outbox::OutboxSource).
-    pub fn outbox_reader(&self) -> OutboxReader {
-        DEFAULT_OUTBOX.reader(self.pool().clone())
-    }
 }
 
 /// One lease, in one transaction.

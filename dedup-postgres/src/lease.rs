@@ -73,7 +73,7 @@ impl LeaseStore for PgStore {
         lease: Ttl,
     ) -> Result<Acquire, StoreError> {
         let id = claim_id(key);
-        let statements = &self.statements.lease;
+        let statements = &self.handle.statements().lease;
         // A claim that vanishes between the two statements (purged at its
         // expiry) is acquired on the next round.
         loop {
@@ -83,7 +83,7 @@ impl LeaseStore for PgStore {
                 .bind(key.id())
                 .bind(ttl_seconds(lease))
                 .bind(fingerprint.as_ref().map(|f| &f.as_bytes()[..]))
-                .fetch_optional(&self.pool)
+                .fetch_optional(self.handle.pool())
                 .await
                 .map_err(store_error)?;
             if let Some((token, fresh)) = row {
@@ -94,7 +94,7 @@ impl LeaseStore for PgStore {
             }
             let row: Option<LeaseRow> = sqlx::query_as(sql(&statements.state))
                 .bind(id)
-                .fetch_optional(&self.pool)
+                .fetch_optional(self.handle.pool())
                 .await
                 .map_err(store_error)?;
             match row {
@@ -110,32 +110,32 @@ impl LeaseStore for PgStore {
         token: Token,
         lease: Ttl,
     ) -> Result<Option<SystemTime>, StoreError> {
-        let expires: Option<i64> = sqlx::query_scalar(sql(&self.statements.lease.extend))
+        let expires: Option<i64> = sqlx::query_scalar(sql(&self.handle.statements().lease.extend))
             .bind(claim_id(key))
             .bind(token_param(token))
             .bind(ttl_seconds(lease))
-            .fetch_optional(&self.pool)
+            .fetch_optional(self.handle.pool())
             .await
             .map_err(store_error)?;
         Ok(expires.map(time_from_unix_micros))
     }
 
     async fn complete(&self, key: &DedupKey, token: Token, ttl: Ttl) -> Result<bool, StoreError> {
-        let done = sqlx::query(sql(&self.statements.lease.complete))
+        let done = sqlx::query(sql(&self.handle.statements().lease.complete))
             .bind(claim_id(key))
             .bind(token_param(token))
             .bind(ttl_seconds(ttl))
-            .execute(&self.pool)
+            .execute(self.handle.pool())
             .await
             .map_err(store_error)?;
         Ok(done.rows_affected() == 1)
     }
 
     async fn release(&self, key: &DedupKey, token: Token) -> Result<bool, StoreError> {
-        let released = sqlx::query(sql(&self.statements.lease.release))
+        let released = sqlx::query(sql(&self.handle.statements().lease.release))
             .bind(claim_id(key))
             .bind(token_param(token))
-            .execute(&self.pool)
+            .execute(self.handle.pool())
             .await
             .map_err(store_error)?;
         Ok(released.rows_affected() == 1)

@@ -11,11 +11,10 @@ use dedup_core::{
     PurgeExpired, Purger, StoreError, Ttl,
 };
 use dedup_sql::{
-    BatchClaims, Dialect, SqlConfig, TableName, Taken, age_from_micros, fingerprint_from,
-    live_claim, run_migrations, sql, time_from_unix_micros, ttl_seconds,
+    BatchClaims, ClaimStatements, Dialect, SqlConfig, StoreHandle, TableName, Taken,
+    age_from_micros, fingerprint_from, live_claim, sql, time_from_unix_micros, ttl_seconds,
 };
 use sha2::{Digest, Sha256};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
@@ -127,7 +126,13 @@ const EXPIRES_MICROS: &str = "(extract(epoch FROM expires_at) * 1000000)::int8";
 /// database clock.
 const AGE_MICROS: &str = "(extract(epoch FROM now() - claimed_at) * 1000000)::int8";
 
-impl Statements {
+impl ClaimStatements for Statements {
+    type Dialect = Pg;
+
+    fn table(&self) -> &TableName {
+        &self.table
+    }
+
     fn new(config: &PgConfig) -> Result<Self, InvalidTableName> {
         let table = TableName::parse(&config.table)?;
         let t = table.quoted();
@@ -227,17 +232,16 @@ impl Statements {
 /// database's `now()`. Cloning is cheap and shares the pool.
 #[derive(Clone)]
 pub struct PgStore {
-    pool: PgPool,
-    statements: Arc<Statements>,
+    handle: StoreHandle<sqlx::Postgres, Statements>,
 }
 
 impl fmt::Debug for PgStore {
     // The pool's options hold the password; show only what is safe.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PgStore")
-            .field("table", &self.statements.table.to_string())
-            .field("lock_timeout", &self.statements.lock_timeout)
-            .field("pool_size", &self.pool.size())
+            .field("table", &self.handle.statements().table.to_string())
+            .field("lock_timeout", &self.handle.statements().lock_timeout)
+            .field("pool_size", &self.handle.pool().size())
             .finish_non_exhaustive()
     }
 }
@@ -251,17 +255,8 @@ impl PgStore {
 
     /// Connects with `config`.
     pub async fn connect_with(url: &str, config: PgConfig) -> Result<Self, Error> {
-        let statements = Statements::new(&config)?;
-        let options: PgConnectOptions = url.parse().map_err(Error::database::<Pg>)?;
-        let pool = PgPoolOptions::new()
-            .max_connections(config.pool_size())
-            .connect_with(options)
-            .await
-            .map_err(Error::database::<Pg>)?;
-        Ok(PgStore {
-            pool,
-            statements: Arc::new(statements),
-        })
+        let handle = StoreHandle::connect(url, &config).await?;
+        Ok(PgStore { handle })
     }
 
     /// Uses an existing pool with default settings.
@@ -271,15 +266,19 @@ impl PgStore {
 
     /// Uses an existing pool with `config`.
     pub fn from_pool_with(pool: PgPool, config: PgConfig) -> Result<Self, Error> {
-        Ok(PgStore {
-            pool,
-            statements: Arc::new(Statements::new(&config)?),
-        })
+        let handle = StoreHandle::from_pool(pool, &config)?;
+        Ok(PgStore { handle })
     }
 
     /// The pool, for the application's own queries.
     pub fn pool(&self) -> &PgPool {
-        &self.pool
+        self.handle.pool()
+    }
+
+    /// The outbox with default settings (table `dedup_outbox`) over this
+    /// store's pool: the relay's [`OutboxSource`](dedup_core::outbox::OutboxSource).
+    pub fn outbox_reader(&self) -> OutboxReader {
+        outbox::DEFAULT_OUTBOX.reader(self.pool().clone())
     }
 
     /// Creates or upgrades the dedup table. Safe to call from every instance
@@ -288,9 +287,7 @@ impl PgStore {
     /// `<table>_migrations`, so stores with different tables in one database
     /// migrate independently.
     pub async fn migrate(&self) -> Result<(), Error> {
-        run_migrations(&self.pool, &MIGRATOR, &self.statements.table)
-            .await
-            .map_err(Error::migrate::<Pg>)
+        self.handle.migrate(&MIGRATOR).await
     }
 
     /// Starts deleting expired claims in the background (see
@@ -322,8 +319,9 @@ impl DedupStore for PgStore {
     type Tx = PgTx;
 
     async fn begin(&self) -> Result<PgTx, StoreError> {
-        self.pool
-            .begin_with(sql(&self.statements.begin))
+        self.handle
+            .pool()
+            .begin_with(sql(&self.handle.statements().begin))
             .await
             .map_err(store_error)
     }
@@ -336,7 +334,7 @@ impl DedupStore for PgStore {
         ttl: Ttl,
     ) -> Result<Claim, StoreError> {
         let id = claim_id(key);
-        let row = sqlx::query(sql(&self.statements.claim))
+        let row = sqlx::query(sql(&self.handle.statements().claim))
             .bind(id)
             .bind(key.scope())
             .bind(key.id())
@@ -355,11 +353,12 @@ impl DedupStore for PgStore {
         }
         // A live claim exists. Read its expiry in a new statement: in READ
         // COMMITTED it sees a claim that committed while the INSERT waited.
-        let row: Option<(i64, i64, Option<Vec<u8>>)> = sqlx::query_as(sql(&self.statements.expiry))
-            .bind(id)
-            .fetch_optional(&mut **tx)
-            .await
-            .map_err(store_error)?;
+        let row: Option<(i64, i64, Option<Vec<u8>>)> =
+            sqlx::query_as(sql(&self.handle.statements().expiry))
+                .bind(id)
+                .fetch_optional(&mut **tx)
+                .await
+                .map_err(store_error)?;
         Ok(live_claim(row))
     }
 
@@ -394,7 +393,7 @@ impl DedupStore for PgStore {
                 .map(|f| f.as_ref().map(|f| &f.as_bytes()[..]))
                 .collect()
         });
-        let rows = sqlx::query(sql(&self.statements.claim_many))
+        let rows = sqlx::query(sql(&self.handle.statements().claim_many))
             .bind(&ids)
             .bind(&scopes)
             .bind(&keys)
@@ -423,7 +422,7 @@ impl DedupStore for PgStore {
         // new statement, which sees claims that committed while we waited.
         let unclaimed: Vec<Uuid> = batch.unclaimed().into_iter().map(claim_id).collect();
         if !unclaimed.is_empty() {
-            let rows = sqlx::query(sql(&self.statements.expiry_many))
+            let rows = sqlx::query(sql(&self.handle.statements().expiry_many))
                 .bind(&unclaimed)
                 .fetch_all(&mut **tx)
                 .await
@@ -452,7 +451,7 @@ impl DedupStore for PgStore {
         ttl: Ttl,
     ) -> Result<(), StoreError> {
         let ids: Vec<Uuid> = keys.iter().map(claim_id).collect();
-        sqlx::query(sql(&self.statements.refresh))
+        sqlx::query(sql(&self.handle.statements().refresh))
             .bind(&ids)
             .bind(ttl_seconds(ttl))
             .execute(&mut **tx)
@@ -463,20 +462,20 @@ impl DedupStore for PgStore {
 
     async fn live_ids_from(&self, from: &DedupKey) -> Result<Vec<String>, StoreError> {
         let statement = if from.scope().starts_with(ORDERED_SCOPE_PREFIX) {
-            &self.statements.live_ids_ordered
+            &self.handle.statements().live_ids_ordered
         } else {
-            &self.statements.live_ids
+            &self.handle.statements().live_ids
         };
         sqlx::query_scalar(sql(statement))
             .bind(from.scope())
             .bind(from.id())
-            .fetch_all(&self.pool)
+            .fetch_all(self.handle.pool())
             .await
             .map_err(store_error)
     }
 
     fn connections(&self) -> Option<usize> {
-        Some(self.pool.options().get_max_connections() as usize)
+        Some(self.handle.pool().options().get_max_connections() as usize)
     }
 
     async fn commit(&self, tx: PgTx) -> Result<(), StoreError> {
@@ -498,9 +497,9 @@ impl DedupStore for PgStore {
 
 impl PurgeExpired for PgStore {
     async fn purge_expired(&self, limit: u32) -> Result<u64, StoreError> {
-        let done = sqlx::query(sql(&self.statements.purge))
+        let done = sqlx::query(sql(&self.handle.statements().purge))
             .bind(i64::from(limit))
-            .execute(&self.pool)
+            .execute(self.handle.pool())
             .await
             .map_err(store_error)?;
         Ok(done.rows_affected())

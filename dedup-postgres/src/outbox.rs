@@ -337,21 +337,13 @@ impl OutboxStore for Pg {
 }
 
 /// The default outbox, for [`enqueue`].
-static DEFAULT_OUTBOX: LazyLock<OutboxWriter> = LazyLock::new(OutboxWriter::default);
+pub(crate) static DEFAULT_OUTBOX: LazyLock<OutboxWriter> = LazyLock::new(OutboxWriter::default);
 
 /// Enqueues `message` in the default outbox (`dedup_outbox`) inside the
 /// transaction `conn` belongs to; returns its event id. In a handler:
 /// `dedup_postgres::enqueue(tx, message).await?`.
 pub async fn enqueue(conn: &mut PgConnection, message: OutboxMessage) -> Result<String, Error> {
     DEFAULT_OUTBOX.enqueue(conn, message).await
-}
-
-impl crate::PgStore {
-    /// The outbox with default settings (table `dedup_outbox`) over this
-    /// store's pool: the relay's [`OutboxSource`](dedup_core::outbox::OutboxSource).
-    pub fn outbox_reader(&self) -> OutboxReader {
-        DEFAULT_OUTBOX.reader(self.pool().clone())
-    }
 }
 
 /// The outbox's notifications, read as they come by a task of their own

@@ -5,6 +5,7 @@ mod batch;
 mod config;
 mod dialect;
 mod error;
+mod handle;
 mod migrate;
 mod outbox;
 mod table;
@@ -18,6 +19,7 @@ pub use batch::{
 pub use config::SqlConfig;
 pub use dialect::Dialect;
 pub use error::{Error, classify, classify_sqlx, error_code, store_error};
+pub use handle::{ClaimStatements, StoreHandle};
 pub use migrate::run_migrations;
 pub use outbox::{Outbox, OutboxReader, OutboxStore, OutboxWriter};
 pub use outbox::{

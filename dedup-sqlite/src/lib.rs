@@ -11,11 +11,12 @@ use dedup_core::{
     PurgeExpired, Purger, StoreError, Token, Ttl,
 };
 use dedup_sql::{
-    BatchClaims, Dialect, LeaseRow, SqlConfig, TableName, Taken, age_from_micros, fingerprint_from,
-    held_or_done, live_claim, run_migrations, sql, time_from_unix_micros, ttl_seconds,
+    BatchClaims, ClaimStatements, Dialect, LeaseRow, SqlConfig, StoreHandle, TableName, Taken,
+    age_from_micros, fingerprint_from, held_or_done, live_claim, sql, time_from_unix_micros,
+    ttl_seconds,
 };
 use sqlx::SqlitePool;
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqliteSynchronous};
 
 pub use dedup_sql::{Error, InvalidTableName, OutboxConfig, SqlLease};
 
@@ -98,7 +99,13 @@ struct LeaseStatements {
     release: Arc<str>,
 }
 
-impl Statements {
+impl ClaimStatements for Statements {
+    type Dialect = Sqlite;
+
+    fn table(&self) -> &TableName {
+        &self.table
+    }
+
     fn new(config: &SqliteConfig) -> Result<Self, InvalidTableName> {
         let table = TableName::parse_unqualified(&config.table)?;
         let t = table.quoted();
@@ -200,15 +207,14 @@ impl LeaseStatements {
 /// timeout, then a retryable error) exactly as the claim contract asks.
 #[derive(Clone)]
 pub struct SqliteStore {
-    pool: SqlitePool,
-    statements: Arc<Statements>,
+    handle: StoreHandle<sqlx::Sqlite, Statements>,
 }
 
 impl fmt::Debug for SqliteStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("SqliteStore")
-            .field("table", &self.statements.table.to_string())
-            .field("pool_size", &self.pool.size())
+            .field("table", &self.handle.statements().table.to_string())
+            .field("pool_size", &self.handle.pool().size())
             .finish_non_exhaustive()
     }
 }
@@ -222,41 +228,38 @@ impl SqliteStore {
     /// Opens the database file at `path` with `config`: WAL journal, the
     /// lock timeout as SQLite's busy timeout.
     pub async fn open_with(path: impl AsRef<Path>, config: SqliteConfig) -> Result<Self, Error> {
-        // Refuse a bad table name before touching the file system.
-        let statements = Arc::new(Statements::new(&config)?);
+        // A bad table name is refused before the file system is touched.
         let options = SqliteConnectOptions::new()
             .filename(path)
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(Duration::from_millis(config.lock_timeout_ms().into()));
-        let pool = SqlitePoolOptions::new()
-            .max_connections(config.pool_size())
-            .connect_with(options)
-            .await
-            .map_err(Error::database::<Sqlite>)?;
-        Ok(SqliteStore { pool, statements })
+        let handle = StoreHandle::connect_with(options, &config).await?;
+        Ok(SqliteStore { handle })
     }
 
     /// Uses an existing pool with `config`.
     pub fn from_pool_with(pool: SqlitePool, config: SqliteConfig) -> Result<Self, Error> {
-        Ok(SqliteStore {
-            pool,
-            statements: Arc::new(Statements::new(&config)?),
-        })
+        let handle = StoreHandle::from_pool(pool, &config)?;
+        Ok(SqliteStore { handle })
     }
 
     /// The pool, for the application's own queries.
     pub fn pool(&self) -> &SqlitePool {
-        &self.pool
+        self.handle.pool()
+    }
+
+    /// The outbox with default settings (table `dedup_outbox`) over this
+    /// store's pool: the relay's [`OutboxSource`](dedup_core::outbox::OutboxSource).
+    pub fn outbox_reader(&self) -> OutboxReader {
+        outbox::DEFAULT_OUTBOX.reader(self.pool().clone())
     }
 
     /// Creates or upgrades the dedup table (tracked in
     /// `<table>_migrations`); safe to call at every start.
     pub async fn migrate(&self) -> Result<(), Error> {
-        run_migrations(&self.pool, &MIGRATOR, &self.statements.table)
-            .await
-            .map_err(Error::migrate::<Sqlite>)
+        self.handle.migrate(&MIGRATOR).await
     }
 
     /// Starts deleting expired claims in the background.
@@ -298,7 +301,8 @@ impl DedupStore for SqliteStore {
 
     async fn begin(&self) -> Result<SqliteTx, StoreError> {
         // The write lock up front: claimers queue here, in order.
-        self.pool
+        self.handle
+            .pool()
             .begin_with("BEGIN IMMEDIATE")
             .await
             .map_err(store_error)
@@ -311,7 +315,7 @@ impl DedupStore for SqliteStore {
         fingerprint: Option<Fingerprint>,
         ttl: Ttl,
     ) -> Result<Claim, StoreError> {
-        let claims: Option<i64> = sqlx::query_scalar(sql(&self.statements.claim))
+        let claims: Option<i64> = sqlx::query_scalar(sql(&self.handle.statements().claim))
             .bind(key.scope())
             .bind(key.id())
             .bind(ttl_seconds(ttl))
@@ -324,7 +328,7 @@ impl DedupStore for SqliteStore {
             Some(_) => Ok(Claim::Reclaimed),
             None => {
                 let row: Option<(i64, i64, Option<Vec<u8>>)> =
-                    sqlx::query_as(sql(&self.statements.expiry))
+                    sqlx::query_as(sql(&self.handle.statements().expiry))
                         .bind(key.scope())
                         .bind(key.id())
                         .fetch_optional(&mut **tx)
@@ -346,7 +350,7 @@ impl DedupStore for SqliteStore {
         if batch.distinct().is_empty() {
             return Ok(Vec::new());
         }
-        let rows = sqlx::query(sql(&self.statements.claim_many))
+        let rows = sqlx::query(sql(&self.handle.statements().claim_many))
             .bind(json_claims(&batch))
             .bind(ttl_seconds(ttl))
             .fetch_all(&mut **tx)
@@ -364,7 +368,7 @@ impl DedupStore for SqliteStore {
         }
         let unclaimed = batch.unclaimed();
         if !unclaimed.is_empty() {
-            let rows = sqlx::query(sql(&self.statements.expiry_many))
+            let rows = sqlx::query(sql(&self.handle.statements().expiry_many))
                 .bind(json_pairs(unclaimed.into_iter()))
                 .fetch_all(&mut **tx)
                 .await
@@ -395,7 +399,7 @@ impl DedupStore for SqliteStore {
         keys: &[DedupKey],
         ttl: Ttl,
     ) -> Result<(), StoreError> {
-        sqlx::query(sql(&self.statements.refresh))
+        sqlx::query(sql(&self.handle.statements().refresh))
             .bind(json_pairs(keys.iter()))
             .bind(ttl_seconds(ttl))
             .execute(&mut **tx)
@@ -405,16 +409,16 @@ impl DedupStore for SqliteStore {
     }
 
     async fn live_ids_from(&self, from: &DedupKey) -> Result<Vec<String>, StoreError> {
-        sqlx::query_scalar(sql(&self.statements.live_ids))
+        sqlx::query_scalar(sql(&self.handle.statements().live_ids))
             .bind(from.scope())
             .bind(from.id())
-            .fetch_all(&self.pool)
+            .fetch_all(self.handle.pool())
             .await
             .map_err(store_error)
     }
 
     fn connections(&self) -> Option<usize> {
-        Some(self.pool.options().get_max_connections() as usize)
+        Some(self.handle.pool().options().get_max_connections() as usize)
     }
 
     async fn commit(&self, tx: SqliteTx) -> Result<(), StoreError> {
@@ -446,7 +450,7 @@ impl LeaseStore for SqliteStore {
         fingerprint: Option<Fingerprint>,
         lease: Ttl,
     ) -> Result<Acquire, StoreError> {
-        let statements = &self.statements.lease;
+        let statements = &self.handle.statements().lease;
         // One write transaction: the counter moves only with a lease taken.
         let mut tx = self.begin().await?;
         let token: i64 = sqlx::query_scalar(sql(&statements.next_token))
@@ -485,35 +489,35 @@ impl LeaseStore for SqliteStore {
         token: Token,
         lease: Ttl,
     ) -> Result<Option<SystemTime>, StoreError> {
-        let expires: Option<i64> = sqlx::query_scalar(sql(&self.statements.lease.extend))
+        let expires: Option<i64> = sqlx::query_scalar(sql(&self.handle.statements().lease.extend))
             .bind(key.scope())
             .bind(key.id())
             .bind(token_param(token))
             .bind(ttl_seconds(lease))
-            .fetch_optional(&self.pool)
+            .fetch_optional(self.handle.pool())
             .await
             .map_err(store_error)?;
         Ok(expires.map(time_from_unix_micros))
     }
 
     async fn complete(&self, key: &DedupKey, token: Token, ttl: Ttl) -> Result<bool, StoreError> {
-        let done = sqlx::query(sql(&self.statements.lease.complete))
+        let done = sqlx::query(sql(&self.handle.statements().lease.complete))
             .bind(key.scope())
             .bind(key.id())
             .bind(token_param(token))
             .bind(ttl_seconds(ttl))
-            .execute(&self.pool)
+            .execute(self.handle.pool())
             .await
             .map_err(store_error)?;
         Ok(done.rows_affected() == 1)
     }
 
     async fn release(&self, key: &DedupKey, token: Token) -> Result<bool, StoreError> {
-        let released = sqlx::query(sql(&self.statements.lease.release))
+        let released = sqlx::query(sql(&self.handle.statements().lease.release))
             .bind(key.scope())
             .bind(key.id())
             .bind(token_param(token))
-            .execute(&self.pool)
+            .execute(self.handle.pool())
             .await
             .map_err(store_error)?;
         Ok(released.rows_affected() == 1)
@@ -522,9 +526,9 @@ impl LeaseStore for SqliteStore {
 
 impl PurgeExpired for SqliteStore {
     async fn purge_expired(&self, limit: u32) -> Result<u64, StoreError> {
-        let done = sqlx::query(sql(&self.statements.purge))
+        let done = sqlx::query(sql(&self.handle.statements().purge))
             .bind(i64::from(limit))
-            .execute(&self.pool)
+            .execute(self.handle.pool())
             .await
             .map_err(store_error)?;
         Ok(done.rows_affected())

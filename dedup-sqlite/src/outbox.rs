@@ -181,25 +181,21 @@ impl OutboxStore for Sqlite {
         Ok((lease, rows.into_iter().map(outbox_record).collect()))
     }
 
-    async fn finish(
-        reader: &OutboxReader,
-        lease: &SqlLease,
-        published: &[i64],
-        failed: &[PublishFailure],
-    ) -> Result<(), StoreError> {
-        if lease.seqs().is_empty() && published.is_empty() {
-            return Ok(());
-        }
+    fn finish<'a>(
+        reader: &'a OutboxReader,
+        lease: &'a SqlLease,
+        published: &'a [i64],
+        failed: &'a [PublishFailure],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
         let statements = &reader.outbox().statements().polled;
-        let mut tx = reader
-            .pool()
-            .begin_with(BEGIN_IMMEDIATE)
-            .await
-            .map_err(store_error)?;
-        polled::settle::<sqlx::Sqlite>(&mut tx, statements, lease, published, failed)
-            .await
-            .map_err(store_error)?;
-        tx.commit().await.map_err(store_error)
+        polled::finish::<Sqlite, _>(
+            reader.pool(),
+            BEGIN_IMMEDIATE,
+            statements,
+            lease,
+            published,
+            failed,
+        )
     }
 
     fn wait_for_events(
@@ -232,19 +228,11 @@ impl OutboxStore for Sqlite {
 }
 
 /// The default outbox, for [`enqueue`].
-static DEFAULT_OUTBOX: LazyLock<OutboxWriter> = LazyLock::new(OutboxWriter::default);
+pub(crate) static DEFAULT_OUTBOX: LazyLock<OutboxWriter> = LazyLock::new(OutboxWriter::default);
 
 /// Enqueues `message` in the default outbox (`dedup_outbox`) inside the
 /// transaction `conn` belongs to; returns its event id. In a handler:
 /// `dedup_sqlite::enqueue(tx, message).await?`.
 pub async fn enqueue(conn: &mut SqliteConnection, message: OutboxMessage) -> Result<String, Error> {
     DEFAULT_OUTBOX.enqueue(conn, message).await
-}
-
-impl crate::SqliteStore {
-    /// The outbox with default settings (table `dedup_outbox`) over this
-    /// store's pool: the relay's [`OutboxSource`](dedup_core::outbox::OutboxSource).
-    pub fn outbox_reader(&self) -> OutboxReader {
-        DEFAULT_OUTBOX.reader(self.pool().clone())
-    }
 }

@@ -118,6 +118,35 @@ where
     Ok(())
 }
 
+/// Settles a batch in a transaction of its own, begun with `begin`
+/// ([`settle`]); nothing to do for an empty lease with nothing published.
+pub async fn finish<D, DB>(
+    pool: &Pool<DB>,
+    begin: &'static str,
+    statements: &PolledStatements,
+    lease: &SqlLease,
+    published: &[i64],
+    failed: &[PublishFailure],
+) -> Result<(), StoreError>
+where
+    D: Dialect,
+    DB: Database,
+    for<'c> &'c mut DB::Connection: Executor<'c, Database = DB>,
+    DB::Arguments: IntoArguments<DB>,
+    for<'q> String: Encode<'q, DB> + Type<DB>,
+    for<'q> &'q str: Encode<'q, DB> + Type<DB>,
+    for<'q> i64: Encode<'q, DB> + Type<DB>,
+{
+    if lease.seqs().is_empty() && published.is_empty() {
+        return Ok(());
+    }
+    let mut tx = pool.begin_with(begin).await.map_err(store_error::<D>)?;
+    settle::<DB>(&mut tx, statements, lease, published, failed)
+        .await
+        .map_err(store_error::<D>)?;
+    tx.commit().await.map_err(store_error::<D>)
+}
+
 /// Waits at most `timeout` for a sequence number newer than the last one
 /// `seen` noted, looking every 250 ms.
 pub async fn poll_newer<D, DB>(

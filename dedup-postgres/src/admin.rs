@@ -39,6 +39,10 @@ impl AdminStore for Pg {
     type Db = sqlx::Postgres;
     type Store = PgStore;
 
+    fn statement_error(e: sqlx::Error) -> StoreError {
+        store_error(e)
+    }
+
     fn table(name: &str) -> Result<TableName, InvalidTableName> {
         TableName::parse(name)
     }

@@ -73,6 +73,13 @@ pub trait AdminStore: Dialect + Sized {
 
     /// The statement of the outbox's backlog per topic, as [`BacklogRow`]s.
     fn backlog_statement(table: &TableName) -> String;
+
+    /// An error of the operator statements written here once (the expired
+    /// count, the outbox backlog), classified as the store's own
+    /// statements' errors are (default: by [`Dialect`] alone).
+    fn statement_error(e: sqlx::Error) -> StoreError {
+        store_error::<Self>(e)
+    }
 }
 
 /// The statements of one claims table, built once from its validated name.
@@ -240,7 +247,7 @@ where
         let n: i64 = sqlx::query_scalar(sql(&self.statements.expired))
             .fetch_one(self.pool())
             .await
-            .map_err(store_error::<D>)?;
+            .map_err(D::statement_error)?;
         Ok(count(n))
     }
 
@@ -293,7 +300,7 @@ where
         let rows: Vec<BacklogRow> = sqlx::query_as(sql(&self.backlog))
             .fetch_all(&self.pool)
             .await
-            .map_err(store_error::<D>)?;
+            .map_err(D::statement_error)?;
         Ok(rows
             .into_iter()
             .map(

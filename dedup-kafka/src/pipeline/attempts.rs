@@ -99,8 +99,15 @@ impl<'a> Attempts<'a> {
         self.made
     }
 
-    /// What follows the attempt just made, which came to `tried`.
-    pub(crate) fn ended<T>(&mut self, tried: Tried<T>, jitter: &mut Jitter) -> Next<T> {
+    /// What follows the attempt just made, which came to `tried`; `key`,
+    /// the event's ordering key where no span around the attempt says it,
+    /// goes into the retry's log line.
+    pub(crate) fn ended<T>(
+        &mut self,
+        tried: Tried<T>,
+        jitter: &mut Jitter,
+        key: Option<&dyn std::fmt::Display>,
+    ) -> Next<T> {
         let attempt = self.made;
         let (error, fault) = match tried {
             Tried::Done(done) => return Next::Done(done),
@@ -120,12 +127,12 @@ impl<'a> Attempts<'a> {
                 return Next::Stop(self.retrying.outlasted(failing_for, &error));
             }
             Decision::Retry(wait) => {
-                tracing::warn!(outcome = "retry", attempt, ?wait, kind = error.kind(), error = %error, "the attempt failed; retrying");
+                tracing::warn!(outcome = "retry", key = key.map(tracing::field::display), attempt, ?wait, kind = error.kind(), error = %error, "the attempt failed; retrying");
                 wait
             }
             Decision::WaitOut(wait) => {
                 // Logged once at the outage's start and end (Stats).
-                tracing::debug!(outcome = "waiting", attempt, ?wait, kind = error.kind(), error = %error);
+                tracing::debug!(outcome = "waiting", key = key.map(tracing::field::display), attempt, ?wait, kind = error.kind(), error = %error);
                 wait
             }
         };
@@ -172,6 +179,7 @@ mod tests {
             match attempts.ended::<()>(
                 Tried::Failed(error(Transient), Fault::Transient),
                 &mut jitter,
+                None,
             ) {
                 Next::Wait(_) => steps.push(n),
                 Next::GiveUp(up) => {
@@ -187,7 +195,11 @@ mod tests {
 
         let mut attempts = Attempts::new(&stats, policy, record);
         attempts.start();
-        let next = attempts.ended::<()>(Tried::Failed(error(Permanent), Fault::Event), &mut jitter);
+        let next = attempts.ended::<()>(
+            Tried::Failed(error(Permanent), Fault::Event),
+            &mut jitter,
+            None,
+        );
         assert!(
             matches!(
                 next,
@@ -200,7 +212,7 @@ mod tests {
             "{next:?}"
         );
         let next = Tried::<()>::of(Ran::Panicked("bad".into()));
-        let next = attempts.ended(next, &mut jitter);
+        let next = attempts.ended(next, &mut jitter, None);
         assert!(
             matches!(
                 next,
@@ -222,12 +234,14 @@ mod tests {
             let next = attempts.ended::<()>(
                 Tried::Failed(error(Environment), Fault::Environment),
                 &mut jitter,
+                None,
             );
             assert!(matches!(next, Next::Wait(_)), "{next:?}");
             attempts.start();
             let next = attempts.ended(
                 Tried::<()>::of(Ran::TimedOut(Duration::from_secs(1))),
                 &mut jitter,
+                None,
             );
             assert!(matches!(next, Next::Wait(_)), "{next:?}");
         }
@@ -240,12 +254,14 @@ mod tests {
         attempts.ended::<()>(
             Tried::Failed(error(Environment), Fault::Environment),
             &mut jitter,
+            None,
         );
         std::thread::sleep(Duration::from_millis(5));
         attempts.start();
         let next = attempts.ended::<()>(
             Tried::Failed(error(Environment), Fault::Environment),
             &mut jitter,
+            None,
         );
         assert!(
             matches!(&next, Next::Stop(why) if why.contains("max_outage")),
@@ -255,10 +271,11 @@ mod tests {
         // Done and Later pass through, counting nothing.
         let before = stats.retries.load(Ordering::Relaxed);
         assert!(matches!(
-            attempts.ended(Tried::Done(7), &mut jitter),
+            attempts.ended(Tried::Done(7), &mut jitter, None),
             Next::Done(7)
         ));
-        let later = attempts.ended::<()>(Tried::Later(Duration::from_millis(20)), &mut jitter);
+        let later =
+            attempts.ended::<()>(Tried::Later(Duration::from_millis(20)), &mut jitter, None);
         assert!(matches!(later, Next::Wait(w) if w == Duration::from_millis(20)));
         assert_eq!(stats.retries.load(Ordering::Relaxed), before);
     }

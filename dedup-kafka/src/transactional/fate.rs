@@ -435,7 +435,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 },
             )
             .await;
-            let wait = match attempts.ended(Tried::of(ran), jitter) {
+            let wait = match attempts.ended(Tried::of(ran), jitter, Some(&key)) {
                 Next::Done(out) => {
                     let ttl = i64::try_from(self.handler.ttl().as_duration().as_millis())
                         .unwrap_or(i64::MAX);

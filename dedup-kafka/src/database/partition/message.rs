@@ -129,7 +129,7 @@ async fn attempts<S: DedupStore>(
             Tried::Failed(e, fault) => Tried::Failed(e, fault),
             Tried::Later(wait) => Tried::Later(wait),
         };
-        match attempts.ended(tried, jitter) {
+        match attempts.ended(tried, jitter, None) {
             Next::Done(()) => return Ended::Here,
             Next::Wait(wait) => {
                 if !wait_unless_stopped(shared, partition, wait).await {

@@ -173,6 +173,22 @@ enum DlqCommand {
     Replay(Box<dlq::ReplayArgs>),
 }
 
+/// A retry tier's waiting records, as `dedup retry` lists and releases
+/// them.
+#[derive(Args)]
+struct TierRecords {
+    #[command(flatten)]
+    kafka: KafkaArgs,
+    /// The retry tier's topic.
+    topic: String,
+    /// The consumer group that reads the tier.
+    #[arg(long)]
+    group: String,
+    /// Only the records of this Kafka key (repeatable).
+    #[arg(long)]
+    key: Vec<String>,
+}
+
 #[derive(Subcommand)]
 enum RetryCommand {
     /// What waits in a retry tier (`<topic>.retry-<delay>`): the records
@@ -180,15 +196,7 @@ enum RetryCommand {
     /// due time; `--show N` prints N of them.
     List {
         #[command(flatten)]
-        kafka: KafkaArgs,
-        /// The retry tier's topic.
-        topic: String,
-        /// The consumer group that reads the tier.
-        #[arg(long)]
-        group: String,
-        /// Only the records of this Kafka key (repeatable).
-        #[arg(long)]
-        key: Vec<String>,
+        tier: TierRecords,
         /// Print this many records.
         #[arg(long, default_value_t = 0)]
         show: usize,
@@ -198,15 +206,7 @@ enum RetryCommand {
     /// record is skipped as applied when it is due.
     Release {
         #[command(flatten)]
-        kafka: KafkaArgs,
-        /// The retry tier's topic.
-        topic: String,
-        /// The consumer group that reads the tier.
-        #[arg(long)]
-        group: String,
-        /// Only the records of this Kafka key (repeatable).
-        #[arg(long)]
-        key: Vec<String>,
+        tier: TierRecords,
         /// Confirm: the released events are applied now, however long they
         /// were to wait.
         #[arg(long)]
@@ -315,18 +315,15 @@ async fn run(command: Command) -> Result<Box<dyn Report>, Failure> {
             Box::new(dlq::inspect(&kafka, &topic, show).await?)
         }
         Command::Dlq(DlqCommand::Replay(args)) => Box::new(dlq::replay(&args).await?),
-        Command::Retry(RetryCommand::List {
-            kafka,
-            topic,
-            group,
-            key,
+        Command::Retry(RetryCommand::List { tier, show }) => Box::new(retry::list(
+            &tier.kafka,
+            &tier.topic,
+            &tier.group,
+            &tier.key,
             show,
-        }) => Box::new(retry::list(&kafka, &topic, &group, &key, show)?),
+        )?),
         Command::Retry(RetryCommand::Release {
-            kafka,
-            topic,
-            group,
-            key,
+            tier,
             yes,
             tier_key_file,
         }) => {
@@ -342,7 +339,16 @@ async fn run(command: Command) -> Result<Box<dyn Report>, Failure> {
                 ),
                 None => None,
             };
-            Box::new(retry::release(&kafka, &topic, &group, &key, signing.as_ref()).await?)
+            Box::new(
+                retry::release(
+                    &tier.kafka,
+                    &tier.topic,
+                    &tier.group,
+                    &tier.key,
+                    signing.as_ref(),
+                )
+                .await?,
+            )
         }
         Command::Outbox(OutboxCommand::Pending {
             database_url,

@@ -132,75 +132,6 @@ impl MemoryStore {
         self.inner.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Claims `key` for `tx` or waits for the transaction holding it.
-    async fn claim_one(
-        &self,
-        tx: &mut MemoryTx,
-        key: &DedupKey,
-        fingerprint: Option<Fingerprint>,
-        ttl: Ttl,
-    ) -> Result<Claim, StoreError> {
-        let timeout = self.lock().lock_timeout.unwrap_or(DEFAULT_LOCK_TIMEOUT);
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let released = self.inner.released.notified();
-            tokio::pin!(released);
-            {
-                let mut state = self.lock();
-                let now = SystemTime::now() + state.clock_offset;
-                let fresh_row = |before| Row {
-                    claimed_at: now,
-                    expires_at: now + ttl.as_duration(),
-                    fingerprint,
-                    token: None,
-                    in_progress: false,
-                    writer: Some(tx.id),
-                    before,
-                };
-                match state.rows.get_mut(key) {
-                    None => {
-                        state.rows.insert(key.clone(), fresh_row(None));
-                        tx.written.push(key.clone());
-                        return Ok(Claim::Fresh);
-                    }
-                    Some(row) if row.writer == Some(tx.id) || row.writer.is_none() => {
-                        if row.expires_at > now {
-                            return Ok(Claim::Duplicate {
-                                expires_at: row.expires_at,
-                                age: now.duration_since(row.claimed_at).unwrap_or_default(),
-                                fingerprint: row.fingerprint,
-                            });
-                        }
-                        let before = if row.writer.is_none() {
-                            tx.written.push(key.clone());
-                            Some(Committed {
-                                claimed_at: row.claimed_at,
-                                expires_at: row.expires_at,
-                                fingerprint: row.fingerprint,
-                                token: row.token,
-                                in_progress: row.in_progress,
-                            })
-                        } else {
-                            row.before
-                        };
-                        *row = fresh_row(before);
-                        return Ok(Claim::Reclaimed);
-                    }
-                    Some(_) => {
-                        // Held by another open transaction: register for its
-                        // end before unlocking, so the wake-up cannot be missed.
-                        released.as_mut().enable();
-                    }
-                }
-            }
-            if tokio::time::timeout_at(deadline, released).await.is_err() {
-                return Err(
-                    StoreError::contention(LockTimeout(key.clone())).with_code("lock_timeout")
-                );
-            }
-        }
-    }
-
     fn finish(&self, tx: &mut MemoryTx, commit: bool) {
         let mut state = self.lock();
         for key in tx.written.drain(..) {
@@ -302,6 +233,7 @@ impl DedupStore for MemoryStore {
         })
     }
 
+    /// Claims `key` for `tx` or waits for the transaction holding it.
     async fn claim(
         &self,
         tx: &mut MemoryTx,
@@ -309,7 +241,65 @@ impl DedupStore for MemoryStore {
         fingerprint: Option<Fingerprint>,
         ttl: Ttl,
     ) -> Result<Claim, StoreError> {
-        self.claim_one(tx, key, fingerprint, ttl).await
+        let timeout = self.lock().lock_timeout.unwrap_or(DEFAULT_LOCK_TIMEOUT);
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let released = self.inner.released.notified();
+            tokio::pin!(released);
+            {
+                let mut state = self.lock();
+                let now = SystemTime::now() + state.clock_offset;
+                let fresh_row = |before| Row {
+                    claimed_at: now,
+                    expires_at: now + ttl.as_duration(),
+                    fingerprint,
+                    token: None,
+                    in_progress: false,
+                    writer: Some(tx.id),
+                    before,
+                };
+                match state.rows.get_mut(key) {
+                    None => {
+                        state.rows.insert(key.clone(), fresh_row(None));
+                        tx.written.push(key.clone());
+                        return Ok(Claim::Fresh);
+                    }
+                    Some(row) if row.writer == Some(tx.id) || row.writer.is_none() => {
+                        if row.expires_at > now {
+                            return Ok(Claim::Duplicate {
+                                expires_at: row.expires_at,
+                                age: now.duration_since(row.claimed_at).unwrap_or_default(),
+                                fingerprint: row.fingerprint,
+                            });
+                        }
+                        let before = if row.writer.is_none() {
+                            tx.written.push(key.clone());
+                            Some(Committed {
+                                claimed_at: row.claimed_at,
+                                expires_at: row.expires_at,
+                                fingerprint: row.fingerprint,
+                                token: row.token,
+                                in_progress: row.in_progress,
+                            })
+                        } else {
+                            row.before
+                        };
+                        *row = fresh_row(before);
+                        return Ok(Claim::Reclaimed);
+                    }
+                    Some(_) => {
+                        // Held by another open transaction: register for its
+                        // end before unlocking, so the wake-up cannot be missed.
+                        released.as_mut().enable();
+                    }
+                }
+            }
+            if tokio::time::timeout_at(deadline, released).await.is_err() {
+                return Err(
+                    StoreError::contention(LockTimeout(key.clone())).with_code("lock_timeout")
+                );
+            }
+        }
     }
 
     async fn claim_many(
@@ -324,7 +314,7 @@ impl DedupStore for MemoryStore {
         let mut claims = Vec::with_capacity(keys.len());
         for (i, key) in keys.iter().enumerate() {
             let fingerprint = fingerprints.get(i).copied().flatten();
-            claims.push(self.claim_one(tx, key, fingerprint, ttl).await?);
+            claims.push(self.claim(tx, key, fingerprint, ttl).await?);
         }
         Ok(claims)
     }

@@ -110,6 +110,21 @@ pub(crate) trait ErasedHandler<S>: ErasedApply<S> {
     ) -> BoxFuture<'a, Result<Vec<Outcome>, Error>>;
 }
 
+impl<S: DedupStore> Effect<S> {
+    /// A transactional handler's effect.
+    pub(crate) fn transactional<H: Handler<Tx = S::Tx>>(handler: H) -> Self {
+        Effect::Transactional(Arc::new(Erased(Arc::new(handler))))
+    }
+
+    /// A lease-mode handler's effect.
+    pub(crate) fn leased<H: LeaseHandler>(handler: H) -> Self
+    where
+        S: LeaseStore,
+    {
+        Effect::Leased(Arc::new(Leased(handler)))
+    }
+}
+
 /// A transactional handler routed to a topic (`ConsumerBuilder::handle`),
 /// shared so a batch can run it through an adapter.
 pub(crate) struct Erased<H>(pub(crate) Arc<H>);

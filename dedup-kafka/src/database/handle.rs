@@ -2,11 +2,10 @@
 //! `handle_type` and their lease-mode forms, and the other event types of a
 //! typed topic.
 
-use std::sync::Arc;
-
 use dedup_core::{DedupStore, Handler};
 
 use super::builder::ConsumerBuilder;
+use crate::database::effect::Effect;
 use crate::database::route::Route;
 
 impl<S: DedupStore> ConsumerBuilder<S> {
@@ -16,13 +15,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     where
         H: Handler<Tx = S::Tx>,
     {
-        self.route(
-            topic.into(),
-            None,
-            crate::database::effect::Effect::Transactional(Arc::new(
-                crate::database::effect::Erased(Arc::new(handler)),
-            )),
-        )
+        self.route(topic.into(), None, Effect::transactional(handler))
     }
 
     /// Routes one event type of `topic` to `handler`, for a topic that
@@ -47,9 +40,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self.route(
             topic.into(),
             Some(event_type),
-            crate::database::effect::Effect::Transactional(Arc::new(
-                crate::database::effect::Erased(Arc::new(handler)),
-            )),
+            Effect::transactional(handler),
         )
     }
 
@@ -64,13 +55,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         S: dedup_core::LeaseStore,
         H: dedup_core::LeaseHandler,
     {
-        self.route(
-            topic.into(),
-            Some(event_type),
-            crate::database::effect::Effect::Leased(Arc::new(crate::database::effect::Leased(
-                handler,
-            ))),
-        )
+        self.route(topic.into(), Some(event_type), Effect::leased(handler))
     }
 
     /// What becomes of a message of `topic` whose type none of its
@@ -87,7 +72,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         mut self,
         topic: String,
         event_type: Option<crate::EventType>,
-        handler: crate::database::effect::Effect<S>,
+        handler: Effect<S>,
     ) -> Self {
         self.routes.push(Route {
             dead_letter_topic: format!("{topic}.dlq"),
@@ -113,12 +98,6 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         S: dedup_core::LeaseStore,
         H: dedup_core::LeaseHandler,
     {
-        self.route(
-            topic.into(),
-            None,
-            crate::database::effect::Effect::Leased(Arc::new(crate::database::effect::Leased(
-                handler,
-            ))),
-        )
+        self.route(topic.into(), None, Effect::leased(handler))
     }
 }

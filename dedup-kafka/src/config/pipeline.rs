@@ -17,8 +17,11 @@ pub(crate) struct PipelineSettings {
     /// How failures are retried.
     pub(crate) retry: RetryPolicy,
     /// Handler calls of one partition (the database runtime) or one batch
-    /// (the Kafka-only runtime) at once under key-ordered concurrency; 0
-    /// or 1: one after another, in offset order.
+    /// (the Kafka-only runtime) at once under key-ordered concurrency. 0:
+    /// one after another, in offset order. In the database runtime any
+    /// other value, 1 included, runs the keyed worker (units of events of
+    /// distinct keys, `order_by` allowed); in the Kafka-only runtime 1 is
+    /// the same as 0.
     pub(crate) key_concurrency: usize,
     /// Longest one attempt may take (at least 1 ms).
     pub(crate) attempt_timeout: Duration,

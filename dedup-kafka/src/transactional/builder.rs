@@ -177,7 +177,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     /// Key-ordered concurrency: up to `n` handler calls of a batch run at
     /// once (default 0: one after another, in offset order), as
     /// [`ConsumerBuilder::key_concurrency`](crate::ConsumerBuilder::key_concurrency)
-    /// does for the database runtime (0 or 1: one after another). Events of
+    /// does for the database runtime (0 or 1: one after another here). Events of
     /// one ordering key, and events of one event id, each in their
     /// partition, still run one at a time in offset order; the batch's outputs, claims and offsets still go in one
     /// transaction, its outputs in offset order. For handlers that wait on

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # System packages the build needs. librdkafka is compiled from source by the
 # rdkafka crate with its own configure script and make: a C (and C++) compiler
-# and make are all it takes. No curl, OpenSSL or zlib headers: TLS is an opt-in
-# feature (`dedup-kafka/ssl`), and zlib comes from libz-sys's bundled source
-# when its headers are missing. PostgreSQL and Kafka are installed by
+# and make are all it takes, with no curl or zlib headers (zlib comes from
+# libz-sys's bundled source when its headers are missing). TLS to the
+# databases is rustls, compiled from crates. The openssl command makes the
+# secured tests' certificates (scripts/tls.sh). PostgreSQL and Kafka are installed by
 # scripts/postgres.sh and scripts/kafka.sh. The tests' tools: promtool (from
 # Debian's prometheus package, without its recommended exporters; its server
 # is never started) unit-tests the alert rules; Chromium and its WebDriver
 # (chromium-driver), with one font for legible screenshots, run the console's
 # browser tests.
 set -euo pipefail
-packages=(gcc g++ make)
+packages=(gcc g++ make openssl)
 tools=(prometheus chromium chromium-driver fonts-dejavu-core)
 missing=()
 for p in "${packages[@]}" "${tools[@]}"; do

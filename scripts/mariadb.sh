@@ -9,8 +9,12 @@
 #   scripts/mariadb.sh stop
 #   scripts/mariadb.sh kill    # the server gone at once, as in a crash
 #   scripts/mariadb.sh drop    # stop and delete the instance's data
+#   scripts/mariadb.sh tls-url [user]   # a VERIFY_IDENTITY URL (dedup_tls by default)
 # A test that stops the server runs an instance of its own, so the tests
 # beside it never notice: MYSQL_PORT=<port> scripts/mariadb.sh start
+# TLS is on, with the certificates scripts/tls.sh makes: the user dedup_tls
+# must connect over TLS, dedup_mtls over TLS with a client certificate our
+# CA signed.
 # The default port is 3307, not 3306: the package's own service (started by
 # its install where the machine lets it) may hold 3306.
 set -euo pipefail
@@ -21,6 +25,7 @@ DATA="$BASE/data"
 SOCKET="$BASE/mariadb.sock"
 PIDFILE="$BASE/mariadb.pid"
 URL="mysql://dedup:dedup@127.0.0.1:${PORT}/dedup"
+HERE="$(cd "$(dirname "$0")" && pwd)"
 
 sudo_() {
     if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi
@@ -59,13 +64,29 @@ start() {
             mariadb-server >/dev/null || { [ -z "$added" ] || $sudo rm -f "$policy"; exit 1; }
         [ -z "$added" ] || $sudo rm -f "$policy"
     fi
-    local daemon
+    local daemon tls
     daemon="$(command -v mariadbd || echo /usr/sbin/mariadbd)"
+    tls="$(bash "$HERE/tls.sh" make)"
     if [ ! -d "$DATA/mysql" ]; then
         sudo_ mkdir -p "$BASE"
         sudo_ chown mysql:mysql "$BASE"
         sudo_ mariadb-install-db --no-defaults --user=mysql --datadir="$DATA" \
             --auth-root-authentication-method=socket --skip-test-db >/dev/null
+    fi
+    # The server's own copies of our CA's certificate and key.
+    sudo_ mkdir -p "$BASE"
+    sudo_ install -o mysql -g mysql -m 600 "$tls/server.key" "$BASE/server.key"
+    sudo_ install -o mysql -g mysql -m 644 "$tls/server.pem" "$BASE/server.pem"
+    sudo_ install -o mysql -g mysql -m 644 "$tls/ca.pem" "$BASE/ca.pem"
+    # An instance an earlier version of this script started without TLS;
+    # one that has TLS rereads the certificates (made anew when they near
+    # their expiry).
+    if running; then
+        if [ "$(client -N -e "SELECT @@have_ssl" 2>/dev/null)" != YES ]; then
+            stop
+        else
+            client -e "FLUSH SSL"
+        fi
     fi
     if ! running; then
         # Durable as a production server is (flush the log at every commit);
@@ -75,6 +96,7 @@ start() {
             --port="$PORT" --bind-address=127.0.0.1 --socket="$SOCKET" --pid-file="$PIDFILE" \
             --skip-name-resolve --skip-log-bin --max-connections=500 \
             --innodb-buffer-pool-size=128M --log-error="$BASE/error.log" \
+            --ssl-ca="$BASE/ca.pem" --ssl-cert="$BASE/server.pem" --ssl-key="$BASE/server.key" \
             </dev/null >/dev/null 2>&1 &
     fi
     for _ in $(seq 1 120); do
@@ -89,6 +111,10 @@ CREATE USER IF NOT EXISTS 'dedup'@'localhost' IDENTIFIED BY 'dedup';
 GRANT ALL PRIVILEGES ON *.* TO 'dedup'@'127.0.0.1';
 GRANT ALL PRIVILEGES ON *.* TO 'dedup'@'localhost';
 CREATE DATABASE IF NOT EXISTS dedup;
+CREATE USER IF NOT EXISTS 'dedup_tls'@'127.0.0.1' IDENTIFIED BY 'dedup' REQUIRE SSL;
+CREATE USER IF NOT EXISTS 'dedup_mtls'@'127.0.0.1' IDENTIFIED BY 'dedup' REQUIRE X509;
+GRANT ALL PRIVILEGES ON *.* TO 'dedup_tls'@'127.0.0.1';
+GRANT ALL PRIVILEGES ON *.* TO 'dedup_mtls'@'127.0.0.1';
 SQL
     # The databases of an earlier run's tests (each test makes its own).
     local stale
@@ -109,8 +135,11 @@ stop() {
 case "${1:-start}" in
     start) start ;;
     url) echo "$URL" ;;
+    tls-url)
+        echo "mysql://${2:-dedup_tls}:dedup@localhost:${PORT}/dedup?ssl-mode=VERIFY_IDENTITY&ssl-ca=$(bash "$HERE/tls.sh" dir)/ca.pem"
+        ;;
     stop) stop ;;
     kill) if running; then sudo_ kill -KILL "$(cat "$PIDFILE")"; fi ;;
     drop) stop; sudo_ rm -rf "$BASE" ;;
-    *) echo "usage: $0 start|url|stop|kill|drop" >&2; exit 2 ;;
+    *) echo "usage: $0 start|url|tls-url [user]|stop|kill|drop" >&2; exit 2 ;;
 esac

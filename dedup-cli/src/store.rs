@@ -74,11 +74,11 @@ fn cannot_open(flag: &str, table: &str, e: dedup_sql::Error) -> Failure {
 
 /// A pool of two connections that waits 15 s for one at most.
 macro_rules! pool {
-    ($options:ty, $url:expr, $backend:expr) => {
-        <$options>::new()
+    ($pool:ty, $options:expr, $backend:expr) => {
+        <$pool>::new()
             .max_connections(2)
             .acquire_timeout(Duration::from_secs(15))
-            .connect($url)
+            .connect_with($options)
             .await
             .map_err(|e| cannot_connect($backend, e))?
     };
@@ -92,13 +92,34 @@ enum Pool {
 }
 
 impl Pool {
-    /// A pool of the database at `url`.
+    /// A pool of the database at `url`, with the TLS its parameters ask
+    /// for (the stores' own reading: a server that is neither on this host
+    /// nor verified is warned of).
     async fn connect(url: &str) -> Result<Self, Failure> {
         let backend = Backend::of(url)?;
+        let fail = |e| cannot_connect(backend, e);
         Ok(match backend {
-            Backend::Postgres => Pool::Postgres(pool!(sqlx::postgres::PgPoolOptions, url, backend)),
-            Backend::MySql => Pool::MySql(pool!(sqlx::mysql::MySqlPoolOptions, url, backend)),
-            Backend::Sqlite => Pool::Sqlite(pool!(sqlx::sqlite::SqlitePoolOptions, url, backend)),
+            Backend::Postgres => {
+                let options = dedup_postgres::connect_options(url, &Default::default());
+                Pool::Postgres(pool!(
+                    sqlx::postgres::PgPoolOptions,
+                    options.map_err(fail)?,
+                    backend
+                ))
+            }
+            Backend::MySql => {
+                let options = dedup_mysql::connect_options(url, &Default::default());
+                Pool::MySql(pool!(
+                    sqlx::mysql::MySqlPoolOptions,
+                    options.map_err(fail)?,
+                    backend
+                ))
+            }
+            Backend::Sqlite => {
+                let options: sqlx::sqlite::SqliteConnectOptions =
+                    url.parse().map_err(|e| cannot_connect(backend, e))?;
+                Pool::Sqlite(pool!(sqlx::sqlite::SqlitePoolOptions, options, backend))
+            }
         })
     }
 }

@@ -13,7 +13,7 @@ use dedup_sql::{
     age_from_micros, fingerprint_from, live_claim, sql, time_from_unix_micros, ttl_seconds,
 };
 use sqlx::MySqlPool;
-use sqlx::mysql::MySqlDatabaseError;
+use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlSslMode};
 
 pub use dedup_sql::{Error, InvalidTableName, OutboxConfig, SqlLease};
 
@@ -270,7 +270,8 @@ impl MySqlStore {
 
     /// Connects with `config`.
     pub async fn connect_with(url: &str, config: MySqlConfig) -> Result<Self, Error> {
-        let handle = StoreHandle::connect(url, &config).await?;
+        let options = connect_options(url, &config)?;
+        let handle = StoreHandle::connect_with(options, &config).await?;
         Ok(MySqlStore { handle })
     }
 
@@ -317,6 +318,38 @@ impl MySqlStore {
             .await
             .map_err(store_error)
     }
+}
+
+/// The connection options of `url` with `config`'s TLS files: with a CA
+/// file, `ssl-mode=VERIFY_IDENTITY` against it; with a client certificate,
+/// that certificate and key. The files are checked first, and a connection
+/// that leaves this host without verifying the server is warned of (once,
+/// here). For a pool of your own: `MySqlPool::connect_with(connect_options(url,
+/// &config)?)`.
+pub fn connect_options(url: &str, config: &MySqlConfig) -> Result<MySqlConnectOptions, Error> {
+    config.tls.check()?;
+    let mut options: MySqlConnectOptions = url.parse().map_err(Error::database::<MySql>)?;
+    if let Some(ca) = &config.tls.ca_file {
+        options = options.ssl_mode(MySqlSslMode::VerifyIdentity).ssl_ca(ca);
+    }
+    if let Some((cert, key)) = &config.tls.client {
+        options = options.ssl_client_cert(cert).ssl_client_key(key);
+    }
+    let verified = matches!(
+        options.get_ssl_mode(),
+        MySqlSslMode::VerifyIdentity | MySqlSslMode::VerifyCa
+    );
+    let host = match options.get_socket() {
+        Some(_) => "",
+        None => options.get_host(),
+    };
+    dedup_sql::warn_unverified(
+        MySql::NAME,
+        host,
+        verified,
+        "add ssl-mode=VERIFY_IDENTITY&ssl-ca=<CA file> to the URL, or MySqlConfig::with_ca_file",
+    );
+    Ok(options)
 }
 
 /// An error of the store's own statements. Their text is fixed, so a

@@ -15,6 +15,7 @@ use dedup_sql::{
     age_from_micros, fingerprint_from, live_claim, sql, time_from_unix_micros, ttl_seconds,
 };
 use sha2::{Digest, Sha256};
+use sqlx::postgres::{PgConnectOptions, PgSslMode};
 use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
@@ -255,7 +256,8 @@ impl PgStore {
 
     /// Connects with `config`.
     pub async fn connect_with(url: &str, config: PgConfig) -> Result<Self, Error> {
-        let handle = StoreHandle::connect(url, &config).await?;
+        let options = connect_options(url, &config)?;
+        let handle = StoreHandle::connect_with(options, &config).await?;
         Ok(PgStore { handle })
     }
 
@@ -295,6 +297,38 @@ impl PgStore {
     pub fn spawn_purger(&self, config: PurgeConfig) -> Purger {
         Purger::spawn(self.clone(), config)
     }
+}
+
+/// The connection options of `url` with `config`'s TLS files: with a CA
+/// file, `sslmode=verify-full` against it; with a client certificate, that
+/// certificate and key. The files are checked first, and a connection that
+/// leaves this host without verifying the server is warned of (once, here).
+/// For a pool of your own: `PgPool::connect_with(connect_options(url,
+/// &config)?)`.
+pub fn connect_options(url: &str, config: &PgConfig) -> Result<PgConnectOptions, Error> {
+    config.tls.check()?;
+    let mut options: PgConnectOptions = url.parse().map_err(Error::database::<Pg>)?;
+    if let Some(ca) = &config.tls.ca_file {
+        options = options.ssl_mode(PgSslMode::VerifyFull).ssl_root_cert(ca);
+    }
+    if let Some((cert, key)) = &config.tls.client {
+        options = options.ssl_client_cert(cert).ssl_client_key(key);
+    }
+    let verified = matches!(
+        options.get_ssl_mode(),
+        PgSslMode::VerifyFull | PgSslMode::VerifyCa
+    );
+    let host = match options.get_socket() {
+        Some(_) => "",
+        None => options.get_host(),
+    };
+    dedup_sql::warn_unverified(
+        Pg::NAME,
+        host,
+        verified,
+        "add sslmode=verify-full&sslrootcert=<CA file> to the URL, or PgConfig::with_ca_file",
+    );
+    Ok(options)
 }
 
 /// An error of the store's own statements. Their text is fixed, so a

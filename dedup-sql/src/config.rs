@@ -2,9 +2,10 @@
 
 use std::fmt;
 use std::marker::PhantomData;
+use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::Dialect;
+use crate::{Dialect, TlsFiles};
 
 /// Settings of a SQL store; each backend names its own
 /// (`PgConfig = SqlConfig<Pg>`, `SqliteConfig = SqlConfig<Sqlite>`).
@@ -21,6 +22,9 @@ pub struct SqlConfig<D> {
     /// Largest connection pool the store opens (PostgreSQL 10, SQLite 4; at
     /// least 1: 0 counts as 1).
     pub max_connections: u32,
+    /// TLS files beyond the URL's parameters (default none): with a CA
+    /// file, TLS is required and the server verified against it.
+    pub tls: TlsFiles,
     dialect: PhantomData<fn() -> D>,
 }
 
@@ -30,6 +34,7 @@ impl<D: Dialect> Default for SqlConfig<D> {
             table: "dedup_claims".to_owned(),
             lock_timeout: Duration::from_secs(5),
             max_connections: D::DEFAULT_MAX_CONNECTIONS,
+            tls: TlsFiles::default(),
             dialect: PhantomData,
         }
     }
@@ -51,6 +56,23 @@ impl<D> SqlConfig<D> {
     /// Sets the pool size.
     pub fn with_max_connections(mut self, max: u32) -> Self {
         self.max_connections = max;
+        self
+    }
+
+    /// Requires TLS, and trusts only a server whose certificate the CAs in
+    /// `ca_file` (PEM) signed for the host connected to (PostgreSQL
+    /// `sslmode=verify-full`, MySQL `ssl-mode=VERIFY_IDENTITY`). Applied
+    /// where the store connects (`connect_with`, the backends'
+    /// `connect_options`); a pool given to `from_pool_with` is used as it is.
+    pub fn with_ca_file(mut self, ca_file: impl Into<PathBuf>) -> Self {
+        self.tls.ca_file = Some(ca_file.into());
+        self
+    }
+
+    /// Presents the client certificate `cert` with its private key `key`
+    /// (both PEM) to a server that asks for one.
+    pub fn with_client_cert(mut self, cert: impl Into<PathBuf>, key: impl Into<PathBuf>) -> Self {
+        self.tls.client = Some((cert.into(), key.into()));
         self
     }
 
@@ -79,6 +101,7 @@ impl<D> Clone for SqlConfig<D> {
             table: self.table.clone(),
             lock_timeout: self.lock_timeout,
             max_connections: self.max_connections,
+            tls: self.tls.clone(),
             dialect: PhantomData,
         }
     }
@@ -86,8 +109,17 @@ impl<D> Clone for SqlConfig<D> {
 
 impl<D> PartialEq for SqlConfig<D> {
     fn eq(&self, other: &Self) -> bool {
-        (&self.table, self.lock_timeout, self.max_connections)
-            == (&other.table, other.lock_timeout, other.max_connections)
+        (
+            &self.table,
+            self.lock_timeout,
+            self.max_connections,
+            &self.tls,
+        ) == (
+            &other.table,
+            other.lock_timeout,
+            other.max_connections,
+            &other.tls,
+        )
     }
 }
 
@@ -99,6 +131,7 @@ impl<D> fmt::Debug for SqlConfig<D> {
             .field("table", &self.table)
             .field("lock_timeout", &self.lock_timeout)
             .field("max_connections", &self.max_connections)
+            .field("tls", &self.tls)
             .finish()
     }
 }

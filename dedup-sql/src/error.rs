@@ -37,6 +37,13 @@ pub enum Error {
         /// The name as given.
         table: String,
     },
+    /// A TLS setting is wrong: a file that cannot be read or does not hold
+    /// what it is for.
+    #[error("TLS: {message}")]
+    Tls {
+        /// What is wrong, naming the file (never a key's contents).
+        message: String,
+    },
     /// Applying the migrations failed.
     #[error("migrating: {source}")]
     Migrate {
@@ -72,7 +79,7 @@ impl Error {
     /// Whether retrying may help (a lost connection, the server starting).
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::InvalidTableName(_) | Error::NoSuchTable { .. } => false,
+            Error::InvalidTableName(_) | Error::NoSuchTable { .. } | Error::Tls { .. } => false,
             Error::Database { retryable, .. } | Error::Migrate { retryable, .. } => *retryable,
         }
     }

@@ -39,14 +39,6 @@ impl<DB: Database, S> Clone for StoreHandle<DB, S> {
 }
 
 impl<DB: Database, S: ClaimStatements> StoreHandle<DB, S> {
-    /// Connects to `url` with `config` (its table checked first).
-    pub async fn connect(url: &str, config: &SqlConfig<S::Dialect>) -> Result<Self, Error> {
-        let statements = S::new(config)?;
-        let options: <DB::Connection as Connection>::Options =
-            url.parse().map_err(Error::database::<S::Dialect>)?;
-        Self::open(options, config, statements).await
-    }
-
     /// Connects with `options` and `config` (its table checked first).
     pub async fn connect_with(
         options: <DB::Connection as Connection>::Options,

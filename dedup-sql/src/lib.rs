@@ -9,6 +9,7 @@ mod handle;
 mod migrate;
 mod outbox;
 mod table;
+mod tls;
 
 use std::sync::Arc;
 
@@ -27,6 +28,7 @@ pub use outbox::{
     outbox_record, polled, unsettled,
 };
 pub use table::{InvalidTableName, MAX_TABLE_LEN, TableName};
+pub use tls::{TlsFiles, warn_unverified};
 
 /// A statement the store built once from constants and a validated, quoted
 /// identifier (every value is a bind parameter), as sqlx takes it.

@@ -53,6 +53,8 @@ mod book {
     mod retry_tiers {}
     #[doc = include_str!("../../docs/src/scaling.md")]
     mod scaling {}
+    #[doc = include_str!("../../docs/src/security.md")]
+    mod security {}
     #[doc = include_str!("../../docs/src/semantics.md")]
     mod semantics {}
     #[doc = include_str!("../../docs/src/testing.md")]

@@ -18,6 +18,8 @@ trait Backend {
     type Source: OutboxSource;
     /// The `DATABASE_URL` the tool gets.
     fn url(&self) -> String;
+    /// The same, to change.
+    fn url_mut(&mut self) -> &mut String;
     fn store(&self) -> &Self::Store;
     /// Enqueues `messages` in one committed transaction.
     async fn enqueue(&self, messages: Vec<OutboxMessage>);
@@ -35,6 +37,9 @@ impl Backend for Pg {
     type Source = dedup_postgres::OutboxReader;
     fn url(&self) -> String {
         self.url.clone()
+    }
+    fn url_mut(&mut self) -> &mut String {
+        &mut self.url
     }
     fn store(&self) -> &Self::Store {
         &self.store
@@ -63,6 +68,9 @@ impl Backend for MySql {
     fn url(&self) -> String {
         self.url.clone()
     }
+    fn url_mut(&mut self) -> &mut String {
+        &mut self.url
+    }
     fn store(&self) -> &Self::Store {
         &self.store
     }
@@ -89,6 +97,9 @@ impl Backend for Sqlite {
     type Source = dedup_sqlite::OutboxReader;
     fn url(&self) -> String {
         self.url.clone()
+    }
+    fn url_mut(&mut self) -> &mut String {
+        &mut self.url
     }
     fn store(&self) -> &Self::Store {
         &self.store
@@ -416,4 +427,47 @@ async fn outbox_pending_on_mysql() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn outbox_pending_on_sqlite() {
     outbox_pending(sqlite().await).await;
+}
+
+/// `url` on `localhost` (the name the test CA's server certificate holds),
+/// with `tls` and the CA file `ca` of scripts/tls.sh.
+fn over_tls(url: &str, tls: &str, ca: &str) -> String {
+    let dir = std::env::var("DEDUP_TLS_DIR").unwrap_or_else(|_| "/var/tmp/dedup-tls".into());
+    format!(
+        "{}?{tls}={dir}/{ca}",
+        url.replacen("@127.0.0.1:", "@localhost:", 1)
+    )
+}
+
+/// The tool over TLS verified against the test CA: every claims command
+/// works; trusting another CA, it refuses the server, saying why, without
+/// the password.
+async fn claims_commands_over_verified_tls(mut backend: impl Backend, tls: &str) {
+    let plain = backend.url();
+    *backend.url_mut() = over_tls(&plain, tls, "other-ca.pem");
+    let refused = dedup(&backend, &["claims", "stats"]).await;
+    assert!(
+        !refused.status.success(),
+        "a server another CA signed was trusted"
+    );
+    let said = stderr(&refused);
+    assert!(
+        said.contains("cannot connect") && said.contains("certificate"),
+        "{said}"
+    );
+    assert!(!said.contains("dedup:dedup"), "the password in: {said}");
+    *backend.url_mut() = over_tls(&plain, tls, "ca.pem");
+    claims_commands(backend).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn claims_commands_on_postgres_over_verified_tls(pool: PgPool) {
+    let tls = "sslmode=verify-full&sslrootcert";
+    claims_commands_over_verified_tls(postgres(pool).await, tls).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_commands_on_mysql_over_verified_tls() {
+    let tls = "ssl-mode=VERIFY_IDENTITY&ssl-ca";
+    claims_commands_over_verified_tls(mysql().await, tls).await;
 }

@@ -3,7 +3,8 @@
 # rdkafka crate with its own configure script and make: a C (and C++) compiler
 # and make are all it takes, with no curl or zlib headers (zlib comes from
 # libz-sys's bundled source when its headers are missing). TLS to the
-# databases is rustls, compiled from crates. The openssl command makes the
+# brokers (and SASL SCRAM) is the system OpenSSL, found by pkg-config; TLS to
+# the databases is rustls, compiled from crates. The openssl command makes the
 # secured tests' certificates (scripts/tls.sh). PostgreSQL and Kafka are installed by
 # scripts/postgres.sh and scripts/kafka.sh. The tests' tools: promtool (from
 # Debian's prometheus package, without its recommended exporters; its server
@@ -11,7 +12,7 @@
 # (chromium-driver), with one font for legible screenshots, run the console's
 # browser tests.
 set -euo pipefail
-packages=(gcc g++ make openssl)
+packages=(gcc g++ make pkg-config libssl-dev openssl)
 tools=(prometheus chromium chromium-driver fonts-dejavu-core)
 missing=()
 for p in "${packages[@]}" "${tools[@]}"; do

@@ -9,6 +9,14 @@
 # outbox outage test stops and restarts one of its own) takes another home and
 # port: DEDUP_KAFKA_HOME=.kafka/other DEDUP_KAFKA_PORT=9192 (controller: port+1);
 # the jars stay shared.
+# The main broker also listens securely, with the certificates scripts/tls.sh
+# makes (server certificate for 127.0.0.1 and localhost, signed by the tests'
+# CA): SASL_SSL on 9096 (PLAIN and SCRAM-SHA-256/512 for the user `dedup`,
+# password `dedup-secret`; OAUTHBEARER with unsigned JWTs, sessions
+# re-authenticated every 10 s so that a token's expiry matters) and SSL with
+# a required client certificate on 9097. A broker of a test's own has only
+# PLAINTEXT unless given DEDUP_KAFKA_SASL_SSL_PORT and DEDUP_KAFKA_SSL_PORT.
+#   scripts/kafka.sh secure-env   # KAFKA_CFG_* lines for the SASL_SSL listener
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -22,6 +30,15 @@ PIDFILE="$HOME_DIR/kafka.pid"
 HOST=127.0.0.1
 PORT="${DEDUP_KAFKA_PORT:-9092}"
 CONTROLLER_PORT="$((PORT + 1))"
+if [ -z "${DEDUP_KAFKA_PORT:-}" ]; then
+    SASL_SSL_PORT="${DEDUP_KAFKA_SASL_SSL_PORT:-9096}"
+    SSL_PORT="${DEDUP_KAFKA_SSL_PORT:-9097}"
+else
+    SASL_SSL_PORT="${DEDUP_KAFKA_SASL_SSL_PORT:-}"
+    SSL_PORT="${DEDUP_KAFKA_SSL_PORT:-}"
+fi
+SASL_USER=dedup
+SASL_PASSWORD=dedup-secret
 
 port_open() { (exec 3<>"/dev/tcp/$HOST/$1") 2>/dev/null; }
 
@@ -52,18 +69,29 @@ fetch() {
 JAVA=(java -Xms256m -Xmx512m -XX:+UseG1GC -Djava.awt.headless=true
     -Dkafka.logs.file="$LOG" -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties"
     -cp "$LIBS/*")
+# The admin tools: their own log file.
+TOOL=(java -Xmx256m -Djava.awt.headless=true -Dkafka.logs.file="$HOME_DIR/tools.log"
+    -Dlog4j2.configurationFile="$ROOT/scripts/kafka/log4j2.properties" -cp "$LIBS/*")
 
 configure() {
     mkdir -p "$DATA"
-    cat >"$CONF" <<PROPS
+    local listeners="PLAINTEXT://$HOST:$PORT,CONTROLLER://$HOST:$CONTROLLER_PORT"
+    local advertised="PLAINTEXT://$HOST:$PORT"
+    local protocols="PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT"
+    if [ -n "$SASL_SSL_PORT" ]; then
+        listeners+=",SASL_SSL://$HOST:$SASL_SSL_PORT,SSL://$HOST:$SSL_PORT"
+        advertised+=",SASL_SSL://$HOST:$SASL_SSL_PORT,SSL://$HOST:$SSL_PORT"
+        protocols+=",SASL_SSL:SASL_SSL,SSL:SSL"
+    fi
+    cat >"$CONF.new" <<PROPS
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@$HOST:$CONTROLLER_PORT
-listeners=PLAINTEXT://$HOST:$PORT,CONTROLLER://$HOST:$CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://$HOST:$PORT
+listeners=$listeners
+advertised.listeners=$advertised
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+listener.security.protocol.map=$protocols
 log.dirs=$DATA
 num.partitions=1
 auto.create.topics.enable=true
@@ -81,21 +109,73 @@ group.consumer.min.session.timeout.ms=6000
 group.consumer.session.timeout.ms=15000
 log.retention.hours=24
 PROPS
+    if [ -n "$SASL_SSL_PORT" ]; then
+        local tls
+        tls="$(bash "$ROOT/scripts/tls.sh" make)"
+        # Kafka reads PEM: the key (PKCS#8, unencrypted) and its certificate
+        # in one file.
+        cat "$tls/server.key" "$tls/server.pem" >"$HOME_DIR/server-keystore.pem"
+        chmod 600 "$HOME_DIR/server-keystore.pem"
+        cat >>"$CONF.new" <<PROPS
+ssl.keystore.type=PEM
+ssl.keystore.location=$HOME_DIR/server-keystore.pem
+ssl.truststore.type=PEM
+ssl.truststore.location=$tls/ca.pem
+listener.name.ssl.ssl.client.auth=required
+sasl.enabled.mechanisms=PLAIN,SCRAM-SHA-256,SCRAM-SHA-512,OAUTHBEARER
+listener.name.sasl_ssl.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required user_$SASL_USER="$SASL_PASSWORD";
+listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.sasl_ssl.oauthbearer.sasl.jaas.config=org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule required;
+listener.name.sasl_ssl.oauthbearer.sasl.server.callback.handler.class=org.apache.kafka.common.security.oauthbearer.internals.unsecured.OAuthBearerUnsecuredValidatorCallbackHandler
+listener.name.sasl_ssl.oauthbearer.connections.max.reauth.ms=10000
+PROPS
+    fi
     if [ ! -f "$DATA/meta.properties" ]; then
         local cluster_id
         cluster_id="$("${JAVA[@]}" kafka.tools.StorageTool random-uuid)"
-        "${JAVA[@]}" kafka.tools.StorageTool format -t "$cluster_id" -c "$CONF" >/dev/null
+        "${JAVA[@]}" kafka.tools.StorageTool format -t "$cluster_id" -c "$CONF.new" >/dev/null
     fi
 }
 
+# The SCRAM credentials of the SASL_SSL listener's user (stored in the
+# cluster's metadata; setting them again is harmless).
+scram_users() {
+    [ -n "$SASL_SSL_PORT" ] || return 0
+    local mechanism
+    for mechanism in SCRAM-SHA-256 SCRAM-SHA-512; do
+        "${TOOL[@]}" kafka.admin.ConfigCommand --bootstrap-server "$HOST:$PORT" --alter \
+            --add-config "$mechanism=[password=$SASL_PASSWORD]" \
+            --entity-type users --entity-name "$SASL_USER" >/dev/null
+    done
+}
+
+secure_env() {
+    local tls
+    tls="$(bash "$ROOT/scripts/tls.sh" dir)"
+    echo "KAFKA_CFG_SECURITY_PROTOCOL=SASL_SSL"
+    echo "KAFKA_CFG_SASL_MECHANISMS=SCRAM-SHA-512"
+    echo "KAFKA_CFG_SASL_USERNAME=$SASL_USER"
+    echo "KAFKA_CFG_SASL_PASSWORD=$SASL_PASSWORD"
+    echo "KAFKA_CFG_SSL_CA_LOCATION=$tls/ca.pem"
+    echo "KAFKA_BROKERS=$HOST:$SASL_SSL_PORT"
+}
+
 start() {
-    if running; then
-        echo "kafka: already running on $HOST:$PORT" >&2
-        return
-    fi
     ensure_tools
     fetch
     configure
+    if running; then
+        if cmp -s "$CONF.new" "$CONF"; then
+            rm -f "$CONF.new"
+            echo "kafka: already running on $HOST:$PORT" >&2
+            return
+        fi
+        # Started by an earlier version of this script: its settings change.
+        echo "kafka: restarting with new settings" >&2
+        stop
+    fi
+    mv "$CONF.new" "$CONF"
     : >"$LOG"
     setsid nohup "${JAVA[@]}" kafka.Kafka "$CONF" >>"$HOME_DIR/stdout.log" 2>&1 </dev/null &
     echo $! >"$PIDFILE"
@@ -106,7 +186,8 @@ start() {
             exit 1
         fi
         if port_open "$PORT" && grep -q "Kafka Server started" "$LOG"; then
-            echo "kafka: $VERSION ready on $HOST:$PORT" >&2
+            scram_users
+            echo "kafka: $VERSION ready on $HOST:$PORT${SASL_SSL_PORT:+ (SASL_SSL on $SASL_SSL_PORT, SSL with client certificates on $SSL_PORT)}" >&2
             return
         fi
         sleep 0.5
@@ -144,5 +225,6 @@ case "${1:-start}" in
     stop) stop ;;
     kill) kill_hard ;;
     status) running ;;
-    *) echo "usage: $0 start|stop|kill|status" >&2; exit 2 ;;
+    secure-env) secure_env ;;
+    *) echo "usage: $0 start|stop|kill|status|secure-env" >&2; exit 2 ;;
 esac

@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 
+mod access;
 mod config;
 mod database;
 mod dead_letter_format;

@@ -20,6 +20,39 @@ pub fn brokers() -> String {
     std::env::var("KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
 }
 
+/// How a client reaches the shared broker's SASL_SSL listener (SCRAM-SHA-512,
+/// our test CA), as `scripts/kafka.sh secure-env` gives it: `KAFKA_BROKERS`
+/// and `KAFKA_CFG_*` variables, for a process of a test's own.
+pub fn secured_env() -> Vec<(String, String)> {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka.sh");
+    let out = Command::new("bash")
+        .arg(script)
+        .arg("secure-env")
+        .output()
+        .expect("kafka.sh secure-env");
+    assert!(out.status.success(), "kafka.sh secure-env failed");
+    String::from_utf8(out.stdout)
+        .expect("utf-8")
+        .lines()
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+}
+
+/// [`secured_env`] as librdkafka settings for a client in this process:
+/// `bootstrap.servers` and the `KAFKA_CFG_*` settings.
+pub fn secured_config() -> ClientConfig {
+    let mut config = ClientConfig::new();
+    for (k, v) in secured_env() {
+        match k.strip_prefix("KAFKA_CFG_") {
+            Some(name) => config.set(name.to_ascii_lowercase().replace('_', "."), v),
+            None if k == "KAFKA_BROKERS" => config.set("bootstrap.servers", v),
+            None => &mut config,
+        };
+    }
+    config
+}
+
 /// `prefix` and a random suffix: a name no other test uses.
 pub fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4().simple())

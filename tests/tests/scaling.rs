@@ -816,3 +816,151 @@ fn parse_duration(s: &str) -> Duration {
         other => panic!("unit {other}"),
     })
 }
+
+/// Through the broker's SASL_SSL listener (SCRAM-SHA-512 over TLS verified
+/// against the test CA, nothing else reachable for the members: their only
+/// bootstrap server is that listener), a member applying 2 x 400 events is
+/// SIGKILLed; the next member, also over SASL_SSL, takes over from the
+/// committed offsets: each event applied exactly once, and three malformed
+/// events dead-lettered once each by the member's own (secured) producer.
+#[sqlx::test(migrations = false)]
+async fn exactly_once_over_sasl_ssl_under_a_kill(pool: PgPool) {
+    let _alone = one_at_a_time().await;
+    let topic = two_partitions(&pool, 400).await;
+    let producer = producer_for(&topic, 2).await;
+    for _ in 0..3 {
+        send_to(&producer, &topic, 0, b"not an event").await;
+    }
+    let secured = common::secured_env();
+    assert!(
+        secured
+            .iter()
+            .any(|(k, v)| k == "KAFKA_CFG_SECURITY_PROTOCOL" && v == "SASL_SSL"),
+        "{secured:?}"
+    );
+    let mut env: Vec<(&str, &str)> = secured
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    env.extend([
+        ("HANDLER_SLEEP_MS", "2"),
+        ("BATCH_SIZE", "20"),
+        ("COMMIT_INTERVAL_MS", "500"),
+        // The killed member's partitions move after 6 s, not 45.
+        ("KAFKA_CFG_SESSION_TIMEOUT_MS", "6000"),
+    ]);
+    let group = unique("g");
+    let a = Member::start(&pool, &topic, &group, "a", &env);
+    wait_applied(&pool, 150, Duration::from_secs(60)).await;
+    a.kill();
+    let b = Member::start(&pool, &topic, &group, "b", &env);
+    wait_applied(&pool, 800, Duration::from_secs(120)).await;
+    let dead = common::read_exactly(&brokers(), &format!("{topic}.dlq"), 3).await;
+    let b = b.stop().await;
+    let (rows, distinct) = applied_rows(&pool).await;
+    assert_eq!((rows, distinct), (800, 800), "each event applied once");
+    assert!(
+        b.applied > 0 && b.applied < 800,
+        "b took over from a: {b:?}"
+    );
+    for record in &dead {
+        assert_eq!(common::header(record, "dedup.error.kind"), Some("decode"));
+        assert_eq!(
+            common::header(record, "dedup.original.topic"),
+            Some(topic.as_str())
+        );
+    }
+}
+
+/// What a member that cannot start says: its log and error, once it exits
+/// (within 30 s, or the test fails: it must never hang).
+async fn refused_member(pool: &PgPool, topic: &str, group: &str, env: &[(&str, &str)]) -> String {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_member"));
+    cmd.env("DATABASE_URL", database_url(pool))
+        .env("TOPIC", topic)
+        .env("GROUP_ID", group)
+        .env("MEMBER", "refused")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let child = cmd.spawn().expect("start a member");
+    let pid = child.id();
+    let waited = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::task::spawn_blocking(move || child.wait_with_output()),
+    )
+    .await;
+    let Ok(out) = waited else {
+        let _ = std::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status();
+        panic!("the member neither started nor stopped within 30 s");
+    };
+    let out = out.expect("join").expect("member output");
+    assert!(!out.status.success(), "the member ran");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+/// A wrong SASL password, and a CA that did not sign the broker's
+/// certificate: each stops the member at start with one error naming what
+/// to check (never the password), within seconds; nothing is consumed, and
+/// a member with the right settings then applies every event once.
+#[sqlx::test(migrations = false)]
+async fn a_wrong_password_or_ca_stops_the_start_with_a_clear_error(pool: PgPool) {
+    let _alone = one_at_a_time().await;
+    let topic = two_partitions(&pool, 20).await;
+    let group = unique("g");
+    let secured = common::secured_env();
+    let env: Vec<(&str, &str)> = secured
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    let with = |key: &'static str, value: &'static str| {
+        let mut changed: Vec<(&str, &str)> =
+            env.iter().filter(|(k, _)| *k != key).copied().collect();
+        changed.push((key, value));
+        changed
+    };
+
+    let said = refused_member(
+        &pool,
+        &topic,
+        &group,
+        &with("KAFKA_CFG_SASL_PASSWORD", "not-the-password"),
+    )
+    .await;
+    assert!(said.contains("refused this client's credentials"), "{said}");
+    assert!(said.contains("SCRAM-SHA-512"), "{said}");
+    assert!(
+        !said.contains("not-the-password"),
+        "the password in the log: {said}"
+    );
+
+    let other_ca = format!("{}/other-ca.pem", tls_dir());
+    let other_ca: &'static str = Box::leak(other_ca.into_boxed_str());
+    let said = refused_member(
+        &pool,
+        &topic,
+        &group,
+        &with("KAFKA_CFG_SSL_CA_LOCATION", other_ca),
+    )
+    .await;
+    assert!(
+        said.contains("TLS handshake with the brokers failed"),
+        "{said}"
+    );
+    assert!(said.contains("certificate verify failed"), "{said}");
+
+    assert_eq!(applied_rows(&pool).await, (0, 0));
+    let member = Member::start(&pool, &topic, &group, "a", &env);
+    wait_applied(&pool, 40, Duration::from_secs(60)).await;
+    member.stop().await;
+    assert_eq!(applied_rows(&pool).await, (40, 40));
+}
+
+/// The certificates scripts/tls.sh made.
+fn tls_dir() -> String {
+    std::env::var("DEDUP_TLS_DIR").unwrap_or_else(|_| "/var/tmp/dedup-tls".into())
+}

@@ -278,7 +278,7 @@ pub(crate) fn builtin_features() -> &'static str {
 
 /// Refuses settings that need a librdkafka feature this build lacks, with
 /// the remedy: TLS and the SASL mechanisms built on OpenSSL are the `ssl`
-/// cargo feature, off by default so that a plain build needs no OpenSSL.
+/// cargo feature (on by default; `default-features = false` builds without OpenSSL).
 /// (librdkafka alone would only say the value is unsupported.)
 pub(crate) fn check_features(settings: &[(String, String)]) -> Result<(), Error> {
     const REMEDY: &str = "this build of librdkafka has no OpenSSL: enable dedup-kafka's `ssl` \

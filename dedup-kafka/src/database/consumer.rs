@@ -173,6 +173,8 @@ impl<S: DedupStore> Consumer<S> {
                  multi-thread runtime, or set revoke_timeout(Duration::ZERO) to silence this"
             );
         }
+        // Credentials and TLS the brokers refuse are named first.
+        crate::access::check(&self.admin_config, "consumer").await?;
         // The tiers' topics first: a missing one is named as such, not as a
         // retention the TTL check cannot read.
         self.check_tiers().await?;

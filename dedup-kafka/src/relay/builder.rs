@@ -216,6 +216,7 @@ impl<S: OutboxSource> RelayBuilder<S> {
         Ok(Relay {
             source: self.source,
             producer,
+            access: config,
             batch_size: self.batch_size,
             poll_interval: self.poll_interval,
             retry: self.retry,

@@ -54,6 +54,8 @@ pub(super) const BACKLOG_INTERVAL: Duration = Duration::from_secs(5);
 pub struct Relay<S> {
     source: S,
     producer: FutureProducer,
+    /// The producer's settings, for the start-up check of access.
+    access: rdkafka::ClientConfig,
     batch_size: usize,
     poll_interval: Duration,
     retry: RetryPolicy,
@@ -163,7 +165,11 @@ impl<S: OutboxSource> Relay<S> {
             .map(|http| http.relay("relay", self.stats.clone()).spawn());
         self.stats.running.store(true, Ordering::Release);
         self.stats.turned();
-        let worked = self.work(shutdown).await;
+        // Credentials and TLS the brokers refuse are named at start.
+        let worked = match crate::access::check(&self.access, "relay").await {
+            Ok(()) => self.work(shutdown).await,
+            Err(e) => Err(e),
+        };
         self.stats.running.store(false, Ordering::Release);
         if let Err(e) = &worked {
             *self.stats.fatal.lock().unwrap_or_else(|p| p.into_inner()) = Some(e.to_string());

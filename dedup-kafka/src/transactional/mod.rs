@@ -253,6 +253,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 ttl: self.handler.ttl(),
             })
             .collect();
+        // Credentials and TLS the brokers refuse are named first.
+        crate::access::check(&self.shared_config, "consumer").await?;
         crate::ttl_check::check(self.pipeline.ttl_check, &self.shared_config, &checked).await?;
         if let Some(tiers) = &self.tiers {
             crate::tiers::check_topics(&self.shared_config, vec![tiers.clone()], true).await?;

@@ -19,7 +19,8 @@ pub(crate) const TIMEOUT: Duration = Duration::from_secs(15);
 const STALL: Duration = Duration::from_secs(30);
 
 /// The settings every client gets: the brokers, the `--kafka-config` file's
-/// settings, then the `--kafka-set` pairs.
+/// settings, the `KAFKA_CFG_*` environment variables (named as the
+/// services' builders name them), then the `--kafka-set` pairs.
 pub(crate) fn config(kafka: &KafkaArgs) -> Result<ClientConfig, Failure> {
     let mut config = ClientConfig::new();
     config.set("bootstrap.servers", &kafka.brokers);
@@ -41,6 +42,9 @@ pub(crate) fn config(kafka: &KafkaArgs) -> Result<ClientConfig, Failure> {
             })?;
             config.set(key.trim(), value.trim());
         }
+    }
+    for (key, _variable, value) in dedup_kafka::settings_from_env("KAFKA_CFG_") {
+        config.set(key, value);
     }
     for pair in &kafka.settings {
         let (key, value) = pair.split_once('=').ok_or_else(|| {

@@ -87,7 +87,9 @@ pub(crate) struct KafkaArgs {
     #[arg(long = "kafka-config", value_name = "FILE", env = "DEDUP_KAFKA_CONFIG")]
     config_file: Option<std::path::PathBuf>,
     /// A librdkafka setting for every client, e.g.
-    /// `security.protocol=sasl_ssl` (repeatable; after --kafka-config).
+    /// `security.protocol=sasl_ssl` (repeatable; after --kafka-config and
+    /// the `KAFKA_CFG_<NAME>` environment variables, which the services'
+    /// builders read too: `KAFKA_CFG_SASL_PASSWORD` sets `sasl.password`).
     #[arg(long = "kafka-set", value_name = "KEY=VALUE")]
     settings: Vec<String>,
 }

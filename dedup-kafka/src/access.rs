@@ -24,6 +24,8 @@ const ACCESS_TIMEOUT: Duration = Duration::from_secs(10);
 struct Refusals(Mutex<Option<(RDKafkaErrorCode, String)>>);
 
 impl rdkafka::ClientContext for Refusals {
+    crate::oauth::tokens_from_the_provider!();
+
     fn error(&self, error: KafkaError, reason: &str) {
         match error.rdkafka_error_code() {
             Some(
@@ -79,8 +81,15 @@ pub(crate) async fn check(config: &ClientConfig, who: &str) -> Result<(), Error>
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .take();
-            if let Some((code, reason)) = refused {
-                return Err(Error::Config(refusal(&who, code, &reason)));
+            match refused {
+                // The token provider's outage, not a refusal: waited out.
+                Some((_, reason)) if reason.contains(crate::oauth::NO_TOKEN) => {
+                    tracing::debug!(reason, "{who}: no OAUTHBEARER token yet");
+                }
+                Some((code, reason)) => {
+                    return Err(Error::Config(refusal(&who, code, &reason)));
+                }
+                None => {}
             }
             if Instant::now() >= deadline {
                 tracing::warn!(

@@ -1,5 +1,6 @@
 //! Dead-lettering: the original record plus why it failed.
 
+use crate::oauth::TokenContext;
 use std::time::Duration;
 
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -444,7 +445,7 @@ impl DeadLetterHeaders {
 /// Produces the dead letter and waits for the broker's acknowledgement;
 /// with `keep`, at most that many bytes of the payload.
 pub(crate) async fn send(
-    producer: &FutureProducer,
+    producer: &FutureProducer<TokenContext>,
     msg: &OwnedMessage,
     why: &DeadLetter<'_>,
     timeout: Duration,

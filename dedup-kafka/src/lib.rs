@@ -8,6 +8,7 @@ mod failpoint;
 #[cfg(feature = "http")]
 pub mod http;
 mod metrics;
+mod oauth;
 #[cfg(feature = "opentelemetry")]
 mod otel;
 mod pipeline;
@@ -20,13 +21,14 @@ mod tiers;
 mod transactional;
 mod ttl_check;
 
-pub use config::{OnFingerprintMismatch, PREFETCH_DEFAULTS};
+pub use config::{OnFingerprintMismatch, PREFETCH_DEFAULTS, settings_from_env};
 pub use database::builder::ConsumerBuilder;
 pub use database::consumer::Consumer;
 pub use dead_letter_format::{
     DEAD_LETTER_HEADERS, DeadLetterHeaders, MAX_ERROR_MESSAGE_BYTES, MalformedHeaders,
     OriginalMessage, REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER, TRUNCATED_PAYLOAD_BYTES,
 };
+pub use oauth::{OAuthToken, TokenError, TokenFuture, TokenProvider};
 pub use relay::{Relay, RelayBuilder};
 pub use retry::RetryPolicy;
 pub use select::{EventType, OrderBy, OtherTypes};

@@ -3,11 +3,11 @@
 //! every record still in the topic, and those older than the TTL have lost
 //! their claims, so they are applied again.
 
+use crate::oauth::TokenContext;
 use std::collections::HashMap;
 use std::time::Duration;
 
 use rdkafka::admin::{AdminClient, AdminOptions, ResourceSpecifier};
-use rdkafka::client::DefaultClientContext;
 
 /// What the consumer does at start-up when a handler's TTL is shorter than
 /// how long its topic keeps records.
@@ -156,8 +156,9 @@ pub async fn topic_retention(
     topics: &[&str],
     timeout: Duration,
 ) -> Result<HashMap<String, TopicRetention>, String> {
-    let admin: AdminClient<DefaultClientContext> =
-        config.create().map_err(|e| crate::redacted(&e))?;
+    let admin: AdminClient<TokenContext> = config
+        .create_with_context(TokenContext)
+        .map_err(|e| crate::redacted(&e))?;
     let specifiers: Vec<ResourceSpecifier<'_>> =
         topics.iter().map(|t| ResourceSpecifier::Topic(t)).collect();
     let options = AdminOptions::new().request_timeout(Some(timeout));

@@ -596,3 +596,75 @@ fn with_password(url: &str, password: &str) -> String {
     let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
     format!("{scheme}://{user}:{password}@{host}")
 }
+
+/// The operator's tool where production puts it: the brokers only through
+/// SASL_SSL (SCRAM-SHA-512, the test CA), settings from `KAFKA_CFG_*` as
+/// the services read them, and the database only over verify-full as a
+/// role that may not connect in clear. `dlq inspect` and a claims-checked
+/// `dlq replay` work there; a wrong Kafka password is one clear error that
+/// never shows it.
+#[sqlx::test(migrations = false)]
+async fn the_cli_reaches_a_sasl_ssl_cluster_and_a_tls_only_database(pool: PgPool) {
+    let store = migrated(&pool).await;
+    let topic = create_topic(1).await;
+    let dlq = format!("{topic}.dlq");
+    let group = unique("g");
+    block(&pool, "blocked-1").await;
+    let ids: Vec<uuid::Uuid> = (0..2).map(|_| uuid::Uuid::new_v4()).collect();
+    pay(&topic, &[(ids[0], "a", 1), (ids[1], "blocked-1", 10)]).await;
+    let first = consume(&store, &topic, &group).await;
+    assert_eq!((first.applied, first.dead_lettered), (1, 1), "{first:?}");
+    unblock_all(&pool).await;
+
+    // The TLS-only role may read and write dedup's tables in this database.
+    sqlx::query("GRANT ALL ON ALL TABLES IN SCHEMA public TO dedup_tls")
+        .execute(&pool)
+        .await
+        .expect("grant");
+    let options: sqlx::postgres::PgConnectOptions =
+        database_url(&pool).parse().expect("the test's URL");
+    let tls_dir = std::env::var("DEDUP_TLS_DIR").unwrap_or_else(|_| "/var/tmp/dedup-tls".into());
+    let database = format!(
+        "postgres://dedup_tls:dedup@localhost:{}/{}?sslmode=verify-full&sslrootcert={tls_dir}/ca.pem",
+        options.get_port(),
+        options.get_database().expect("a database"),
+    );
+    let secured = common::secured_env();
+    let mut env: Vec<(&str, &str)> = secured
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    env.push(("DATABASE_URL", &database));
+
+    let inspected = dedup_with(&pool, &["dlq", "inspect", &dlq, "--json"], &env).await;
+    assert!(inspected.status.success(), "{}", stderr(&inspected));
+    assert_eq!(json(&inspected)["records"], 1);
+    let replay = [
+        "dlq",
+        "replay",
+        &dlq,
+        "--check-claims",
+        "--scope",
+        SCOPE,
+        "--key",
+        "event_id",
+    ];
+    let done = dedup_with(&pool, &replay, &env).await;
+    assert!(done.status.success(), "{}", stderr(&done));
+    assert!(stdout(&done).contains("replayed=1"), "{}", stdout(&done));
+    let after = consume(&store, &topic, &group).await;
+    assert_eq!((after.applied, after.dead_lettered), (1, 0), "{after:?}");
+    assert_eq!(total_balance(&pool).await, 11, "each payment applied once");
+
+    let mut wrong: Vec<(&str, &str)> = env
+        .iter()
+        .filter(|(k, _)| *k != "KAFKA_CFG_SASL_PASSWORD")
+        .copied()
+        .collect();
+    wrong.push(("KAFKA_CFG_SASL_PASSWORD", "not-the-password"));
+    let refused = dedup_with(&pool, &["dlq", "inspect", &dlq], &wrong).await;
+    assert!(!refused.status.success());
+    let said = stderr(&refused);
+    assert!(said.contains("cannot reach the Kafka brokers"), "{said}");
+    assert!(!said.contains("not-the-password"), "{said}");
+}

@@ -217,6 +217,30 @@ async fn an_enqueue_that_rolls_back_publishes_nothing(pool: PgPool) {
 
 #[sqlx::test(migrations = false)]
 async fn a_relay_killed_after_publishing_publishes_again_and_downstream_applies_once(pool: PgPool) {
+    relay_killed_after_publishing(&pool, &[]).await;
+}
+
+/// The same through the broker's SASL_SSL listener (SCRAM-SHA-512 over TLS
+/// verified against the test CA), the relay taking its settings from
+/// `KAFKA_CFG_*` as a deployment gives them.
+#[sqlx::test(migrations = false)]
+async fn over_sasl_ssl_a_relay_killed_after_publishing_publishes_again_and_downstream_applies_once(
+    pool: PgPool,
+) {
+    let secured = common::secured_env();
+    let env: Vec<(&str, &str)> = secured
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    relay_killed_after_publishing(&pool, &env).await;
+}
+
+/// A relay (with `env` beside the test's database and brokers) dies after
+/// the broker acknowledged an event and before marking it; the restart
+/// publishes it again once the lease expired, and the downstream consumer
+/// applies it once.
+async fn relay_killed_after_publishing(pool: &PgPool, env: &[(&str, &str)]) {
+    let pool = pool.clone();
     store(&pool).await; // accounts + dedup table
     let source = migrated_outbox(&pool).await;
     let topic = create_topic(1).await;
@@ -238,6 +262,9 @@ async fn a_relay_killed_after_publishing_publishes_again_and_downstream_applies_
             .env("DATABASE_URL", database_url(&pool))
             .env("KAFKA_BROKERS", brokers())
             .env("RELAY_DELIVERY_TIMEOUT_MS", "3000");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
         match failpoint {
             Some(f) => cmd.env("DEDUP_FAILPOINT", f),
             None => cmd.env_remove("DEDUP_FAILPOINT"),

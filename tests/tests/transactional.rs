@@ -866,6 +866,49 @@ async fn enrich_killed_anywhere_outputs_each_distinct_event_once() {
     }
 }
 
+/// The Kafka-only runtime through the broker's SASL_SSL listener
+/// (SCRAM-SHA-512 over TLS verified against the test CA; the enrich example
+/// takes its settings from `KAFKA_CFG_*`, and only that listener is its
+/// bootstrap server): killed (SIGKILL) once it has written, then drained by
+/// another run, it outputs each distinct event once, late duplicates
+/// included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enrich_over_sasl_ssl_killed_outputs_each_distinct_event_once() {
+    let topic = create_topic(3).await;
+    let out = create_topic(3).await;
+    let group = unique("enrich");
+    let p = producer();
+    for i in 0..600u64 {
+        send(&p, &topic, &format!("p{i}"), &payment(i), None).await;
+        if i >= 100 && i.is_multiple_of(10) {
+            send(
+                &p,
+                &topic,
+                &format!("p{}", i - 100),
+                &payment(i - 100),
+                None,
+            )
+            .await;
+        }
+    }
+    let secured = common::secured_env();
+    let run = || {
+        let mut cmd = enrich(&topic, &out, &group, &unique("enrich-tx"), None, "5s");
+        for (k, v) in &secured {
+            cmd.env(k, v);
+        }
+        cmd
+    };
+    kill_once_written(run().spawn().expect("spawned"), &[&out], 150).await;
+    // The killed run stays a member until its session (6 s) expires.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    drain_run(run());
+    let distinct: HashSet<String> = (0..600).map(|i| format!("p{i}")).collect();
+    let seen = ids(&read_all(&out, "read_committed").await);
+    assert_eq!(seen.len(), distinct.len(), "none twice");
+    assert_eq!(seen.into_iter().collect::<HashSet<_>>(), distinct);
+}
+
 fn payment(i: u64) -> Vec<u8> {
     serde_json::json!({"event_id": format!("p{i}"), "account_id": format!("acct-{}", i % 7), "amount_cents": i})
         .to_string()

@@ -69,6 +69,8 @@ pub(crate) struct ClientSettings {
     settings: Vec<(String, String)>,
     /// Settings taken from the environment: (setting, variable).
     from_env: Vec<(String, String)>,
+    /// Where OAUTHBEARER tokens come from, if from code.
+    pub(crate) oauth: crate::oauth::ProviderSetting,
 }
 
 impl Default for ClientSettings {
@@ -78,6 +80,7 @@ impl Default for ClientSettings {
             group_id: None,
             settings: Vec::new(),
             from_env: Vec::new(),
+            oauth: crate::oauth::ProviderSetting::default(),
         }
     }
 }
@@ -88,6 +91,7 @@ impl fmt::Debug for ClientSettings {
             .field("brokers", &self.brokers)
             .field("group_id", &self.group_id)
             .field("settings", &redacted(&self.settings))
+            .field("oauth_token_provider", &self.oauth)
             .finish()
     }
 }
@@ -104,6 +108,13 @@ impl ClientSettings {
             self.from_env.push((key.clone(), name));
             self.settings.push((key, value));
         }
+    }
+
+    /// Starts the token provider's keeper, if one is set: every client made
+    /// from these settings after this asks it for its tokens. The runtime
+    /// keeps the handle for as long as its clients live.
+    pub(crate) fn start_tokens(&mut self) -> Result<Option<crate::oauth::Tokens>, Error> {
+        self.oauth.start(&mut self.settings)
     }
 
     /// The value `key` ends with, if it was set.
@@ -301,11 +312,13 @@ pub(crate) fn check_features(settings: &[(String, String)]) -> Result<(), Error>
     Ok(())
 }
 
-/// A librdkafka setting's name from an environment variable's suffix:
-/// `GROUP_PROTOCOL` -> `group.protocol`, `LOG__LEVEL` -> `log_level`.
 /// The environment variables `<prefix><NAME>`, in name order, as
-/// `(setting, variable, value)`; see `set_from_env`.
-pub(crate) fn settings_from_env(prefix: &str) -> Vec<(String, String, String)> {
+/// `(setting, variable, value)`: the librdkafka setting named as the
+/// builders' `set_from_env` names it (`KAFKA_CFG_GROUP_PROTOCOL` ->
+/// `group.protocol`, `KAFKA_CFG_LOG__LEVEL` -> `log_level`), for a client
+/// of your own (the `dedup` CLI reads `KAFKA_CFG_*` so). The value may be a
+/// secret: show the variable, never the value.
+pub fn settings_from_env(prefix: &str) -> Vec<(String, String, String)> {
     let mut vars: Vec<(String, String)> = std::env::vars()
         .filter(|(name, _)| name.len() > prefix.len() && name.starts_with(prefix))
         .collect();

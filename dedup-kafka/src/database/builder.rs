@@ -174,6 +174,17 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         self
     }
 
+    /// Where every client of the consumer (the consumer, the dead-letter
+    /// producer, the start-up checks' clients) gets its SASL OAUTHBEARER
+    /// token: called on a thread of its own at `build()`, before each token
+    /// expires, and whenever librdkafka asks (see [`TokenProvider`](crate::TokenProvider)).
+    /// Use with `security.protocol=SASL_SSL` and `sasl.mechanisms=OAUTHBEARER`.
+    /// Its failures are an outage: logged, counted, waited out.
+    pub fn oauth_token_provider(mut self, provider: impl crate::TokenProvider) -> Self {
+        self.client.oauth.set(provider);
+        self
+    }
+
     /// Passes a librdkafka setting to the dead-letter producer only, after
     /// the shared ones (`linger.ms`, `compression.type`, a
     /// `message.max.bytes` for topics that allow larger records...).
@@ -413,7 +424,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
     }
 
     /// Builds the consumer without starting it.
-    pub fn build(self) -> Result<Consumer<S>, Error> {
+    pub fn build(mut self) -> Result<Consumer<S>, Error> {
         if self.routes.is_empty() {
             return Err(Error::Config(
                 "no topic has a handler: add .handle(\"topic\", handler)".into(),
@@ -444,6 +455,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
                 self.runtime.revoke_timeout
             )));
         }
+        let tokens = self.client.start_tokens()?;
         let consumer_config = self.client.consumer_config()?;
         let group = self.client.group_id.clone().unwrap_or_default();
         let producer_config = self.dead_letter_producer_config()?;
@@ -538,6 +550,7 @@ impl<S: DedupStore> ConsumerBuilder<S> {
         }
         #[cfg_attr(not(feature = "http"), allow(unused_mut))]
         let mut consumer = Consumer::new(store, routes, consumer_config, producer_config, runtime)?;
+        consumer.tokens = tokens;
         #[cfg(feature = "http")]
         {
             consumer.http = crate::http::bind(http, &consumer.group, consumer.stats())?;

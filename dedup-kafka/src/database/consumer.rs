@@ -2,6 +2,7 @@
 //! worker, pauses and resumes partitions for back-pressure, commits offsets
 //! on an interval, and shuts down gracefully.
 
+use crate::oauth::TokenContext;
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
@@ -40,6 +41,8 @@ pub struct Consumer<S: DedupStore> {
     pub(super) partitions: PartitionMap,
     pub(super) drained: mpsc::UnboundedReceiver<(String, i32, crate::database::partition::Pace)>,
     pub(super) admin_config: ClientConfig,
+    /// The OAUTHBEARER tokens' keeper its clients ask, if a provider is set.
+    pub(super) tokens: Option<crate::oauth::Tokens>,
     pub(crate) group: String,
     /// The partitions whose key-ordered gauges were last set.
     pub(super) keyed_reported: std::sync::Mutex<HashSet<(String, i32)>>,
@@ -73,7 +76,8 @@ impl<S: DedupStore> Consumer<S> {
                     revoke_timeout: settings.revoke_timeout,
                 },
             ))?;
-        let producer: FutureProducer = producer_config.create()?;
+        let producer: FutureProducer<TokenContext> =
+            producer_config.create_with_context(TokenContext)?;
         // How to reach the brokers, for the start-up TTL check.
         let admin_config = producer_config;
         let group = consumer_config
@@ -104,6 +108,7 @@ impl<S: DedupStore> Consumer<S> {
             partitions,
             drained,
             admin_config,
+            tokens: None,
             group,
             keyed_reported: std::sync::Mutex::default(),
             tiers_reported: std::sync::Mutex::default(),

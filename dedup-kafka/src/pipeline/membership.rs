@@ -173,6 +173,8 @@ fn lag_of(end: [i64; 2], librdkafka: [i64; 2], committed: Option<i64>) -> Option
 }
 
 impl<R: OnRebalance> ClientContext for Membership<R> {
+    crate::oauth::tokens_from_the_provider!();
+
     /// librdkafka's statistics (every `statistics.interval.ms`): the lag of
     /// each owned partition, as the `dedup_consumer_lag` gauge. Only owned
     /// ones: a report can still list a partition being revoked.

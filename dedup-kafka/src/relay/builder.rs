@@ -1,5 +1,6 @@
 //! The relay's builder: its settings, checked when it is built.
 
+use crate::oauth::TokenContext;
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
@@ -51,6 +52,7 @@ pub struct RelayBuilder<S> {
     purge_interval: Duration,
     lease_timeout: Option<Duration>,
     store_timeout: Duration,
+    oauth: crate::oauth::ProviderSetting,
     #[cfg(feature = "http")]
     http: Option<String>,
 }
@@ -85,6 +87,7 @@ impl<S: OutboxSource> RelayBuilder<S> {
             purge_interval: Duration::from_secs(60),
             lease_timeout: None,
             store_timeout: Duration::from_secs(30),
+            oauth: crate::oauth::ProviderSetting::default(),
             #[cfg(feature = "http")]
             http: None,
         }
@@ -116,6 +119,13 @@ impl<S: OutboxSource> RelayBuilder<S> {
             self.from_env.push((key.clone(), variable));
             self.settings.push((key, value));
         }
+        self
+    }
+
+    /// Where the relay's producer gets its SASL OAUTHBEARER token, as
+    /// [`ConsumerBuilder::oauth_token_provider`](crate::ConsumerBuilder::oauth_token_provider).
+    pub fn oauth_token_provider(mut self, provider: impl crate::TokenProvider) -> Self {
+        self.oauth.set(provider);
         self
     }
 
@@ -188,7 +198,7 @@ impl<S: OutboxSource> RelayBuilder<S> {
     }
 
     /// Builds the relay (creates its producer) without starting it.
-    pub fn build(self) -> Result<Relay<S>, Error> {
+    pub fn build(mut self) -> Result<Relay<S>, Error> {
         crate::config::check_env_settings(&self.from_env, &self.settings)?;
         crate::config::check_features(&self.settings)?;
         crate::config::refuse_own_settings(
@@ -210,13 +220,15 @@ impl<S: OutboxSource> RelayBuilder<S> {
                 self.delivery_timeout
             )));
         }
+        let tokens = self.oauth.start(&mut self.settings)?;
         let config =
             idempotent_producer_config(&self.brokers, &self.settings, self.delivery_timeout);
-        let producer: FutureProducer = config.create()?;
+        let producer: FutureProducer<TokenContext> = config.create_with_context(TokenContext)?;
         Ok(Relay {
             source: self.source,
             producer,
             access: config,
+            tokens,
             batch_size: self.batch_size,
             poll_interval: self.poll_interval,
             retry: self.retry,

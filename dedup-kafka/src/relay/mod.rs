@@ -1,6 +1,7 @@
 //! The outbox relay: publishes what an [`OutboxSource`] holds, in order,
 //! with the idempotent producer, and marks it sent only once acknowledged.
 
+use crate::oauth::TokenContext;
 use std::collections::HashSet;
 use std::fmt;
 use std::future::Future;
@@ -53,9 +54,12 @@ pub(super) const BACKLOG_INTERVAL: Duration = Duration::from_secs(5);
 /// itself backs off too.
 pub struct Relay<S> {
     source: S,
-    producer: FutureProducer,
+    producer: FutureProducer<TokenContext>,
     /// The producer's settings, for the start-up check of access.
     access: rdkafka::ClientConfig,
+    /// The OAUTHBEARER tokens' keeper its producer asks, if a provider is set.
+    #[allow(dead_code)]
+    tokens: Option<crate::oauth::Tokens>,
     batch_size: usize,
     poll_interval: Duration,
     retry: RetryPolicy,

@@ -2,6 +2,7 @@
 //! with the partitions a move needs, and each handler's TTL outlives the way
 //! through them.
 
+use crate::oauth::TokenContext;
 use std::time::Duration;
 
 use super::TopicTiers;
@@ -23,7 +24,8 @@ pub(crate) async fn check_topics(
     }
     let admin = admin.clone();
     let counted = tokio::task::spawn_blocking(move || {
-        let client: rdkafka::consumer::BaseConsumer = admin.create()?;
+        let client: rdkafka::consumer::BaseConsumer<TokenContext> =
+            admin.create_with_context(TokenContext)?;
         let mut out = Vec::new();
         for topic in &tiers {
             let count = |name: &str| -> Result<usize, rdkafka::error::KafkaError> {

@@ -1,4 +1,5 @@
 //! Building a [`TransactionalConsumer`]: its settings and clients.
+use crate::oauth::TokenContext;
 use std::fmt;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -279,7 +280,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     }
 
     /// Checks the settings and creates the clients.
-    pub fn build(self) -> Result<TransactionalConsumer<H>, Error> {
+    pub fn build(mut self) -> Result<TransactionalConsumer<H>, Error> {
         let group = self.client.group_id.clone().ok_or_else(|| {
             Error::Config("a group id is required: .group_id(\"enrich-v1\")".into())
         })?;
@@ -366,6 +367,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
                 "the topic {repeated:?} is both the input and a retry tier, or two tiers"
             )));
         }
+        let tokens = self.client.start_tokens()?;
         let mut consumer = self.client.consumer_config()?;
         if tiers.is_some() {
             consumer.set("partition.assignment.strategy", "range");
@@ -393,7 +395,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
                 "transaction.timeout.ms",
                 self.transaction_timeout.as_millis().max(1000).to_string(),
             );
-        let producer: FutureProducer = producer.create()?;
+        let producer: FutureProducer<TokenContext> = producer.create_with_context(TokenContext)?;
         let stats = Arc::new(Stats::new());
         Ok(TransactionalConsumer {
             topics: super::lanes::Topics::new(topics),
@@ -410,6 +412,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             handler: Arc::new(self.handler),
             consumer_config: consumer,
             shared_config: shared,
+            tokens,
             producer,
             transactional_id,
             changelog_replication: self.changelog_replication,

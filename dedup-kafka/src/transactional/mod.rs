@@ -29,6 +29,7 @@ mod restore;
 mod tiered;
 mod transact;
 
+use crate::oauth::TokenContext;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::future::Future;
@@ -96,7 +97,10 @@ pub struct TransactionalConsumer<H> {
     dead_letter_topic: String,
     consumer_config: ClientConfig,
     shared_config: ClientConfig,
-    producer: FutureProducer,
+    producer: FutureProducer<TokenContext>,
+    /// The OAUTHBEARER tokens' keeper its clients ask, if a provider is set.
+    #[allow(dead_code)]
+    tokens: Option<crate::oauth::Tokens>,
     transactional_id: String,
     changelog_replication: i32,
     transaction_timeout: Duration,

@@ -1,11 +1,11 @@
 //! The changelog topic: created beside the input, and read back into a
 //! partition's claims when the partition is assigned.
 
+use crate::oauth::TokenContext;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, ResourceSpecifier, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -27,7 +27,7 @@ pub(crate) async fn ensure_changelog(
     changelog: &str,
     replication: i32,
 ) -> Result<(), Error> {
-    let probe: BaseConsumer = base.create()?;
+    let probe: BaseConsumer<TokenContext> = base.create_with_context(TokenContext)?;
     let count = |topic: &str| -> Result<Option<usize>, Error> {
         let metadata = probe.fetch_metadata(Some(topic), REQUEST_TIMEOUT)?;
         Ok(metadata
@@ -41,7 +41,7 @@ pub(crate) async fn ensure_changelog(
             "the input topic {input:?} does not exist: the changelog {changelog:?} is created with as many partitions"
         ))
     })?;
-    let admin: AdminClient<DefaultClientContext> = base.create()?;
+    let admin: AdminClient<TokenContext> = base.create_with_context(TokenContext)?;
     let topic = NewTopic::new(
         changelog,
         inputs as i32,
@@ -115,7 +115,7 @@ pub(crate) async fn ensure_changelog(
 /// The changelog topic's `cleanup.policy`, or `None` when the broker
 /// describes it without one (a topic it has only just created).
 async fn cleanup_policy(
-    admin: &AdminClient<DefaultClientContext>,
+    admin: &AdminClient<TokenContext>,
     changelog: &str,
 ) -> Result<Option<String>, Error> {
     let described = admin
@@ -171,8 +171,11 @@ pub(crate) fn restore(
     partitions: &[i32],
 ) -> Result<HashMap<i32, PartitionClaims>, Error> {
     let started = Instant::now();
-    let probe = |isolation: &str| -> Result<BaseConsumer, Error> {
-        Ok(base.clone().set("isolation.level", isolation).create()?)
+    let probe = |isolation: &str| -> Result<BaseConsumer<TokenContext>, Error> {
+        Ok(base
+            .clone()
+            .set("isolation.level", isolation)
+            .create_with_context(TokenContext)?)
     };
     let mut out: HashMap<i32, PartitionClaims> = partitions
         .iter()
@@ -346,6 +349,8 @@ fn corrupt(changelog: &str, partition: i32, offset: i64, why: &str) -> Error {
 struct QuietEof;
 
 impl rdkafka::ClientContext for QuietEof {
+    crate::oauth::tokens_from_the_provider!();
+
     fn error(&self, error: KafkaError, reason: &str) {
         if !matches!(
             error,

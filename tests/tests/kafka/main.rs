@@ -31,6 +31,7 @@ mod group;
 mod keyed;
 mod poison;
 mod records;
+mod secured;
 mod tiers;
 
 async fn produce(

@@ -22,6 +22,7 @@ pub(crate) mod worker;
 
 pub(crate) use due::until_due;
 
+use crate::oauth::TokenContext;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -49,7 +50,7 @@ pub(crate) struct Runtime<S> {
     /// the runtime, so the consumer is dropped (closed) by `shutdown`.
     pub(crate) store: Arc<S>,
     pub(crate) kafka: StreamConsumer<RebalanceContext>,
-    pub(crate) producer: FutureProducer,
+    pub(crate) producer: FutureProducer<TokenContext>,
     pub(crate) stats: Arc<Stats>,
     pub(crate) settings: Settings,
     /// The consumer group: the spans' attributes, the scope of key

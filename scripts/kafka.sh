@@ -116,7 +116,11 @@ PROPS
         # in one file.
         cat "$tls/server.key" "$tls/server.pem" >"$HOME_DIR/server-keystore.pem"
         chmod 600 "$HOME_DIR/server-keystore.pem"
+        # The certificates' fingerprint: new certificates (tls.sh makes them
+        # again near their expiry) change the settings, so the broker
+        # restarts with them.
         cat >>"$CONF.new" <<PROPS
+# certificates: $(cat "$tls/server.pem" "$tls/ca.pem" | sha256sum | cut -c1-16)
 ssl.keystore.type=PEM
 ssl.keystore.location=$HOME_DIR/server-keystore.pem
 ssl.truststore.type=PEM
@@ -151,6 +155,7 @@ scram_users() {
 }
 
 secure_env() {
+    [ -n "$SASL_SSL_PORT" ] || { echo "kafka: this broker has no SASL_SSL listener" >&2; exit 2; }
     local tls
     tls="$(bash "$ROOT/scripts/tls.sh" dir)"
     echo "KAFKA_CFG_SECURITY_PROTOCOL=SASL_SSL"
@@ -168,6 +173,7 @@ start() {
     if running; then
         if cmp -s "$CONF.new" "$CONF"; then
             rm -f "$CONF.new"
+            scram_users
             echo "kafka: already running on $HOST:$PORT" >&2
             return
         fi

@@ -65,6 +65,12 @@ SQL
         as_postgres createdb -p "$PGPORT" -O dedup dedup
     fi
     secure "$version"
+    # The databases earlier runs' TLS tests made (each makes its own).
+    local stale
+    for stale in $(as_postgres psql -tA -p "$PGPORT" -d postgres \
+        -c "SELECT datname FROM pg_database WHERE datname LIKE 'dedup\_tls\_%'"); do
+        as_postgres dropdb -p "$PGPORT" --if-exists "$stale" || true
+    done
     echo "postgres: ready at ${URL%%:dedup@*}:***@${URL#*dedup@} (TLS: ${URL%%:dedup@*}_tls:***@localhost:${PGPORT})" >&2
 }
 

@@ -66,6 +66,10 @@ pub(crate) async fn check(config: &ClientConfig, who: &str) -> Result<(), Error>
         // error events, which say why access was refused.
         let client: BaseProducer<Refusals> = config.create_with_context(Refusals::default())?;
         let deadline = Instant::now() + ACCESS_TIMEOUT;
+        // One refusal could be a broker dropping a connection mid-handshake:
+        // a second one, or none answering by the deadline, makes it count.
+        let mut refusals = 0u32;
+        let mut last_refusal = None;
         loop {
             let answered = client
                 .client()
@@ -83,15 +87,25 @@ pub(crate) async fn check(config: &ClientConfig, who: &str) -> Result<(), Error>
                 .take();
             match refused {
                 // The token provider's outage, not a refusal: waited out.
-                Some((_, reason)) if reason.contains(crate::oauth::NO_TOKEN) => {
+                Some((_, reason))
+                    if reason.contains(crate::oauth::NO_TOKEN)
+                        && !reason.contains(crate::oauth::REFUSED) =>
+                {
                     tracing::debug!(reason, "{who}: no OAUTHBEARER token yet");
                 }
                 Some((code, reason)) => {
-                    return Err(Error::Config(refusal(&who, code, &reason)));
+                    refusals += 1;
+                    if refusals >= 2 {
+                        return Err(Error::Config(refusal(&who, code, &reason)));
+                    }
+                    last_refusal = Some((code, reason));
                 }
                 None => {}
             }
             if Instant::now() >= deadline {
+                if let Some((code, reason)) = last_refusal {
+                    return Err(Error::Config(refusal(&who, code, &reason)));
+                }
                 tracing::warn!(
                     "{who}: the brokers do not answer yet; starting, and waiting them out"
                 );
@@ -106,7 +120,10 @@ pub(crate) async fn check(config: &ClientConfig, who: &str) -> Result<(), Error>
 /// The error for access refused with `code`: librdkafka's reason (which
 /// never holds a password) and what to look at.
 fn refusal(who: &str, code: RDKafkaErrorCode, reason: &str) -> String {
-    let what = if code == RDKafkaErrorCode::SSL {
+    let what = if reason.contains(crate::oauth::REFUSED) {
+        "the token provider cannot get a token: its identity provider refused its \
+         credentials; check the provider's client id, secret and scope"
+    } else if code == RDKafkaErrorCode::SSL {
         "the TLS handshake with the brokers failed; check ssl.ca.location (the CA that \
          signed the brokers' certificates) and, where the brokers ask for one, the client \
          certificate (ssl.certificate.location, ssl.key.location) and its validity"

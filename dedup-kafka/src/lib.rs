@@ -9,6 +9,8 @@ mod failpoint;
 pub mod http;
 mod metrics;
 mod oauth;
+#[cfg(feature = "oidc")]
+mod oidc;
 #[cfg(feature = "opentelemetry")]
 mod otel;
 mod pipeline;
@@ -29,6 +31,8 @@ pub use dead_letter_format::{
     OriginalMessage, REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER, TRUNCATED_PAYLOAD_BYTES,
 };
 pub use oauth::{OAuthToken, TokenError, TokenFuture, TokenProvider};
+#[cfg(feature = "oidc")]
+pub use oidc::OidcClientCredentials;
 pub use relay::{Relay, RelayBuilder};
 pub use retry::RetryPolicy;
 pub use select::{EventType, OrderBy, OtherTypes};

@@ -86,21 +86,48 @@ impl fmt::Debug for OAuthToken {
     }
 }
 
-/// Why a provider has no token (the endpoint is down, refused the client,
-/// answered nonsense). Its text is logged: it must hold no secret.
+/// Why a provider has no token. Its text is logged: it must hold no
+/// secret. Either way the keeper tries again; a refusal also stops a
+/// runtime's start with the reason, as a wrong password does.
 #[derive(Debug, Clone)]
-pub struct TokenError(String);
+pub struct TokenError {
+    why: String,
+    refused: bool,
+}
 
 impl TokenError {
-    /// An error saying `why`.
+    /// The provider could not get a token this time (the endpoint is down,
+    /// slow, answering 5xx or nonsense): an outage, waited out.
     pub fn new(why: impl fmt::Display) -> Self {
-        TokenError(why.to_string())
+        TokenError {
+            why: why.to_string(),
+            refused: false,
+        }
+    }
+
+    /// The identity provider refused the provider's own credentials (an
+    /// unknown client, a wrong secret, a scope it may not have): a
+    /// configuration error, which stops a runtime's start with this reason.
+    pub fn refused(why: impl fmt::Display) -> Self {
+        TokenError {
+            why: why.to_string(),
+            refused: true,
+        }
+    }
+
+    /// Whether the credentials were refused.
+    pub fn is_refused(&self) -> bool {
+        self.refused
     }
 }
 
 impl fmt::Display for TokenError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        if self.refused {
+            write!(f, "{REFUSED}: {}", self.why)
+        } else {
+            f.write_str(&self.why)
+        }
     }
 }
 
@@ -185,6 +212,10 @@ static KEEPERS: Mutex<Vec<(u64, Weak<Shared>)>> = Mutex::new(Vec::new());
 /// What a client says when the provider has no token for it: an outage
 /// (the start-up check waits it out rather than calling it a refusal).
 pub(crate) const NO_TOKEN: &str = "no OAUTHBEARER token from the token provider";
+
+/// How a refused provider's error begins: the start-up check stops the
+/// start on it.
+pub(crate) const REFUSED: &str = "the identity provider refused the credentials";
 
 /// The prefix of the `sasl.oauthbearer.config` that names a keeper.
 const SETTING_PREFIX: &str = "dedup.token.provider=";
@@ -310,11 +341,14 @@ fn keep(weak: Weak<Shared>, provider: Arc<dyn TokenProvider>) {
         let called = {
             let provider = provider.clone();
             runtime.block_on(async move {
-                let call = tokio::spawn(async move { provider.token().await });
-                match tokio::time::timeout(CALL_TIMEOUT, call).await {
-                    Err(_) => Err(format!(
-                        "the token provider did not answer in {CALL_TIMEOUT:?}"
-                    )),
+                let mut call = tokio::spawn(async move { provider.token().await });
+                match tokio::time::timeout(CALL_TIMEOUT, &mut call).await {
+                    Err(_) => {
+                        call.abort();
+                        Err(format!(
+                            "the token provider did not answer in {CALL_TIMEOUT:?}"
+                        ))
+                    }
                     Ok(Err(join)) if join.is_panic() => {
                         Err("the token provider panicked".to_owned())
                     }
@@ -419,7 +453,7 @@ pub(crate) fn generate(
     let Some(tokens) = config.and_then(Tokens::named) else {
         return Err(
             "sasl.mechanisms=OAUTHBEARER needs a token: give the builder \
-                    .oauth_token_provider(..), or set librdkafka's sasl.oauthbearer.method=oidc"
+             .oauth_token_provider(..) (this build's librdkafka has no OIDC client of its own)"
                 .into(),
         );
     };
@@ -434,6 +468,24 @@ pub(crate) fn generate(
         principal_name: token.principal,
         lifetime_ms: i64::try_from(lifetime_ms).unwrap_or(i64::MAX),
     })
+}
+
+/// Whether clients made from `config` take their tokens from a provider's
+/// keeper.
+pub(crate) fn from_provider(config: &rdkafka::ClientConfig) -> bool {
+    config
+        .get("sasl.oauthbearer.config")
+        .is_some_and(|v| v.starts_with(SETTING_PREFIX))
+}
+
+/// Gives a client that is never polled otherwise (a probe that only asks
+/// for metadata or watermarks) its token: librdkafka asks for one as the
+/// client is made, and only a poll answers. Blocking (at most the first
+/// token's wait): call it off the async workers.
+pub(crate) fn take_token<C: rdkafka::consumer::ConsumerContext>(
+    client: &rdkafka::consumer::BaseConsumer<C>,
+) {
+    let _ = client.poll(Duration::ZERO);
 }
 
 /// The context of a runtime's clients other than its consumer: librdkafka's

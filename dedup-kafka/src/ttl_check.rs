@@ -105,7 +105,18 @@ pub(crate) async fn check(
     let mut topics: Vec<&str> = handlers.iter().map(|h| h.topic).collect();
     topics.sort_unstable();
     topics.dedup();
-    let retention = match topic_retention(admin, &topics, TTL_CHECK_TIMEOUT).await {
+    // rdkafka's admin client is never polled for a token refresh, so it
+    // cannot take tokens from a provider: said at once, not after a timeout.
+    let retention = if crate::oauth::from_provider(admin) {
+        Err(
+            "its admin client cannot take OAUTHBEARER tokens from a token provider (rdkafka \
+             gives no way to hand them over)"
+                .to_owned(),
+        )
+    } else {
+        topic_retention(admin, &topics, TTL_CHECK_TIMEOUT).await
+    };
+    let retention = match retention {
         Ok(retention) => retention,
         Err(why) if strict => {
             return Err(crate::Error::Config(format!(

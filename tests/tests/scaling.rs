@@ -843,7 +843,8 @@ async fn exactly_once_over_sasl_ssl_under_a_kill(pool: PgPool) {
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
     env.extend([
-        ("HANDLER_SLEEP_MS", "2"),
+        // Slow enough that the kill lands mid-stream on a loaded machine.
+        ("HANDLER_SLEEP_MS", "5"),
         ("BATCH_SIZE", "20"),
         ("COMMIT_INTERVAL_MS", "500"),
         // The killed member's partitions move after 6 s, not 45.

@@ -26,6 +26,7 @@ pub(crate) async fn check_topics(
     let counted = tokio::task::spawn_blocking(move || {
         let client: rdkafka::consumer::BaseConsumer<TokenContext> =
             admin.create_with_context(TokenContext)?;
+        crate::oauth::take_token(&client);
         let mut out = Vec::new();
         for topic in &tiers {
             let count = |name: &str| -> Result<usize, rdkafka::error::KafkaError> {

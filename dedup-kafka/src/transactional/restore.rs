@@ -28,6 +28,7 @@ pub(crate) async fn ensure_changelog(
     replication: i32,
 ) -> Result<(), Error> {
     let probe: BaseConsumer<TokenContext> = base.create_with_context(TokenContext)?;
+    tokio::task::block_in_place(|| crate::oauth::take_token(&probe));
     let count = |topic: &str| -> Result<Option<usize>, Error> {
         let metadata = probe.fetch_metadata(Some(topic), REQUEST_TIMEOUT)?;
         Ok(metadata
@@ -172,10 +173,12 @@ pub(crate) fn restore(
 ) -> Result<HashMap<i32, PartitionClaims>, Error> {
     let started = Instant::now();
     let probe = |isolation: &str| -> Result<BaseConsumer<TokenContext>, Error> {
-        Ok(base
+        let probe = base
             .clone()
             .set("isolation.level", isolation)
-            .create_with_context(TokenContext)?)
+            .create_with_context(TokenContext)?;
+        crate::oauth::take_token(&probe);
+        Ok(probe)
     };
     let mut out: HashMap<i32, PartitionClaims> = partitions
         .iter()

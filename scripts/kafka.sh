@@ -173,7 +173,9 @@ start() {
     if running; then
         if cmp -s "$CONF.new" "$CONF"; then
             rm -f "$CONF.new"
-            scram_users
+            # A user an earlier start failed to make; a failure here is
+            # said, not fatal (the running broker serves the rest).
+            scram_users || echo "kafka: could not set the SCRAM user's credentials" >&2
             echo "kafka: already running on $HOST:$PORT" >&2
             return
         fi

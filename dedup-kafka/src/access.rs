@@ -66,10 +66,6 @@ pub(crate) async fn check(config: &ClientConfig, who: &str) -> Result<(), Error>
         // error events, which say why access was refused.
         let client: BaseProducer<Refusals> = config.create_with_context(Refusals::default())?;
         let deadline = Instant::now() + ACCESS_TIMEOUT;
-        // One refusal could be a broker dropping a connection mid-handshake:
-        // a second one, or none answering by the deadline, makes it count.
-        let mut refusals = 0u32;
-        let mut last_refusal = None;
         loop {
             let answered = client
                 .client()
@@ -93,19 +89,14 @@ pub(crate) async fn check(config: &ClientConfig, who: &str) -> Result<(), Error>
                 {
                     tracing::debug!(reason, "{who}: no OAUTHBEARER token yet");
                 }
+                // librdkafka reports a connection dropped mid-handshake as a
+                // transport error, not as one of these.
                 Some((code, reason)) => {
-                    refusals += 1;
-                    if refusals >= 2 {
-                        return Err(Error::Config(refusal(&who, code, &reason)));
-                    }
-                    last_refusal = Some((code, reason));
+                    return Err(Error::Config(refusal(&who, code, &reason)));
                 }
                 None => {}
             }
             if Instant::now() >= deadline {
-                if let Some((code, reason)) = last_refusal {
-                    return Err(Error::Config(refusal(&who, code, &reason)));
-                }
                 tracing::warn!(
                     "{who}: the brokers do not answer yet; starting, and waiting them out"
                 );

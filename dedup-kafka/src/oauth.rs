@@ -480,12 +480,17 @@ pub(crate) fn from_provider(config: &rdkafka::ClientConfig) -> bool {
 
 /// Gives a client that is never polled otherwise (a probe that only asks
 /// for metadata or watermarks) its token: librdkafka asks for one as the
-/// client is made, and only a poll answers. Blocking (at most the first
-/// token's wait): call it off the async workers.
+/// client is made (first in its queue), and only a poll answers; what else
+/// is queued is served too. Blocking (at most the first token's wait):
+/// call it off the async workers.
 pub(crate) fn take_token<C: rdkafka::consumer::ConsumerContext>(
     client: &rdkafka::consumer::BaseConsumer<C>,
 ) {
-    let _ = client.poll(Duration::ZERO);
+    for _ in 0..16 {
+        if client.poll(Duration::ZERO).is_none() {
+            return;
+        }
+    }
 }
 
 /// The context of a runtime's clients other than its consumer: librdkafka's

@@ -118,6 +118,10 @@ impl OidcClientCredentials {
             }
         }
         let mut http = reqwest::Client::builder().timeout(REQUEST_TIMEOUT);
+        if is_loopback(&parsed) {
+            // Never through a proxy: the secret may cross in clear here.
+            http = http.no_proxy();
+        }
         for root in roots.into_iter().flatten() {
             http = http.add_root_certificate(root);
         }
@@ -158,17 +162,21 @@ impl OidcClientCredentials {
         let answer = self
             .http
             .post(&self.endpoint)
-            .basic_auth(&self.client_id, Some(&self.client_secret))
+            .header(
+                reqwest::header::AUTHORIZATION,
+                basic(&self.client_id, &self.client_secret),
+            )
             .form(&form)
             .send()
             .await
-            // Unreachable, slow, reset: an outage. Without the URL's query,
-            // which may hold anything.
-            .map_err(|e| TokenError::new(format!("the token endpoint: {}", e.without_url())))?;
+            // Unreachable, slow, reset, a certificate it cannot verify: an
+            // outage, with its causes (which hold no secret).
+            .map_err(|e| TokenError::new(format!("the token endpoint: {}", causes(&e))))?;
         let status = answer.status();
-        let body = answer.bytes().await.map_err(|e| {
-            TokenError::new(format!("the token endpoint's answer: {}", e.without_url()))
-        })?;
+        let body = answer
+            .bytes()
+            .await
+            .map_err(|e| TokenError::new(format!("the token endpoint's answer: {}", causes(&e))))?;
         read_answer(
             status.as_u16(),
             &body,
@@ -183,6 +191,31 @@ impl TokenProvider for OidcClientCredentials {
     fn token(&self) -> TokenFuture<'_> {
         Box::pin(self.fetch())
     }
+}
+
+/// HTTP Basic credentials as RFC 6749 section 2.3.1 has them: the client id
+/// and secret each form-urlencoded, then joined by `:` and base64-encoded
+/// (so that a secret holding `+`, `%` or `:` reaches the server intact).
+fn basic(client_id: &str, client_secret: &str) -> String {
+    use base64::Engine as _;
+    let encode = |s: &str| form_urlencoded::byte_serialize(s.as_bytes()).collect::<String>();
+    let pair = format!("{}:{}", encode(client_id), encode(client_secret));
+    format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(pair)
+    )
+}
+
+/// A request's error and its causes, without the URL.
+fn causes(e: &reqwest::Error) -> String {
+    let mut said = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(cause) = source {
+        said.push_str(": ");
+        said.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    said
 }
 
 /// Whether `url` is on this machine: plain http is allowed only there.
@@ -237,18 +270,27 @@ fn read_answer(
         .filter(|t| !t.is_empty())
         .ok_or_else(|| TokenError::new("the token endpoint's answer has no access_token"))?;
     let claims = jwt_claims(token);
-    let expires_at = match json.get("expires_in").and_then(serde_json::Value::as_f64) {
-        Some(secs) if secs > 0.0 => asked_at + Duration::from_secs_f64(secs),
-        _ => claims
-            .as_ref()
-            .and_then(|c| c.get("exp"))
-            .and_then(serde_json::Value::as_f64)
-            .filter(|exp| *exp > 0.0)
-            .map(|exp| SystemTime::UNIX_EPOCH + Duration::from_secs_f64(exp))
-            .ok_or_else(|| {
-                TokenError::new("the token endpoint's answer says neither expires_in nor exp")
-            })?,
+    // A number, or a number as a string (some providers send one).
+    let seconds = |v: &serde_json::Value| {
+        v.as_f64()
+            .or_else(|| v.as_str().and_then(|s| s.trim().parse().ok()))
+            .and_then(|secs: f64| Duration::try_from_secs_f64(secs).ok())
+            .filter(|d| !d.is_zero())
     };
+    let expires_at = json
+        .get("expires_in")
+        .and_then(seconds)
+        .and_then(|life| asked_at.checked_add(life))
+        .or_else(|| {
+            claims
+                .as_ref()
+                .and_then(|c| c.get("exp"))
+                .and_then(seconds)
+                .and_then(|exp| SystemTime::UNIX_EPOCH.checked_add(exp))
+        })
+        .ok_or_else(|| {
+            TokenError::new("the token endpoint's answer says no usable expires_in or exp")
+        })?;
     let principal = principal
         .map(str::to_owned)
         .or_else(|| {
@@ -303,9 +345,35 @@ mod tests {
         );
         assert_eq!(t.principal(), "me");
 
-        let body = serde_json::json!({"access_token": "opaque", "expires_in": 60}).to_string();
+        let body = serde_json::json!({"access_token": "opaque", "expires_in": "60"}).to_string();
         let t = read_answer(200, body.as_bytes(), asked, None, "client").expect("a token");
         assert_eq!(t.principal(), "client");
+        assert_eq!(t.expires_at(), asked + Duration::from_secs(60));
+
+        // Absurd expiries are unusable answers, not a panic.
+        for expires_in in [
+            serde_json::json!(1e300),
+            serde_json::json!(-5),
+            serde_json::json!(0),
+        ] {
+            let body =
+                serde_json::json!({"access_token": "opaque", "expires_in": expires_in}).to_string();
+            let e = read_answer(200, body.as_bytes(), asked, None, "client").expect_err("unusable");
+            assert!(!e.is_refused(), "{e}");
+        }
+    }
+
+    #[test]
+    fn basic_credentials_are_form_urlencoded_first() {
+        let header = basic("my:client", "a+b%c d");
+        let encoded = header.strip_prefix("Basic ").expect("Basic");
+        let pair = base64::engine::general_purpose::STANDARD
+            .decode(encoded)
+            .expect("base64");
+        assert_eq!(
+            String::from_utf8(pair).expect("utf-8"),
+            "my%3Aclient:a%2Bb%25c+d"
+        );
     }
 
     #[test]

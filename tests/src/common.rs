@@ -39,20 +39,6 @@ pub fn secured_env() -> Vec<(String, String)> {
         .collect()
 }
 
-/// [`secured_env`] as librdkafka settings for a client in this process:
-/// `bootstrap.servers` and the `KAFKA_CFG_*` settings.
-pub fn secured_config() -> ClientConfig {
-    let mut config = ClientConfig::new();
-    for (k, v) in secured_env() {
-        match k.strip_prefix("KAFKA_CFG_") {
-            Some(name) => config.set(name.to_ascii_lowercase().replace('_', "."), v),
-            None if k == "KAFKA_BROKERS" => config.set("bootstrap.servers", v),
-            None => &mut config,
-        };
-    }
-    config
-}
-
 /// `prefix` and a random suffix: a name no other test uses.
 pub fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4().simple())

@@ -280,7 +280,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     }
 
     /// Checks the settings and creates the clients.
-    pub fn build(mut self) -> Result<TransactionalConsumer<H>, Error> {
+    pub fn build(self) -> Result<TransactionalConsumer<H>, Error> {
         let group = self.client.group_id.clone().ok_or_else(|| {
             Error::Config("a group id is required: .group_id(\"enrich-v1\")".into())
         })?;
@@ -367,7 +367,6 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
                 "the topic {repeated:?} is both the input and a retry tier, or two tiers"
             )));
         }
-        let tokens = self.client.start_tokens()?;
         let mut consumer = self.client.consumer_config()?;
         if tiers.is_some() {
             consumer.set("partition.assignment.strategy", "range");
@@ -412,7 +411,6 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             handler: Arc::new(self.handler),
             consumer_config: consumer,
             shared_config: shared,
-            tokens,
             producer,
             transactional_id,
             changelog_replication: self.changelog_replication,

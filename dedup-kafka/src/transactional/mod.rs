@@ -98,9 +98,6 @@ pub struct TransactionalConsumer<H> {
     consumer_config: ClientConfig,
     shared_config: ClientConfig,
     producer: FutureProducer<TokenContext>,
-    /// The OAUTHBEARER tokens' keeper its clients ask, if a provider is set.
-    #[allow(dead_code)]
-    tokens: Option<crate::oauth::Tokens>,
     transactional_id: String,
     changelog_replication: i32,
     transaction_timeout: Duration,

@@ -835,6 +835,7 @@ async fn enrich_killed_anywhere_outputs_each_distinct_event_once() {
     // draining run, joining before, could be given no partition and stop
     // idle after 5 s, having run nothing.
     tokio::time::sleep(Duration::from_secs(7)).await;
+    until_offsets_stable(&topic, &group, 3);
     let log = drain_run(run(Some("transaction-fails-before-commit:1:4"), &id));
     let tail: Vec<&str> = log.lines().rev().take(30).collect();
     assert!(
@@ -902,6 +903,7 @@ async fn enrich_over_sasl_ssl_killed_outputs_each_distinct_event_once() {
     kill_once_written(run().spawn().expect("spawned"), &[&out], 150).await;
     // The killed run stays a member until its session (6 s) expires.
     tokio::time::sleep(Duration::from_secs(7)).await;
+    until_offsets_stable(&topic, &group, 3);
     drain_run(run());
     let distinct: HashSet<String> = (0..600).map(|i| format!("p{i}")).collect();
     let seen = ids(&read_all(&out, "read_committed").await);
@@ -969,6 +971,29 @@ fn drain_run(mut cmd: Command) -> String {
         "the last run ends by idleness: {tail:?}"
     );
     log
+}
+
+/// Waits until no transaction left open by a killed run (with a
+/// transactional id of its own, so ended only by the broker's timeout)
+/// still holds `group`'s offsets on `topic`. Until then a new member's
+/// offset fetch waits on them: it has its partitions but receives nothing,
+/// and its idleness clock (`--exit-when-idle`) runs out before its first
+/// message. A read_committed member's fetch asks for stable offsets and is
+/// retried by librdkafka until they are.
+fn until_offsets_stable(topic: &str, group: &str, partitions: i32) {
+    let member: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers())
+        .set("group.id", group)
+        .set("isolation.level", "read_committed")
+        .create()
+        .expect("member");
+    let mut asked = TopicPartitionList::new();
+    for p in 0..partitions {
+        asked.add_partition(topic, p);
+    }
+    member
+        .committed_offsets(asked, Duration::from_secs(60))
+        .expect("the killed runs' transactions end within the broker's timeout");
 }
 
 /// Kills `child` (SIGKILL) `extra_ms` after it first wrote to one of

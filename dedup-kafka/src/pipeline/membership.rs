@@ -91,6 +91,7 @@ impl<R: OnRebalance> Membership<R> {
 
     fn revoke(&self, consumer: &BaseConsumer<Self>, list: &TopicPartitionList) {
         let counted = !self.is_closing();
+        tracing::info!(partitions = %listed(list), "partitions revoked");
         // Contained on its own: whatever happens here, the runtime's own
         // actions below run.
         contained("revoke bookkeeping", || {
@@ -112,6 +113,7 @@ impl<R: OnRebalance> Membership<R> {
     }
 
     fn assign(&self, consumer: &BaseConsumer<Self>, list: &TopicPartitionList) {
+        tracing::info!(partitions = %listed(list), "partitions assigned");
         {
             let mut owned = self.owned();
             for e in list.elements() {
@@ -237,6 +239,26 @@ pub(crate) fn contained(callback: &str, f: impl FnOnce()) {
         let _ =
             std::panic::catch_unwind(|| tracing::error!(callback, "a consumer callback panicked"));
     }
+}
+
+/// `topic[0,1,2] other[0]`: a partition list for a log line.
+fn listed(list: &TopicPartitionList) -> String {
+    let mut by_topic: std::collections::BTreeMap<String, Vec<i32>> = Default::default();
+    for e in list.elements() {
+        by_topic
+            .entry(e.topic().to_owned())
+            .or_default()
+            .push(e.partition());
+    }
+    by_topic
+        .into_iter()
+        .map(|(topic, mut partitions)| {
+            partitions.sort_unstable();
+            let partitions: Vec<String> = partitions.iter().map(i32::to_string).collect();
+            format!("{topic}[{}]", partitions.join(","))
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 #[cfg(test)]

@@ -108,8 +108,12 @@ start() {
     client <<'SQL'
 CREATE USER IF NOT EXISTS 'dedup'@'127.0.0.1' IDENTIFIED BY 'dedup';
 CREATE USER IF NOT EXISTS 'dedup'@'localhost' IDENTIFIED BY 'dedup';
-GRANT ALL PRIVILEGES ON *.* TO 'dedup'@'127.0.0.1';
-GRANT ALL PRIVILEGES ON *.* TO 'dedup'@'localhost';
+GRANT ALL PRIVILEGES ON *.* TO 'dedup'@'127.0.0.1' WITH GRANT OPTION;
+GRANT ALL PRIVILEGES ON *.* TO 'dedup'@'localhost' WITH GRANT OPTION;
+-- A service's user, with no right of its own: the least-privilege tests
+-- grant it dedup's tables in their databases.
+CREATE USER IF NOT EXISTS 'dedup_app'@'127.0.0.1' IDENTIFIED BY 'dedup';
+CREATE USER IF NOT EXISTS 'dedup_app'@'localhost' IDENTIFIED BY 'dedup';
 CREATE DATABASE IF NOT EXISTS dedup;
 CREATE USER IF NOT EXISTS 'dedup_tls'@'127.0.0.1' IDENTIFIED BY 'dedup' REQUIRE SSL;
 CREATE USER IF NOT EXISTS 'dedup_mtls'@'127.0.0.1' IDENTIFIED BY 'dedup' REQUIRE X509;

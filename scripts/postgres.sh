@@ -59,6 +59,11 @@ BEGIN
     IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'dedup') THEN
         CREATE ROLE dedup LOGIN CREATEDB PASSWORD 'dedup';
     END IF;
+    -- A service's role, with no right of its own: the least-privilege
+    -- tests grant it dedup's tables in their databases.
+    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'dedup_app') THEN
+        CREATE ROLE dedup_app LOGIN PASSWORD 'dedup';
+    END IF;
 END $$;
 SQL
     if ! as_postgres psql -tA -p "$PGPORT" -d postgres -c "SELECT 1 FROM pg_database WHERE datname = 'dedup'" | grep -q 1; then

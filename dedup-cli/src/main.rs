@@ -58,6 +58,10 @@ enum Command {
     /// Compare a handler's TTL with its topic's retention: what a replay from
     /// the earliest offset would do.
     Check(CheckArgs),
+    /// Create or upgrade dedup's tables, as their owner (a deploy step);
+    /// with `--grant-to`, give a service's role only the rights it needs on
+    /// them, so that the service never holds the right to change the schema.
+    Migrate(MigrateArgs),
     /// Serve the console: lag, outcomes, dead letters, claims and the
     /// outbox in a browser; release and replay with confirmation.
     Console(Box<console::ConsoleArgs>),
@@ -237,6 +241,21 @@ enum OutboxCommand {
 }
 
 #[derive(Args)]
+struct MigrateArgs {
+    #[command(flatten)]
+    db: Database,
+    /// The outbox table too, if the services use one (`dedup_outbox`, the
+    /// default name).
+    #[arg(long, value_name = "TABLE")]
+    outbox: Option<String>,
+    /// Then grant this role (PostgreSQL) or account (MySQL: `user` or
+    /// `user@host`, which must exist) what a service needs on the tables:
+    /// their rows, never their schema. The grants are printed.
+    #[arg(long, value_name = "ROLE")]
+    grant_to: Option<String>,
+}
+
+#[derive(Args)]
 struct CheckArgs {
     #[command(flatten)]
     kafka: KafkaArgs,
@@ -356,6 +375,15 @@ async fn run(command: Command) -> Result<Box<dyn Report>, Failure> {
             database_url,
             table,
         }) => Box::new(outbox::pending(&database_url, &table).await?),
+        Command::Migrate(args) => Box::new(
+            store::migrate(
+                &args.db.database_url,
+                &args.db.table,
+                args.outbox.as_deref(),
+                args.grant_to.as_deref(),
+            )
+            .await?,
+        ),
         Command::Check(args) => Box::new(check::check(&args.kafka, &args.topic, args.ttl).await?),
         Command::Console(args) => Box::new(console::serve(*args).await?),
     })

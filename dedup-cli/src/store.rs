@@ -124,6 +124,102 @@ impl Pool {
     }
 }
 
+/// What `dedup migrate` did.
+pub(crate) struct Migrated {
+    /// The database's kind.
+    pub(crate) database: &'static str,
+    /// The tables created or found current.
+    pub(crate) tables: Vec<String>,
+    /// The statements run to grant a role its rights, if asked.
+    pub(crate) grants: Vec<String>,
+}
+
+/// Creates or upgrades the claims table `claims` (and the outbox `outbox`,
+/// if given) of the database at `url`, as whoever the URL names (their
+/// owner); then, if `grant_to` is given, grants that role what a service
+/// needs on them and nothing more. Every step is the backend's own.
+pub(crate) async fn migrate(
+    url: &str,
+    claims: &str,
+    outbox: Option<&str>,
+    grant_to: Option<&str>,
+) -> Result<Migrated, Failure> {
+    let backend = Backend::of(url)?;
+    let fail = |e: dedup_sql::Error| match e {
+        dedup_sql::Error::InvalidTableName(e) => Failure::new(format!("--table / --outbox: {e}")),
+        dedup_sql::Error::InvalidRole(e) => Failure::new(format!("--grant-to: {e}")),
+        e => Failure::new(format!("{}: {e}", backend.name())),
+    };
+    // The backend's store and outbox, migrated on `pool`.
+    macro_rules! migrate {
+        ($backend:ident, $config:ident, $store:ident, $pool:expr) => {{
+            let config = $backend::$config::default().with_table(claims);
+            let store = $backend::$store::from_pool_with($pool.clone(), config).map_err(fail)?;
+            store.migrate().await.map_err(fail)?;
+            if let Some(outbox) = outbox {
+                let config = $backend::OutboxConfig::default().with_table(outbox);
+                let writer = $backend::OutboxWriter::new(config).map_err(fail)?;
+                writer.migrate(&$pool).await.map_err(fail)?;
+            }
+        }};
+    }
+    let mut grants = Vec::new();
+    match Pool::connect(url).await? {
+        Pool::Postgres(pool) => {
+            migrate!(dedup_postgres, PgConfig, PgStore, pool);
+            if let Some(role) = grant_to {
+                grants = dedup_postgres::grant_statements(role, claims, outbox).map_err(fail)?;
+                dedup_postgres::grant(&pool, role, claims, outbox)
+                    .await
+                    .map_err(fail)?;
+            }
+        }
+        Pool::MySql(pool) => {
+            migrate!(dedup_mysql, MySqlConfig, MySqlStore, pool);
+            if let Some(user) = grant_to {
+                grants = dedup_mysql::grant_statements(user, claims, outbox).map_err(fail)?;
+                dedup_mysql::grant(&pool, user, claims, outbox)
+                    .await
+                    .map_err(fail)?;
+            }
+        }
+        Pool::Sqlite(pool) => {
+            if grant_to.is_some() {
+                return Err(Failure::new(
+                    "--grant-to: SQLite has no roles (whoever may write the file may do anything)",
+                ));
+            }
+            migrate!(dedup_sqlite, SqliteConfig, SqliteStore, pool);
+        }
+    }
+    Ok(Migrated {
+        database: backend.name(),
+        tables: std::iter::once(claims)
+            .chain(outbox)
+            .map(str::to_owned)
+            .collect(),
+        grants,
+    })
+}
+
+impl crate::Report for Migrated {
+    fn text(&self) -> String {
+        let mut out = format!("{}: {} current\n", self.database, self.tables.join(", "));
+        for statement in &self.grants {
+            out.push_str(&format!("{statement};\n"));
+        }
+        out
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::json!({
+            "database": self.database,
+            "tables": self.tables,
+            "grants": self.grants,
+        })
+    }
+}
+
 /// A claims table of any backend.
 pub(crate) enum Claims {
     Postgres(dedup_postgres::admin::ClaimsTable),

@@ -15,9 +15,11 @@ use dedup_sql::{
 use sqlx::MySqlPool;
 use sqlx::mysql::{MySqlConnectOptions, MySqlDatabaseError, MySqlSslMode};
 
-pub use dedup_sql::{Error, InvalidTableName, OutboxConfig, SqlLease};
+pub use dedup_sql::{Error, InvalidRole, InvalidTableName, OutboxConfig, SqlLease};
+pub use grants::{grant, grant_statements};
 
 pub mod admin;
+mod grants;
 mod lease;
 mod outbox;
 pub use dedup_core::outbox::Retention;
@@ -107,6 +109,14 @@ impl Dialect for MySql {
             }),
             None => error.code().map(Into::into),
         }
+    }
+
+    /// Access denied to a database (`1044`), for a command on a table
+    /// (`1142`) or a column (`1143`), or needing a privilege the user
+    /// lacks (`1227`).
+    fn is_denied(code: &str) -> bool {
+        let number = code.split_once('/').map_or(code, |(n, _)| n);
+        matches!(number, "1044" | "1142" | "1143" | "1227")
     }
 }
 

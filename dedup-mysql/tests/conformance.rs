@@ -1,17 +1,18 @@
 //! The dedup-core conformance suite against a real MySQL or MariaDB server,
 //! each case in its own database, at InnoDB's default isolation (REPEATABLE
-//! READ) and at READ COMMITTED.
+//! READ) and at READ COMMITTED, as a service's user holding only the grants
+//! dedup lists.
 
 mod common;
 
-use common::{Isolation, fresh_store};
+use common::{Isolation, fresh_service_store};
 
 mod repeatable_read {
     use super::*;
 
     dedup_core::conformance_tests!(
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        || fresh_store(Isolation::RepeatableRead).await
+        || fresh_service_store(Isolation::RepeatableRead).await
     );
 }
 
@@ -20,6 +21,6 @@ mod read_committed {
 
     dedup_core::conformance_tests!(
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        || fresh_store(Isolation::ReadCommitted).await
+        || fresh_service_store(Isolation::ReadCommitted).await
     );
 }

@@ -43,7 +43,7 @@ impl OutboxFixture for MySql {
 async fn fresh(retention: dedup_core::Retention) -> MySql {
     let pool = sqlx::mysql::MySqlPoolOptions::new()
         .max_connections(20)
-        .connect_with(common::fresh_database().await)
+        .connect_with(common::as_service(common::fresh_database().await, true).await)
         .await
         .expect("connect");
     let writer =

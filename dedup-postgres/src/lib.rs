@@ -19,9 +19,11 @@ use sqlx::postgres::{PgConnectOptions, PgSslMode};
 use sqlx::{PgPool, Row};
 use uuid::Uuid;
 
-pub use dedup_sql::{Error, InvalidTableName};
+pub use dedup_sql::{Error, InvalidRole, InvalidTableName};
+pub use grants::{grant, grant_statements};
 
 pub mod admin;
+mod grants;
 mod lease;
 mod outbox;
 pub use outbox::{OutboxConfig, OutboxReader, OutboxWriter, PgLease, Retention, enqueue};
@@ -75,6 +77,11 @@ impl Dialect for Pg {
             }
             _ => Classification::Transient,
         }
+    }
+
+    /// `42501`: insufficient privilege.
+    fn is_denied(code: &str) -> bool {
+        code == "42501"
     }
 }
 

@@ -1,6 +1,8 @@
 //! The outbox conformance suite against a real PostgreSQL, each case in its
 //! own database (`#[sqlx::test]`).
 
+mod service;
+
 use dedup_core::OutboxMessage;
 use dedup_core::conformance::outbox::OutboxFixture;
 use dedup_postgres::{OutboxConfig, OutboxReader, OutboxWriter};
@@ -42,14 +44,15 @@ impl OutboxFixture for Pg {
 async fn fresh(pool: PgPool, retention: dedup_core::Retention) -> Pg {
     // Room for each relay's listening connection, as in production (the
     // test's pool is small).
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(30)
-        .connect_with((*pool.connect_options()).clone())
-        .await
-        .expect("pool");
+    // As a service's role holding only the grants (the owner migrated):
+    // its own migrate() finds the table current.
+    let pool = service::service_pool(&pool, true, 30).await;
     let writer =
         OutboxWriter::new(OutboxConfig::default().with_retention(retention)).expect("config");
-    writer.migrate(&pool).await.expect("migrate");
+    writer
+        .migrate(&pool)
+        .await
+        .expect("migrate finds the table current");
     Pg { pool, writer }
 }
 

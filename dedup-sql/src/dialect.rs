@@ -26,6 +26,14 @@ pub trait Dialect: Send + Sync + 'static {
         error.code().map(Into::into)
     }
 
+    /// Whether an error with this code (as [`database_code`](Dialect::database_code)
+    /// gives it) says the role lacks a right on an object: then migrating
+    /// needs the owner, and the error says so.
+    fn is_denied(code: &str) -> bool {
+        let _ = code;
+        false
+    }
+
     /// The code as reported in [`dedup_core::StoreError::code`] (SQLite
     /// prefixes its numeric codes, say).
     fn code_label(code: &str) -> String {

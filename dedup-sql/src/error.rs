@@ -6,7 +6,7 @@ use std::error::Error as StdError;
 use dedup_core::{Classification, StoreError};
 use sqlx::migrate::MigrateError;
 
-use crate::{Dialect, InvalidTableName};
+use crate::{Dialect, InvalidRole, InvalidTableName};
 
 /// Errors of setting up a store: connecting, migrating, configuring. (Errors
 /// while claiming are [`StoreError`]s, classified by the database's codes.)
@@ -16,6 +16,9 @@ pub enum Error {
     /// The configured table name is not a valid identifier.
     #[error(transparent)]
     InvalidTableName(#[from] InvalidTableName),
+    /// A role or user to grant rights to is not a valid name.
+    #[error(transparent)]
+    InvalidRole(#[from] InvalidRole),
     /// Connecting or running a statement failed.
     #[error("{database}: {source}")]
     Database {
@@ -44,6 +47,18 @@ pub enum Error {
         /// What is wrong, naming the file (never a key's contents).
         message: String,
     },
+    /// The role may not create or alter dedup's tables: migrating needs
+    /// their owner.
+    #[error(
+        "migrating: {source}: this role may not create or alter dedup's tables. Run the \
+         migrations once as their owner (`dedup migrate`, which can also grant a service's \
+         role what it needs) and give the service's role only the rights the book's Security \
+         chapter lists; once migrated, its `migrate()` only reads"
+    )]
+    MigrateDenied {
+        /// What sqlx reported.
+        source: MigrateError,
+    },
     /// Applying the migrations failed.
     #[error("migrating: {source}")]
     Migrate {
@@ -67,19 +82,31 @@ impl Error {
     /// A failed migration on database `D`: retryable when the statement that
     /// failed was (a lock timeout, a lost connection).
     pub fn migrate<D: Dialect>(source: MigrateError) -> Self {
-        let retryable = match &source {
-            MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _) => {
-                classify_sqlx::<D>(e).is_retryable()
+        let failed = match &source {
+            MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _) => Some(e),
+            _ => None,
+        };
+        let denied = failed.is_some_and(|e| match e {
+            sqlx::Error::Database(db) => {
+                D::database_code(db.as_ref()).is_some_and(|c| D::is_denied(&c))
             }
             _ => false,
-        };
+        });
+        if denied {
+            return Error::MigrateDenied { source };
+        }
+        let retryable = failed.is_some_and(|e| classify_sqlx::<D>(e).is_retryable());
         Error::Migrate { retryable, source }
     }
 
     /// Whether retrying may help (a lost connection, the server starting).
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::InvalidTableName(_) | Error::NoSuchTable { .. } | Error::Tls { .. } => false,
+            Error::InvalidTableName(_)
+            | Error::InvalidRole(_)
+            | Error::NoSuchTable { .. }
+            | Error::Tls { .. }
+            | Error::MigrateDenied { .. } => false,
             Error::Database { retryable, .. } | Error::Migrate { retryable, .. } => *retryable,
         }
     }

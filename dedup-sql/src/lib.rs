@@ -5,6 +5,7 @@ mod batch;
 mod config;
 mod dialect;
 mod error;
+mod grants;
 mod handle;
 mod migrate;
 mod outbox;
@@ -20,6 +21,7 @@ pub use batch::{
 pub use config::SqlConfig;
 pub use dialect::Dialect;
 pub use error::{Error, classify, classify_sqlx, error_code, store_error};
+pub use grants::{InvalidRole, Role};
 pub use handle::{ClaimStatements, StoreHandle};
 pub use migrate::run_migrations;
 pub use outbox::{Outbox, OutboxReader, OutboxStore, OutboxWriter};

@@ -471,3 +471,40 @@ async fn claims_commands_on_mysql_over_verified_tls() {
     let tls = "ssl-mode=VERIFY_IDENTITY&ssl-ca";
     claims_commands_over_verified_tls(mysql().await, tls).await;
 }
+
+/// Least privilege from the tool: `dedup migrate --outbox --grant-to` as the
+/// tables' owner prints the grants it ran; then, as the service's role
+/// (scripts/postgres.sh's and mariadb.sh's `dedup_app`, holding nothing
+/// else), `dedup migrate` finds the tables current, and `outbox pending`
+/// and every claims command work.
+async fn least_privilege(mut backend: impl Backend, grantee: &str) {
+    let granted = dedup(
+        &backend,
+        &["migrate", "--outbox", "dedup_outbox", "--grant-to", grantee],
+    )
+    .await;
+    let said = stdout(&granted);
+    assert!(granted.status.success(), "{}", stderr(&granted));
+    assert!(
+        said.contains("GRANT SELECT, INSERT, UPDATE, DELETE ON") && said.contains("dedup_app"),
+        "{said}"
+    );
+    let owner = backend.url();
+    *backend.url_mut() = owner.replacen("//dedup:", "//dedup_app:", 1);
+    assert_ne!(owner, backend.url(), "the URL names the owner");
+    let current = dedup(&backend, &["migrate", "--outbox", "dedup_outbox"]).await;
+    assert!(current.status.success(), "{}", stderr(&current));
+    let pending = dedup(&backend, &["outbox", "pending", "--json"]).await;
+    assert_eq!(json(&pending)["topics"], serde_json::json!([]));
+    claims_commands(backend).await;
+}
+
+#[sqlx::test(migrations = false)]
+async fn least_privilege_on_postgres(pool: PgPool) {
+    least_privilege(postgres(pool).await, "dedup_app").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn least_privilege_on_mysql() {
+    least_privilege(mysql().await, "dedup_app@127.0.0.1").await;
+}

@@ -1,0 +1,92 @@
+//! Least privilege: what a service's role needs on dedup's tables, granted
+//! by their owner (the book's Security chapter).
+
+use dedup_sql::{Error, Role, TableName};
+use sqlx::PgPool;
+
+/// The statements that give `role` what a service needs on the claims table
+/// `claims` and, if given, the outbox table `outbox`: their rows read and
+/// written, the fencing-token and outbox sequences used, the migrations
+/// tables read (so [`PgStore::migrate`](crate::PgStore::migrate) finds them
+/// current and changes nothing); no right to create, alter or drop. Run
+/// them as the tables' owner, after migrating ([`grant`] does both).
+///
+/// ```
+/// let sql = dedup_postgres::grant_statements("dedup_app", "dedup_claims", Some("dedup_outbox"))?;
+/// assert_eq!(sql[0], r#"GRANT SELECT, INSERT, UPDATE, DELETE ON "dedup_claims" TO "dedup_app""#);
+/// # Ok::<(), dedup_postgres::Error>(())
+/// ```
+pub fn grant_statements(
+    role: &str,
+    claims: &str,
+    outbox: Option<&str>,
+) -> Result<Vec<String>, Error> {
+    let role = Role::parse(role)?.quoted();
+    let claims = TableName::parse(claims)?;
+    let outbox = outbox.map(TableName::parse).transpose()?;
+    let mut sql = vec![
+        format!(
+            "GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {role}",
+            claims.quoted()
+        ),
+        format!(
+            "GRANT SELECT ON {} TO {role}",
+            claims.quoted_with_suffix("_migrations")
+        ),
+        format!(
+            "GRANT USAGE ON SEQUENCE {} TO {role}",
+            claims.quoted_with_suffix("_tokens")
+        ),
+        format!(
+            "GRANT EXECUTE ON FUNCTION {}(text, text) TO {role}",
+            claims.quoted_with_suffix("_claim_id")
+        ),
+    ];
+    if let Some(outbox) = &outbox {
+        sql.extend([
+            format!(
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON {}, {} TO {role}",
+                outbox.quoted(),
+                outbox.quoted_with_suffix("_leases")
+            ),
+            format!(
+                "GRANT SELECT ON {} TO {role}",
+                outbox.quoted_with_suffix("_migrations")
+            ),
+            format!(
+                "GRANT USAGE ON SEQUENCE {} TO {role}",
+                outbox.quoted_with_suffix("_seq_seq")
+            ),
+        ]);
+    }
+    // A schema of their own needs its USAGE (public's is everyone's).
+    let mut schemas: Vec<String> = std::iter::once(&claims)
+        .chain(&outbox)
+        .filter_map(TableName::quoted_schema)
+        .collect();
+    schemas.dedup();
+    for schema in schemas {
+        sql.insert(0, format!("GRANT USAGE ON SCHEMA {schema} TO {role}"));
+    }
+    Ok(sql)
+}
+
+/// Runs [`grant_statements`] in one transaction, as the tables' owner (the
+/// tables must exist: migrate first).
+pub async fn grant(
+    pool: &PgPool,
+    role: &str,
+    claims: &str,
+    outbox: Option<&str>,
+) -> Result<(), Error> {
+    let statements = grant_statements(role, claims, outbox)?;
+    let database = Error::database::<crate::Pg>;
+    let mut tx = pool.begin().await.map_err(database)?;
+    for statement in statements {
+        sqlx::query(sqlx::AssertSqlSafe(statement))
+            .execute(&mut *tx)
+            .await
+            .map_err(database)?;
+    }
+    tx.commit().await.map_err(database)
+}

@@ -36,6 +36,16 @@ impl rdkafka::ClientContext for Refusals {
             ) => {
                 *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some((code, reason.to_owned()));
             }
+            // A TLS alert the brokers sent (they refused this client's
+            // certificate: expired, unknown, revoked) arrives as a
+            // transport failure; OpenSSL's "SSL alert number N" is the only
+            // sign. The brokers answered: a refusal, not an outage.
+            Some(RDKafkaErrorCode::BrokerTransportFailure)
+                if reason.contains("SSL alert number") =>
+            {
+                *self.0.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((RDKafkaErrorCode::SSL, reason.to_owned()));
+            }
             _ => tracing::debug!(error = %error, reason, "reaching the brokers"),
         }
     }
@@ -117,7 +127,8 @@ fn refusal(who: &str, code: RDKafkaErrorCode, reason: &str) -> String {
     } else if code == RDKafkaErrorCode::SSL {
         "the TLS handshake with the brokers failed; check ssl.ca.location (the CA that \
          signed the brokers' certificates) and, where the brokers ask for one, the client \
-         certificate (ssl.certificate.location, ssl.key.location) and its validity"
+         certificate (ssl.certificate.location, ssl.key.location): that the brokers trust \
+         its CA, and its dates (openssl x509 -noout -dates -in <file>)"
     } else {
         "the brokers refused this client's credentials; check security.protocol, \
          sasl.mechanisms, sasl.username and sasl.password (or the token provider)"

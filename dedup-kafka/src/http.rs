@@ -7,7 +7,7 @@
 //! # fn demo(store: dedup_core::MemoryStore) -> Result<(), dedup_kafka::Error> {
 //! let consumer = Consumer::builder(store)
 //!     .group_id("payments")
-//!     .serve_http("0.0.0.0:9464")
+//!     .serve_http("9464") // loopback only; "0.0.0.0:9464" for probes from elsewhere
 //!     // .handle("payments", record_payment)
 //! #   ;
 //! # Ok(()) }
@@ -212,7 +212,8 @@ impl std::fmt::Debug for HttpEndpoints {
 }
 
 impl HttpEndpoints {
-    /// Binds `addr` (`host:port`; port 0 picks a free one, see
+    /// Binds `addr` (`host:port`, or a port alone for loopback's:
+    /// `"9464"` is `127.0.0.1:9464`; port 0 picks a free one, see
     /// [`local_addr`](Self::local_addr)) and installs dedup's Prometheus
     /// recorder ([`install_prometheus`]). Nothing is served until
     /// [`spawn`](Self::spawn).
@@ -223,6 +224,7 @@ impl HttpEndpoints {
     /// [`bind`](Self::bind), serving the metrics of a Prometheus recorder
     /// the application installed itself.
     pub fn bind_with(addr: &str, metrics: PrometheusHandle) -> Result<Self, Error> {
+        let addr = &bind_address(addr);
         let bound = StdTcpListener::bind(addr)
             .and_then(|l| l.set_nonblocking(true).map(|()| l))
             .and_then(|l| l.local_addr().map(|a| (l, a)));
@@ -424,5 +426,34 @@ async fn serve_connection(stream: tokio::net::TcpStream, served: Arc<Served>) {
         .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
     if let Err(e) = connection.await {
         tracing::debug!(error = %e, "serve_http: a connection failed");
+    }
+}
+
+/// The address to bind for `addr`: a port alone (`"9464"`, `":9464"`) is
+/// loopback's, reachable from this machine only; anything else as given.
+fn bind_address(addr: &str) -> String {
+    let port = addr.strip_prefix(':').unwrap_or(addr);
+    if !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) {
+        format!("127.0.0.1:{port}")
+    } else {
+        addr.to_owned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_port_alone_binds_loopback_only() {
+        assert_eq!(bind_address("9464"), "127.0.0.1:9464");
+        assert_eq!(bind_address(":9464"), "127.0.0.1:9464");
+        assert_eq!(bind_address("0.0.0.0:9464"), "0.0.0.0:9464");
+        assert_eq!(bind_address("[::]:9464"), "[::]:9464");
+        assert_eq!(bind_address("ops.internal:9464"), "ops.internal:9464");
+        let server =
+            HttpEndpoints::bind_with("0", PrometheusBuilder::new().build_recorder().handle())
+                .expect("bound");
+        assert!(server.local_addr().ip().is_loopback());
     }
 }

@@ -80,7 +80,7 @@ pub fn env_or(name: &str, default: &str) -> String {
     std::env::var(name).unwrap_or_else(|_| default.to_owned())
 }
 
-/// `METRICS_ADDR` (e.g. `127.0.0.1:9464`), where the examples serve
+/// `METRICS_ADDR` (e.g. `9464`, loopback's, or `0.0.0.0:9464`), where the examples serve
 /// `/metrics`, `/livez`, `/readyz` and `/healthz` through the library's
 /// `serve_http`, if it is set.
 pub fn metrics_addr() -> Option<String> {

@@ -904,10 +904,11 @@ async fn refused_member(pool: &PgPool, topic: &str, group: &str, env: &[(&str, &
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
-/// A wrong SASL password, and a CA that did not sign the broker's
-/// certificate: each stops the member at start with one error naming what
-/// to check (never the password), within seconds; nothing is consumed, and
-/// a member with the right settings then applies every event once.
+/// A wrong SASL password, a CA that did not sign the broker's certificate
+/// and an expired client certificate (mutual TLS): each stops the member at
+/// start with one error naming what to check (never the password), within
+/// seconds; nothing is consumed, and a member with a valid client
+/// certificate then applies every event once over mutual TLS.
 #[sqlx::test(migrations = false)]
 async fn a_wrong_password_or_ca_stops_the_start_with_a_clear_error(pool: PgPool) {
     let _alone = one_at_a_time().await;
@@ -954,8 +955,37 @@ async fn a_wrong_password_or_ca_stops_the_start_with_a_clear_error(pool: PgPool)
     );
     assert!(said.contains("certificate verify failed"), "{said}");
 
+    // Mutual TLS (the listener that requires a client certificate): one
+    // that has expired is refused by the broker.
+    let tls = tls_dir();
+    let mtls = |cert: &str| -> Vec<(&'static str, String)> {
+        vec![
+            ("KAFKA_BROKERS", "127.0.0.1:9097".to_owned()),
+            ("KAFKA_CFG_SECURITY_PROTOCOL", "SSL".to_owned()),
+            ("KAFKA_CFG_SSL_CA_LOCATION", format!("{tls}/ca.pem")),
+            (
+                "KAFKA_CFG_SSL_CERTIFICATE_LOCATION",
+                format!("{tls}/{cert}.pem"),
+            ),
+            ("KAFKA_CFG_SSL_KEY_LOCATION", format!("{tls}/{cert}.key")),
+        ]
+    };
+    let expired = mtls("expired");
+    let expired: Vec<(&str, &str)> = expired.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let said = refused_member(&pool, &topic, &group, &expired).await;
+    assert!(
+        said.contains("TLS handshake with the brokers failed"),
+        "{said}"
+    );
+    assert!(said.contains("client certificate"), "{said}");
+    assert!(said.contains("SSL alert"), "the brokers' own word: {said}");
+
+    // Nothing was consumed; a member with a valid client certificate then
+    // applies every event once over mutual TLS.
     assert_eq!(applied_rows(&pool).await, (0, 0));
-    let member = Member::start(&pool, &topic, &group, "a", &env);
+    let valid = mtls("client");
+    let valid: Vec<(&str, &str)> = valid.iter().map(|(k, v)| (*k, v.as_str())).collect();
+    let member = Member::start(&pool, &topic, &group, "a", &valid);
     wait_applied(&pool, 40, Duration::from_secs(60)).await;
     member.stop().await;
     assert_eq!(applied_rows(&pool).await, (40, 40));

@@ -21,7 +21,12 @@ const ACCESS_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// What librdkafka reported of refused access, kept for the check.
 #[derive(Default)]
-struct Refusals(Mutex<Option<(RDKafkaErrorCode, String)>>);
+struct Refusals {
+    /// Refused credentials or a failed handshake of this client's own.
+    refused: Mutex<Option<(RDKafkaErrorCode, String)>>,
+    /// TLS alerts the brokers sent: how many, and the last.
+    alerts: Mutex<(u32, String)>,
+}
 
 impl rdkafka::ClientContext for Refusals {
     crate::oauth::tokens_from_the_provider!();
@@ -34,17 +39,21 @@ impl rdkafka::ClientContext for Refusals {
                 | RDKafkaErrorCode::UnsupportedSASLMechanism
                 | RDKafkaErrorCode::SaslAuthenticationFailed),
             ) => {
-                *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some((code, reason.to_owned()));
+                *self.refused.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((code, reason.to_owned()));
             }
             // A TLS alert the brokers sent (they refused this client's
             // certificate: expired, unknown, revoked) arrives as a
             // transport failure; OpenSSL's "SSL alert number N" is the only
-            // sign. The brokers answered: a refusal, not an outage.
+            // sign. A broker in trouble can send one too (a revocation
+            // check it cannot make, an internal error): counted, and a
+            // refusal only if no broker answers for the whole check.
             Some(RDKafkaErrorCode::BrokerTransportFailure)
                 if reason.contains("SSL alert number") =>
             {
-                *self.0.lock().unwrap_or_else(|p| p.into_inner()) =
-                    Some((RDKafkaErrorCode::SSL, reason.to_owned()));
+                let mut alerts = self.alerts.lock().unwrap_or_else(|p| p.into_inner());
+                alerts.0 += 1;
+                reason.clone_into(&mut alerts.1);
             }
             _ => tracing::debug!(error = %error, reason, "reaching the brokers"),
         }
@@ -65,7 +74,9 @@ impl ProducerContext for Refusals {
 /// settings every client of the runtime shares), asking for the cluster's
 /// metadata: `Ok` once they answer, or when they do not answer within 10 s
 /// (an outage, waited out after); an error naming what to fix when they
-/// refuse the credentials or the TLS handshake fails. `who` names the
+/// refuse the credentials or the TLS handshake fails (at once), or when for
+/// those 10 s they only answer with TLS alerts (a client certificate they
+/// refuse). `who` names the
 /// client in the error.
 pub(crate) async fn check(config: &ClientConfig, who: &str) -> Result<(), Error> {
     let config = config.clone();
@@ -87,7 +98,7 @@ pub(crate) async fn check(config: &ClientConfig, who: &str) -> Result<(), Error>
             }
             let refused = client
                 .context()
-                .0
+                .refused
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .take();
@@ -107,6 +118,16 @@ pub(crate) async fn check(config: &ClientConfig, who: &str) -> Result<(), Error>
                 None => {}
             }
             if Instant::now() >= deadline {
+                // Alerts over and over, and never an answer: refused.
+                let (alerts, reason) = client
+                    .context()
+                    .alerts
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone();
+                if alerts >= 2 {
+                    return Err(Error::Config(refusal(&who, RDKafkaErrorCode::SSL, &reason)));
+                }
                 tracing::warn!(
                     "{who}: the brokers do not answer yet; starting, and waiting them out"
                 );

@@ -37,16 +37,15 @@ pub fn grant_statements(
             "GRANT USAGE ON SEQUENCE {} TO {role}",
             claims.quoted_with_suffix("_tokens")
         ),
-        format!(
-            "GRANT EXECUTE ON FUNCTION {}(text, text) TO {role}",
-            claims.quoted_with_suffix("_claim_id")
-        ),
     ];
     if let Some(outbox) = &outbox {
         sql.extend([
             format!(
-                "GRANT SELECT, INSERT, UPDATE, DELETE ON {}, {} TO {role}",
-                outbox.quoted(),
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {role}",
+                outbox.quoted()
+            ),
+            format!(
+                "GRANT SELECT, INSERT, DELETE ON {} TO {role}",
                 outbox.quoted_with_suffix("_leases")
             ),
             format!(
@@ -72,7 +71,9 @@ pub fn grant_statements(
 }
 
 /// Runs [`grant_statements`] in one transaction, as the tables' owner (the
-/// tables must exist: migrate first).
+/// tables must exist: migrate first), then checks that the role holds the
+/// rights: PostgreSQL only warns when a `GRANT` by someone else grants
+/// nothing, and that is an error here ([`Error::NotGranted`]).
 pub async fn grant(
     pool: &PgPool,
     role: &str,
@@ -87,6 +88,42 @@ pub async fn grant(
             .execute(&mut *tx)
             .await
             .map_err(database)?;
+    }
+    // What the role can do now, object by object: (object, kind, rights).
+    let claims = TableName::parse(claims)?;
+    let mut wanted = vec![
+        (claims.to_string(), "table", "SELECT,INSERT,UPDATE,DELETE"),
+        (format!("{claims}_migrations"), "table", "SELECT"),
+        (format!("{claims}_tokens"), "sequence", "USAGE"),
+    ];
+    if let Some(outbox) = outbox {
+        let outbox = TableName::parse(outbox)?;
+        wanted.extend([
+            (outbox.to_string(), "table", "SELECT,INSERT,UPDATE,DELETE"),
+            (format!("{outbox}_leases"), "table", "SELECT,INSERT,DELETE"),
+            (format!("{outbox}_migrations"), "table", "SELECT"),
+            (format!("{outbox}_seq_seq"), "sequence", "USAGE"),
+        ]);
+    }
+    for (object, kind, rights) in wanted {
+        let check = match kind {
+            "table" => "SELECT has_table_privilege($1, $2, $3)",
+            _ => "SELECT has_sequence_privilege($1, $2, $3)",
+        };
+        let held: bool = sqlx::query_scalar(check)
+            .bind(role)
+            .bind(&object)
+            .bind(rights)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(database)?;
+        if !held {
+            return Err(Error::NotGranted {
+                role: role.to_owned(),
+                object,
+                rights: rights.to_owned(),
+            });
+        }
     }
     tx.commit().await.map_err(database)
 }

@@ -70,3 +70,24 @@ fn grants_refuse_a_role_that_is_not_a_name() {
         "one schema, granted once"
     );
 }
+
+/// A grant by a role that does not own the tables grants nothing (PostgreSQL
+/// only warns): an error naming what the grantee still lacks, not a
+/// success.
+#[sqlx::test(migrations = false)]
+async fn a_grant_that_grants_nothing_is_an_error(owner: PgPool) {
+    let service = service::service_pool(&owner, true, 1).await;
+    // `dedup_tls` (scripts/postgres.sh's) holds nothing here; `dedup_app`
+    // may not pass its rights on.
+    let err = dedup_postgres::grant(&service, "dedup_tls", "dedup_claims", Some("dedup_outbox"))
+        .await
+        .expect_err("dedup_app cannot grant");
+    assert!(matches!(err, Error::NotGranted { .. }), "{err:?}");
+    let message = err.to_string();
+    assert!(
+        message.contains("dedup_tls")
+            && message.contains("dedup_claims")
+            && message.contains("owner"),
+        "{message}"
+    );
+}

@@ -59,6 +59,21 @@ pub enum Error {
         /// What sqlx reported.
         source: MigrateError,
     },
+    /// A role was not given rights it should have been: whoever granted
+    /// them may not (PostgreSQL grants nothing then, with a warning).
+    #[error(
+        "{role} still lacks {rights} on {object} after the grant: grant as the tables' owner (or \
+         a role holding the rights WITH GRANT OPTION); tables a service created itself belong \
+         to the service's role until `ALTER ... OWNER TO` gives them to the owner"
+    )]
+    NotGranted {
+        /// The grantee.
+        role: String,
+        /// The table or sequence.
+        object: String,
+        /// The rights missing.
+        rights: String,
+    },
     /// Applying the migrations failed.
     #[error("migrating: {source}")]
     Migrate {
@@ -106,7 +121,8 @@ impl Error {
             | Error::InvalidRole(_)
             | Error::NoSuchTable { .. }
             | Error::Tls { .. }
-            | Error::MigrateDenied { .. } => false,
+            | Error::MigrateDenied { .. }
+            | Error::NotGranted { .. } => false,
             Error::Database { retryable, .. } | Error::Migrate { retryable, .. } => *retryable,
         }
     }

@@ -9,8 +9,8 @@ use crate::table::is_identifier;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "invalid role {name:?}: use letters, digits and underscores, not starting with a digit, at \
-     most {MAX_TABLE_LEN} bytes (MySQL: `user` or `user@host`, the host of letters, digits, `.`, \
-     `-`, `_` or `%`)"
+     most {MAX_TABLE_LEN} bytes, and a role of its own (not PUBLIC, NONE or a pg_ role) (MySQL: \
+     `user` or `user@host`, the host of letters, digits, `.`, `-`, `_` or `%`)"
 )]
 pub struct InvalidRole {
     name: String,
@@ -41,9 +41,18 @@ fn is_host(s: &str) -> bool {
 }
 
 impl Role {
-    /// A PostgreSQL role: an identifier.
+    /// A PostgreSQL role: an identifier, and not one that names more than
+    /// a role (`public`, which is everyone even quoted, `none`, the
+    /// predefined `pg_*` roles).
     pub fn parse(name: &str) -> Result<Self, InvalidRole> {
-        if !is_identifier(name) {
+        let lower = name.to_ascii_lowercase();
+        if !is_identifier(name)
+            || matches!(
+                lower.as_str(),
+                "public" | "none" | "current_user" | "session_user"
+            )
+            || lower.starts_with("pg_")
+        {
             return Err(InvalidRole {
                 name: name.to_owned(),
             });
@@ -97,6 +106,9 @@ mod tests {
             Role::parse("app@host").is_err(),
             "PostgreSQL roles have no host"
         );
+        for everyone in ["public", "PUBLIC", "none", "pg_read_all_data", "Pg_monitor"] {
+            assert!(Role::parse(everyone).is_err(), "{everyone}");
+        }
         assert_eq!(
             Role::parse_account("app").unwrap().quoted_account(),
             "'app'@'%'"

@@ -41,36 +41,57 @@ where
     if let Some(schema) = table.quoted_schema() {
         migrator.create_schema(schema);
     }
-    {
-        let mut conn = pool.acquire().await?;
-        if up_to_date(&mut *conn, &migrator).await {
-            return Ok(());
+    let mut conn = pool.acquire().await?;
+    if up_to_date(&mut *conn, &migrator).await? {
+        return Ok(());
+    }
+    // On its own connection, closed if it fails: sqlx's run returns
+    // without releasing its session-wide migration lock then, and a pooled
+    // connection holding it would stall the next migration (the owner's
+    // too) until the pool dropped it.
+    match migrator.run_direct(None, &mut *conn, false).await {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let _ = conn.close().await;
+            Err(e)
         }
     }
-    migrator.run(pool).await
 }
 
 /// Whether `migrator`'s every migration is applied with the same checksum,
-/// nothing is left half applied, and no version unknown here was applied (a
-/// newer release's: the full run reports it), read without a lock or DDL.
-/// Any doubt (no migrations table yet, a failed read) is `false`: the full
-/// run decides.
-async fn up_to_date<C: Migrate + ?Sized>(conn: &mut C, migrator: &Migrator) -> bool {
+/// read without a lock or DDL: `Ok(true)` current, `Ok(false)` a migration
+/// is missing (or no migrations table yet, or the read failed: the full
+/// run decides). What the full run would refuse is an error here already,
+/// as the full run gives it (a role without DDL rights would only be told
+/// it may not create the migrations table): a migration left half applied
+/// ([`MigrateError::Dirty`]), one applied that this release does not know
+/// (a newer release's: [`MigrateError::VersionMissing`]), or one whose SQL
+/// changed ([`MigrateError::VersionMismatch`]).
+async fn up_to_date<C: Migrate + ?Sized>(
+    conn: &mut C,
+    migrator: &Migrator,
+) -> Result<bool, MigrateError> {
     let table = migrator.table_name.as_ref();
-    if !matches!(conn.dirty_version(table).await, Ok(None)) {
-        return false;
+    match conn.dirty_version(table).await {
+        Ok(None) => {}
+        Ok(Some(version)) => return Err(MigrateError::Dirty(version)),
+        Err(_) => return Ok(false),
     }
     let Ok(applied) = conn.list_applied_migrations(table).await else {
-        return false;
+        return Ok(false);
     };
     let ours: Vec<&Migration> = migrator
         .iter()
         .filter(|m| !m.migration_type.is_down_migration())
         .collect();
-    applied.len() == ours.len()
-        && ours.iter().all(|m| {
-            applied
-                .iter()
-                .any(|a| a.version == m.version && a.checksum == m.checksum)
-        })
+    for a in &applied {
+        match ours.iter().find(|m| m.version == a.version) {
+            None => return Err(MigrateError::VersionMissing(a.version)),
+            Some(m) if m.checksum != a.checksum => {
+                return Err(MigrateError::VersionMismatch(a.version));
+            }
+            Some(_) => {}
+        }
+    }
+    Ok(applied.len() == ours.len())
 }

@@ -68,7 +68,7 @@ async fn console(pool: &PgPool, args: &[&str], env: &[(&str, &str)]) -> (Killed,
     .expect("join");
     let url = line
         .split_whitespace()
-        .find(|w| w.starts_with("http://"))
+        .find(|w| w.starts_with("http://") || w.starts_with("https://"))
         .unwrap_or_else(|| panic!("no address in {line:?}"))
         .trim_end_matches('/')
         .replace("0.0.0.0", "127.0.0.1");
@@ -510,9 +510,11 @@ async fn a_console_on_another_address_refuses_pages_without_its_token(pool: PgPo
         uuid::Uuid::new_v4().simple(),
         uuid::Uuid::new_v4().simple()
     );
+    // Plain HTTP to a proxy that adds TLS in front (the browser here talks
+    // to it directly).
     let (_console, url) = console(
         &pool,
-        &["--listen", "0.0.0.0:0"],
+        &["--listen", "0.0.0.0:0", "--behind-tls-proxy"],
         &[("DEDUP_CONSOLE_TOKEN", &token)],
     )
     .await;
@@ -870,4 +872,238 @@ async fn a_replay_confirmed_twice_at_once_sends_once(pool: PgPool) {
     assert_eq!(records_in(&topic), 4, "each dead letter sent home once");
     assert_eq!(replayed_into(&topic).await, 2);
     browser.close().await.expect("close");
+}
+
+/// A long random token.
+fn console_token() -> String {
+    format!(
+        "{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    )
+}
+
+/// The certificates scripts/tls.sh made.
+fn tls_dir() -> String {
+    std::env::var("DEDUP_TLS_DIR").unwrap_or_else(|_| "/var/tmp/dedup-tls".into())
+}
+
+/// The `dedup_console` cookie a `Set-Cookie` header gives, as a `Cookie`
+/// header sends it back, with the attributes it was set with.
+fn session_cookie(answer: &reqwest::Response) -> (String, String) {
+    let set = answer
+        .headers()
+        .get(reqwest::header::SET_COOKIE)
+        .and_then(|v| v.to_str().ok())
+        .expect("a Set-Cookie header")
+        .to_owned();
+    let pair = set.split(';').next().expect("name=value").trim().to_owned();
+    (pair, set)
+}
+
+/// The CSRF token of the first form on a page.
+fn csrf_of(page: &str) -> String {
+    let field = "name=\"csrf\" value=\"";
+    let at = page.find(field).expect("a CSRF field") + field.len();
+    page[at..].split('"').next().expect("its value").to_owned()
+}
+
+/// On another address the console serves HTTPS itself (or refuses to start
+/// in clear): pages over TLS verified against the certificate's CA, plain
+/// HTTP to it answered with nothing; a session lasts 8 hours, is sent only
+/// over TLS, and ends at sign-out for good; five wrong tokens in a minute
+/// and the right one is refused too.
+#[sqlx::test(migrations = false)]
+async fn the_console_serves_https_ends_sessions_and_limits_wrong_tokens(pool: PgPool) {
+    let _store = store(&pool).await;
+    let token = console_token();
+    let tls = tls_dir();
+    let in_clear = Command::new(common::cli())
+        .args(["console", "--listen", "0.0.0.0:0"])
+        .env("DATABASE_URL", database_url(&pool))
+        .env("DEDUP_CONSOLE_TOKEN", &token)
+        .output()
+        .expect("dedup console");
+    assert!(!in_clear.status.success(), "served a token in clear");
+    let said = String::from_utf8_lossy(&in_clear.stderr);
+    assert!(said.contains("--tls-cert"), "{said}");
+
+    let (cert, key) = (format!("{tls}/server.pem"), format!("{tls}/server.key"));
+    let (_console, url) = console(
+        &pool,
+        &[
+            "--listen",
+            "0.0.0.0:0",
+            "--tls-cert",
+            &cert,
+            "--tls-key",
+            &key,
+        ],
+        &[("DEDUP_CONSOLE_TOKEN", &token)],
+    )
+    .await;
+    assert!(url.starts_with("https://"), "{url}");
+    let url = url.replacen("127.0.0.1", "localhost", 1);
+    let ca = std::fs::read(format!("{tls}/ca.pem")).expect("the test CA");
+    let client = reqwest::Client::builder()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(&ca).expect("a PEM certificate"))
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .expect("client");
+    let plain = reqwest::Client::new()
+        .get(url.replacen("https://", "http://", 1) + "/login")
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await;
+    assert!(
+        !plain.as_ref().is_ok_and(|r| r.status().is_success()),
+        "plain HTTP got a page: {plain:?}"
+    );
+
+    let page = client
+        .get(format!("{url}/claims"))
+        .send()
+        .await
+        .expect("over TLS");
+    assert_eq!(page.status(), 401);
+    let signed_in = client
+        .post(format!("{url}/login"))
+        .form(&[("token", token.as_str()), ("next", "/claims")])
+        .send()
+        .await
+        .expect("sign in");
+    assert_eq!(signed_in.status(), 303);
+    let (session, set) = session_cookie(&signed_in);
+    assert!(
+        set.contains("Secure") && set.contains("HttpOnly") && set.contains("Max-Age=28800"),
+        "{set}"
+    );
+    let claims = client
+        .get(format!("{url}/claims"))
+        .header(reqwest::header::COOKIE, &session)
+        .send()
+        .await
+        .expect("claims");
+    assert_eq!(claims.status(), 200);
+    let claims = claims.text().await.expect("page");
+    assert!(claims.contains("Sign out"), "{claims}");
+
+    let signed_out = client
+        .post(format!("{url}/logout"))
+        .header(reqwest::header::COOKIE, &session)
+        .form(&[("csrf", csrf_of(&claims))])
+        .send()
+        .await
+        .expect("sign out");
+    assert_eq!(signed_out.status(), 303);
+    let (_, cleared) = session_cookie(&signed_out);
+    assert!(cleared.contains("Max-Age=0"), "{cleared}");
+    let after = client
+        .get(format!("{url}/claims"))
+        .header(reqwest::header::COOKIE, &session)
+        .send()
+        .await
+        .expect("claims");
+    assert_eq!(after.status(), 401, "the ended session still works");
+
+    for _ in 0..5 {
+        let wrong = client
+            .post(format!("{url}/login"))
+            .form(&[("token", "a-wrong-token-of-some-length")])
+            .send()
+            .await
+            .expect("wrong token");
+        assert_eq!(wrong.status(), 401);
+    }
+    let limited = client
+        .post(format!("{url}/login"))
+        .form(&[("token", token.as_str())])
+        .send()
+        .await
+        .expect("right token");
+    assert_eq!(limited.status(), 429, "a sixth try in the minute");
+}
+
+/// Sends `request` on `stream` and reads the answer's status line, waiting
+/// at most `limit`; `None` if none came.
+fn status_line(stream: &mut std::net::TcpStream, request: &str, limit: Duration) -> Option<String> {
+    use std::io::{Read as _, Write as _};
+    stream.write_all(request.as_bytes()).expect("sent");
+    stream.set_read_timeout(Some(limit)).expect("timeout");
+    let mut answer = Vec::new();
+    let mut buf = [0u8; 512];
+    while !answer.windows(2).any(|w| w == b"\r\n") {
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => answer.extend_from_slice(&buf[..n]),
+        }
+    }
+    let text = String::from_utf8_lossy(&answer).into_owned();
+    text.lines().next().map(str::to_owned)
+}
+
+/// Behind a TLS proxy: a POST without credentials announcing a 1 MB form
+/// it never sends is refused at once, its body unread (not after the 10 s
+/// the console gives a form); beyond `--max-connections`, a connection
+/// waits until another ends.
+#[sqlx::test(migrations = false)]
+async fn the_console_checks_credentials_before_bodies_and_caps_connections(pool: PgPool) {
+    let token = console_token();
+    let (_console, url) = console(
+        &pool,
+        &[
+            "--listen",
+            "0.0.0.0:0",
+            "--behind-tls-proxy",
+            "--max-connections",
+            "2",
+        ],
+        &[("DEDUP_CONSOLE_TOKEN", &token)],
+    )
+    .await;
+    let address = url.trim_start_matches("http://").to_owned();
+    tokio::task::spawn_blocking(move || {
+        let connect = || std::net::TcpStream::connect(&address).expect("connect");
+        let started = Instant::now();
+        let unread = format!(
+            "POST /claims/release HTTP/1.1\r\nHost: {address}\r\nContent-Type: \
+             application/x-www-form-urlencoded\r\nContent-Length: 1000000\r\n\r\n"
+        );
+        let line = status_line(&mut connect(), &unread, Duration::from_secs(5));
+        assert_eq!(line.as_deref(), Some("HTTP/1.1 401 Unauthorized"));
+        assert!(started.elapsed() < Duration::from_secs(5));
+
+        // Two idle connections hold both places.
+        let first = connect();
+        let _second = connect();
+        std::thread::sleep(Duration::from_millis(300));
+        let get = format!("GET /login HTTP/1.1\r\nHost: {address}\r\n\r\n");
+        let mut third = connect();
+        assert_eq!(
+            status_line(&mut third, &get, Duration::from_secs(1)),
+            None,
+            "a third connection was served beside two"
+        );
+        drop(first);
+        use std::io::Read as _;
+        let mut rest = Vec::new();
+        third
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut buf = [0u8; 512];
+        while !rest.windows(4).any(|w| w == b"\r\n\r\n") {
+            match third.read(&mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(n) => rest.extend_from_slice(&buf[..n]),
+            }
+        }
+        let answer = String::from_utf8_lossy(&rest);
+        assert!(
+            answer.starts_with("HTTP/1.1 200"),
+            "served once the first ended: {answer}"
+        );
+    })
+    .await
+    .expect("join");
 }

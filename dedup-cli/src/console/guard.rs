@@ -5,10 +5,17 @@
 //! elsewhere cannot read it by pointing a name of its own at 127.0.0.1.
 //! On any other address, every request needs the token: as
 //! `Authorization: Bearer <token>` (scripts) or a session cookie given by
-//! the login form (browsers). Every POST needs the page's CSRF token and,
-//! where the browser names it, the console's own origin.
+//! the login form (browsers), over TLS (served here, or by a proxy in
+//! front). Sessions expire after 8 hours and end at `/logout`; an address
+//! that sends 5 wrong tokens in a minute is refused until the minute is
+//! over. A request's credentials are checked before its body is read.
+//! Every POST needs the page's CSRF token and, where the browser names it,
+//! the console's own origin.
 
-use std::net::SocketAddr;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 use cookie::{Cookie, SameSite};
 use hyper::header::{self, HeaderMap};
@@ -24,11 +31,40 @@ const COOKIE: &str = "dedup_console";
 /// The shortest token accepted: guessing one must be hopeless.
 const MIN_TOKEN: usize = 16;
 
+/// How long a session lasts from its sign-in.
+const SESSION_LIFETIME: Duration = Duration::from_secs(8 * 3600);
+
+/// Sessions kept at most: a new one beyond ends the one nearest its end.
+const MAX_SESSIONS: usize = 1000;
+
+/// Wrong tokens an address may send in [`FAILURE_WINDOW`].
+const MAX_FAILURES: u32 = 5;
+
+/// The window wrong tokens are counted in.
+const FAILURE_WINDOW: Duration = Duration::from_secs(60);
+
+/// Addresses whose wrong tokens are remembered at most.
+const MAX_TRACKED: usize = 10_000;
+
+/// How the pages travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Transport {
+    /// Plain HTTP: loopback only.
+    Plain,
+    /// HTTPS, served here (`--tls-cert`, `--tls-key`).
+    Tls,
+    /// Plain HTTP to a proxy in front that adds TLS (`--behind-tls-proxy`).
+    Proxy,
+}
+
 pub(crate) struct Guard {
     /// Required on a non-loopback address.
     token: Option<String>,
-    /// The session cookie's value, given for the token (new each start).
-    session: String,
+    transport: Transport,
+    /// Live sessions, by their cookie's value: when each ends.
+    sessions: Mutex<HashMap<String, Instant>>,
+    /// Wrong tokens per address: how many, since when.
+    failures: Mutex<HashMap<IpAddr, (u32, Instant)>>,
     /// The forms' CSRF token (new each start).
     csrf: String,
 }
@@ -43,6 +79,8 @@ pub(crate) enum Refused {
     Forgery,
     /// A loopback console asked through a name that is not loopback.
     Host,
+    /// Too many wrong tokens from this address lately.
+    TooMany,
 }
 
 /// What a request that passes may do.
@@ -67,7 +105,11 @@ fn same(a: &str, b: &str) -> bool {
 }
 
 impl Guard {
-    pub(crate) fn new(listen: SocketAddr, token: Option<String>) -> Result<Self, Failure> {
+    pub(crate) fn new(
+        listen: SocketAddr,
+        token: Option<String>,
+        transport: Transport,
+    ) -> Result<Self, Failure> {
         if let Some(token) = &token
             && token.chars().count() < MIN_TOKEN
         {
@@ -82,9 +124,18 @@ impl Guard {
                  long random secret) in the environment, or listen on 127.0.0.1"
             )));
         }
+        if !listen.ip().is_loopback() && transport == Transport::Plain {
+            return Err(Failure::new(format!(
+                "--listen {listen} is reachable from other machines, and the token and the \
+                 session cookie would cross the network in clear: serve HTTPS (--tls-cert and \
+                 --tls-key), or, behind a proxy that adds TLS, say so with --behind-tls-proxy"
+            )));
+        }
         Ok(Guard {
             token,
-            session: secret(),
+            transport,
+            sessions: Mutex::default(),
+            failures: Mutex::default(),
             csrf: secret(),
         })
     }
@@ -97,7 +148,10 @@ impl Guard {
         &self.csrf
     }
 
-    pub(crate) fn check(&self, headers: &HeaderMap, asked: &Asked) -> Result<Admitted, Refused> {
+    /// What can be checked before a request's body is read: its `Host`,
+    /// its `Origin`, and (but for the login form) its token or session. A
+    /// request that fails here is answered without reading its body.
+    pub(crate) fn check_headers(&self, headers: &HeaderMap, asked: &Asked) -> Result<(), Refused> {
         let host = headers
             .get(header::HOST)
             .and_then(|h| h.to_str().ok())
@@ -115,29 +169,136 @@ impl Guard {
                 return Err(Refused::Forgery);
             }
         }
-        let login = asked.path.len() == 1 && asked.path[0] == "login";
+        match &self.token {
+            Some(token) if !is_page(asked, "login") => {
+                let bearer = headers
+                    .get(header::AUTHORIZATION)
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.strip_prefix("Bearer "))
+                    .is_some_and(|given| same(given.trim(), token));
+                if !bearer && self.session(headers).is_none() {
+                    return Err(Refused::NoToken);
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The whole check, the form read: [`check_headers`](Self::check_headers),
+    /// then the login form's token, a POST's CSRF token, a sign-out.
+    pub(crate) fn check(&self, headers: &HeaderMap, asked: &Asked) -> Result<Admitted, Refused> {
+        self.check_headers(headers, asked)?;
+        let login = is_page(asked, "login");
         let Some(token) = &self.token else {
             return self.forms(asked, login).map(|()| Admitted::Yes);
         };
         if login {
             return Ok(Admitted::Login(self.login(token, headers, asked)?));
         }
-        let bearer = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .is_some_and(|given| same(given.trim(), token));
-        let session = headers
+        self.forms(asked, false)?;
+        if is_page(asked, "logout") && asked.method == Method::POST {
+            if let Some(session) = self.session(headers) {
+                self.sessions().remove(&session);
+            }
+            let ended = Cookie::build((COOKIE, ""))
+                .http_only(true)
+                .same_site(SameSite::Strict)
+                .path("/")
+                .secure(self.secure(headers))
+                .max_age(cookie::time::Duration::ZERO);
+            return Ok(Admitted::Login(Answer::SetCookie {
+                cookie: ended.to_string(),
+                to: "/login".to_owned(),
+            }));
+        }
+        Ok(Admitted::Yes)
+    }
+
+    /// The live sessions.
+    fn sessions(&self) -> std::sync::MutexGuard<'_, HashMap<String, Instant>> {
+        self.sessions.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The live session the request's cookie names, if any (compared in
+    /// constant time; ended ones are dropped on the way).
+    fn session(&self, headers: &HeaderMap) -> Option<String> {
+        let given: Vec<String> = headers
             .get_all(header::COOKIE)
             .iter()
             .filter_map(|v| v.to_str().ok())
             .flat_map(Cookie::split_parse)
             .filter_map(Result::ok)
-            .any(|c| c.name() == COOKIE && same(c.value(), &self.session));
-        if !bearer && !session {
-            return Err(Refused::NoToken);
+            .filter(|c| c.name() == COOKIE)
+            .map(|c| c.value().to_owned())
+            .collect();
+        if given.is_empty() {
+            return None;
         }
-        self.forms(asked, false).map(|()| Admitted::Yes)
+        let now = Instant::now();
+        let mut sessions = self.sessions();
+        sessions.retain(|_, ends| *ends > now);
+        sessions
+            .keys()
+            .find(|live| given.iter().any(|g| same(g, live)))
+            .cloned()
+    }
+
+    /// A new session, ending [`SESSION_LIFETIME`] from now.
+    fn open_session(&self) -> String {
+        let id = secret();
+        let now = Instant::now();
+        let mut sessions = self.sessions();
+        sessions.retain(|_, ends| *ends > now);
+        if sessions.len() >= MAX_SESSIONS
+            && let Some(nearest) = sessions
+                .iter()
+                .min_by_key(|(_, ends)| **ends)
+                .map(|(id, _)| id.clone())
+        {
+            sessions.remove(&nearest);
+        }
+        sessions.insert(id.clone(), now + SESSION_LIFETIME);
+        id
+    }
+
+    /// Whether cookies travel over TLS only: the pages do (served here,
+    /// or through a proxy that says so: `X-Forwarded-Proto`, or the
+    /// browser's `Origin`).
+    fn secure(&self, headers: &HeaderMap) -> bool {
+        self.transport == Transport::Tls
+            || headers
+                .get("x-forwarded-proto")
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.eq_ignore_ascii_case("https"))
+            || headers
+                .get(header::ORIGIN)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| v.starts_with("https://"))
+    }
+
+    /// Whether `ip` sent [`MAX_FAILURES`] wrong tokens within the window.
+    fn too_many(&self, ip: IpAddr) -> bool {
+        let failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        failures
+            .get(&ip)
+            .is_some_and(|(n, since)| *n >= MAX_FAILURES && since.elapsed() < FAILURE_WINDOW)
+    }
+
+    /// Counts a wrong token from `ip`.
+    fn failed(&self, ip: IpAddr) {
+        let mut failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
+        if failures.len() >= MAX_TRACKED {
+            failures.retain(|_, (_, since)| since.elapsed() < FAILURE_WINDOW);
+        }
+        if failures.len() >= MAX_TRACKED && !failures.contains_key(&ip) {
+            return;
+        }
+        let entry = failures.entry(ip).or_insert((0, Instant::now()));
+        if entry.1.elapsed() >= FAILURE_WINDOW {
+            *entry = (0, Instant::now());
+        }
+        entry.0 += 1;
     }
 
     /// A POST carries the page's CSRF token (the login form excepted: it
@@ -152,35 +313,39 @@ impl Guard {
         }
     }
 
-    /// `/login`: the form, or a session for the right token.
+    /// `/login`: the form, or a session for the right token; an address
+    /// that sent too many wrong ones is refused for the rest of the minute,
+    /// whatever it sends.
     fn login(&self, token: &str, headers: &HeaderMap, asked: &Asked) -> Result<Answer, Refused> {
         let next = next_page(asked);
         if asked.method != Method::POST {
             return Ok(Answer::Page(StatusCode::OK, pages::login(&next, None)));
         }
+        let ip = asked.remote.ip();
+        if self.too_many(ip) {
+            return Err(Refused::TooMany);
+        }
         match asked.form.get("token") {
             Some(given) if same(given, token) => {
-                // Behind a proxy that added TLS, the cookie travels only
-                // over it.
-                let https = headers
-                    .get("x-forwarded-proto")
-                    .and_then(|v| v.to_str().ok())
-                    .is_some_and(|v| v.eq_ignore_ascii_case("https"))
-                    || headers
-                        .get(header::ORIGIN)
-                        .and_then(|v| v.to_str().ok())
-                        .is_some_and(|v| v.starts_with("https://"));
-                let cookie = Cookie::build((COOKIE, self.session.as_str()))
+                let session = self.open_session();
+                let cookie = Cookie::build((COOKIE, session))
                     .http_only(true)
                     .same_site(SameSite::Strict)
                     .path("/")
-                    .secure(https);
-                Ok(Answer::SignedIn {
+                    .secure(self.secure(headers))
+                    .max_age(cookie::time::Duration::seconds(
+                        SESSION_LIFETIME.as_secs() as i64
+                    ));
+                Ok(Answer::SetCookie {
                     cookie: cookie.to_string(),
                     to: next,
                 })
             }
-            _ => Err(Refused::WrongToken),
+            _ => {
+                self.failed(ip);
+                console_log_refusal(asked);
+                Err(Refused::WrongToken)
+            }
         }
     }
 }
@@ -209,6 +374,13 @@ impl Refused {
                      since the page was loaded): load the page again and resend.",
                 ),
             ),
+            Refused::TooMany => Answer::Page(
+                StatusCode::TOO_MANY_REQUESTS,
+                pages::login(
+                    &next_page(asked),
+                    Some("Too many wrong tokens from this address: wait a minute, then sign in."),
+                ),
+            ),
             Refused::Host => Answer::Page(
                 StatusCode::FORBIDDEN,
                 pages::message(
@@ -220,6 +392,17 @@ impl Refused {
             ),
         }
     }
+}
+
+/// Whether `asked` is the one-segment page `name` (`/login`, `/logout`).
+fn is_page(asked: &Asked, name: &str) -> bool {
+    asked.path.len() == 1 && asked.path[0] == name
+}
+
+/// A wrong token, on standard error with where it came from (never what
+/// was sent).
+fn console_log_refusal(asked: &Asked) {
+    super::log("login", asked.remote, "wrong token refused");
 }
 
 /// Where the login form goes on to: a path of this console (never another
@@ -302,20 +485,34 @@ mod tests {
     }
 
     #[test]
-    fn another_address_needs_a_long_token() {
+    fn another_address_needs_a_long_token_and_tls() {
         let any: SocketAddr = "0.0.0.0:9470".parse().unwrap();
-        let err = Guard::new(any, None).err().expect("refused");
+        let err = Guard::new(any, None, Transport::Tls)
+            .err()
+            .expect("refused");
         assert!(err.0.contains("DEDUP_CONSOLE_TOKEN"), "{err}");
-        let err = Guard::new(any, Some("short".into()))
+        let err = Guard::new(any, Some("short".into()), Transport::Tls)
             .err()
             .expect("refused");
         assert!(err.0.contains("shorter"), "{err}");
-        assert!(Guard::new(any, Some("x".repeat(32))).is_ok());
-        assert!(Guard::new("127.0.0.1:0".parse().unwrap(), None).is_ok());
+        let err = Guard::new(any, Some("x".repeat(32)), Transport::Plain)
+            .err()
+            .expect("refused");
+        assert!(
+            err.0.contains("--tls-cert") && err.0.contains("--behind-tls-proxy"),
+            "{err}"
+        );
+        assert!(Guard::new(any, Some("x".repeat(32)), Transport::Tls).is_ok());
+        assert!(Guard::new(any, Some("x".repeat(32)), Transport::Proxy).is_ok());
+        assert!(Guard::new("127.0.0.1:0".parse().unwrap(), None, Transport::Plain).is_ok());
         assert!(same("abc", "abc") && !same("abc", "abd") && !same("abc", "ab"));
     }
 
     fn asked(method: Method, path: &str, form: &str) -> Asked {
+        asked_from(method, path, form, "10.0.0.9:5000")
+    }
+
+    fn asked_from(method: Method, path: &str, form: &str, remote: &str) -> Asked {
         Asked {
             method,
             path: path
@@ -326,31 +523,52 @@ mod tests {
             target: path.to_owned(),
             query: super::super::Fields::default(),
             form: super::super::Fields::parse(form.as_bytes()),
-            remote: "10.0.0.9:5000".parse().unwrap(),
+            remote: remote.parse().unwrap(),
         }
     }
 
-    /// The right token gives a session cookie that a browser sends back
-    /// among its others; a wrong one, a forged one or none is refused.
-    #[test]
-    fn a_session_is_given_for_the_token_and_found_among_other_cookies() {
+    /// A guard with a token behind a TLS proxy, and a browser's headers.
+    fn behind_a_proxy() -> (Guard, String, HeaderMap) {
         let token = "t".repeat(32);
-        let guard = Guard::new("0.0.0.0:9470".parse().unwrap(), Some(token.clone())).unwrap();
+        let guard = Guard::new(
+            "0.0.0.0:9470".parse().unwrap(),
+            Some(token.clone()),
+            Transport::Proxy,
+        )
+        .unwrap();
         let mut headers = HeaderMap::new();
         headers.insert(header::HOST, "console.example:9470".parse().unwrap());
         headers.insert("x-forwarded-proto", "https".parse().unwrap());
+        (guard, token, headers)
+    }
+
+    /// Signs in with `token`; the session cookie's value.
+    fn sign_in(guard: &Guard, headers: &HeaderMap, token: &str) -> Cookie<'static> {
         let login = asked(Method::POST, "/login", &format!("token={token}"));
-        let Ok(Admitted::Login(Answer::SignedIn { cookie, .. })) = guard.check(&headers, &login)
+        let Ok(Admitted::Login(Answer::SetCookie { cookie, .. })) = guard.check(headers, &login)
         else {
             panic!("the right token signs in");
         };
-        let parsed = Cookie::parse(cookie.as_str()).expect("a Set-Cookie value");
+        Cookie::parse(cookie).expect("a Set-Cookie value")
+    }
+
+    /// The right token gives a session cookie (secure, for 8 hours) that a
+    /// browser sends back among its others; a wrong one, a forged one or
+    /// none is refused.
+    #[test]
+    fn a_session_is_given_for_the_token_and_found_among_other_cookies() {
+        let (guard, token, mut headers) = behind_a_proxy();
+        let parsed = sign_in(&guard, &headers, &token);
         assert_eq!(parsed.name(), COOKIE);
-        assert_eq!(parsed.value(), guard.session);
         assert_eq!(parsed.http_only(), Some(true));
         assert_eq!(parsed.same_site(), Some(SameSite::Strict));
-        assert_eq!(parsed.secure(), Some(true), "behind TLS: {cookie}");
+        assert_eq!(parsed.secure(), Some(true), "behind TLS: {parsed}");
         assert_eq!(parsed.path(), Some("/"));
+        assert_eq!(
+            parsed.max_age(),
+            Some(cookie::time::Duration::hours(8)),
+            "{parsed}"
+        );
         let wrong = asked(Method::POST, "/login", "token=nope");
         assert!(matches!(
             guard.check(&headers, &wrong),
@@ -364,7 +582,7 @@ mod tests {
         ));
         headers.insert(
             header::COOKIE,
-            format!("theme=dark; {COOKIE}={}; other=1", guard.session)
+            format!("theme=dark; {COOKIE}={}; other=1", parsed.value())
                 .parse()
                 .unwrap(),
         );
@@ -377,5 +595,97 @@ mod tests {
             guard.check(&headers, &page),
             Err(Refused::NoToken)
         ));
+    }
+
+    /// A session ends at its time, or when signed out (the cookie cleared,
+    /// and the old value refused even if a browser keeps sending it).
+    #[test]
+    fn a_session_ends_when_it_expires_or_signs_out() {
+        let (guard, token, mut headers) = behind_a_proxy();
+        let page = asked(Method::GET, "/claims", "");
+        let session = sign_in(&guard, &headers, &token);
+        headers.insert(
+            header::COOKIE,
+            format!("{COOKIE}={}", session.value()).parse().unwrap(),
+        );
+        assert!(matches!(guard.check(&headers, &page), Ok(Admitted::Yes)));
+        let logout = asked(Method::POST, "/logout", &format!("csrf={}", guard.csrf()));
+        let Ok(Admitted::Login(Answer::SetCookie { cookie, to })) = guard.check(&headers, &logout)
+        else {
+            panic!("signed out");
+        };
+        assert_eq!(to, "/login");
+        let cleared = Cookie::parse(cookie).expect("a Set-Cookie value");
+        assert_eq!(cleared.max_age(), Some(cookie::time::Duration::ZERO));
+        assert!(matches!(
+            guard.check(&headers, &page),
+            Err(Refused::NoToken)
+        ));
+        let forged = asked(Method::POST, "/logout", "csrf=nope");
+        assert!(matches!(
+            guard.check(&headers, &forged),
+            Err(Refused::NoToken | Refused::Forgery)
+        ));
+
+        let session = sign_in(&guard, &headers, &token);
+        headers.insert(
+            header::COOKIE,
+            format!("{COOKIE}={}", session.value()).parse().unwrap(),
+        );
+        assert!(matches!(guard.check(&headers, &page), Ok(Admitted::Yes)));
+        // Its 8 hours are over.
+        *guard.sessions().get_mut(session.value()).expect("live") = Instant::now();
+        assert!(matches!(
+            guard.check(&headers, &page),
+            Err(Refused::NoToken)
+        ));
+    }
+
+    /// Five wrong tokens from an address in a minute, and the sixth try is
+    /// refused even with the right token; another address is not.
+    #[test]
+    fn wrong_tokens_are_limited_per_address() {
+        let (guard, token, headers) = behind_a_proxy();
+        let from = |form: &str, remote: &str| asked_from(Method::POST, "/login", form, remote);
+        for _ in 0..MAX_FAILURES {
+            assert!(matches!(
+                guard.check(&headers, &from("token=guess", "10.0.0.7:1")),
+                Err(Refused::WrongToken)
+            ));
+        }
+        assert!(matches!(
+            guard.check(&headers, &from(&format!("token={token}"), "10.0.0.7:2")),
+            Err(Refused::TooMany)
+        ));
+        assert!(matches!(
+            guard.check(&headers, &from(&format!("token={token}"), "10.0.0.8:1")),
+            Ok(Admitted::Login(Answer::SetCookie { .. }))
+        ));
+        // The minute is over.
+        guard
+            .failures
+            .lock()
+            .unwrap()
+            .get_mut(&"10.0.0.7".parse::<IpAddr>().unwrap())
+            .expect("counted")
+            .1 -= FAILURE_WINDOW;
+        assert!(matches!(
+            guard.check(&headers, &from(&format!("token={token}"), "10.0.0.7:3")),
+            Ok(Admitted::Login(Answer::SetCookie { .. }))
+        ));
+    }
+
+    /// What is checked before the body: a page without credentials is
+    /// refused there; the login form is not (its token is in the body).
+    #[test]
+    fn credentials_are_checked_before_the_body() {
+        let (guard, _, headers) = behind_a_proxy();
+        let release = asked(Method::POST, "/claims/release", "");
+        assert!(matches!(
+            guard.check_headers(&headers, &release),
+            Err(Refused::NoToken)
+        ));
+        let login = asked(Method::POST, "/login", "");
+        assert!(guard.check_headers(&headers, &login).is_ok());
     }
 }

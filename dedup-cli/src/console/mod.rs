@@ -17,7 +17,10 @@
 //! | `/outbox` | the outbox's backlog per topic |
 //!
 //! Safe by default: it binds to 127.0.0.1; any other address needs a token
-//! (`DEDUP_CONSOLE_TOKEN`). Changes (a release, a replay) are POSTs with a
+//! (`DEDUP_CONSOLE_TOKEN`) and TLS (served here with `--tls-cert` and
+//! `--tls-key`, or by a proxy in front: `--behind-tls-proxy`); sessions
+//! expire and can be ended, wrong tokens are rate-limited, connections are
+//! capped (`--max-connections`). Changes (a release, a replay) are POSTs with a
 //! CSRF token and a confirmation step, hidden by `--read-only`, and each
 //! is logged on standard error with what it did.
 
@@ -26,6 +29,7 @@ mod overview;
 mod pages;
 mod reading;
 mod replay;
+mod tls;
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -45,9 +49,23 @@ use crate::{Database, Failure, KafkaArgs, Report};
 #[derive(Args)]
 pub(crate) struct ConsoleArgs {
     /// Where to serve the pages. An address other than loopback needs
-    /// `DEDUP_CONSOLE_TOKEN` in the environment.
+    /// `DEDUP_CONSOLE_TOKEN` in the environment, and TLS: `--tls-cert` and
+    /// `--tls-key`, or `--behind-tls-proxy`.
     #[arg(long, default_value = "127.0.0.1:9470")]
     listen: SocketAddr,
+    /// Serve HTTPS with this certificate chain (PEM, the server's first).
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<std::path::PathBuf>,
+    /// The private key of `--tls-cert` (PEM).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<std::path::PathBuf>,
+    /// Plain HTTP on a non-loopback address is only for a proxy in front
+    /// that adds TLS (and sets `X-Forwarded-Proto: https`): say it is there.
+    #[arg(long, conflicts_with = "tls_cert")]
+    behind_tls_proxy: bool,
+    /// Connections served at once; more wait to be accepted.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    max_connections: u32,
     #[command(flatten)]
     kafka: KafkaArgs,
     /// The database of the claims and the outbox: `postgres://..`,
@@ -94,7 +112,16 @@ pub(crate) async fn serve(args: ConsoleArgs) -> Result<Stopped, Failure> {
     let token = std::env::var("DEDUP_CONSOLE_TOKEN")
         .ok()
         .filter(|t| !t.is_empty());
-    let guard = guard::Guard::new(args.listen, token)?;
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(tls::acceptor(cert, key)?),
+        _ => None,
+    };
+    let transport = match (&tls, args.behind_tls_proxy) {
+        (Some(_), _) => guard::Transport::Tls,
+        (None, true) => guard::Transport::Proxy,
+        (None, false) => guard::Transport::Plain,
+    };
+    let guard = guard::Guard::new(args.listen, token, transport)?;
     crate::dlq::parse_key(&args.key).map_err(|e| Failure::new(format!("--key: {e}")))?;
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -118,7 +145,8 @@ pub(crate) async fn serve(args: ConsoleArgs) -> Result<Stopped, Failure> {
     });
     // The one line a script waits for: where the pages are.
     println!(
-        "dedup console: serving http://{addr}/{}{}",
+        "dedup console: serving {}://{addr}/{}{}",
+        if tls.is_some() { "https" } else { "http" },
         if console.guard.needs_token() {
             " (token required)"
         } else {
@@ -132,7 +160,14 @@ pub(crate) async fn serve(args: ConsoleArgs) -> Result<Stopped, Failure> {
     );
     let stop = dedup_kafka::shutdown_signal();
     tokio::pin!(stop);
+    // A connection holds a permit from its acceptance to its end: beyond
+    // the cap, clients wait in the listen queue.
+    let permits = Arc::new(tokio::sync::Semaphore::new(args.max_connections as usize));
     loop {
+        let permit = tokio::select! {
+            permit = permits.clone().acquire_owned() => permit.expect("the semaphore is never closed"),
+            () = &mut stop => break,
+        };
         let (stream, remote) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
@@ -145,20 +180,43 @@ pub(crate) async fn serve(args: ConsoleArgs) -> Result<Stopped, Failure> {
             () = &mut stop => break,
         };
         let console = console.clone();
+        let tls = tls.clone();
         tokio::spawn(async move {
-            let service = hyper::service::service_fn(move |req| {
-                let console = console.clone();
-                async move { Ok::<_, Infallible>(handle(&console, remote, req).await) }
-            });
-            // A client that goes away mid-request is its own business.
-            let _ = hyper::server::conn::http1::Builder::new()
-                .header_read_timeout(Duration::from_secs(10))
-                .timer(hyper_util::rt::TokioTimer::new())
-                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                .await;
+            let _permit = permit;
+            match tls {
+                // A handshake that does not finish in 10 s is given up.
+                Some(acceptor) => {
+                    let handshake =
+                        tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(stream));
+                    if let Ok(Ok(stream)) = handshake.await {
+                        serve_connection(console, remote, stream).await;
+                    }
+                }
+                None => serve_connection(console, remote, stream).await,
+            }
         });
     }
     Ok(Stopped { addr })
+}
+
+/// How long a client may take over its TLS handshake.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Serves one connection's requests (plain or TLS) until it ends.
+async fn serve_connection<S>(console: Arc<Console>, remote: SocketAddr, stream: S)
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req| {
+        let console = console.clone();
+        async move { Ok::<_, Infallible>(handle(&console, remote, req).await) }
+    });
+    // A client that goes away mid-request is its own business.
+    let _ = hyper::server::conn::http1::Builder::new()
+        .header_read_timeout(Duration::from_secs(10))
+        .timer(hyper_util::rt::TokioTimer::new())
+        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+        .await;
 }
 
 /// The console stopped (Ctrl-C or SIGTERM).
@@ -226,8 +284,8 @@ pub(crate) enum Answer {
     /// A part of a page (the overview's refresh).
     Fragment(Markup),
     Redirect(String),
-    /// The token was right: a session cookie, and on to the page asked for.
-    SignedIn {
+    /// A cookie to set (a session given, or ended), and on to `to`.
+    SetCookie {
         cookie: String,
         to: String,
     },
@@ -268,6 +326,12 @@ async fn handle(
     // The stylesheet and script hold nothing: served to anyone.
     if asked.method == Method::GET && asked.path.first().map(String::as_str) == Some("assets") {
         return respond(pages::asset(&asked.path));
+    }
+    // Credentials first: a request without them is answered before its
+    // body is read (nobody unknown makes the console read 64 KiB, or wait
+    // 10 s for it).
+    if let Err(refused) = console.guard.check_headers(&parts.headers, &asked) {
+        return respond(refused.answer(console, &asked));
     }
     if asked.method == Method::POST {
         // A client that sends its form slowly is not waited for long.
@@ -360,7 +424,7 @@ fn respond(answer: Answer) -> Response<Full<Bytes>> {
         Answer::Page(status, markup) => (status, HTML, markup.into_string(), None, None),
         Answer::Fragment(markup) => (StatusCode::OK, HTML, markup.into_string(), None, None),
         Answer::Redirect(to) => (StatusCode::SEE_OTHER, HTML, String::new(), Some(to), None),
-        Answer::SignedIn { cookie, to } => (
+        Answer::SetCookie { cookie, to } => (
             StatusCode::SEE_OTHER,
             HTML,
             String::new(),
@@ -459,6 +523,11 @@ impl Console {
 
     pub(crate) fn csrf(&self) -> &str {
         self.guard.csrf()
+    }
+
+    /// Whether pages need the token (and a session can be ended).
+    pub(crate) fn needs_token(&self) -> bool {
+        self.guard.needs_token()
     }
 
     pub(crate) fn replaying(&self) -> &Arc<tokio::sync::Mutex<()>> {

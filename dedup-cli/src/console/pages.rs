@@ -48,6 +48,12 @@ pub(crate) fn layout(console: Option<&Console>, title: &str, body: Markup) -> Ma
                     @if console.is_some_and(Console::read_only) {
                         span.badge { "read-only" }
                     }
+                    @if let Some(console) = console.filter(|c| c.needs_token()) {
+                        form.signout method="post" action="/logout" {
+                            (csrf(console))
+                            button type="submit" { "Sign out" }
+                        }
+                    }
                 }
                 main {
                     h1 { (title) }

@@ -24,8 +24,9 @@ const ACCESS_TIMEOUT: Duration = Duration::from_secs(10);
 struct Refusals {
     /// Refused credentials or a failed handshake of this client's own.
     refused: Mutex<Option<(RDKafkaErrorCode, String)>>,
-    /// TLS alerts the brokers sent: how many, and the last.
-    alerts: Mutex<(u32, String)>,
+    /// The last TLS alert the brokers sent, while it is the latest
+    /// transport failure (another failure since clears it).
+    alert: Mutex<Option<String>>,
 }
 
 impl rdkafka::ClientContext for Refusals {
@@ -46,14 +47,15 @@ impl rdkafka::ClientContext for Refusals {
             // certificate: expired, unknown, revoked) arrives as a
             // transport failure; OpenSSL's "SSL alert number N" is the only
             // sign. A broker in trouble can send one too (a revocation
-            // check it cannot make, an internal error): counted, and a
-            // refusal only if no broker answers for the whole check.
-            Some(RDKafkaErrorCode::BrokerTransportFailure)
-                if reason.contains("SSL alert number") =>
-            {
-                let mut alerts = self.alerts.lock().unwrap_or_else(|p| p.into_inner());
-                alerts.0 += 1;
-                reason.clone_into(&mut alerts.1);
+            // check it cannot make, an internal error): a refusal only if
+            // no broker answers for the whole check and an alert is still
+            // the latest failure at its end (librdkafka passes on only the
+            // first repeats of an error, so repeats are not counted).
+            Some(RDKafkaErrorCode::BrokerTransportFailure) => {
+                *self.alert.lock().unwrap_or_else(|p| p.into_inner()) = reason
+                    .contains("SSL alert number")
+                    .then(|| reason.to_owned());
+                tracing::debug!(error = %error, reason, "reaching the brokers");
             }
             _ => tracing::debug!(error = %error, reason, "reaching the brokers"),
         }
@@ -75,7 +77,7 @@ impl ProducerContext for Refusals {
 /// metadata: `Ok` once they answer, or when they do not answer within 10 s
 /// (an outage, waited out after); an error naming what to fix when they
 /// refuse the credentials or the TLS handshake fails (at once), or when for
-/// those 10 s they only answer with TLS alerts (a client certificate they
+/// those 10 s they answer only with TLS alerts (a client certificate they
 /// refuse). `who` names the
 /// client in the error.
 pub(crate) async fn check(config: &ClientConfig, who: &str) -> Result<(), Error> {
@@ -118,14 +120,14 @@ pub(crate) async fn check(config: &ClientConfig, who: &str) -> Result<(), Error>
                 None => {}
             }
             if Instant::now() >= deadline {
-                // Alerts over and over, and never an answer: refused.
-                let (alerts, reason) = client
+                // Never an answer, and the latest failure an alert: refused.
+                let alert = client
                     .context()
-                    .alerts
+                    .alert
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
-                    .clone();
-                if alerts >= 2 {
+                    .take();
+                if let Some(reason) = alert {
                     return Err(Error::Config(refusal(&who, RDKafkaErrorCode::SSL, &reason)));
                 }
                 tracing::warn!(

@@ -89,20 +89,50 @@ pub async fn grant(
             .await
             .map_err(database)?;
     }
-    // What the role can do now, object by object: (object, kind, rights).
+    // What the role can do now, object by object and right by right (the
+    // check functions answer for any one of several rights), each object
+    // named as the statements above name it (quoted: case kept).
     let claims = TableName::parse(claims)?;
     let mut wanted = vec![
-        (claims.to_string(), "table", "SELECT,INSERT,UPDATE,DELETE"),
-        (format!("{claims}_migrations"), "table", "SELECT"),
-        (format!("{claims}_tokens"), "sequence", "USAGE"),
+        (
+            claims.quoted(),
+            "table",
+            &["SELECT", "INSERT", "UPDATE", "DELETE"][..],
+        ),
+        (
+            claims.quoted_with_suffix("_migrations"),
+            "table",
+            &["SELECT"][..],
+        ),
+        (
+            claims.quoted_with_suffix("_tokens"),
+            "sequence",
+            &["USAGE"][..],
+        ),
     ];
     if let Some(outbox) = outbox {
         let outbox = TableName::parse(outbox)?;
         wanted.extend([
-            (outbox.to_string(), "table", "SELECT,INSERT,UPDATE,DELETE"),
-            (format!("{outbox}_leases"), "table", "SELECT,INSERT,DELETE"),
-            (format!("{outbox}_migrations"), "table", "SELECT"),
-            (format!("{outbox}_seq_seq"), "sequence", "USAGE"),
+            (
+                outbox.quoted(),
+                "table",
+                &["SELECT", "INSERT", "UPDATE", "DELETE"][..],
+            ),
+            (
+                outbox.quoted_with_suffix("_leases"),
+                "table",
+                &["SELECT", "INSERT", "DELETE"][..],
+            ),
+            (
+                outbox.quoted_with_suffix("_migrations"),
+                "table",
+                &["SELECT"][..],
+            ),
+            (
+                outbox.quoted_with_suffix("_seq_seq"),
+                "sequence",
+                &["USAGE"][..],
+            ),
         ]);
     }
     for (object, kind, rights) in wanted {
@@ -110,19 +140,21 @@ pub async fn grant(
             "table" => "SELECT has_table_privilege($1, $2, $3)",
             _ => "SELECT has_sequence_privilege($1, $2, $3)",
         };
-        let held: bool = sqlx::query_scalar(check)
-            .bind(role)
-            .bind(&object)
-            .bind(rights)
-            .fetch_one(&mut *tx)
-            .await
-            .map_err(database)?;
-        if !held {
-            return Err(Error::NotGranted {
-                role: role.to_owned(),
-                object,
-                rights: rights.to_owned(),
-            });
+        for right in rights {
+            let held: bool = sqlx::query_scalar(check)
+                .bind(role)
+                .bind(&object)
+                .bind(right)
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(database)?;
+            if !held {
+                return Err(Error::NotGranted {
+                    role: role.to_owned(),
+                    object,
+                    rights: (*right).to_owned(),
+                });
+            }
         }
     }
     tx.commit().await.map_err(database)

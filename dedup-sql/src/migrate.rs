@@ -45,17 +45,14 @@ where
     if up_to_date(&mut *conn, &migrator).await? {
         return Ok(());
     }
-    // On its own connection, closed if it fails: sqlx's run returns
-    // without releasing its session-wide migration lock then, and a pooled
-    // connection holding it would stall the next migration (the owner's
-    // too) until the pool dropped it.
-    match migrator.run_direct(None, &mut *conn, false).await {
-        Ok(()) => Ok(()),
-        Err(e) => {
-            let _ = conn.close().await;
-            Err(e)
-        }
-    }
+    // On a connection closed after, never returned to the pool: sqlx's
+    // run returns without releasing its session-wide migration lock when a
+    // migration fails (or when this future is dropped midway), and a
+    // pooled connection holding it would stall the next migration (the
+    // owner's too). Relies on sqlx-core 0.9's `run_direct` (what `run`
+    // calls).
+    conn.close_on_drop();
+    migrator.run_direct(None, &mut *conn, false).await
 }
 
 /// Whether `migrator`'s every migration is applied with the same checksum,

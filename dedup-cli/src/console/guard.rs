@@ -124,6 +124,12 @@ impl Guard {
                  long random secret) in the environment, or listen on 127.0.0.1"
             )));
         }
+        if transport == Transport::Proxy && token.is_none() {
+            return Err(Failure::new(
+                "--behind-tls-proxy: a proxy forwards anyone who reaches it, so the console needs \
+                 DEDUP_CONSOLE_TOKEN (a long random secret) in the environment",
+            ));
+        }
         if !listen.ip().is_loopback() && transport == Transport::Plain {
             return Err(Failure::new(format!(
                 "--listen {listen} is reachable from other machines, and the token and the \
@@ -171,12 +177,24 @@ impl Guard {
         }
         match &self.token {
             Some(token) if !is_page(asked, "login") => {
+                // A bearer token is a sign-in of its own: limited as the
+                // form's are.
                 let bearer = headers
                     .get(header::AUTHORIZATION)
                     .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.strip_prefix("Bearer "))
-                    .is_some_and(|given| same(given.trim(), token));
-                if !bearer && self.session(headers).is_none() {
+                    .and_then(|v| v.strip_prefix("Bearer "));
+                if let Some(given) = bearer {
+                    let ip = asked.remote.ip();
+                    if self.too_many(ip) {
+                        return Err(Refused::TooMany);
+                    }
+                    if same(given.trim(), token) {
+                        return Ok(());
+                    }
+                    self.failed(ip);
+                    console_log_refusal(asked);
+                }
+                if self.session(headers).is_none() {
                     return Err(Refused::NoToken);
                 }
                 Ok(())
@@ -230,6 +248,9 @@ impl Guard {
             .flat_map(Cookie::split_parse)
             .filter_map(Result::ok)
             .filter(|c| c.name() == COOKIE)
+            // A browser sends one; a request stuffed with thousands does
+            // not make every one compared with every session.
+            .take(4)
             .map(|c| c.value().to_owned())
             .collect();
         if given.is_empty() {
@@ -280,19 +301,26 @@ impl Guard {
     /// Whether `ip` sent [`MAX_FAILURES`] wrong tokens within the window.
     fn too_many(&self, ip: IpAddr) -> bool {
         let failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
-        failures
-            .get(&ip)
-            .is_some_and(|(n, since)| *n >= MAX_FAILURES && since.elapsed() < FAILURE_WINDOW)
+        let counted = |key: &IpAddr| {
+            failures
+                .get(key)
+                .is_some_and(|(n, since)| *n >= MAX_FAILURES && since.elapsed() < FAILURE_WINDOW)
+        };
+        counted(&counted_as(ip)) || counted(&OVERFLOW)
     }
 
-    /// Counts a wrong token from `ip`.
+    /// Counts a wrong token from `ip` (an IPv6 address by its /64: one
+    /// host holds a whole /64). With [`MAX_TRACKED`] addresses counted in
+    /// the window already, a new one is counted with every other newcomer,
+    /// in one shared count.
     fn failed(&self, ip: IpAddr) {
+        let mut ip = counted_as(ip);
         let mut failures = self.failures.lock().unwrap_or_else(|p| p.into_inner());
-        if failures.len() >= MAX_TRACKED {
+        if failures.len() >= MAX_TRACKED && !failures.contains_key(&ip) {
             failures.retain(|_, (_, since)| since.elapsed() < FAILURE_WINDOW);
         }
         if failures.len() >= MAX_TRACKED && !failures.contains_key(&ip) {
-            return;
+            ip = OVERFLOW;
         }
         let entry = failures.entry(ip).or_insert((0, Instant::now()));
         if entry.1.elapsed() >= FAILURE_WINDOW {
@@ -391,6 +419,22 @@ impl Refused {
                 ),
             ),
         }
+    }
+}
+
+/// Where wrong tokens from addresses beyond [`MAX_TRACKED`] are counted.
+const OVERFLOW: IpAddr = IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
+
+/// The address wrong tokens are counted under: an IPv4 address, or an IPv6
+/// address's /64.
+fn counted_as(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) if v6.to_ipv4_mapped().is_none() => {
+            let bits = u128::from(v6) & !((1u128 << 64) - 1);
+            IpAddr::V6(std::net::Ipv6Addr::from(bits))
+        }
+        IpAddr::V6(v6) => IpAddr::V4(v6.to_ipv4_mapped().expect("mapped")),
+        v4 => v4,
     }
 }
 
@@ -504,6 +548,11 @@ mod tests {
         );
         assert!(Guard::new(any, Some("x".repeat(32)), Transport::Tls).is_ok());
         assert!(Guard::new(any, Some("x".repeat(32)), Transport::Proxy).is_ok());
+        let loopback: SocketAddr = "127.0.0.1:9470".parse().unwrap();
+        let err = Guard::new(loopback, None, Transport::Proxy)
+            .err()
+            .expect("a proxy forwards anyone");
+        assert!(err.0.contains("DEDUP_CONSOLE_TOKEN"), "{err}");
         assert!(Guard::new("127.0.0.1:0".parse().unwrap(), None, Transport::Plain).is_ok());
         assert!(same("abc", "abc") && !same("abc", "abd") && !same("abc", "ab"));
     }
@@ -672,6 +721,35 @@ mod tests {
         assert!(matches!(
             guard.check(&headers, &from(&format!("token={token}"), "10.0.0.7:3")),
             Ok(Admitted::Login(Answer::SetCookie { .. }))
+        ));
+    }
+
+    /// Wrong bearer tokens count as wrong sign-ins; addresses of one IPv6
+    /// /64 count as one.
+    #[test]
+    fn wrong_bearer_tokens_count_and_ipv6_counts_by_its_64() {
+        let (guard, token, mut headers) = behind_a_proxy();
+        headers.insert(header::AUTHORIZATION, "Bearer guess".parse().unwrap());
+        for n in 0..MAX_FAILURES {
+            let page = asked_from(Method::GET, "/claims", "", &format!("[2001:db8::{n}]:1"));
+            assert!(matches!(
+                guard.check(&headers, &page),
+                Err(Refused::NoToken)
+            ));
+        }
+        headers.insert(
+            header::AUTHORIZATION,
+            format!("Bearer {token}").parse().unwrap(),
+        );
+        let same_64 = asked_from(Method::GET, "/claims", "", "[2001:db8::ffff]:1");
+        assert!(matches!(
+            guard.check(&headers, &same_64),
+            Err(Refused::TooMany)
+        ));
+        let other_64 = asked_from(Method::GET, "/claims", "", "[2001:db8:0:1::1]:1");
+        assert!(matches!(
+            guard.check(&headers, &other_64),
+            Ok(Admitted::Yes)
         ));
     }
 

@@ -202,6 +202,11 @@ pub(crate) async fn serve(args: ConsoleArgs) -> Result<Stopped, Failure> {
 /// How long a client may take over its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long a connection may last, however it is used: one that stops
+/// reading its answers (hyper's writes have no timeout) gives its place
+/// back by then. (A replay runs to its end on its own.)
+const CONNECTION_LIFETIME: Duration = Duration::from_secs(600);
+
 /// Serves one connection's requests (plain or TLS) until it ends.
 async fn serve_connection<S>(console: Arc<Console>, remote: SocketAddr, stream: S)
 where
@@ -212,11 +217,11 @@ where
         async move { Ok::<_, Infallible>(handle(&console, remote, req).await) }
     });
     // A client that goes away mid-request is its own business.
-    let _ = hyper::server::conn::http1::Builder::new()
+    let serving = hyper::server::conn::http1::Builder::new()
         .header_read_timeout(Duration::from_secs(10))
         .timer(hyper_util::rt::TokioTimer::new())
-        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-        .await;
+        .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+    let _ = tokio::time::timeout(CONNECTION_LIFETIME, serving).await;
 }
 
 /// The console stopped (Ctrl-C or SIGTERM).

@@ -24,40 +24,17 @@ pub fn grant_statements(
     let role = Role::parse(role)?.quoted();
     let claims = TableName::parse(claims)?;
     let outbox = outbox.map(TableName::parse).transpose()?;
-    let mut sql = vec![
-        format!(
-            "GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {role}",
-            claims.quoted()
-        ),
-        format!(
-            "GRANT SELECT ON {} TO {role}",
-            claims.quoted_with_suffix("_migrations")
-        ),
-        format!(
-            "GRANT USAGE ON SEQUENCE {} TO {role}",
-            claims.quoted_with_suffix("_tokens")
-        ),
-    ];
-    if let Some(outbox) = &outbox {
-        sql.extend([
+    let mut sql: Vec<String> = needed(&claims, outbox.as_ref())
+        .iter()
+        .map(|n| {
+            let kind = if n.sequence { "SEQUENCE " } else { "" };
             format!(
-                "GRANT SELECT, INSERT, UPDATE, DELETE ON {} TO {role}",
-                outbox.quoted()
-            ),
-            format!(
-                "GRANT SELECT, INSERT, DELETE ON {} TO {role}",
-                outbox.quoted_with_suffix("_leases")
-            ),
-            format!(
-                "GRANT SELECT ON {} TO {role}",
-                outbox.quoted_with_suffix("_migrations")
-            ),
-            format!(
-                "GRANT USAGE ON SEQUENCE {} TO {role}",
-                outbox.quoted_with_suffix("_seq_seq")
-            ),
-        ]);
-    }
+                "GRANT {} ON {kind}{} TO {role}",
+                n.rights.join(", "),
+                n.object
+            )
+        })
+        .collect();
     // A schema of their own needs its USAGE (public's is everyone's).
     let mut schemas: Vec<String> = std::iter::once(&claims)
         .chain(&outbox)
@@ -68,6 +45,47 @@ pub fn grant_statements(
         sql.insert(0, format!("GRANT USAGE ON SCHEMA {schema} TO {role}"));
     }
     Ok(sql)
+}
+
+/// An object a service needs rights on, named as the statements name it
+/// (quoted: case kept).
+struct Needed {
+    object: String,
+    sequence: bool,
+    rights: &'static [&'static str],
+}
+
+/// What a service needs on the claims table `claims` and the outbox
+/// `outbox`: what [`grant_statements`] grants and [`grant`] checks.
+fn needed(claims: &TableName, outbox: Option<&TableName>) -> Vec<Needed> {
+    const ROWS: &[&str] = &["SELECT", "INSERT", "UPDATE", "DELETE"];
+    let table = |object, rights| Needed {
+        object,
+        sequence: false,
+        rights,
+    };
+    let sequence = |object| Needed {
+        object,
+        sequence: true,
+        rights: &["USAGE"],
+    };
+    let mut needed = vec![
+        table(claims.quoted(), ROWS),
+        table(claims.quoted_with_suffix("_migrations"), &["SELECT"]),
+        sequence(claims.quoted_with_suffix("_tokens")),
+    ];
+    if let Some(outbox) = outbox {
+        needed.extend([
+            table(outbox.quoted(), ROWS),
+            table(
+                outbox.quoted_with_suffix("_leases"),
+                &["SELECT", "INSERT", "DELETE"],
+            ),
+            table(outbox.quoted_with_suffix("_migrations"), &["SELECT"]),
+            sequence(outbox.quoted_with_suffix("_seq_seq")),
+        ]);
+    }
+    needed
 }
 
 /// Runs [`grant_statements`] in one transaction, as the tables' owner (the
@@ -90,60 +108,19 @@ pub async fn grant(
             .map_err(database)?;
     }
     // What the role can do now, object by object and right by right (the
-    // check functions answer for any one of several rights), each object
-    // named as the statements above name it (quoted: case kept).
+    // check functions answer for any one of several rights).
     let claims = TableName::parse(claims)?;
-    let mut wanted = vec![
-        (
-            claims.quoted(),
-            "table",
-            &["SELECT", "INSERT", "UPDATE", "DELETE"][..],
-        ),
-        (
-            claims.quoted_with_suffix("_migrations"),
-            "table",
-            &["SELECT"][..],
-        ),
-        (
-            claims.quoted_with_suffix("_tokens"),
-            "sequence",
-            &["USAGE"][..],
-        ),
-    ];
-    if let Some(outbox) = outbox {
-        let outbox = TableName::parse(outbox)?;
-        wanted.extend([
-            (
-                outbox.quoted(),
-                "table",
-                &["SELECT", "INSERT", "UPDATE", "DELETE"][..],
-            ),
-            (
-                outbox.quoted_with_suffix("_leases"),
-                "table",
-                &["SELECT", "INSERT", "DELETE"][..],
-            ),
-            (
-                outbox.quoted_with_suffix("_migrations"),
-                "table",
-                &["SELECT"][..],
-            ),
-            (
-                outbox.quoted_with_suffix("_seq_seq"),
-                "sequence",
-                &["USAGE"][..],
-            ),
-        ]);
-    }
-    for (object, kind, rights) in wanted {
-        let check = match kind {
-            "table" => "SELECT has_table_privilege($1, $2, $3)",
-            _ => "SELECT has_sequence_privilege($1, $2, $3)",
+    let outbox = outbox.map(TableName::parse).transpose()?;
+    for needed in needed(&claims, outbox.as_ref()) {
+        let check = if needed.sequence {
+            "SELECT has_sequence_privilege($1, $2, $3)"
+        } else {
+            "SELECT has_table_privilege($1, $2, $3)"
         };
-        for right in rights {
+        for right in needed.rights {
             let held: bool = sqlx::query_scalar(check)
                 .bind(role)
-                .bind(&object)
+                .bind(&needed.object)
                 .bind(right)
                 .fetch_one(&mut *tx)
                 .await
@@ -151,7 +128,7 @@ pub async fn grant(
             if !held {
                 return Err(Error::NotGranted {
                     role: role.to_owned(),
-                    object,
+                    object: needed.object,
                     rights: (*right).to_owned(),
                 });
             }

@@ -17,6 +17,7 @@
 # a required client certificate on 9097. A broker of a test's own has only
 # PLAINTEXT unless given DEDUP_KAFKA_SASL_SSL_PORT and DEDUP_KAFKA_SSL_PORT.
 #   scripts/kafka.sh secure-env   # KAFKA_CFG_* lines for the SASL_SSL listener
+#   scripts/kafka.sh acl ARGS     # kafka-acls.sh ARGS (the broker has ACLs on)
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -57,12 +58,15 @@ ensure_tools() {
 }
 
 fetch() {
-    [ -f "$LIBS/.complete" ] && return
+    # The jars for this pom: another pom (a tool added) fetches again.
+    local wanted
+    wanted="$(sha256sum "$ROOT/scripts/kafka/pom.xml" | cut -c1-16)"
+    [ "$(cat "$LIBS/.complete" 2>/dev/null)" = "$wanted" ] && return
     echo "kafka: fetching org.apache.kafka:kafka_2.13:$VERSION and its dependencies" >&2
     rm -rf "$LIBS"
     mvn -q -B -f "$ROOT/scripts/kafka/pom.xml" dependency:copy-dependencies \
         -DincludeScope=runtime -DoutputDirectory="$LIBS"
-    touch "$LIBS/.complete"
+    echo "$wanted" >"$LIBS/.complete"
 }
 
 # A modest heap: this is a test broker on a shared 2-core machine.
@@ -108,6 +112,14 @@ group.initial.rebalance.delay.ms=0
 group.consumer.min.session.timeout.ms=6000
 group.consumer.session.timeout.ms=15000
 log.retention.hours=24
+# ACLs as a managed cluster has them, for the tests of a principal missing
+# one: a resource without ACLs stays open to all (the tests' own topics and
+# groups), one with ACLs only to the principals they name. The PLAINTEXT and
+# controller listeners' ANONYMOUS (the broker itself, the admin tools) may
+# do anything.
+authorizer.class.name=org.apache.kafka.metadata.authorizer.StandardAuthorizer
+super.users=User:ANONYMOUS
+allow.everyone.if.no.acl.found=true
 PROPS
     if [ -n "$SASL_SSL_PORT" ]; then
         local tls
@@ -228,11 +240,19 @@ kill_hard() {
     rm -f "$PIDFILE"
 }
 
+# ACLs, through the PLAINTEXT listener: scripts/kafka.sh acl --add
+# --allow-principal User:dedup --operation Read --topic orders (the
+# arguments of Kafka's kafka-acls.sh).
+acl() {
+    "${TOOL[@]}" org.apache.kafka.tools.AclCommand --bootstrap-server "$HOST:$PORT" "$@"
+}
+
 case "${1:-start}" in
     start) start ;;
     stop) stop ;;
     kill) kill_hard ;;
     status) running ;;
     secure-env) secure_env ;;
-    *) echo "usage: $0 start|stop|kill|status|secure-env" >&2; exit 2 ;;
+    acl) shift; acl "$@" ;;
+    *) echo "usage: $0 start|stop|kill|status|secure-env|acl ARGS" >&2; exit 2 ;;
 esac

@@ -5,13 +5,23 @@
 //! named at start in one error instead of librdkafka retrying them in the
 //! log for ever. Brokers that do not answer at all are an outage: the start
 //! goes on and waits them out, as the loop does.
+//!
+//! Once the brokers answer, the rights the runtime needs are checked too: a
+//! topic it reads or writes that its principal may not even see (no ACL
+//! grants it anything there), and a consumer group it may not use, stop the
+//! start with the ACL to add named. Rights the check cannot see without
+//! reading or writing (Read where only Describe is granted, Write on a
+//! topic it may see) show up later: the dead-letter producer names the
+//! missing Write and holds the partition, as does the transactional
+//! producer.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use rdkafka::ClientConfig;
+use rdkafka::consumer::{BaseConsumer, Consumer as _, ConsumerContext};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::producer::{BaseProducer, Producer as _, ProducerContext};
+use rdkafka::{ClientConfig, TopicPartitionList};
 
 use crate::Error;
 
@@ -65,6 +75,8 @@ impl rdkafka::ClientContext for Refusals {
     fn log(&self, _: rdkafka::config::RDKafkaLogLevel, _: &str, _: &str) {}
 }
 
+impl ConsumerContext for Refusals {}
+
 impl ProducerContext for Refusals {
     type DeliveryOpaque = ();
 
@@ -78,11 +90,15 @@ impl ProducerContext for Refusals {
 /// (an outage, waited out after); an error naming what to fix when they
 /// refuse the credentials or the TLS handshake fails (at once), or when for
 /// those 10 s they answer only with TLS alerts (a client certificate they
-/// refuse). `who` names the
-/// client in the error.
-pub(crate) async fn check(config: &ClientConfig, who: &str) -> Result<(), Error> {
-    let config = config.clone();
+/// refuse); then, if they answered, whether the principal may use what
+/// `rights` lists (see the module's comment). `who` names the client in
+/// the error.
+pub(crate) async fn check(config: &ClientConfig, who: &str, rights: &Rights) -> Result<(), Error> {
+    let mut config = config.clone();
+    // Asking for a topic's metadata must not create it.
+    config.set("allow.auto.create.topics", "false");
     let named = who.to_owned();
+    let rights = rights.clone();
     tokio::task::spawn_blocking(move || {
         let who = named;
         // A producer that sends nothing: its poll serves librdkafka's
@@ -96,7 +112,7 @@ pub(crate) async fn check(config: &ClientConfig, who: &str) -> Result<(), Error>
                 .is_ok();
             client.poll(Duration::ZERO);
             if answered {
-                return Ok(());
+                return permitted(&client, &config, &who, &rights);
             }
             let refused = client
                 .context()
@@ -139,6 +155,164 @@ pub(crate) async fn check(config: &ClientConfig, who: &str) -> Result<(), Error>
     })
     .await
     .map_err(|e| Error::Config(format!("{who}: checking access to the brokers: {e}")))?
+}
+
+/// What a client's principal must be allowed on the cluster.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct Rights {
+    /// Topics it consumes (Read).
+    pub(crate) read: Vec<String>,
+    /// Topics it produces to (Write): dead letters, retry tiers, changelog.
+    pub(crate) write: Vec<String>,
+    /// The consumer group it consumes in (Read).
+    pub(crate) group: Option<String>,
+}
+
+/// How long each question of the rights check waits for its answer.
+const RIGHTS_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Whether the principal may see every topic in `rights` and use its
+/// group: `Ok` when it may, or when the brokers do not say (they stopped
+/// answering: an outage, waited out after); an error naming the ACL to add
+/// when they refuse.
+fn permitted(
+    client: &BaseProducer<Refusals>,
+    config: &ClientConfig,
+    who: &str,
+    rights: &Rights,
+) -> Result<(), Error> {
+    let principal = principal(config);
+    // In the order a user grants them: the topics read, the group, the
+    // topics written.
+    let mut readable = None;
+    for topic in &rights.read {
+        if let Some(partition) = may_see(client, who, &principal, topic, "Read", "read")? {
+            readable.get_or_insert((topic, partition));
+        }
+    }
+    if let (Some(group), Some((topic, partition))) = (&rights.group, readable) {
+        may_use_group(config, who, &principal, group, topic, partition)?;
+    }
+    for topic in &rights.write {
+        may_see(client, who, &principal, topic, "Write", "write")?;
+    }
+    Ok(())
+}
+
+/// Whether the principal may see `topic`: an error naming `operation` if
+/// the brokers say it may not; else one of its partitions, if it exists and
+/// they answered.
+fn may_see(
+    client: &BaseProducer<Refusals>,
+    who: &str,
+    principal: &str,
+    topic: &str,
+    operation: &str,
+    verb: &str,
+) -> Result<Option<i32>, Error> {
+    // A pattern (`^orders-.*`) names no one topic to ask about.
+    if topic.starts_with('^') {
+        return Ok(None);
+    }
+    let Ok(metadata) = client.client().fetch_metadata(Some(topic), RIGHTS_TIMEOUT) else {
+        return Ok(None);
+    };
+    let Some(answer) = metadata.topics().iter().find(|t| t.name() == topic) else {
+        return Ok(None);
+    };
+    match answer.error().map(RDKafkaErrorCode::from) {
+        Some(RDKafkaErrorCode::TopicAuthorizationFailed) => Err(Error::Config(format!(
+            "{who}: the brokers do not let {principal} {verb} topic {topic:?} (no ACL lets it \
+             even see the topic): grant it {operation} on the topic, e.g. kafka-acls.sh \
+             --bootstrap-server <brokers> --add --allow-principal {principal} --operation \
+             {operation} --topic {topic}"
+        ))),
+        None => Ok(answer.partitions().first().map(|p| p.id())),
+        Some(_) => Ok(None),
+    }
+}
+
+/// Whether the principal may use `group`, asked as the group's committed
+/// offset of one partition (the brokers answer it only to a principal
+/// allowed the group).
+fn may_use_group(
+    config: &ClientConfig,
+    who: &str,
+    principal: &str,
+    group: &str,
+    topic: &str,
+    partition: i32,
+) -> Result<(), Error> {
+    let mut config = config.clone();
+    config
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        // Not to wait for another member's open transaction.
+        .set("isolation.level", "read_uncommitted");
+    let consumer: BaseConsumer<Refusals> = config.create_with_context(Refusals::default())?;
+    let mut asked = TopicPartitionList::new();
+    asked.add_partition(topic, partition);
+    // A group the principal may not use is refused when the consumer
+    // looks for its coordinator, an error its poll returns, while the ask
+    // times out.
+    let deadline = Instant::now() + RIGHTS_TIMEOUT;
+    loop {
+        let asked = consumer.committed_offsets(asked.clone(), Duration::from_millis(500));
+        while let Some(polled) = consumer.poll(Duration::ZERO) {
+            if let Err(e) = polled
+                && e.rdkafka_error_code() == Some(RDKafkaErrorCode::GroupAuthorizationFailed)
+            {
+                return Err(Error::Config(format!(
+                    "{who}: the brokers do not let {principal} consume as group {group:?}: \
+                     grant it Read on the group, e.g. kafka-acls.sh --bootstrap-server \
+                     <brokers> --add --allow-principal {principal} --operation Read --group \
+                     {group}"
+                )));
+            }
+        }
+        match asked {
+            Ok(_) => return Ok(()),
+            Err(e) if Instant::now() >= deadline => {
+                tracing::debug!(error = %e, "{who}: the group's offsets, asked to check its rights");
+                return Ok(());
+            }
+            Err(_) => {}
+        }
+    }
+}
+
+/// Logs an error the consumer met; one of the brokers' ACLs says which ACL
+/// is missing (the consumer's partitions wait meanwhile: nothing fetched,
+/// nothing committed).
+pub(crate) fn consumer_error(e: &KafkaError) {
+    match e.rdkafka_error_code() {
+        Some(RDKafkaErrorCode::TopicAuthorizationFailed) => tracing::error!(
+            error = %e,
+            "the consumer's principal may not read a topic it consumes: grant it Read on the \
+             topic (kafka-acls.sh --add --operation Read --topic <topic>); waiting"
+        ),
+        Some(RDKafkaErrorCode::GroupAuthorizationFailed) => tracing::error!(
+            error = %e,
+            "the consumer's principal may not use its group: grant it Read on the group \
+             (kafka-acls.sh --add --operation Read --group <group>); waiting"
+        ),
+        _ => tracing::warn!(error = %e, "kafka consumer error"),
+    }
+}
+
+/// The principal the brokers most likely see: `User:<sasl.username>` for
+/// PLAIN and SCRAM; otherwise (a certificate's subject, a token's) only the
+/// brokers know it.
+fn principal(config: &ClientConfig) -> String {
+    let mechanism = config
+        .get("sasl.mechanisms")
+        .or(config.get("sasl.mechanism"));
+    match (config.get("sasl.username"), mechanism) {
+        (Some(user), Some(m)) if m.eq_ignore_ascii_case("PLAIN") || m.starts_with("SCRAM") => {
+            format!("User:{user}")
+        }
+        _ => "this client's principal".to_owned(),
+    }
 }
 
 /// The error for access refused with `code`: librdkafka's reason (which
@@ -185,7 +359,9 @@ mod tests {
         let mut config = ClientConfig::new();
         config.set("bootstrap.servers", "127.0.0.1:9");
         let started = Instant::now();
-        check(&config, "consumer").await.expect("an outage");
+        check(&config, "consumer", &Rights::default())
+            .await
+            .expect("an outage");
         assert!(started.elapsed() >= ACCESS_TIMEOUT);
     }
 }

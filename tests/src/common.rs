@@ -39,6 +39,113 @@ pub fn secured_env() -> Vec<(String, String)> {
         .collect()
 }
 
+/// Adds ACLs on the shared broker (`scripts/kafka.sh acl --add ARGS`, the
+/// arguments of Kafka's `kafka-acls.sh`). The broker authorizes every
+/// listener but PLAINTEXT's: a resource with no ACL stays open to all, so a
+/// test denies a principal by allowing someone else on its own resources.
+pub fn acl(args: &[&str]) {
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/kafka.sh");
+    let out = Command::new("bash")
+        .arg(script)
+        .args(["acl", "--add", "--force"])
+        .args(args)
+        .output()
+        .expect("kafka.sh acl");
+    assert!(
+        out.status.success(),
+        "kafka.sh acl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Allows the SASL_SSL listener's user `dedup` `operation` on one resource
+/// (`kind`: `--topic`, `--group`, `--transactional-id`).
+pub fn allow_dedup(operation: &str, kind: &str, name: &str) {
+    acl(&[
+        "--allow-principal",
+        "User:dedup",
+        "--operation",
+        operation,
+        kind,
+        name,
+    ]);
+}
+
+/// ACLs for another principal on the `resources` (`--topic T --group G`):
+/// `dedup` may use none of them until allowed.
+pub fn only_for_someone_else(resources: &[&str]) {
+    let mut args = vec![
+        "--allow-principal",
+        "User:someone-else",
+        "--operation",
+        "All",
+    ];
+    args.extend_from_slice(resources);
+    acl(&args);
+}
+
+/// `(key, value)` librdkafka settings and the brokers of the SASL_SSL
+/// listener as the user `dedup` ([`secured_env`] for a builder's `set`).
+pub fn secured_settings() -> (String, Vec<(String, String)>) {
+    let mut brokers = String::new();
+    let mut settings = Vec::new();
+    for (k, v) in secured_env() {
+        if k == "KAFKA_BROKERS" {
+            brokers = v;
+        } else if let Some(key) = k.strip_prefix("KAFKA_CFG_") {
+            settings.push((key.to_lowercase().replace('_', "."), v));
+        }
+    }
+    (brokers, settings)
+}
+
+/// A start as `dedup` on `topic`, `group` and the dead-letter topic `dlq`,
+/// all of which have ACLs for someone else only: `refused` starts and
+/// returns its error. Missing Read on the topic, then on the group, then
+/// any right on `dlq`, each is named (granted after): one error with the
+/// `kafka-acls.sh` arguments that add it, and no password.
+pub async fn each_missing_acl_is_named<F, Fut>(refused: F, topic: &str, group: &str, dlq: &str)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = String>,
+{
+    only_for_someone_else(&["--topic", topic, "--topic", dlq, "--group", group]);
+    let steps = [
+        (
+            format!("--allow-principal User:dedup --operation Read --topic {topic}"),
+            ("Read", "--topic", topic),
+        ),
+        (
+            format!("--operation Read --group {group}"),
+            ("Read", "--group", group),
+        ),
+        (
+            format!("--operation Write --topic {dlq}"),
+            ("Describe", "--topic", dlq),
+        ),
+    ];
+    for (named, (operation, kind, name)) in steps {
+        let said = refused().await;
+        assert!(said.contains(&named), "{named:?} not in: {said}");
+        assert!(!said.contains("dedup-secret"), "{said}");
+        // Then granted, but for the dead-letter topic only Describe: the
+        // test goes on to show what Write refused later does.
+        allow_dedup(operation, kind, name);
+    }
+}
+
+/// `run()` of a runtime that must stop on its own within `secs`: its error.
+pub async fn start_error<T: std::fmt::Debug>(
+    secs: u64,
+    run: impl std::future::Future<Output = Result<T, dedup_kafka::Error>>,
+) -> String {
+    tokio::time::timeout(Duration::from_secs(secs), run)
+        .await
+        .expect("the start must not hang")
+        .expect_err("the start must fail")
+        .to_string()
+}
+
 /// `prefix` and a random suffix: a name no other test uses.
 pub fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4().simple())

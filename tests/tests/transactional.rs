@@ -2098,3 +2098,75 @@ fn chrono_ms() -> i64 {
         .expect("after 1970")
         .as_millis() as i64
 }
+
+/// The Kafka-only runtime as a principal missing ACLs (the SCRAM user
+/// `dedup` over SASL_SSL; every resource of the test has ACLs for someone
+/// else only): missing Read on the input topic, then on the group, then any
+/// right on the dead-letter topic, then Write on its transactional id, each
+/// stops the start with the ACL to add named, nothing output. Allowed only
+/// to see the dead-letter topic, it starts: the transaction holding the
+/// malformed event cannot commit, so nothing is committed past it and
+/// nothing dead-lettered, until Write is granted; then each event is output
+/// once and the malformed one dead-lettered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_acl_is_named_at_start_or_holds_the_partition() {
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let (topic, out, group) = events_and(1, 10, &[("bad", b"not json")]).await;
+    send_events(&producer(), &topic, 10..15).await;
+    let dlq = format!("{topic}.dlq");
+    let id = unique("tx-id");
+    let built = || {
+        let (brokers, settings) = common::secured_settings();
+        settings
+            .into_iter()
+            .fold(
+                TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+                    .brokers(brokers)
+                    .group_id(&group)
+                    .transactional_id(&id),
+                |b, (k, v)| b.set(k, v),
+            )
+            .build()
+            .expect("built")
+    };
+    let refused = || common::start_error(60, built().run_until(std::future::pending()));
+    common::each_missing_acl_is_named(refused, &topic, &group, &dlq).await;
+    // The transactional id, with ACLs for someone else only.
+    common::only_for_someone_else(&["--transactional-id", &id]);
+    let said = refused().await;
+    assert!(
+        said.contains(&format!("--operation Write --transactional-id {id}")),
+        "{said}"
+    );
+    assert!(
+        outputs(&out).await.is_empty(),
+        "nothing output while refused"
+    );
+
+    common::allow_dedup("Write", "--transactional-id", &id);
+    let member = Member::start(built());
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let held = member.stats.snapshot();
+    assert_eq!(held.dead_lettered, 0, "{held}");
+    match common::committed(&topic, &group, 0) {
+        Offset::Offset(at) => assert!(at <= 10, "committed past the held event: {at}"),
+        other => assert_eq!(other, Offset::Invalid),
+    }
+    common::allow_dedup("Write", "--topic", &dlq);
+    let stats = member.stats.clone();
+    wait_until("every event output or dead-lettered", 60, || {
+        let s = stats.snapshot();
+        s.applied == 15 && s.dead_lettered == 1
+    })
+    .await;
+    member.stop().await;
+    assert_eq!(
+        outputs(&out).await,
+        each_once(15, &[]),
+        "each event output once"
+    );
+    assert_eq!(common::committed(&topic, &group, 0), Offset::Offset(16));
+    let dead = read_all(&dlq, "read_committed").await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(header(&dead[0], "dedup.error.kind"), Some("decode"));
+}

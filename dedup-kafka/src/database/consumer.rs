@@ -179,7 +179,7 @@ impl<S: DedupStore> Consumer<S> {
             );
         }
         // Credentials and TLS the brokers refuse are named first.
-        crate::access::check(&self.admin_config, "consumer").await?;
+        crate::access::check(&self.admin_config, "consumer", &self.rights()).await?;
         // The tiers' topics first: a missing one is named as such, not as a
         // retention the TTL check cannot read.
         self.check_tiers().await?;
@@ -247,7 +247,7 @@ impl<S: DedupStore> Consumer<S> {
                         if let Some(fatal) = self.fatal_client_error() {
                             break Some(fatal);
                         }
-                        tracing::warn!(error = %e, "kafka consumer error");
+                        crate::access::consumer_error(&e);
                     }
                 },
             }
@@ -266,6 +266,24 @@ impl<S: DedupStore> Consumer<S> {
                 Err(e)
             }
             None => Ok(stats.snapshot()),
+        }
+    }
+
+    /// What the consumer's principal must be allowed: Read on its topics
+    /// (retry tiers' too) and group, Write on the dead-letter topics.
+    fn rights(&self) -> crate::access::Rights {
+        let mut write: Vec<String> = self
+            .routes
+            .values()
+            .flat_map(|r| r.all())
+            .map(|r| r.dead_letter_topic.clone())
+            .collect();
+        write.sort();
+        write.dedup();
+        crate::access::Rights {
+            read: self.routes.keys().cloned().collect(),
+            write,
+            group: Some(self.group.clone()),
         }
     }
 

@@ -170,7 +170,7 @@ impl<S: OutboxSource> Relay<S> {
         self.stats.running.store(true, Ordering::Release);
         self.stats.turned();
         // Credentials and TLS the brokers refuse are named at start.
-        let worked = match crate::access::check(&self.access, "relay").await {
+        let worked = match crate::access::check(&self.access, "relay", &Default::default()).await {
             Ok(()) => self.work(shutdown).await,
             Err(e) => Err(e),
         };

@@ -255,7 +255,12 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             })
             .collect();
         // Credentials and TLS the brokers refuse are named first.
-        crate::access::check(&self.shared_config, "consumer").await?;
+        let rights = crate::access::Rights {
+            read: self.topics.names().to_vec(),
+            write: vec![self.dead_letter_topic.clone(), self.changelog.clone()],
+            group: self.consumer_config.get("group.id").map(str::to_owned),
+        };
+        crate::access::check(&self.shared_config, "consumer", &rights).await?;
         crate::ttl_check::check(self.pipeline.ttl_check, &self.shared_config, &checked).await?;
         if let Some(tiers) = &self.tiers {
             crate::tiers::check_topics(&self.shared_config, vec![tiers.clone()], true).await?;
@@ -348,9 +353,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         batch.push(msg.detach());
                         held.count(batch.len());
                     }
-                    Some(Err(e)) => {
-                        tracing::warn!(error = %e, "consumer error");
-                    }
+                    Some(Err(e)) => crate::access::consumer_error(&e),
                 }
             }
             self.apply_changes(&consumer, &mut states, &mut batch, &mut waiting);

@@ -206,6 +206,24 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     self.dead_letter_topic
                 )))
             }
+            // librdkafka purges the records of a transaction that failed
+            // (a partition it could not add: a topic the principal may not
+            // write); its TXNERR log line says why.
+            _ if matches!(
+                e,
+                KafkaError::MessageProduction(RDKafkaErrorCode::PurgeQueue)
+            ) =>
+            {
+                Ok(Attempt::Rewind {
+                    why: format!(
+                        "the transaction failed and its records were purged ({e}); librdkafka's \
+                         TXNERR error above says why (\"Topic authorization failed\": grant the \
+                         principal Write on the topic it names)"
+                    ),
+                    unwritable: false,
+                    lost: false,
+                })
+            }
             _ => Ok(Attempt::Rewind {
                 why: format!("a record was refused: {e}"),
                 unwritable: dead_letter_format::is_unwritable(&e),

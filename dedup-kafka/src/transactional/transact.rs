@@ -65,6 +65,20 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             let timeout = self.transaction_timeout.max(Duration::from_secs(10));
             match tokio::task::block_in_place(|| self.producer.init_transactions(timeout)) {
                 Ok(()) => return Ok(()),
+                Err(e)
+                    if e.rdkafka_error_code()
+                        == Some(RDKafkaErrorCode::TransactionalIdAuthorizationFailed) =>
+                {
+                    let id = &self.transactional_id;
+                    return Err(Error::Config(format!(
+                        "the brokers do not let the producer's principal use transactional id \
+                         {id:?} ({e}): grant it Write on the transactional id, e.g. \
+                         kafka-acls.sh --bootstrap-server <brokers> --add --allow-principal \
+                         <principal> --operation Write --transactional-id {id} (with \
+                         --resource-pattern-type prefixed, one ACL covers every instance's \
+                         ids of a prefix)"
+                    )));
+                }
                 Err(e) if is_fatal(&e) || attempt >= 30 => {
                     return Err(Error::Fatal(format!(
                         "initializing transactions failed: {e}"

@@ -306,3 +306,78 @@ async fn a_refused_client_secret_stops_the_start_with_the_identity_providers_rea
     assert!(!said.contains("wrong-secret-value"), "{said}");
     assert_eq!(balance(&pool).await, 0);
 }
+
+/// The SASL_SSL listener as the SCRAM user `dedup`.
+fn scram(builder: ConsumerBuilder<PgStore>) -> ConsumerBuilder<PgStore> {
+    let (brokers, settings) = common::secured_settings();
+    settings
+        .into_iter()
+        .fold(builder.brokers(brokers), |b, (k, v)| b.set(k, v))
+}
+
+/// A principal missing an ACL: missing Read on the topic, then on the group,
+/// then any right on the dead-letter topic, each stops the start with the
+/// ACL to add named (`kafka-acls.sh` arguments), nothing consumed. Allowed
+/// only to see the dead-letter topic, it starts: the malformed event holds
+/// its partition (nothing committed past it, nothing dead-lettered) until
+/// Write is granted, and then every event is applied or dead-lettered once.
+#[sqlx::test(migrations = false)]
+async fn a_missing_acl_is_named_at_start_or_holds_the_partition(pool: PgPool) {
+    let store = store(&pool).await;
+    let topic = create_topic(1).await;
+    let dlq = format!("{topic}.dlq");
+    let group = unique("g");
+    let producer = producer();
+    for _ in 0..20 {
+        let event = payment(uuid::Uuid::new_v4(), "acct", 1);
+        produce(&producer, &topic, "acct", &event, None).await;
+    }
+    produce(&producer, &topic, "acct", b"{not json", None).await;
+    for _ in 0..5 {
+        let event = payment(uuid::Uuid::new_v4(), "acct", 1);
+        produce(&producer, &topic, "acct", &event, None).await;
+    }
+    let built = || {
+        scram(consumer(&store, &group))
+            .handle(&topic, record_payment)
+            .build()
+            .expect("built")
+    };
+    let refused = || common::start_error(30, built().run_until(std::future::pending()));
+    common::each_missing_acl_is_named(refused, &topic, &group, &dlq).await;
+    assert_eq!(balance(&pool).await, 0, "nothing applied while refused");
+    assert_eq!(
+        common::committed(&topic, &group, 0),
+        rdkafka::Offset::Invalid
+    );
+
+    // Allowed to see the dead-letter topic but not to write it.
+    let running = start(scram(consumer(&store, &group)).handle(&topic, record_payment));
+    running
+        .wait_for("the payments before the malformed event applied", |s| {
+            s.applied >= 20
+        })
+        .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let held = running.stats.snapshot();
+    assert_eq!(held.dead_lettered, 0, "{held}");
+    match common::committed(&topic, &group, 0) {
+        rdkafka::Offset::Offset(at) => assert!(at <= 20, "committed past the held event: {at}"),
+        other => assert_eq!(other, rdkafka::Offset::Invalid),
+    }
+    common::allow_dedup("Write", "--topic", &dlq);
+    running
+        .wait_for("every event applied or dead-lettered", |s| {
+            s.applied == 25 && s.dead_lettered == 1
+        })
+        .await;
+    let stats = running.stop().await;
+    assert_eq!((stats.applied, stats.dead_lettered), (25, 1));
+    assert_eq!(balance(&pool).await, 25, "each payment applied once");
+    assert_eq!(
+        common::committed(&topic, &group, 0),
+        rdkafka::Offset::Offset(26)
+    );
+    let dead = read_exactly(&brokers(), &dlq, 1).await;
+    assert_eq!(header(&dead[0], "dedup.error.kind"), Some("decode"));
+}

@@ -2170,3 +2170,88 @@ async fn a_missing_acl_is_named_at_start_or_holds_the_partition() {
     assert_eq!(dead.len(), 1);
     assert_eq!(header(&dead[0], "dedup.error.kind"), Some("decode"));
 }
+
+/// The Kafka-only runtime with OAUTHBEARER tokens from a provider in code,
+/// through the SASL_SSL listener, tokens living 10 s (the test broker makes
+/// each connection re-authenticate when its token expires): for half a
+/// minute of events, each is output once, and the provider was asked again
+/// and again. With a provider dedup cannot create the changelog (rdkafka's
+/// admin client takes no tokens from code): a start without it names the
+/// command that creates it, and nothing is consumed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_from_a_provider_reach_every_client_of_the_kafka_only_runtime() {
+    use dedup_kafka::{OAuthToken, TokenError};
+    use std::sync::atomic::{AtomicU32, Ordering};
+    let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    let (topic, out, group) = topics(2).await;
+    let calls = std::sync::Arc::new(AtomicU32::new(0));
+    let counted = calls.clone();
+    let provider = move || {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async {
+            let (jwt, expires) = common::unsigned_jwt_text("dedup", Duration::from_secs(10));
+            Ok::<_, TokenError>(OAuthToken::new(jwt, "dedup", expires))
+        }
+    };
+    let built = || {
+        let (brokers, settings) = common::secured_settings();
+        settings
+            .into_iter()
+            .filter(|(k, _)| !k.starts_with("sasl."))
+            .fold(
+                TransactionalConsumer::builder(&topic, forward(&out, "1h"))
+                    .brokers(brokers)
+                    .group_id(&group),
+                |b, (k, v)| b.set(k, v),
+            )
+            .set("sasl.mechanisms", "OAUTHBEARER")
+            .oauth_token_provider(provider.clone())
+            .build()
+            .expect("built")
+    };
+    send_events(&producer(), &topic, 0..10).await;
+    let changelog = format!("{group}-dedup-claims");
+    let said = common::start_error(60, built().run_until(std::future::pending())).await;
+    assert!(
+        said.contains(&format!(
+            "--create --topic {changelog} --partitions 2 --config cleanup.policy=compact"
+        )),
+        "{said}"
+    );
+    assert_eq!(common::committed(&topic, &group, 0), Offset::Invalid);
+    let admin: rdkafka::admin::AdminClient<rdkafka::client::DefaultClientContext> =
+        ClientConfig::new()
+            .set("bootstrap.servers", brokers())
+            .create()
+            .expect("admin");
+    let compacted =
+        rdkafka::admin::NewTopic::new(&changelog, 2, rdkafka::admin::TopicReplication::Fixed(1))
+            .set("cleanup.policy", "compact");
+    for created in admin
+        .create_topics([&compacted], &rdkafka::admin::AdminOptions::new())
+        .await
+        .expect("create the changelog")
+    {
+        created.expect("the changelog created");
+    }
+
+    let member = Member::start(built());
+    let p = producer();
+    for round in 1..30 {
+        send_events(&p, &topic, round * 10..round * 10 + 10).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    let stats = member.stats.clone();
+    wait_until("every event output", 60, || stats.snapshot().applied == 300).await;
+    let ran = member.stop().await;
+    assert_eq!(ran.dead_lettered, 0, "{ran}");
+    assert_eq!(
+        outputs(&out).await,
+        each_once(300, &[]),
+        "each event output once"
+    );
+    // 10-s tokens renewed at 60% of their life, over more than 30 s, by
+    // each client: surely more than 3.
+    let asked = calls.load(Ordering::SeqCst);
+    assert!(asked > 3, "the provider was asked {asked} times");
+}

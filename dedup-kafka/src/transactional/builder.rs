@@ -103,6 +103,19 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
         self
     }
 
+    /// Where every client of the runtime (the consumer, the transactional
+    /// producer, the changelog's readers, the start-up checks' clients) gets
+    /// its SASL OAUTHBEARER token, as
+    /// [`ConsumerBuilder::oauth_token_provider`](crate::ConsumerBuilder::oauth_token_provider)
+    /// says. rdkafka's admin client cannot take tokens from code, so with a
+    /// provider the changelog topic must exist (the start names the
+    /// command that creates it) and its compaction and the TTLs are not
+    /// checked (said with a warning).
+    pub fn oauth_token_provider(mut self, provider: impl crate::TokenProvider) -> Self {
+        self.client.oauth.set(provider);
+        self
+    }
+
     /// A librdkafka setting for the transactional producer alone.
     /// `transactional.id`, `transaction.timeout.ms`, `enable.idempotence`
     /// and `acks` (and its alias `request.required.acks`) are the runtime's:
@@ -280,7 +293,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
     }
 
     /// Checks the settings and creates the clients.
-    pub fn build(self) -> Result<TransactionalConsumer<H>, Error> {
+    pub fn build(mut self) -> Result<TransactionalConsumer<H>, Error> {
         let group = self.client.group_id.clone().ok_or_else(|| {
             Error::Config("a group id is required: .group_id(\"enrich-v1\")".into())
         })?;
@@ -367,6 +380,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
                 "the topic {repeated:?} is both the input and a retry tier, or two tiers"
             )));
         }
+        // Before the configurations: they name the provider's keeper.
+        let tokens = self.client.start_tokens()?;
         let mut consumer = self.client.consumer_config()?;
         if tiers.is_some() {
             consumer.set("partition.assignment.strategy", "range");
@@ -421,6 +436,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumerBuilder<H> {
             metrics: std::sync::OnceLock::new(),
             unwritable_since: Mutex::new(None),
             rewinds: std::sync::atomic::AtomicU32::new(0),
+            _tokens: tokens,
         })
     }
 

@@ -117,6 +117,8 @@ pub struct TransactionalConsumer<H> {
     /// The metrics and health endpoints to serve while running.
     #[cfg(feature = "http")]
     http: Option<crate::http::HttpEndpoints>,
+    /// The OAUTHBEARER tokens' keeper its clients ask, if a provider is set.
+    _tokens: Option<crate::oauth::Tokens>,
 }
 
 /// The messages of the batch in hand, counted in flight until it is

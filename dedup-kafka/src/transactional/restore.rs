@@ -42,6 +42,14 @@ pub(crate) async fn ensure_changelog(
             "the input topic {input:?} does not exist: the changelog {changelog:?} is created with as many partitions"
         ))
     })?;
+    if crate::oauth::from_provider(base) {
+        return existing_changelog(
+            tokio::task::block_in_place(|| count(changelog))?,
+            input,
+            inputs,
+            changelog,
+        );
+    }
     let admin: AdminClient<TokenContext> = base.create_with_context(TokenContext)?;
     let topic = NewTopic::new(
         changelog,
@@ -95,12 +103,7 @@ pub(crate) async fn ensure_changelog(
     loop {
         match tokio::task::block_in_place(|| count(changelog))? {
             Some(n) if n >= inputs => return Ok(()),
-            Some(n) => {
-                return Err(Error::Config(format!(
-                    "the changelog topic {changelog:?} has {n} partitions and the input {input:?} \
-                     has {inputs}: add partitions to the changelog (it must be co-partitioned)"
-                )));
-            }
+            Some(n) => return Err(too_few_partitions(changelog, n, input, inputs)),
             None if started.elapsed() < REQUEST_TIMEOUT => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -111,6 +114,44 @@ pub(crate) async fn ensure_changelog(
             }
         }
     }
+}
+
+/// With a token provider, the changelog as it is: rdkafka's admin client,
+/// never polled for a token, cannot create it or describe its
+/// configuration. `partitions` is its count, `None` if it does not exist.
+fn existing_changelog(
+    partitions: Option<usize>,
+    input: &str,
+    inputs: usize,
+    changelog: &str,
+) -> Result<(), Error> {
+    match partitions {
+        Some(n) if n >= inputs => {
+            tracing::warn!(
+                changelog,
+                "with a token provider the changelog's cleanup.policy cannot be checked \
+                 (rdkafka's admin client cannot take OAUTHBEARER tokens from code): it must be \
+                 \"compact\" alone, or claims are forgotten and duplicates applied again"
+            );
+            Ok(())
+        }
+        Some(n) => Err(too_few_partitions(changelog, n, input, inputs)),
+        None => Err(Error::Config(format!(
+            "the changelog topic {changelog:?} does not exist, and with a token provider dedup \
+             cannot create it (rdkafka's admin client cannot take OAUTHBEARER tokens from \
+             code): create it once, compacted, with as many partitions as {input:?}: \
+             kafka-topics.sh --bootstrap-server <brokers> --create --topic {changelog} \
+             --partitions {inputs} --config cleanup.policy=compact"
+        ))),
+    }
+}
+
+/// A changelog of `n` partitions for an input of `inputs`.
+fn too_few_partitions(changelog: &str, n: usize, input: &str, inputs: usize) -> Error {
+    Error::Config(format!(
+        "the changelog topic {changelog:?} has {n} partitions and the input {input:?} has \
+         {inputs}: add partitions to the changelog (it must be co-partitioned)"
+    ))
 }
 
 /// The changelog topic's `cleanup.policy`, or `None` when the broker

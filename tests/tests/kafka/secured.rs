@@ -6,34 +6,15 @@ use super::*;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::time::SystemTime;
 
 use base64::Engine as _;
-use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use dedup_kafka::{OAuthToken, TokenError};
 
 /// An unsigned JWT for `principal`, valid for `life` (what the test broker's
 /// unsecured validator accepts; a real provider's is signed).
 fn unsigned_jwt(principal: &str, life: Duration) -> OAuthToken {
-    let (jwt, expires) = unsigned_jwt_text(principal, life);
+    let (jwt, expires) = common::unsigned_jwt_text(principal, life);
     OAuthToken::new(jwt, principal, expires)
-}
-
-/// The text of [`unsigned_jwt`], and its expiry.
-fn unsigned_jwt_text(principal: &str, life: Duration) -> (String, SystemTime) {
-    let now = SystemTime::now();
-    let secs = |t: SystemTime| {
-        t.duration_since(SystemTime::UNIX_EPOCH)
-            .expect("after 1970")
-            .as_secs_f64()
-    };
-    let expires = now + life;
-    let header = URL_SAFE_NO_PAD.encode(br#"{"alg":"none"}"#);
-    let claims = URL_SAFE_NO_PAD.encode(
-        serde_json::json!({ "sub": principal, "iat": secs(now) - 1.0, "exp": secs(expires) })
-            .to_string(),
-    );
-    (format!("{header}.{claims}."), expires)
 }
 
 /// The SASL_SSL listener's address and CA, with OAUTHBEARER.
@@ -204,7 +185,7 @@ async fn token_endpoint(life: Duration) -> TokenEndpoint {
                                 && form.contains("scope=kafka");
                             let (status, answer) = if authorized && asked {
                                 counted.fetch_add(1, Ordering::SeqCst);
-                                let (jwt, _) = unsigned_jwt_text("dedup-svc", life);
+                                let (jwt, _) = common::unsigned_jwt_text("dedup-svc", life);
                                 (
                                     200,
                                     serde_json::json!({

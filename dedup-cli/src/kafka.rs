@@ -2,6 +2,7 @@
 //! its end.
 
 use std::collections::HashMap;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use rdkafka::ClientConfig;
@@ -18,9 +19,18 @@ pub(crate) const TIMEOUT: Duration = Duration::from_secs(15);
 /// How long reading may go without progress before it is given up.
 const STALL: Duration = Duration::from_secs(30);
 
+/// The CLI's consumers (made with [`consumer`]).
+pub(crate) type KafkaConsumer = BaseConsumer<dedup_kafka::TokenContext>;
+
+/// The OAUTHBEARER tokens' keeper, once an OIDC token endpoint is given:
+/// one for the whole command, whatever clients it makes.
+static KEEPER: OnceLock<dedup_kafka::TokenKeeper> = OnceLock::new();
+
 /// The settings every client gets: the brokers, the `--kafka-config` file's
 /// settings, the `KAFKA_CFG_*` environment variables (named as the
-/// services' builders name them), then the `--kafka-set` pairs.
+/// services' builders name them), then the `--kafka-set` pairs; with
+/// `--oidc-token-endpoint`, OAUTHBEARER tokens from it (make the clients
+/// with `dedup_kafka::TokenContext`).
 pub(crate) fn config(kafka: &KafkaArgs) -> Result<ClientConfig, Failure> {
     let mut config = ClientConfig::new();
     config.set("bootstrap.servers", &kafka.brokers);
@@ -52,7 +62,67 @@ pub(crate) fn config(kafka: &KafkaArgs) -> Result<ClientConfig, Failure> {
         })?;
         config.set(key.trim(), value.trim());
     }
+    if let Some(endpoint) = &kafka.oidc.token_endpoint {
+        oauthbearer(&mut config, endpoint, &kafka.oidc)?;
+    }
     Ok(config)
+}
+
+/// Sets `config` to take OAUTHBEARER tokens from the OIDC token endpoint
+/// (client credentials), starting the keeper the first time.
+fn oauthbearer(
+    config: &mut ClientConfig,
+    endpoint: &str,
+    oidc: &crate::OidcArgs,
+) -> Result<(), Failure> {
+    match config
+        .get("sasl.mechanisms")
+        .or(config.get("sasl.mechanism"))
+    {
+        None => {
+            config.set("sasl.mechanisms", "OAUTHBEARER");
+        }
+        Some(m) if m.eq_ignore_ascii_case("OAUTHBEARER") => {}
+        Some(m) => {
+            return Err(Failure::new(format!(
+                "--oidc-token-endpoint gives OAUTHBEARER tokens, but sasl.mechanisms is {m}"
+            )));
+        }
+    }
+    let keeper = match KEEPER.get() {
+        Some(keeper) => keeper,
+        None => {
+            let client_id = oidc.client_id.as_deref().ok_or_else(|| {
+                Failure::new("--oidc-token-endpoint needs --oidc-client-id (DEDUP_OIDC_CLIENT_ID)")
+            })?;
+            // Never on the command line, which every user of the machine sees.
+            let secret = std::env::var("DEDUP_OIDC_CLIENT_SECRET").map_err(|_| {
+                Failure::new(
+                    "--oidc-token-endpoint needs the client's secret in DEDUP_OIDC_CLIENT_SECRET",
+                )
+            })?;
+            let provider = match &oidc.ca_file {
+                Some(ca) => dedup_kafka::OidcClientCredentials::with_ca_file(
+                    endpoint, client_id, secret, ca,
+                ),
+                None => dedup_kafka::OidcClientCredentials::new(endpoint, client_id, secret),
+            }
+            .map_err(|e| Failure::new(format!("--oidc-token-endpoint: {e}")))?;
+            let provider = match &oidc.scope {
+                Some(scope) => provider.scope(scope),
+                None => provider,
+            };
+            let started = dedup_kafka::TokenKeeper::start(provider)
+                .map_err(|e| Failure::new(e.to_string()))?;
+            // A command runs once: no token is its failure, with the reason.
+            started
+                .first_token()
+                .map_err(|e| Failure::new(format!("--oidc-token-endpoint: {e}")))?;
+            KEEPER.get_or_init(|| started)
+        }
+    };
+    keeper.configure(config);
+    Ok(())
 }
 
 /// librdkafka refused to create a client: why, without a setting's value.
@@ -108,20 +178,26 @@ pub(crate) fn unreachable_brokers(e: &KafkaError) -> Failure {
 
 /// A consumer for reading `topic` with `group` (committing nothing unless
 /// asked to).
-pub(crate) fn consumer(kafka: &KafkaArgs, group: &str) -> Result<BaseConsumer, Failure> {
-    config(kafka)?
+pub(crate) fn consumer(kafka: &KafkaArgs, group: &str) -> Result<KafkaConsumer, Failure> {
+    let mut config = config(kafka)?;
+    let consumer: KafkaConsumer = config
         .set("group.id", group)
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false")
         .set("enable.partition.eof", "false")
-        .create()
-        .map_err(|e| refused("consumer", &e))
+        .create_with_context(dedup_kafka::TokenContext)
+        .map_err(|e| refused("consumer", &e))?;
+    if KEEPER.get().is_some() {
+        // Its first token, before it is only asked for metadata.
+        dedup_kafka::TokenKeeper::serve(&consumer);
+    }
+    Ok(consumer)
 }
 
 /// Reads `topic` to its end as of now, each partition from its offset in
 /// `from` (from its start where `from` has none).
 pub(crate) fn read_to_end_from(
-    consumer: &BaseConsumer,
+    consumer: &KafkaConsumer,
     topic: &str,
     from: &HashMap<i32, i64>,
 ) -> Result<Vec<OwnedMessage>, Failure> {
@@ -134,7 +210,7 @@ pub(crate) fn read_to_end_from(
 /// partition by partition in offset order, and where each partition's
 /// read ended.
 pub(crate) fn read_between(
-    consumer: &BaseConsumer,
+    consumer: &KafkaConsumer,
     topic: &str,
     from: &HashMap<i32, i64>,
     until: Option<&HashMap<i32, i64>>,
@@ -165,7 +241,7 @@ pub(crate) fn read_between(
 /// Each partition of `topic` with its low and high watermarks, in
 /// partition order.
 pub(crate) fn watermarks(
-    consumer: &BaseConsumer,
+    consumer: &KafkaConsumer,
     topic: &str,
 ) -> Result<Vec<(i32, i64, i64)>, Failure> {
     partitions(consumer, topic)?
@@ -182,7 +258,7 @@ pub(crate) fn watermarks(
 /// Reads the records of `topic` in each partition's range `[from, to)`, by
 /// partition in offset order.
 pub(crate) fn read_ranges(
-    consumer: &BaseConsumer,
+    consumer: &KafkaConsumer,
     topic: &str,
     ranges: &HashMap<i32, (i64, i64)>,
 ) -> Result<HashMap<i32, Vec<OwnedMessage>>, Failure> {
@@ -197,7 +273,7 @@ pub(crate) fn read_ranges(
 /// `visit`, each partition's in offset order (the partitions interleaved):
 /// a caller that keeps few of them holds few.
 pub(crate) fn visit_ranges(
-    consumer: &BaseConsumer,
+    consumer: &KafkaConsumer,
     topic: &str,
     ranges: &HashMap<i32, (i64, i64)>,
     mut visit: impl FnMut(OwnedMessage),
@@ -267,7 +343,7 @@ pub(crate) fn visit_ranges(
 
 /// Stops fetching a partition read to its range's end: the records after
 /// it (a range ending before the partition does) are not wanted.
-fn pause(consumer: &BaseConsumer, topic: &str, partition: i32) {
+fn pause(consumer: &KafkaConsumer, topic: &str, partition: i32) {
     let mut tpl = TopicPartitionList::new();
     tpl.add_partition(topic, partition);
     // Only a saving: records past the end are dropped anyway.

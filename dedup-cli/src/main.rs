@@ -96,6 +96,39 @@ pub(crate) struct KafkaArgs {
     /// builders read too: `KAFKA_CFG_SASL_PASSWORD` sets `sasl.password`).
     #[arg(long = "kafka-set", value_name = "KEY=VALUE")]
     settings: Vec<String>,
+    #[command(flatten)]
+    oidc: OidcArgs,
+}
+
+/// SASL OAUTHBEARER tokens from an OIDC identity provider, by OAuth 2.0
+/// client credentials (the client's secret from `DEDUP_OIDC_CLIENT_SECRET`
+/// only).
+#[derive(Args, Clone, Debug)]
+pub(crate) struct OidcArgs {
+    /// The identity provider's token endpoint: every Kafka client of the
+    /// command then authenticates with OAUTHBEARER tokens from it (https;
+    /// plain http only to localhost). The client's secret is read from
+    /// DEDUP_OIDC_CLIENT_SECRET.
+    #[arg(
+        long = "oidc-token-endpoint",
+        value_name = "URL",
+        env = "DEDUP_OIDC_TOKEN_ENDPOINT"
+    )]
+    token_endpoint: Option<String>,
+    /// The OAuth client id.
+    #[arg(
+        long = "oidc-client-id",
+        value_name = "ID",
+        env = "DEDUP_OIDC_CLIENT_ID"
+    )]
+    client_id: Option<String>,
+    /// The scope to ask for.
+    #[arg(long = "oidc-scope", value_name = "SCOPE", env = "DEDUP_OIDC_SCOPE")]
+    scope: Option<String>,
+    /// A PEM file of CA certificates to trust for the token endpoint,
+    /// beside the system's.
+    #[arg(long = "oidc-ca-file", value_name = "FILE", env = "DEDUP_OIDC_CA_FILE")]
+    ca_file: Option<std::path::PathBuf>,
 }
 
 /// Which claim.

@@ -205,9 +205,9 @@ pub(crate) async fn release(
     signing: Option<&dedup_kafka::TierKey>,
 ) -> Result<Released, Failure> {
     let waiting = waiting(kafka, topic, group, keys)?;
-    let producer: FutureProducer = kafka::config(kafka)?
+    let producer: FutureProducer<dedup_kafka::TokenContext> = kafka::config(kafka)?
         .set("enable.idempotence", "true")
-        .create()
+        .create_with_context(dedup_kafka::TokenContext)
         .map_err(|e| kafka::refused("producer", &e))?;
     let mut released = Vec::new();
     let mut refused = Vec::new();

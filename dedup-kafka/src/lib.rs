@@ -20,6 +20,7 @@ mod select;
 mod shutdown;
 mod stats;
 mod tiers;
+mod token_keeper;
 mod transactional;
 mod ttl_check;
 
@@ -30,7 +31,7 @@ pub use dead_letter_format::{
     DEAD_LETTER_HEADERS, DeadLetterHeaders, MAX_ERROR_MESSAGE_BYTES, MalformedHeaders,
     OriginalMessage, REPLAY_COUNT_HEADER, REPLAYED_FROM_HEADER, TRUNCATED_PAYLOAD_BYTES,
 };
-pub use oauth::{OAuthToken, TokenError, TokenFuture, TokenProvider};
+pub use oauth::{OAuthToken, TokenContext, TokenError, TokenFuture, TokenProvider};
 #[cfg(feature = "oidc")]
 pub use oidc::OidcClientCredentials;
 pub use relay::{Relay, RelayBuilder};
@@ -45,6 +46,7 @@ pub use tiers::{
     RETRY_DUE_HEADER, RETRY_RELEASED_HEADER, RETRY_SIGNATURE_HEADER, RETRY_TIER_HEADER, ReadTiers,
     RetryTier, RetryTiers, TierKey,
 };
+pub use token_keeper::TokenKeeper;
 pub use transactional::{
     OutputRecord, Outputs, TransactionalConsumer, TransactionalConsumerBuilder,
 };

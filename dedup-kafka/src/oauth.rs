@@ -493,10 +493,12 @@ pub(crate) fn take_token<C: rdkafka::consumer::ConsumerContext>(
     }
 }
 
-/// The context of a runtime's clients other than its consumer: librdkafka's
-/// default behaviour, and OAUTHBEARER tokens from the runtime's provider.
-#[derive(Clone, Copy, Default)]
-pub(crate) struct TokenContext;
+/// The context of a runtime's clients other than its consumer, and of
+/// clients made with a [`TokenKeeper`](crate::TokenKeeper): librdkafka's default behaviour, and
+/// OAUTHBEARER tokens from the provider their `sasl.oauthbearer.config`
+/// names.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TokenContext;
 
 /// Inside an `impl rdkafka::ClientContext`: the client's OAUTHBEARER tokens
 /// come from the runtime's provider ([`generate`]).

@@ -146,27 +146,6 @@ pub async fn start_error<T: std::fmt::Debug>(
         .to_string()
 }
 
-/// An unsigned JWT for `principal`, valid for `life` (what the test
-/// broker's unsecured OAUTHBEARER validator accepts; a real provider's is
-/// signed), and its expiry.
-pub fn unsigned_jwt_text(principal: &str, life: Duration) -> (String, std::time::SystemTime) {
-    use base64::Engine as _;
-    use base64::engine::general_purpose::URL_SAFE_NO_PAD;
-    let now = std::time::SystemTime::now();
-    let secs = |t: std::time::SystemTime| {
-        t.duration_since(std::time::SystemTime::UNIX_EPOCH)
-            .expect("after 1970")
-            .as_secs_f64()
-    };
-    let expires = now + life;
-    let header = URL_SAFE_NO_PAD.encode(br#"{"alg":"none"}"#);
-    let claims = URL_SAFE_NO_PAD.encode(
-        serde_json::json!({ "sub": principal, "iat": secs(now) - 1.0, "exp": secs(expires) })
-            .to_string(),
-    );
-    (format!("{header}.{claims}."), expires)
-}
-
 /// `prefix` and a random suffix: a name no other test uses.
 pub fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4().simple())

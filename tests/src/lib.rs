@@ -4,6 +4,7 @@
 //! (compiled once, here, rather than into each binary).
 
 pub mod common;
+pub mod oidc;
 
 use dedup_postgres::{PgConfig, PgStore, PgTx};
 use sqlx::PgPool;

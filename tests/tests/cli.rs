@@ -668,3 +668,70 @@ async fn the_cli_reaches_a_sasl_ssl_cluster_and_a_tls_only_database(pool: PgPool
     assert!(said.contains("cannot reach the Kafka brokers"), "{said}");
     assert!(!said.contains("not-the-password"), "{said}");
 }
+
+/// The operator's tool with SASL OAUTHBEARER tokens from an OIDC identity
+/// provider (a token endpoint of the test's own; the client's secret from
+/// `DEDUP_OIDC_CLIENT_SECRET` only): `dlq inspect` reads the dead letters
+/// through the SASL_SSL listener. A wrong secret is one clear error with
+/// the identity provider's reason, at once and never showing the secret.
+#[sqlx::test(migrations = false)]
+async fn the_cli_takes_oauthbearer_tokens_from_an_oidc_identity_provider(pool: PgPool) {
+    let store = migrated(&pool).await;
+    let topic = create_topic(1).await;
+    let dlq = format!("{topic}.dlq");
+    block(&pool, "blocked-1").await;
+    pay(&topic, &[(uuid::Uuid::new_v4(), "blocked-1", 10)]).await;
+    let first = consume(&store, &topic, &unique("g")).await;
+    assert_eq!(first.dead_lettered, 1, "{first:?}");
+
+    let endpoint = dedup_tests::oidc::token_endpoint(Duration::from_secs(10)).await;
+    let (brokers, settings) = common::secured_settings();
+    let ca = settings
+        .iter()
+        .find(|(k, _)| k == "ssl.ca.location")
+        .map(|(_, v)| v.clone())
+        .expect("the test CA");
+    let env = |secret: &'static str| {
+        vec![
+            ("KAFKA_BROKERS", brokers.clone()),
+            ("KAFKA_CFG_SECURITY_PROTOCOL", "SASL_SSL".to_owned()),
+            ("KAFKA_CFG_SSL_CA_LOCATION", ca.clone()),
+            ("DEDUP_OIDC_TOKEN_ENDPOINT", endpoint.url.clone()),
+            ("DEDUP_OIDC_CLIENT_ID", "dedup-svc".to_owned()),
+            ("DEDUP_OIDC_SCOPE", "kafka".to_owned()),
+            ("DEDUP_OIDC_CLIENT_SECRET", secret.to_owned()),
+        ]
+    };
+    let run = |env: Vec<(&'static str, String)>, args: Vec<String>| {
+        let pool = pool.clone();
+        async move {
+            let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            dedup_with(&pool, &args, &env).await
+        }
+    };
+    let inspect = vec![
+        "dlq".to_owned(),
+        "inspect".to_owned(),
+        dlq.clone(),
+        "--json".to_owned(),
+    ];
+    let inspected = run(env("s3cret"), inspect.clone()).await;
+    assert!(inspected.status.success(), "{}", stderr(&inspected));
+    assert_eq!(json(&inspected)["records"], 1);
+    assert!(
+        endpoint.given.load(std::sync::atomic::Ordering::SeqCst) >= 1,
+        "the tokens came from the endpoint"
+    );
+
+    let started = std::time::Instant::now();
+    let refused = run(env("wrong-oidc-secret"), inspect).await;
+    assert!(!refused.status.success());
+    let said = stderr(&refused);
+    assert!(said.contains("invalid_client"), "{said}");
+    assert!(!said.contains("wrong-oidc-secret"), "{said}");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "a refusal is said at once"
+    );
+}

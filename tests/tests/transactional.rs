@@ -2189,7 +2189,8 @@ async fn tokens_from_a_provider_reach_every_client_of_the_kafka_only_runtime() {
     let provider = move || {
         counted.fetch_add(1, Ordering::SeqCst);
         async {
-            let (jwt, expires) = common::unsigned_jwt_text("dedup", Duration::from_secs(10));
+            let (jwt, expires) =
+                dedup_tests::oidc::unsigned_jwt_text("dedup", Duration::from_secs(10));
             Ok::<_, TokenError>(OAuthToken::new(jwt, "dedup", expires))
         }
     };

@@ -9,7 +9,7 @@ use http_body_util::{BodyExt as _, Empty, Limited};
 use hyper::StatusCode;
 use hyper::body::Bytes;
 use maud::{Markup, html};
-use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::consumer::Consumer as _;
 use rdkafka::{Offset, TopicPartitionList};
 
 use super::pages::{encode, layout};
@@ -173,7 +173,7 @@ fn committed(
     group: &str,
     tpl: TopicPartitionList,
 ) -> Result<Vec<(Partition, Option<i64>)>, Failure> {
-    let asker: BaseConsumer = kafka::consumer(kafka_args, group)?;
+    let asker = kafka::consumer(kafka_args, group)?;
     let committed = asker
         .committed_offsets(tpl, TIMEOUT)
         .map_err(|e| Failure::new(format!("reading group {group:?}'s offsets: {e}")))?;

@@ -6,7 +6,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use hyper::StatusCode;
 use maud::{Markup, html};
-use rdkafka::consumer::{BaseConsumer, Consumer as _};
+use rdkafka::consumer::Consumer as _;
 use rdkafka::message::{Headers as _, Message as _};
 
 use super::pages::{encode, failed, layout};
@@ -43,7 +43,7 @@ fn is_dead_letter_topic(name: &str) -> bool {
 /// A consumer that reads and commits nothing (it never joins a group).
 /// (It reads the settings file and starts a client: run it with
 /// [`blocking`].)
-pub(crate) fn reader(kafka: &KafkaArgs) -> Result<BaseConsumer, Failure> {
+pub(crate) fn reader(kafka: &KafkaArgs) -> Result<kafka::KafkaConsumer, Failure> {
     let group = format!("dedup-console-{}", uuid::Uuid::new_v4().simple());
     kafka::consumer(kafka, &group)
 }
@@ -161,7 +161,7 @@ struct Window {
 /// its producers' clocks say), so the next page starts below the oldest
 /// shown of each partition and repeats or skips nothing.
 fn newest(
-    consumer: &BaseConsumer,
+    consumer: &kafka::KafkaConsumer,
     topic: &str,
     filter: &Filter,
     before: &HashMap<i32, i64>,

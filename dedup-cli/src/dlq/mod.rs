@@ -80,7 +80,7 @@ pub(crate) fn preview(bytes: Option<&[u8]>, max: usize) -> String {
 /// partition in offset order, and where each partition's read ended.
 struct Read {
     letters: Vec<DeadLetter>,
-    consumer: rdkafka::consumer::BaseConsumer,
+    consumer: kafka::KafkaConsumer,
     ends: HashMap<i32, i64>,
 }
 

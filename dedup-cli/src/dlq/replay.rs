@@ -122,11 +122,11 @@ pub(crate) async fn replay(args: &ReplayArgs) -> Result<ReplayReport, Failure> {
         }
     }
 
-    let producer: FutureProducer = kafka::config(&args.kafka)?
+    let producer: FutureProducer<dedup_kafka::TokenContext> = kafka::config(&args.kafka)?
         .set("enable.idempotence", "true")
         .set("acks", "all")
         .set("message.max.bytes", "1048588")
-        .create()
+        .create_with_context(dedup_kafka::TokenContext)
         .map_err(|e| kafka::refused("producer", &e))?;
     // Every target exists before anything is sent; its partition count
     // says whether the original partition can be kept.
@@ -364,7 +364,7 @@ pub(crate) fn target_of<'a>(letter: &'a DeadLetter, args: &'a ReplayArgs) -> Opt
 
 /// The offsets the replay's group committed, by partition.
 pub(crate) fn committed_offsets(
-    consumer: &rdkafka::consumer::BaseConsumer,
+    consumer: &kafka::KafkaConsumer,
     topic: &str,
 ) -> Result<HashMap<i32, (i64, String)>, Failure> {
     let mut tpl = TopicPartitionList::new();
@@ -406,7 +406,7 @@ pub(crate) async fn acknowledged(
 
 /// Commits the replay's progress on the dead-letter topic.
 pub(crate) fn commit(
-    consumer: &rdkafka::consumer::BaseConsumer,
+    consumer: &kafka::KafkaConsumer,
     topic: &str,
     progress: &HashMap<i32, i64>,
     signature: &str,

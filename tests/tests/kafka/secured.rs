@@ -7,13 +7,12 @@ use super::*;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use base64::Engine as _;
 use dedup_kafka::{OAuthToken, TokenError};
 
 /// An unsigned JWT for `principal`, valid for `life` (what the test broker's
 /// unsecured validator accepts; a real provider's is signed).
 fn unsigned_jwt(principal: &str, life: Duration) -> OAuthToken {
-    let (jwt, expires) = common::unsigned_jwt_text(principal, life);
+    let (jwt, expires) = dedup_tests::oidc::unsigned_jwt_text(principal, life);
     OAuthToken::new(jwt, principal, expires)
 }
 
@@ -132,103 +131,13 @@ async fn a_failing_token_provider_is_waited_out(pool: PgPool) {
     assert_eq!(balance(&pool).await, 20);
 }
 
-/// A token endpoint of the test's own on loopback, as an identity provider
-/// serves OAuth 2.0 client credentials: the client `dedup-svc` with secret
-/// `s3cret` and scope `kafka` gets an unsigned JWT living `life`; anything
-/// else is refused as `invalid_client`. Counts the tokens it gave.
-struct TokenEndpoint {
-    url: String,
-    given: Arc<AtomicU32>,
-    server: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for TokenEndpoint {
-    fn drop(&mut self) {
-        self.server.abort();
-    }
-}
-
-async fn token_endpoint(life: Duration) -> TokenEndpoint {
-    use http_body_util::{BodyExt as _, Full};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let url = format!(
-        "http://{}/oauth2/token",
-        listener.local_addr().expect("address")
-    );
-    let given = Arc::new(AtomicU32::new(0));
-    let counted = given.clone();
-    let expected = format!(
-        "Basic {}",
-        base64::engine::general_purpose::STANDARD.encode("dedup-svc:s3cret")
-    );
-    let server = tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                return;
-            };
-            let (counted, expected) = (counted.clone(), expected.clone());
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(
-                    move |req: hyper::Request<hyper::body::Incoming>| {
-                        let (counted, expected) = (counted.clone(), expected.clone());
-                        async move {
-                            let authorized = req
-                                .headers()
-                                .get(hyper::header::AUTHORIZATION)
-                                .and_then(|v| v.to_str().ok())
-                                == Some(expected.as_str());
-                            let body = req.into_body().collect().await?.to_bytes();
-                            let form = String::from_utf8_lossy(&body).into_owned();
-                            let asked = form.contains("grant_type=client_credentials")
-                                && form.contains("scope=kafka");
-                            let (status, answer) = if authorized && asked {
-                                counted.fetch_add(1, Ordering::SeqCst);
-                                let (jwt, _) = common::unsigned_jwt_text("dedup-svc", life);
-                                (
-                                    200,
-                                    serde_json::json!({
-                                        "access_token": jwt,
-                                        "token_type": "bearer",
-                                        "expires_in": life.as_secs(),
-                                    }),
-                                )
-                            } else {
-                                (
-                                    401,
-                                    serde_json::json!({
-                                        "error": "invalid_client",
-                                        "error_description": "unknown client or wrong secret",
-                                    }),
-                                )
-                            };
-                            Ok::<_, hyper::Error>(
-                                hyper::Response::builder()
-                                    .status(status)
-                                    .header("content-type", "application/json")
-                                    .body(Full::new(hyper::body::Bytes::from(answer.to_string())))
-                                    .expect("response"),
-                            )
-                        }
-                    },
-                );
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
-    TokenEndpoint { url, given, server }
-}
-
 /// The OIDC client-credentials provider shipped with dedup, against a
 /// token endpoint of the test's own: the consumer reaches the SASL_SSL
 /// listener with its tokens (10 s each, renewed as they age) and applies
 /// every payment once.
 #[sqlx::test(migrations = false)]
 async fn the_oidc_client_credentials_provider_gets_the_tokens(pool: PgPool) {
-    let endpoint = token_endpoint(Duration::from_secs(10)).await;
+    let endpoint = dedup_tests::oidc::token_endpoint(Duration::from_secs(10)).await;
     let store = store(&pool).await;
     let topic = create_topic(1).await;
     let producer = producer();
@@ -261,7 +170,7 @@ async fn the_oidc_client_credentials_provider_gets_the_tokens(pool: PgPool) {
 /// and nothing is consumed.
 #[sqlx::test(migrations = false)]
 async fn a_refused_client_secret_stops_the_start_with_the_identity_providers_reason(pool: PgPool) {
-    let endpoint = token_endpoint(Duration::from_secs(10)).await;
+    let endpoint = dedup_tests::oidc::token_endpoint(Duration::from_secs(10)).await;
     let store = store(&pool).await;
     let topic = create_topic(1).await;
     let event = payment(uuid::Uuid::new_v4(), "acct", 1);

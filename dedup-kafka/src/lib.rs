@@ -94,6 +94,15 @@ pub fn redacted(e: &rdkafka::error::KafkaError) -> String {
         rdkafka::error::KafkaError::ClientConfig(_, description, key, _) => {
             format!("the setting {key:?} was refused: {description} (its value is not shown)")
         }
+        // OpenSSL's words for a client key given without its certificate.
+        rdkafka::error::KafkaError::ClientCreation(why)
+            if why.contains("no certificate assigned") =>
+        {
+            format!(
+                "{e}: a client key (ssl.key.location, ssl.key.pem) needs its certificate: set \
+                 ssl.certificate.location (or ssl.certificate.pem)"
+            )
+        }
         other => other.to_string(),
     }
 }

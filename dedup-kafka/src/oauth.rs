@@ -18,8 +18,9 @@ use std::pin::Pin;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, SystemTime};
 
-/// How long a provider's call may take before it counts as failed.
-const CALL_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a provider's call may take before it counts as failed (2 s in
+/// the unit tests, which hang one).
+const CALL_TIMEOUT: Duration = Duration::from_secs(if cfg!(test) { 2 } else { 30 });
 /// How long a client's first request for a token waits for the keeper's
 /// first token (later requests never wait: the last token, or a failure).
 const FIRST_TOKEN_WAIT: Duration = Duration::from_secs(10);
@@ -627,6 +628,11 @@ mod tests {
         .expect("keeper");
         let why = refused(Some(&tokens.setting()));
         assert!(why.contains("already expired"), "{why}");
+
+        // One that never answers: a failure once its call times out.
+        let tokens = Tokens::start(Arc::new(std::future::pending)).expect("keeper");
+        let why = refused(Some(&tokens.setting()));
+        assert!(why.contains("did not answer in 2s"), "{why}");
 
         let why = refused(None);
         assert!(why.contains("oauth_token_provider"), "{why}");

@@ -823,4 +823,67 @@ mod tests {
         let err = Consumer::builder(MemoryStore::new()).build().unwrap_err();
         assert!(err.to_string().contains("no topic has a handler"), "{err}");
     }
+
+    /// Bad security settings: one clear error at `build()` naming the
+    /// setting, never a hang, never a secret's value.
+    #[tokio::test]
+    async fn bad_security_settings_are_refused_at_build_naming_the_setting() {
+        let dir = std::env::temp_dir().join(format!("dedup-bad-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let garbage = dir.join("not-a-ca.pem");
+        std::fs::write(&garbage, "not a certificate\n").expect("written");
+        let key = dir.join("client.key");
+        std::fs::write(
+            &key,
+            "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+        )
+        .expect("written");
+        let refused = |pairs: &[(&str, &str)]| {
+            let mut b = Consumer::builder(MemoryStore::new())
+                .group_id("g")
+                .set("sasl.password", "hunter2-secret");
+            for (k, v) in pairs {
+                b = b.set(*k, *v);
+            }
+            let said = match b.handle("orders", placed).build() {
+                Ok(_) => panic!("{pairs:?} built"),
+                Err(e) => e.to_string(),
+            };
+            assert!(!said.contains("hunter2-secret"), "{said}");
+            said
+        };
+        let said = refused(&[("security.protocol", "SASL_SSLX")]);
+        assert!(
+            said.contains("security.protocol") && said.contains("SASL_SSLX"),
+            "{said}"
+        );
+        let ca = garbage.to_str().expect("a path");
+        let said = refused(&[("security.protocol", "SSL"), ("ssl.ca.location", ca)]);
+        assert!(
+            said.contains("ssl.ca.location") && said.contains("no certificate"),
+            "{said}"
+        );
+        let key = key.to_str().expect("a path");
+        let said = refused(&[("security.protocol", "SSL"), ("ssl.key.location", key)]);
+        assert!(said.contains("ssl.key.location"), "{said}");
+        // A well-formed key (this one's own) without its certificate.
+        let own = dir.join("own.key");
+        let made = std::process::Command::new("openssl")
+            .args([
+                "genpkey",
+                "-algorithm",
+                "EC",
+                "-pkeyopt",
+                "ec_paramgen_curve:P-256",
+                "-out",
+            ])
+            .arg(&own)
+            .output()
+            .expect("openssl (scripts/tls.sh needs it too)");
+        assert!(made.status.success(), "openssl genpkey");
+        let own = own.to_str().expect("a path");
+        let said = refused(&[("security.protocol", "SSL"), ("ssl.key.location", own)]);
+        assert!(said.contains("set ssl.certificate.location"), "{said}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -125,14 +125,16 @@ PROPS
         local tls
         tls="$(bash "$ROOT/scripts/tls.sh" make)"
         # Kafka reads PEM: the key (PKCS#8, unencrypted) and its certificate
-        # in one file.
-        cat "$tls/server.key" "$tls/server.pem" >"$HOME_DIR/server-keystore.pem"
+        # in one file. DEDUP_KAFKA_SERVER_CERT=expired presents the expired
+        # one (a test's own broker, for the clients' refusal of it).
+        local cert="${DEDUP_KAFKA_SERVER_CERT:-server}"
+        cat "$tls/$cert.key" "$tls/$cert.pem" >"$HOME_DIR/server-keystore.pem"
         chmod 600 "$HOME_DIR/server-keystore.pem"
         # The certificates' fingerprint: new certificates (tls.sh makes them
         # again near their expiry) change the settings, so the broker
         # restarts with them.
         cat >>"$CONF.new" <<PROPS
-# certificates: $(cat "$tls/server.pem" "$tls/ca.pem" | sha256sum | cut -c1-16)
+# certificates: $(cat "$tls/$cert.pem" "$tls/ca.pem" | sha256sum | cut -c1-16)
 ssl.keystore.type=PEM
 ssl.keystore.location=$HOME_DIR/server-keystore.pem
 ssl.truststore.type=PEM

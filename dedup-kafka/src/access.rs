@@ -321,6 +321,12 @@ fn refusal(who: &str, code: RDKafkaErrorCode, reason: &str) -> String {
     let what = if reason.contains(crate::oauth::REFUSED) {
         "the token provider cannot get a token: its identity provider refused its \
          credentials; check the provider's client id, secret and scope"
+    } else if code == RDKafkaErrorCode::SSL && reason.contains("certificate verify failed") {
+        "this client could not verify the brokers' certificate: signed by a CA that is not in \
+         ssl.ca.location, issued for another host name than the one connected to, or expired \
+         (OpenSSL does not say which through librdkafka; `openssl s_client -connect \
+         <broker:port> -CAfile <ssl.ca.location>` prints the reason, and `openssl x509 -noout \
+         -dates` the certificate's dates)"
     } else if code == RDKafkaErrorCode::SSL {
         "the TLS handshake with the brokers failed; check ssl.ca.location (the CA that \
          signed the brokers' certificates) and, where the brokers ask for one, the client \
@@ -349,7 +355,10 @@ mod tests {
         assert!(said.contains("SCRAM-SHA-512"), "{said}");
         let said = refusal("relay", RDKafkaErrorCode::SSL, "certificate verify failed");
         assert!(said.contains("ssl.ca.location"), "{said}");
+        assert!(said.contains("or expired"), "{said}");
         assert!(said.contains("certificate verify failed"), "{said}");
+        let said = refusal("relay", RDKafkaErrorCode::SSL, "SSL alert number 45");
+        assert!(said.contains("ssl.certificate.location"), "{said}");
     }
 
     /// Nothing listens on port 9: no refusal, only silence, which is an

@@ -467,17 +467,35 @@ impl OwnBroker {
     /// Starts a fresh broker in `.kafka/<name>` on `port` (its controller on
     /// `port + 1`); each test that uses one takes its own name and port.
     pub async fn start(name: &str, port: u16) -> Self {
+        Self::start_with(name, port, Vec::new()).await
+    }
+
+    /// [`start`](Self::start), with SASL_SSL on `port + 2` (its
+    /// [`address`](Self::address)) and SSL on `port + 3` presenting the
+    /// test CA's certificate `cert` (`server`, or `expired`).
+    pub async fn start_secured(name: &str, port: u16, cert: &str) -> Self {
+        let mut broker = Self::start_with(
+            name,
+            port,
+            vec![
+                ("DEDUP_KAFKA_SASL_SSL_PORT", (port + 2).to_string()),
+                ("DEDUP_KAFKA_SSL_PORT", (port + 3).to_string()),
+                ("DEDUP_KAFKA_SERVER_CERT", cert.to_owned()),
+            ],
+        )
+        .await;
+        broker.address = format!("127.0.0.1:{}", port + 2);
+        broker
+    }
+
+    async fn start_with(name: &str, port: u16, mut env: Vec<(&'static str, String)>) -> Self {
         let home = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../.kafka")
             .join(name);
+        env.push(("DEDUP_KAFKA_HOME", home.display().to_string()));
+        env.push(("DEDUP_KAFKA_PORT", port.to_string()));
         let broker = OwnBroker {
-            script: Script {
-                name: "kafka",
-                env: vec![
-                    ("DEDUP_KAFKA_HOME", home.display().to_string()),
-                    ("DEDUP_KAFKA_PORT", port.to_string()),
-                ],
-            },
+            script: Script { name: "kafka", env },
             address: format!("127.0.0.1:{port}"),
         };
         // A fresh broker each run: one left over from a killed run is

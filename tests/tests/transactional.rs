@@ -2256,3 +2256,39 @@ async fn tokens_from_a_provider_reach_every_client_of_the_kafka_only_runtime() {
     let asked = calls.load(Ordering::SeqCst);
     assert!(asked > 3, "the provider was asked {asked} times");
 }
+
+/// A broker whose own certificate has expired (a broker of the test's own,
+/// presenting it on SASL_SSL): the Kafka-only runtime's start stops within
+/// seconds with the verification failure named and what can cause it (an
+/// expiry among them: librdkafka does not pass OpenSSL's reason on), never
+/// the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_with_an_expired_certificate_stops_the_start() {
+    let broker = common::OwnBroker::start_secured("expired-cert", 9202, "expired").await;
+    let (_, settings) = common::secured_settings();
+    let consumer = settings
+        .into_iter()
+        .fold(
+            TransactionalConsumer::builder("orders", forward("out", "1h"))
+                .brokers(&broker.address)
+                .group_id(unique("g")),
+            |b, (k, v)| b.set(k, v),
+        )
+        .build()
+        .expect("built");
+    let started = std::time::Instant::now();
+    let said = common::start_error(60, consumer.run_until(std::future::pending())).await;
+    assert!(
+        said.contains("could not verify the brokers' certificate"),
+        "{said}"
+    );
+    assert!(
+        said.contains("or expired") && said.contains("openssl s_client"),
+        "{said}"
+    );
+    assert!(!said.contains("dedup-secret"), "{said}");
+    assert!(
+        started.elapsed() < Duration::from_secs(15),
+        "refused at once, not waited out"
+    );
+}

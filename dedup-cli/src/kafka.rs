@@ -62,7 +62,7 @@ pub(crate) fn config(kafka: &KafkaArgs) -> Result<ClientConfig, Failure> {
         })?;
         config.set(key.trim(), value.trim());
     }
-    if let Some(endpoint) = &kafka.oidc.token_endpoint {
+    if let Some(endpoint) = &kafka.oidc.oidc_token_endpoint {
         oauthbearer(&mut config, endpoint, &kafka.oidc)?;
     }
     Ok(config)
@@ -92,7 +92,7 @@ fn oauthbearer(
     let keeper = match KEEPER.get() {
         Some(keeper) => keeper,
         None => {
-            let client_id = oidc.client_id.as_deref().ok_or_else(|| {
+            let client_id = oidc.oidc_client_id.as_deref().ok_or_else(|| {
                 Failure::new("--oidc-token-endpoint needs --oidc-client-id (DEDUP_OIDC_CLIENT_ID)")
             })?;
             // Never on the command line, which every user of the machine sees.
@@ -101,14 +101,14 @@ fn oauthbearer(
                     "--oidc-token-endpoint needs the client's secret in DEDUP_OIDC_CLIENT_SECRET",
                 )
             })?;
-            let provider = match &oidc.ca_file {
+            let provider = match &oidc.oidc_ca_file {
                 Some(ca) => dedup_kafka::OidcClientCredentials::with_ca_file(
                     endpoint, client_id, secret, ca,
                 ),
                 None => dedup_kafka::OidcClientCredentials::new(endpoint, client_id, secret),
             }
             .map_err(|e| Failure::new(format!("--oidc-token-endpoint: {e}")))?;
-            let provider = match &oidc.scope {
+            let provider = match &oidc.oidc_scope {
                 Some(scope) => provider.scope(scope),
                 None => provider,
             };

@@ -114,21 +114,21 @@ pub(crate) struct OidcArgs {
         value_name = "URL",
         env = "DEDUP_OIDC_TOKEN_ENDPOINT"
     )]
-    token_endpoint: Option<String>,
+    oidc_token_endpoint: Option<String>,
     /// The OAuth client id.
     #[arg(
         long = "oidc-client-id",
         value_name = "ID",
         env = "DEDUP_OIDC_CLIENT_ID"
     )]
-    client_id: Option<String>,
+    oidc_client_id: Option<String>,
     /// The scope to ask for.
     #[arg(long = "oidc-scope", value_name = "SCOPE", env = "DEDUP_OIDC_SCOPE")]
-    scope: Option<String>,
+    oidc_scope: Option<String>,
     /// A PEM file of CA certificates to trust for the token endpoint,
     /// beside the system's.
     #[arg(long = "oidc-ca-file", value_name = "FILE", env = "DEDUP_OIDC_CA_FILE")]
-    ca_file: Option<std::path::PathBuf>,
+    oidc_ca_file: Option<std::path::PathBuf>,
 }
 
 /// Which claim.

@@ -186,22 +186,39 @@ fn permitted(
     // topics written.
     let mut readable = None;
     for topic in &rights.read {
-        if let Some(partition) = may_see(client, who, &principal, topic, "Read", "read")? {
-            readable.get_or_insert((topic, partition));
+        match may_see(client, who, &principal, topic, "Read", "read")? {
+            Seen::Partition(partition) => {
+                readable.get_or_insert((topic, partition));
+            }
+            Seen::Other => {}
+            // The brokers stopped answering: an outage, not a refusal, and
+            // no reason to wait for each topic in turn.
+            Seen::Unanswered => return Ok(()),
         }
     }
     if let (Some(group), Some((topic, partition))) = (&rights.group, readable) {
         may_use_group(config, who, &principal, group, topic, partition)?;
     }
     for topic in &rights.write {
-        may_see(client, who, &principal, topic, "Write", "write")?;
+        if let Seen::Unanswered = may_see(client, who, &principal, topic, "Write", "write")? {
+            return Ok(());
+        }
     }
     Ok(())
 }
 
+/// What the brokers said of a topic the principal may see.
+enum Seen {
+    /// It exists: one of its partitions.
+    Partition(i32),
+    /// It does not exist yet, is a pattern, or came with another error.
+    Other,
+    /// No answer in time.
+    Unanswered,
+}
+
 /// Whether the principal may see `topic`: an error naming `operation` if
-/// the brokers say it may not; else one of its partitions, if it exists and
-/// they answered.
+/// the brokers say it may not; else what they said.
 fn may_see(
     client: &BaseProducer<Refusals>,
     who: &str,
@@ -209,16 +226,16 @@ fn may_see(
     topic: &str,
     operation: &str,
     verb: &str,
-) -> Result<Option<i32>, Error> {
+) -> Result<Seen, Error> {
     // A pattern (`^orders-.*`) names no one topic to ask about.
     if topic.starts_with('^') {
-        return Ok(None);
+        return Ok(Seen::Other);
     }
     let Ok(metadata) = client.client().fetch_metadata(Some(topic), RIGHTS_TIMEOUT) else {
-        return Ok(None);
+        return Ok(Seen::Unanswered);
     };
     let Some(answer) = metadata.topics().iter().find(|t| t.name() == topic) else {
-        return Ok(None);
+        return Ok(Seen::Other);
     };
     match answer.error().map(RDKafkaErrorCode::from) {
         Some(RDKafkaErrorCode::TopicAuthorizationFailed) => Err(Error::Config(format!(
@@ -227,8 +244,11 @@ fn may_see(
              --bootstrap-server <brokers> --add --allow-principal {principal} --operation \
              {operation} --topic {topic}"
         ))),
-        None => Ok(answer.partitions().first().map(|p| p.id())),
-        Some(_) => Ok(None),
+        None => Ok(answer
+            .partitions()
+            .first()
+            .map_or(Seen::Other, |p| Seen::Partition(p.id()))),
+        Some(_) => Ok(Seen::Other),
     }
 }
 

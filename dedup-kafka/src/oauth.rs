@@ -454,7 +454,8 @@ pub(crate) fn generate(
     let Some(tokens) = config.and_then(Tokens::named) else {
         return Err(
             "sasl.mechanisms=OAUTHBEARER needs a token: give the builder \
-             .oauth_token_provider(..) (this build's librdkafka has no OIDC client of its own)"
+             .oauth_token_provider(..), or the dedup CLI --oidc-token-endpoint (this build's \
+             librdkafka has no OIDC client of its own)"
                 .into(),
         );
     };

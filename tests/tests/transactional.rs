@@ -2102,8 +2102,9 @@ fn chrono_ms() -> i64 {
 /// The Kafka-only runtime as a principal missing ACLs (the SCRAM user
 /// `dedup` over SASL_SSL; every resource of the test has ACLs for someone
 /// else only): missing Read on the input topic, then on the group, then any
-/// right on the dead-letter topic, then Write on its transactional id, each
-/// stops the start with the ACL to add named, nothing output. Allowed only
+/// right on the dead-letter topic, then Write on its transactional ids
+/// (one prefixed ACL for the ids it makes), each stops the start with the
+/// ACL to add named, nothing output. Allowed only
 /// to see the dead-letter topic, it starts: the transaction holding the
 /// malformed event cannot commit, so nothing is committed past it and
 /// nothing dead-lettered, until Write is granted; then each event is output
@@ -2114,7 +2115,8 @@ async fn a_missing_acl_is_named_at_start_or_holds_the_partition() {
     let (topic, out, group) = events_and(1, 10, &[("bad", b"not json")]).await;
     send_events(&producer(), &topic, 10..15).await;
     let dlq = format!("{topic}.dlq");
-    let id = unique("tx-id");
+    // The transactional ids dedup makes, new at every start.
+    let ids = format!("{group}-dedup-");
     let built = || {
         let (brokers, settings) = common::secured_settings();
         settings
@@ -2122,8 +2124,7 @@ async fn a_missing_acl_is_named_at_start_or_holds_the_partition() {
             .fold(
                 TransactionalConsumer::builder(&topic, forward(&out, "1h"))
                     .brokers(brokers)
-                    .group_id(&group)
-                    .transactional_id(&id),
+                    .group_id(&group),
                 |b, (k, v)| b.set(k, v),
             )
             .build()
@@ -2131,11 +2132,20 @@ async fn a_missing_acl_is_named_at_start_or_holds_the_partition() {
     };
     let refused = || common::start_error(60, built().run_until(std::future::pending()));
     common::each_missing_acl_is_named(refused, &topic, &group, &dlq).await;
-    // The transactional id, with ACLs for someone else only.
-    common::only_for_someone_else(&["--transactional-id", &id]);
+    // Its transactional ids, with ACLs for someone else only: the error
+    // names the one prefixed ACL that covers every start's.
+    let prefixed = [
+        "--transactional-id",
+        &ids,
+        "--resource-pattern-type",
+        "prefixed",
+    ];
+    common::only_for_someone_else(&prefixed);
     let said = refused().await;
     assert!(
-        said.contains(&format!("--operation Write --transactional-id {id}")),
+        said.contains(&format!(
+            "--operation Write --transactional-id {ids} --resource-pattern-type prefixed"
+        )),
         "{said}"
     );
     assert!(
@@ -2143,9 +2153,20 @@ async fn a_missing_acl_is_named_at_start_or_holds_the_partition() {
         "nothing output while refused"
     );
 
-    common::allow_dedup("Write", "--transactional-id", &id);
+    common::acl(
+        &[
+            &["--allow-principal", "User:dedup", "--operation", "Write"][..],
+            &prefixed,
+        ]
+        .concat(),
+    );
     let member = Member::start(built());
-    tokio::time::sleep(Duration::from_secs(8)).await;
+    // The transaction with the dead letter aborted and tried again: held.
+    let stats = member.stats.clone();
+    wait_until("the refused transaction tried again", 60, || {
+        stats.snapshot().retries >= 2
+    })
+    .await;
     let held = member.stats.snapshot();
     assert_eq!(held.dead_lettered, 0, "{held}");
     match common::committed(&topic, &group, 0) {
@@ -2153,7 +2174,6 @@ async fn a_missing_acl_is_named_at_start_or_holds_the_partition() {
         other => assert_eq!(other, Offset::Invalid),
     }
     common::allow_dedup("Write", "--topic", &dlq);
-    let stats = member.stats.clone();
     wait_until("every event output or dead-lettered", 60, || {
         let s = stats.snapshot();
         s.applied == 15 && s.dead_lettered == 1
@@ -2265,6 +2285,32 @@ async fn tokens_from_a_provider_reach_every_client_of_the_kafka_only_runtime() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broker_with_an_expired_certificate_stops_the_start() {
     let broker = common::OwnBroker::start_secured("expired-cert", 9202, "expired").await;
+    // Its listener answers TLS (a broker just started may drop the first
+    // handshakes, which librdkafka reports as a transport failure and the
+    // start waits out), with the expired certificate: OpenSSL's own word.
+    let ca = format!(
+        "{}/ca.pem",
+        std::env::var("DEDUP_TLS_DIR").unwrap_or_else(|_| "/var/tmp/dedup-tls".into())
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut probe = Command::new("openssl");
+        probe
+            .args(["s_client", "-connect", &broker.address, "-CAfile", &ca])
+            .stdin(Stdio::null());
+        let said = tokio::task::spawn_blocking(move || probe.output())
+            .await
+            .expect("join")
+            .expect("openssl");
+        if String::from_utf8_lossy(&said.stdout).contains("certificate has expired") {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the broker never presented its expired certificate"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     let (_, settings) = common::secured_settings();
     let consumer = settings
         .into_iter()

@@ -51,25 +51,38 @@ pub(crate) async fn ensure_changelog(
         );
     }
     let admin: AdminClient<TokenContext> = base.create_with_context(TokenContext)?;
-    let topic = NewTopic::new(
-        changelog,
-        inputs as i32,
-        TopicReplication::Fixed(replication),
-    )
-    .set("cleanup.policy", "compact");
-    let created = admin
-        .create_topics(
-            [&topic],
-            &AdminOptions::new().request_timeout(Some(REQUEST_TIMEOUT)),
+    // Created only if missing: the brokers refuse CreateTopics to a
+    // principal without Create even for a topic that exists.
+    if tokio::task::block_in_place(|| count(changelog))?.is_none() {
+        let topic = NewTopic::new(
+            changelog,
+            inputs as i32,
+            TopicReplication::Fixed(replication),
         )
-        .await?;
-    for result in created {
-        match result {
-            Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
-            Err((name, code)) => {
-                return Err(Error::Config(format!(
-                    "the changelog topic {name:?} could not be created: {code}"
-                )));
+        .set("cleanup.policy", "compact");
+        let created = admin
+            .create_topics(
+                [&topic],
+                &AdminOptions::new().request_timeout(Some(REQUEST_TIMEOUT)),
+            )
+            .await?;
+        for result in created {
+            match result {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((name, RDKafkaErrorCode::TopicAuthorizationFailed)) => {
+                    return Err(Error::Config(format!(
+                        "the changelog topic {name:?} does not exist and the brokers do not let \
+                         this client's principal create it: create it once (compacted, {inputs} \
+                         partitions: kafka-topics.sh --create --topic {name} --partitions \
+                         {inputs} --config cleanup.policy=compact), or grant the principal \
+                         Create on it (kafka-acls.sh --add --operation Create --topic {name})"
+                    )));
+                }
+                Err((name, code)) => {
+                    return Err(Error::Config(format!(
+                        "the changelog topic {name:?} could not be created: {code}"
+                    )));
+                }
             }
         }
     }
@@ -169,8 +182,17 @@ async fn cleanup_policy(
     let mut policy = None;
     for resource in described {
         let resource = resource.map_err(|e| {
+            let grant = if e == RDKafkaErrorCode::TopicAuthorizationFailed {
+                format!(
+                    "; its compaction is checked at every start: grant this client's principal \
+                     DescribeConfigs on it (kafka-acls.sh --add --operation DescribeConfigs \
+                     --topic {changelog})"
+                )
+            } else {
+                String::new()
+            };
             Error::Config(format!(
-                "the changelog topic {changelog:?} cannot be described: {e}"
+                "the changelog topic {changelog:?} cannot be described: {e}{grant}"
             ))
         })?;
         policy = policy.or_else(|| {

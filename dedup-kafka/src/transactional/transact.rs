@@ -70,13 +70,20 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         == Some(RDKafkaErrorCode::TransactionalIdAuthorizationFailed) =>
                 {
                     let id = &self.transactional_id;
+                    let group = self.consumer_config.get("group.id").unwrap_or_default();
+                    let prefix = format!("{group}-dedup-");
+                    // The ids dedup makes are new at every start: one
+                    // prefixed ACL covers them all.
+                    let (resource, pattern) = if id.starts_with(&prefix) {
+                        (prefix.as_str(), " --resource-pattern-type prefixed")
+                    } else {
+                        (id.as_str(), "")
+                    };
                     return Err(Error::Config(format!(
                         "the brokers do not let the producer's principal use transactional id \
                          {id:?} ({e}): grant it Write on the transactional id, e.g. \
                          kafka-acls.sh --bootstrap-server <brokers> --add --allow-principal \
-                         <principal> --operation Write --transactional-id {id} (with \
-                         --resource-pattern-type prefixed, one ACL covers every instance's \
-                         ids of a prefix)"
+                         <principal> --operation Write --transactional-id {resource}{pattern}"
                     )));
                 }
                 Err(e) if is_fatal(&e) || attempt >= 30 => {

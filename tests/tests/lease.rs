@@ -203,6 +203,12 @@ async fn a_stale_holders_completion_is_refused(pool: PgPool) {
     let fast_topic = create_topic(1).await;
     let account = unique("stale");
     let id = format!("{account}-0");
+    // The quick consumer is ready first: once the slow holder has its 1-s
+    // lease, the event reaches the quick one within a poll, not after a
+    // start (which alone can outlast the lease on a loaded machine).
+    let fast = start(consumer(&store, &unique("fast")).handle_leased(&fast_topic, charge_briefly));
+    fast.wait_for("the fast one has its partition", |s| s.assignments >= 1)
+        .await;
     // The same event, slow on one topic and quick on the other.
     send(&slow_topic, &[(&id, &account, 2500)]).await;
     let slow = start(consumer(&store, &unique("slow")).handle_leased(&slow_topic, charge_briefly));
@@ -225,7 +231,6 @@ async fn a_stale_holders_completion_is_refused(pool: PgPool) {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     send(&fast_topic, &[(&id, &account, 1)]).await;
-    let fast = start(consumer(&store, &unique("fast")).handle_leased(&fast_topic, charge_briefly));
     fast.wait_for("the fast one finished", |s| finished(&s) == 1)
         .await;
     slow.wait_for("the slow one finished", |s| finished(&s) == 1)

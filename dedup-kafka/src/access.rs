@@ -222,7 +222,7 @@ enum Seen {
 fn may_see(
     client: &BaseProducer<Refusals>,
     who: &str,
-    principal: &str,
+    principal: &Principal,
     topic: &str,
     operation: &str,
     verb: &str,
@@ -240,9 +240,8 @@ fn may_see(
     match answer.error().map(RDKafkaErrorCode::from) {
         Some(RDKafkaErrorCode::TopicAuthorizationFailed) => Err(Error::Config(format!(
             "{who}: the brokers do not let {principal} {verb} topic {topic:?} (no ACL lets it \
-             even see the topic): grant it {operation} on the topic, e.g. kafka-acls.sh \
-             --bootstrap-server <brokers> --add --allow-principal {principal} --operation \
-             {operation} --topic {topic}"
+             even see the topic): grant it {operation} on the topic, e.g. {}",
+            grant_command(principal, operation, &format!("--topic {topic}"))
         ))),
         None => Ok(answer
             .partitions()
@@ -258,7 +257,7 @@ fn may_see(
 fn may_use_group(
     config: &ClientConfig,
     who: &str,
-    principal: &str,
+    principal: &Principal,
     group: &str,
     topic: &str,
     partition: i32,
@@ -284,9 +283,8 @@ fn may_use_group(
             {
                 return Err(Error::Config(format!(
                     "{who}: the brokers do not let {principal} consume as group {group:?}: \
-                     grant it Read on the group, e.g. kafka-acls.sh --bootstrap-server \
-                     <brokers> --add --allow-principal {principal} --operation Read --group \
-                     {group}"
+                     grant it Read on the group, e.g. {}",
+                    grant_command(principal, "Read", &format!("--group {group}"))
                 )));
             }
         }
@@ -309,30 +307,52 @@ pub(crate) fn consumer_error(e: &KafkaError) {
         Some(RDKafkaErrorCode::TopicAuthorizationFailed) => tracing::error!(
             error = %e,
             "the consumer's principal may not read a topic it consumes: grant it Read on the \
-             topic (kafka-acls.sh --add --operation Read --topic <topic>); waiting"
+             topic ({}); waiting",
+            grant_command(&Principal(None), "Read", "--topic <topic>")
         ),
         Some(RDKafkaErrorCode::GroupAuthorizationFailed) => tracing::error!(
             error = %e,
-            "the consumer's principal may not use its group: grant it Read on the group \
-             (kafka-acls.sh --add --operation Read --group <group>); waiting"
+            "the consumer's principal may not use its group: grant it Read on the group ({}); \
+             waiting",
+            grant_command(&Principal(None), "Read", "--group <group>")
         ),
         _ => tracing::warn!(error = %e, "kafka consumer error"),
     }
 }
 
-/// The principal the brokers most likely see: `User:<sasl.username>` for
-/// PLAIN and SCRAM; otherwise (a certificate's subject, a token's) only the
-/// brokers know it.
-fn principal(config: &ClientConfig) -> String {
+/// The `kafka-acls.sh` command that grants `principal` `operation` on
+/// `resource` (`--topic orders`, `--group payments`, ...): how every error
+/// about a missing ACL says what to add.
+pub(crate) fn grant_command(principal: &Principal, operation: &str, resource: &str) -> String {
+    let named = principal.0.as_deref().unwrap_or("<principal>");
+    format!(
+        "kafka-acls.sh --bootstrap-server <brokers> --add --allow-principal {named} \
+         --operation {operation} {resource}"
+    )
+}
+
+/// The principal the brokers most likely see, if a client can tell:
+/// `User:<sasl.username>` for PLAIN and SCRAM; otherwise (a certificate's
+/// subject, a token's) only the brokers know it.
+pub(crate) struct Principal(Option<String>);
+
+impl std::fmt::Display for Principal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0.as_deref().unwrap_or("this client's principal"))
+    }
+}
+
+/// The principal of clients made from `config`.
+pub(crate) fn principal(config: &ClientConfig) -> Principal {
     let mechanism = config
         .get("sasl.mechanisms")
         .or(config.get("sasl.mechanism"));
-    match (config.get("sasl.username"), mechanism) {
+    Principal(match (config.get("sasl.username"), mechanism) {
         (Some(user), Some(m)) if m.eq_ignore_ascii_case("PLAIN") || m.starts_with("SCRAM") => {
-            format!("User:{user}")
+            Some(format!("User:{user}"))
         }
-        _ => "this client's principal".to_owned(),
-    }
+        _ => None,
+    })
 }
 
 /// The error for access refused with `code`: librdkafka's reason (which
@@ -379,6 +399,29 @@ mod tests {
         assert!(said.contains("certificate verify failed"), "{said}");
         let said = refusal("relay", RDKafkaErrorCode::SSL, "SSL alert number 45");
         assert!(said.contains("ssl.certificate.location"), "{said}");
+    }
+
+    /// The principal is named where a client can tell (SASL PLAIN and
+    /// SCRAM), a placeholder in the command where it cannot.
+    #[test]
+    fn a_missing_acl_is_told_as_the_command_that_adds_it() {
+        let mut config = ClientConfig::new();
+        config
+            .set("sasl.mechanisms", "SCRAM-SHA-512")
+            .set("sasl.username", "svc");
+        let scram = principal(&config);
+        assert_eq!(scram.to_string(), "User:svc");
+        assert_eq!(
+            grant_command(&scram, "Read", "--group g"),
+            "kafka-acls.sh --bootstrap-server <brokers> --add --allow-principal User:svc \
+             --operation Read --group g"
+        );
+        config.set("sasl.mechanisms", "OAUTHBEARER");
+        let token = principal(&config);
+        assert_eq!(token.to_string(), "this client's principal");
+        assert!(
+            grant_command(&token, "Write", "--topic t").contains("--allow-principal <principal> ")
+        );
     }
 
     /// Nothing listens on port 9: no refusal, only silence, which is an

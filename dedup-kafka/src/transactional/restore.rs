@@ -70,12 +70,17 @@ pub(crate) async fn ensure_changelog(
             match result {
                 Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
                 Err((name, RDKafkaErrorCode::TopicAuthorizationFailed)) => {
+                    let principal = crate::access::principal(base);
                     return Err(Error::Config(format!(
                         "the changelog topic {name:?} does not exist and the brokers do not let \
-                         this client's principal create it: create it once (compacted, {inputs} \
-                         partitions: kafka-topics.sh --create --topic {name} --partitions \
-                         {inputs} --config cleanup.policy=compact), or grant the principal \
-                         Create on it (kafka-acls.sh --add --operation Create --topic {name})"
+                         {principal} create it: create it once (compacted, {inputs} partitions: \
+                         kafka-topics.sh --create --topic {name} --partitions {inputs} --config \
+                         cleanup.policy=compact), or grant it Create on it ({})",
+                        crate::access::grant_command(
+                            &principal,
+                            "Create",
+                            &format!("--topic {name}")
+                        )
                     )));
                 }
                 Err((name, code)) => {
@@ -92,7 +97,7 @@ pub(crate) async fn ensure_changelog(
     // again for a moment.
     let started = Instant::now();
     loop {
-        match cleanup_policy(&admin, changelog).await? {
+        match cleanup_policy(&admin, changelog, base).await? {
             Some(policy) if policy == "compact" => break,
             Some(policy) => {
                 return Err(Error::Config(format!(
@@ -172,6 +177,7 @@ fn too_few_partitions(changelog: &str, n: usize, input: &str, inputs: usize) -> 
 async fn cleanup_policy(
     admin: &AdminClient<TokenContext>,
     changelog: &str,
+    base: &ClientConfig,
 ) -> Result<Option<String>, Error> {
     let described = admin
         .describe_configs(
@@ -183,10 +189,15 @@ async fn cleanup_policy(
     for resource in described {
         let resource = resource.map_err(|e| {
             let grant = if e == RDKafkaErrorCode::TopicAuthorizationFailed {
+                let principal = crate::access::principal(base);
                 format!(
-                    "; its compaction is checked at every start: grant this client's principal \
-                     DescribeConfigs on it (kafka-acls.sh --add --operation DescribeConfigs \
-                     --topic {changelog})"
+                    "; its compaction is checked at every start: grant {principal} \
+                     DescribeConfigs on it ({})",
+                    crate::access::grant_command(
+                        &principal,
+                        "DescribeConfigs",
+                        &format!("--topic {changelog}")
+                    )
                 )
             } else {
                 String::new()

@@ -79,11 +79,15 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     } else {
                         (id.as_str(), "")
                     };
+                    let principal = crate::access::principal(&self.shared_config);
                     return Err(Error::Config(format!(
-                        "the brokers do not let the producer's principal use transactional id \
-                         {id:?} ({e}): grant it Write on the transactional id, e.g. \
-                         kafka-acls.sh --bootstrap-server <brokers> --add --allow-principal \
-                         <principal> --operation Write --transactional-id {resource}{pattern}"
+                        "the brokers do not let {principal} use transactional id {id:?} ({e}): \
+                         grant it Write on the transactional id, e.g. {}",
+                        crate::access::grant_command(
+                            &principal,
+                            "Write",
+                            &format!("--transactional-id {resource}{pattern}")
+                        )
                     )));
                 }
                 Err(e) if is_fatal(&e) || attempt >= 30 => {

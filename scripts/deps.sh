@@ -10,10 +10,11 @@
 # Debian's prometheus package, without its recommended exporters; its server
 # is never started) unit-tests the alert rules; Chromium and its WebDriver
 # (chromium-driver), with one font for legible screenshots, run the console's
-# browser tests.
+# browser tests; nginx (light) puts TLS and basic auth in front of the test
+# schema registry (scripts/registry.sh).
 set -euo pipefail
 packages=(gcc g++ make pkg-config libssl-dev openssl)
-tools=(prometheus chromium chromium-driver fonts-dejavu-core)
+tools=(prometheus chromium chromium-driver fonts-dejavu-core nginx-light)
 missing=()
 for p in "${packages[@]}" "${tools[@]}"; do
     # Installed, not merely known (a removed package keeps its config files).

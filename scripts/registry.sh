@@ -16,10 +16,12 @@
 #   scripts/registry.sh status   # exit 0 if running
 #   scripts/registry.sh url      # the API's base URL
 #   scripts/registry.sh env      # DEDUP_REGISTRY_* lines: URL, user, password, CA
-# Schemas are kept in an H2 database file under .registry/ (they survive a
-# restart, as a real registry's do). A test that stops its registry runs one
+# Schemas are kept in PostgreSQL (scripts/postgres.sh), as Apicurio keeps
+# them in production, in a database of the registry's own: they survive a
+# restart, as a real registry's do. A test that stops its registry runs one
 # of its own: DEDUP_REGISTRY_HOME=.registry/other DEDUP_REGISTRY_PORT=8186
-# (the registry itself on port+1); the build stays shared.
+# (the registry itself on port+1), with a database of its own, made anew
+# when its home is new; the build stays shared.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -66,6 +68,30 @@ build() {
     echo "$wanted" >"$BUILD/.complete"
 }
 
+# The registry's database, named after its home, made anew with a new home
+# (a test's own registry starts empty).
+DATABASE="registry_$(basename "$HOME_DIR" | tr -c 'a-zA-Z0-9_\n' '_')"
+database() {
+    bash "$ROOT/scripts/postgres.sh" start >/dev/null
+    local admin
+    admin="$(bash "$ROOT/scripts/postgres.sh" url)"
+    # postgres://user:password@host:port/db
+    local rest="${admin#postgres://}"
+    PG_USER="${rest%%:*}"
+    rest="${rest#*:}"
+    PG_PASSWORD="${rest%%@*}"
+    rest="${rest#*@}"
+    PG_HOST="${rest%%:*}"
+    rest="${rest#*:}"
+    PG_PORT="${rest%%/*}"
+    if [ ! -f "$HOME_DIR/.database" ]; then
+        PGOPTIONS=--client-min-messages=warning psql "$admin" -q -v ON_ERROR_STOP=1 \
+            -c "DROP DATABASE IF EXISTS $DATABASE" \
+            -c "CREATE DATABASE $DATABASE" >/dev/null
+        touch "$HOME_DIR/.database"
+    fi
+}
+
 inner_answers() {
     curl -s -o /dev/null -w '%{http_code}' --max-time 5 \
         "http://127.0.0.1:$INNER_PORT/apis/ccompat/v6/subjects" 2>/dev/null | grep -q '^200$'
@@ -76,11 +102,13 @@ start_registry() {
         return
     fi
     stop_registry
+    database
     : >"$LOG"
     # A modest heap: a test registry on a shared 2-core machine.
     setsid nohup java -Xms64m -Xmx256m -XX:+UseSerialGC \
         -Dquarkus.http.host=127.0.0.1 -Dquarkus.http.port="$INNER_PORT" \
-        -Dquarkus.datasource.jdbc.url="jdbc:h2:file:$HOME_DIR/schemas;WRITE_DELAY=0" \
+        -Dquarkus.datasource.jdbc.url="jdbc:postgresql://$PG_HOST:$PG_PORT/$DATABASE" \
+        -Dquarkus.datasource.username="$PG_USER" -Dquarkus.datasource.password="$PG_PASSWORD" \
         -jar "$BUILD/registry-for-tests-1-runner.jar" >>"$LOG" 2>&1 </dev/null &
     echo $! >"$PIDFILE"
     for _ in $(seq 1 120); do

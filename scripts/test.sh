@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one command that runs every check and test. It installs and starts what
 # the tests need (build packages, PostgreSQL, MariaDB, a real Apache Kafka on
-# 127.0.0.1:9092), then runs the gate: fmt, clippy, tests, docs, the book,
+# 127.0.0.1:9092, a real schema registry on https://localhost:8086), then
+# runs the gate: fmt, clippy, tests, docs, the book,
 # packaging, and the quickstart as a smoke test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,10 +13,15 @@ bash scripts/deps.sh
 bash scripts/postgres.sh start
 bash scripts/mariadb.sh start
 bash scripts/kafka.sh start
+bash scripts/registry.sh start
 DATABASE_URL="$(bash scripts/postgres.sh url)"
 MYSQL_URL="$(bash scripts/mariadb.sh url)"
 KAFKA_BROKERS="127.0.0.1:9092"
 export DATABASE_URL MYSQL_URL KAFKA_BROKERS
+# DEDUP_REGISTRY_URL, _USERNAME, _PASSWORD and _CA.
+set -a
+eval "$(bash scripts/registry.sh env)"
+set +a
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --locked -- -D warnings

@@ -426,13 +426,13 @@ pub async fn drain(builder: ConsumerBuilder<PgStore>, idle: Duration) -> StatsSn
 
 /// A service that `scripts/<name>.sh` runs with the environment `env`:
 /// one of a test's own.
-struct Script {
-    name: &'static str,
-    env: Vec<(&'static str, String)>,
+pub(crate) struct Script {
+    pub(crate) name: &'static str,
+    pub(crate) env: Vec<(&'static str, String)>,
 }
 
 impl Script {
-    fn command(&self, action: &str) -> Command {
+    pub(crate) fn command(&self, action: &str) -> Command {
         let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../scripts")
             .join(format!("{}.sh", self.name));
@@ -445,7 +445,7 @@ impl Script {
     }
 
     /// Runs `<name>.sh <action>`, failing the test if it fails.
-    async fn run(&self, action: &str) {
+    pub(crate) async fn run(&self, action: &str) {
         let mut cmd = self.command(action);
         let status = tokio::task::spawn_blocking(move || cmd.status())
             .await

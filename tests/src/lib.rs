@@ -5,6 +5,7 @@
 
 pub mod common;
 pub mod oidc;
+pub mod registry;
 
 use dedup_postgres::{PgConfig, PgStore, PgTx};
 use sqlx::PgPool;

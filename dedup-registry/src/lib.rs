@@ -1,0 +1,17 @@
+#![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+/// The Apache Avro library dedup-registry is built with (0.21): its
+/// `AvroSchema` derive (feature `derive`) writes paths from
+/// `apache_avro::`, so a module deriving it imports this
+/// (`use dedup_registry::apache_avro;`) or depends on the same release.
+pub use apache_avro;
+
+pub mod avro;
+mod client;
+mod error;
+
+pub use client::{
+    DEFAULT_TIMEOUT, Registry, RegistryBuilder, Schema, SchemaKind, SchemaReference, SubjectVersion,
+};
+pub use error::{Fault, RegistryError, SchemaError};

@@ -76,6 +76,40 @@ pub(crate) fn with<T, E: Into<BoxError>>(
     })
 }
 
+/// What a decoder must fetch before it can decode a payload synchronously:
+/// a schema registry's writer's schema, by the id the payload's frame
+/// names. A runtime awaits [`prepare`](Prepare::prepare) for each message
+/// before [`Describe::decode_record`](crate::Describe::decode_record), waits
+/// out an outage it reports and stops on a configuration error, so that
+/// `decode` itself depends on the record alone and its errors stay the
+/// record's fault.
+///
+/// A payload that cannot be prepared because of what it is (no frame, a
+/// schema id the registry does not know) is `Ok`: `decode` then refuses it,
+/// and it is dead-lettered like any undecodable payload.
+pub trait Prepare: Send + Sync {
+    /// Makes ready what decoding `payload` needs.
+    fn prepare<'a>(&'a self, payload: &'a [u8]) -> PrepareFuture<'a>;
+}
+
+/// The future [`Prepare::prepare`] returns.
+pub type PrepareFuture<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Unready>> + Send + 'a>>;
+
+/// Why a decoder is not ready for a payload: never the payload's fault.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Unready {
+    /// The environment's (a registry that is down, slow, or answers 5xx):
+    /// waited out, nothing dead-lettered.
+    #[error("{0}")]
+    Outage(#[source] BoxError),
+    /// The configuration's (credentials refused, a certificate that cannot
+    /// be verified): waiting cannot help, so the consumer stops with it.
+    #[error("{0}")]
+    Configuration(#[source] BoxError),
+}
+
 /// A payload in Confluent's schema-registry wire format: a zero magic byte,
 /// the schema id (4 bytes, big-endian), for Protobuf the message indexes,
 /// then the serialized record.

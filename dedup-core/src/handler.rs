@@ -126,6 +126,14 @@ pub trait Describe: Send + Sync + 'static {
         let _ = headers;
         self.decode(payload)
     }
+
+    /// What decoding needs fetched first, if anything (a schema registry's
+    /// writer's schemas: see [`Prepare`](crate::decode::Prepare)). `None`
+    /// (the default): payloads decode as they are. A wrapper of another
+    /// handler forwards it.
+    fn preparer(&self) -> Option<&dyn crate::decode::Prepare> {
+        None
+    }
 }
 
 /// What every handler's description gives, the same for all of them:
@@ -474,6 +482,10 @@ impl<H: Handler> Describe for WithTtl<H> {
 
     fn decode_record(&self, payload: &[u8], headers: &dyn Headers) -> Result<Self::Event, Error> {
         self.inner.decode_record(payload, headers)
+    }
+
+    fn preparer(&self) -> Option<&dyn crate::decode::Prepare> {
+        self.inner.preparer()
     }
 }
 

@@ -9,7 +9,7 @@ use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
 
 use apache_avro::schema_compatibility::SchemaCompatibility;
-use dedup_core::decode::ConfluentFrame;
+use dedup_core::decode::{ConfluentFrame, Prepare, PrepareFuture, Unready};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
@@ -17,6 +17,15 @@ pub use apache_avro::{AvroSchema, Schema as AvroSchemaText};
 
 use crate::client::{Registry, Schema, SchemaKind, SchemaReference};
 use crate::error::{RegistryError, SchemaError};
+
+/// What a schema id gave: its writer's schema, or why records of it are
+/// refused (an id the registry does not know, a schema that is not Avro):
+/// kept, as ids never change.
+#[derive(Clone)]
+enum Known {
+    Writer(Arc<Writer>),
+    Refused(SchemaError),
+}
 
 /// A writer's schema, parsed, with the named schemas it refers to.
 struct Writer {
@@ -37,7 +46,7 @@ struct Writer {
 pub struct AvroDecoder<T> {
     registry: Registry,
     reader: apache_avro::Schema,
-    writers: Mutex<HashMap<u32, Arc<Writer>>>,
+    writers: Mutex<HashMap<u32, Known>>,
     _event: PhantomData<fn() -> T>,
 }
 
@@ -77,20 +86,30 @@ impl<T: DeserializeOwned> AvroDecoder<T> {
     /// answer is an outage ([`SchemaError::fault`]).
     pub async fn prepare(&self, payload: &[u8]) -> Result<u32, SchemaError> {
         let id = ConfluentFrame::parse(payload)?.schema_id;
-        if self.writer(id).is_some() {
-            return Ok(id);
+        match self.known(id) {
+            Some(Known::Writer(_)) => return Ok(id),
+            Some(Known::Refused(why)) => return Err(why),
+            None => {}
         }
-        let registered = self
-            .registry
-            .schema(id)
-            .await
-            .map_err(|source| SchemaError::Registry { id, source })?;
-        let writer = parse_writer(&self.registry, id, &registered).await?;
+        let fetched = match self.registry.schema(id).await {
+            Ok(registered) => parse_writer(&self.registry, id, &registered).await,
+            Err(source) => Err(SchemaError::Registry { id, source }),
+        };
+        let known = match fetched {
+            Ok(writer) => Known::Writer(Arc::new(writer)),
+            // The record's fault, for good: kept, so that its decode
+            // refuses it without asking again.
+            Err(why) if why.fault() == crate::Fault::Record => Known::Refused(why),
+            Err(other) => return Err(other),
+        };
         self.writers
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(id, Arc::new(writer));
-        Ok(id)
+            .insert(id, known.clone());
+        match known {
+            Known::Writer(_) => Ok(id),
+            Known::Refused(why) => Err(why),
+        }
     }
 
     /// Decodes a record whose writer's schema [`prepare`](Self::prepare)
@@ -99,12 +118,18 @@ impl<T: DeserializeOwned> AvroDecoder<T> {
     pub fn decode(&self, payload: &[u8]) -> Result<T, SchemaError> {
         let frame = ConfluentFrame::parse(payload)?;
         let id = frame.schema_id;
-        let writer = self.writer(id).ok_or_else(|| SchemaError::Registry {
-            id,
-            source: RegistryError::Unavailable(
-                "its writer's schema was not fetched (prepare the record first)".to_owned(),
-            ),
-        })?;
+        let writer = match self.known(id) {
+            Some(Known::Writer(writer)) => writer,
+            Some(Known::Refused(why)) => return Err(why),
+            None => {
+                return Err(SchemaError::Registry {
+                    id,
+                    source: RegistryError::Unavailable(
+                        "its writer's schema was not fetched (prepare the record first)".to_owned(),
+                    ),
+                });
+            }
+        };
         let mut body = frame.body;
         let value = apache_avro::from_avro_datum_schemata(
             &writer.schema,
@@ -134,12 +159,32 @@ impl<T: DeserializeOwned> AvroDecoder<T> {
         self.decode(payload)
     }
 
-    fn writer(&self, id: u32) -> Option<Arc<Writer>> {
+    fn known(&self, id: u32) -> Option<Known> {
         self.writers
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(&id)
             .cloned()
+    }
+}
+
+impl<T: DeserializeOwned + Send + 'static> Prepare for AvroDecoder<T> {
+    /// Fetches the writer's schema a record names. A record that cannot be
+    /// prepared for what it is (no frame, an unknown id) is left for
+    /// [`decode`](AvroDecoder::decode) to refuse; a registry that cannot
+    /// answer is an outage, one that refuses the credentials a
+    /// configuration error.
+    fn prepare<'a>(&'a self, payload: &'a [u8]) -> PrepareFuture<'a> {
+        Box::pin(async move {
+            match AvroDecoder::prepare(self, payload).await {
+                Ok(_) => Ok(()),
+                Err(e) => match e.fault() {
+                    crate::Fault::Record => Ok(()),
+                    crate::Fault::Outage => Err(Unready::Outage(Box::new(e))),
+                    crate::Fault::Configuration => Err(Unready::Configuration(Box::new(e))),
+                },
+            }
+        })
     }
 }
 

@@ -22,7 +22,7 @@ pub enum Fault {
 }
 
 /// A request to the registry that failed. Never holds a credential.
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum RegistryError {
     /// The registry has no such schema, subject or version (HTTP 404).
     #[error("the schema registry has no {what} ({message})")]
@@ -92,7 +92,7 @@ impl RegistryError {
 
 /// A record that could not be decoded, or a value that could not be
 /// encoded, with whose fault it is ([`SchemaError::fault`]).
-#[derive(Debug, thiserror::Error)]
+#[derive(Clone, Debug, thiserror::Error)]
 pub enum SchemaError {
     /// The payload has no frame of Confluent's wire format (magic byte 0,
     /// then the schema id).
@@ -168,6 +168,21 @@ impl SchemaError {
             | SchemaError::Schema { id, .. }
             | SchemaError::Mismatch { id, .. }
             | SchemaError::Encode { id, .. } => Some(*id),
+        }
+    }
+}
+
+impl From<SchemaError> for dedup_core::Error {
+    /// The record's fault is [`dedup_core::Error::Decode`]: dead-lettered.
+    /// Anything else is never the record's to carry: an environment error,
+    /// waited out (a runtime makes the decoder ready first, so a decode
+    /// meets it only if that step was skipped).
+    fn from(error: SchemaError) -> Self {
+        match error.fault() {
+            Fault::Record => dedup_core::Error::Decode(Box::new(error)),
+            Fault::Outage | Fault::Configuration => {
+                dedup_core::Error::Store(dedup_core::StoreError::environment(error))
+            }
         }
     }
 }

@@ -10,8 +10,10 @@ pub use apache_avro;
 pub mod avro;
 mod client;
 mod error;
+mod handler;
 
 pub use client::{
     DEFAULT_TIMEOUT, Registry, RegistryBuilder, Schema, SchemaKind, SchemaReference, SubjectVersion,
 };
 pub use error::{Fault, RegistryError, SchemaError};
+pub use handler::AvroHandler;

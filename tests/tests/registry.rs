@@ -340,3 +340,340 @@ async fn a_producer_that_may_not_register_finds_its_schema_or_says_so() {
         .unwrap();
     assert_eq!(read.amount_cents, 300);
 }
+
+/// A payment as the Avro producers publish it (schema `PaymentRecorded`).
+mod consumed {
+    use dedup_core::{HandlerError, idempotent};
+    use dedup_postgres::PgTx;
+    // The derive writes paths from `apache_avro::`.
+    use dedup_registry::apache_avro;
+    use dedup_registry::avro::AvroSchema;
+
+    /// What the handler reads: v2, whose `currency` v1 records lack.
+    #[derive(Debug, serde::Deserialize, AvroSchema)]
+    #[avro(name = "PaymentRecorded")]
+    pub(crate) struct Payment {
+        pub(crate) event_id: String,
+        pub(crate) account_id: String,
+        pub(crate) amount_cents: i64,
+        #[avro(default = r#""EUR""#)]
+        #[serde(default)]
+        pub(crate) currency: String,
+    }
+
+    /// Credits the account (not idempotent by itself: a double apply shows)
+    /// and counts the currencies seen.
+    #[idempotent(key = "event_id", ttl = "4h", scope = "registry::record_avro")]
+    pub(crate) async fn record_avro(tx: &mut PgTx, ev: Payment) -> Result<(), HandlerError> {
+        sqlx::query(
+            "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
+             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+        )
+        .bind(format!("{}:{}", ev.account_id, ev.currency))
+        .bind(ev.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+}
+
+async fn send(topic: &str, payload: &[u8]) {
+    use rdkafka::producer::FutureRecord;
+    dedup_tests::common::producer()
+        .send(
+            FutureRecord::<(), [u8]>::to(topic).payload(payload),
+            std::time::Duration::from_secs(10),
+        )
+        .await
+        .expect("produce");
+}
+
+/// Avro events through Kafka into PostgreSQL with the registry's schemas:
+/// each applied once (an evolved writer's record too), the undecodable ones
+/// dead-lettered once as they came; then, with the registry down, records
+/// of a schema the consumer has not fetched wait (nothing dead-lettered,
+/// nothing committed past them) and apply once it is back.
+#[sqlx::test(migrations = false)]
+async fn avro_events_apply_once_and_a_registry_outage_dead_letters_nothing(pool: sqlx::PgPool) {
+    use dedup_tests::common::{create_topic, header, read_exactly, start};
+    let own = OwnRegistry::start("registry-consumer", 8188).await;
+    let registry = client_of(&own.url);
+    let store = dedup_tests::store(&pool).await;
+    let topic = create_topic(1).await;
+    let group = unique("avro");
+    let subject = format!("{topic}-value");
+    let v1_writer = AvroEncoder::<PaymentV1>::register(&registry, &subject)
+        .await
+        .unwrap();
+    let v2_writer = AvroEncoder::<PaymentV2>::register(&registry, &subject)
+        .await
+        .unwrap();
+    let v2 = |n: i64, currency: &str| PaymentV2 {
+        event_id: format!("e2-{n}"),
+        account_id: "acct-2".to_owned(),
+        amount_cents: n,
+        currency: currency.to_owned(),
+    };
+
+    // v1 records (one twice), plain JSON, and a record of an unknown id.
+    for n in 1..=3 {
+        send(&topic, &v1_writer.encode(&v1(n)).unwrap()).await;
+    }
+    send(&topic, &v1_writer.encode(&v1(2)).unwrap()).await;
+    send(&topic, br#"{"event_id": "json-1"}"#).await;
+    let mut unknown = v1_writer.encode(&v1(9)).unwrap();
+    unknown[1..5].copy_from_slice(&999_999u32.to_be_bytes());
+    send(&topic, &unknown).await;
+
+    let consumer = || {
+        dedup_kafka::Consumer::builder(store.clone())
+            .brokers(dedup_tests::common::brokers())
+            .group_id(&group)
+            .commit_interval(std::time::Duration::from_millis(200))
+            .handle(
+                &topic,
+                dedup_registry::AvroHandler::new(consumed::record_avro, registry.clone()),
+            )
+    };
+    let running = start(consumer());
+    running
+        .wait_for("the v1 records and the bad ones", |s| {
+            s.applied == 3 && s.skipped == 1 && s.dead_lettered == 2
+        })
+        .await;
+    assert_eq!(dedup_tests::balance(&pool, "acct-1:EUR").await, 600);
+    let dead = read_exactly(&dedup_tests::common::brokers(), &format!("{topic}.dlq"), 2).await;
+    for msg in &dead {
+        assert_eq!(header(msg, "dedup.error.kind"), Some("decode"));
+    }
+    let reasons: Vec<&str> = dead
+        .iter()
+        .map(|m| header(m, "dedup.error.message").unwrap_or_default())
+        .collect();
+    assert!(
+        reasons.iter().any(|r| r.contains("magic byte")),
+        "{reasons:?}"
+    );
+    assert!(
+        reasons.iter().any(|r| r.contains("schema id 999999")),
+        "{reasons:?}"
+    );
+    assert_eq!(
+        dead.iter().find_map(|m| rdkafka::Message::payload(m)),
+        Some(&br#"{"event_id": "json-1"}"#[..]),
+        "kept as it came"
+    );
+
+    // The registry goes down; v2 records, whose schema the consumer has
+    // never fetched, arrive meanwhile.
+    own.run("kill").await;
+    for n in 1..=4 {
+        send(&topic, &v2_writer.encode(&v2(n, "USD")).unwrap()).await;
+    }
+    running
+        .wait_for("the outage seen", |s| s.outages >= 1)
+        .await;
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let during = running.stats.snapshot();
+    assert_eq!((during.applied, during.dead_lettered), (3, 2), "{during}");
+    own.run("start").await;
+    running
+        .wait_for("the waiting records applied", |s| s.applied == 7)
+        .await;
+    let after = running.stop().await;
+    assert_eq!(
+        (after.applied, after.skipped, after.dead_lettered),
+        (7, 1, 2),
+        "{after}"
+    );
+    assert_eq!(dedup_tests::balance(&pool, "acct-2:USD").await, 10);
+    // The same again, from a new consumer: everything a duplicate.
+    let again = dedup_tests::common::drain(consumer(), std::time::Duration::from_secs(2)).await;
+    assert_eq!(again.applied, 0, "{again}");
+}
+
+/// The Kafka-only runtime's handler: each payment out again, as Avro of the
+/// output subject's schema (registered when the test starts).
+mod forwarded {
+    use dedup_core::{HandlerError, idempotent};
+    use dedup_kafka::{OutputRecord, Outputs};
+    use dedup_registry::avro::AvroEncoder;
+
+    use super::PaymentV2;
+
+    /// The output topic and its encoder, set once by the test.
+    pub(crate) static OUT: std::sync::OnceLock<(String, AvroEncoder<PaymentV2>)> =
+        std::sync::OnceLock::new();
+
+    #[idempotent(key = "event_id", ttl = "4h", scope = "registry::forward_avro")]
+    pub(crate) async fn forward_avro(out: &mut Outputs, ev: PaymentV2) -> Result<(), HandlerError> {
+        let (topic, encoder) = OUT.get().expect("set by the test");
+        let payload = encoder.encode(&ev).map_err(HandlerError::permanent)?;
+        out.push(
+            OutputRecord::new(topic)
+                .key(ev.event_id.as_bytes())
+                .payload(payload),
+        );
+        Ok(())
+    }
+}
+
+/// The Kafka-only runtime reads Avro through the registry and writes Avro
+/// of its output subject: every record out once, the undecodable one
+/// dead-lettered once; with the registry down, a batch of a schema not yet
+/// fetched waits (nothing dead-lettered, nothing output), then goes out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_kafka_only_runtime_reads_and_writes_avro_and_waits_out_the_registry() {
+    use dedup_tests::common::{brokers, create_topic, read_exactly};
+    let own = OwnRegistry::start("registry-kafka-only", 8190).await;
+    let registry = client_of(&own.url);
+    let topic = create_topic(1).await;
+    let out = create_topic(1).await;
+    let group = unique("avro-kafka-only");
+    let v1_writer = AvroEncoder::<PaymentV1>::register(&registry, &format!("{topic}-value"))
+        .await
+        .unwrap();
+    let v2_writer = AvroEncoder::<PaymentV2>::register(&registry, &format!("{topic}-value"))
+        .await
+        .unwrap();
+    let out_writer = AvroEncoder::<PaymentV2>::register(&registry, &format!("{out}-value"))
+        .await
+        .unwrap();
+    let out_id = out_writer.id();
+    assert!(forwarded::OUT.set((out.clone(), out_writer)).is_ok());
+
+    for n in 1..=3 {
+        send(&topic, &v1_writer.encode(&v1(n)).unwrap()).await;
+    }
+    send(&topic, &v1_writer.encode(&v1(1)).unwrap()).await;
+    send(&topic, b"not avro").await;
+
+    // The registry is down before the consumer starts: it has fetched
+    // nothing.
+    own.run("kill").await;
+    let consumer = dedup_kafka::TransactionalConsumer::builder(
+        &topic,
+        dedup_registry::AvroHandler::new(forwarded::forward_avro, registry.clone()),
+    )
+    .group_id(&group)
+    .brokers(brokers())
+    .build()
+    .expect("consumer");
+    let stats = consumer.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let task = tokio::spawn(consumer.run_until(async {
+        let _ = stopped.await;
+    }));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while stats.snapshot().outages == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no outage seen: {}",
+            stats.snapshot()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
+    let during = stats.snapshot();
+    assert_eq!((during.applied, during.dead_lettered), (0, 0), "{during}");
+
+    own.run("start").await;
+    send(
+        &topic,
+        &v2_writer
+            .encode(&PaymentV2 {
+                event_id: "e-4".to_owned(),
+                account_id: "acct-4".to_owned(),
+                amount_cents: 400,
+                currency: "USD".to_owned(),
+            })
+            .unwrap(),
+    )
+    .await;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while stats.snapshot().applied < 4 || stats.snapshot().dead_lettered < 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not all out: {}",
+            stats.snapshot()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let _ = stop.send(());
+    let after = task.await.expect("join").expect("consumer ran");
+    assert_eq!(
+        (after.applied, after.skipped, after.dead_lettered),
+        (4, 1, 1),
+        "{after}"
+    );
+
+    // The outputs are Avro of the output subject's schema, each once.
+    let outputs = read_exactly(&brokers(), &out, 4).await;
+    let reader = AvroDecoder::<PaymentV2>::new(registry.clone());
+    let mut ids = Vec::new();
+    for msg in &outputs {
+        let payload = rdkafka::Message::payload(msg).expect("payload");
+        assert_eq!(payload[1..5], out_id.to_be_bytes());
+        let read = reader.decode_fetching(payload).await.unwrap();
+        ids.push((read.event_id, read.currency));
+    }
+    ids.sort();
+    assert_eq!(
+        ids,
+        [
+            ("e-1", "EUR"),
+            ("e-2", "EUR"),
+            ("e-3", "EUR"),
+            ("e-4", "USD")
+        ]
+        .map(|(id, c)| (id.to_owned(), c.to_owned()))
+    );
+    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 1).await;
+    assert_eq!(rdkafka::Message::payload(&dead[0]), Some(&b"not avro"[..]));
+}
+
+/// A registry that refuses the consumer's credentials is a configuration
+/// error: the consumer stops at the first record with the registry's
+/// answer, and neither applies nor dead-letters nor commits anything.
+#[sqlx::test(migrations = false)]
+async fn refused_credentials_stop_the_consumer_without_a_dead_letter(pool: sqlx::PgPool) {
+    use dedup_tests::common::{brokers, committed, create_topic};
+    let store = dedup_tests::store(&pool).await;
+    let topic = create_topic(1).await;
+    let group = unique("avro-refused");
+    let writer = AvroEncoder::<PaymentV1>::register(&client(), &format!("{topic}-value"))
+        .await
+        .unwrap();
+    send(&topic, &writer.encode(&v1(1)).unwrap()).await;
+    let stranger = Registry::builder(url())
+        .ca_file(ca_file())
+        .basic_auth("stranger", "stranger-secret")
+        .build()
+        .unwrap();
+    let consumer = dedup_kafka::Consumer::builder(store)
+        .brokers(brokers())
+        .group_id(&group)
+        .handle(
+            &topic,
+            dedup_registry::AvroHandler::new(consumed::record_avro, stranger),
+        )
+        .build()
+        .expect("consumer");
+    let stats = consumer.stats();
+    let ran = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        consumer.run_until(std::future::pending::<()>()),
+    )
+    .await
+    .expect("stopped within a minute");
+    let error = ran.expect_err("the consumer stops").to_string();
+    assert!(error.contains("HTTP 403"), "{error}");
+    assert!(!error.contains("stranger-secret"), "{error}");
+    let snapshot = stats.snapshot();
+    assert_eq!(
+        (snapshot.applied, snapshot.dead_lettered),
+        (0, 0),
+        "{snapshot}"
+    );
+    assert_eq!(committed(&topic, &group, 0), rdkafka::Offset::Invalid);
+}

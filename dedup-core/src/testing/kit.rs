@@ -317,6 +317,10 @@ impl<H: Handler> Describe for Scoped<H> {
     fn decode_record(&self, payload: &[u8], headers: &dyn Headers) -> Result<Self::Event, Error> {
         self.inner.decode_record(payload, headers)
     }
+
+    fn preparer(&self) -> Option<&dyn crate::decode::Prepare> {
+        self.inner.preparer()
+    }
 }
 
 impl<H: Handler> Handler for Scoped<H> {

@@ -59,6 +59,10 @@ impl<S: 'static> Effect<S> {
         self.one().ttl()
     }
 
+    pub(crate) fn preparer(&self) -> Option<&dyn dedup_core::decode::Prepare> {
+        self.one().preparer()
+    }
+
     /// Applies one message.
     pub(crate) fn apply<'a>(
         &'a self,
@@ -85,6 +89,9 @@ pub(crate) trait ErasedApply<S>: Send + Sync + 'static {
     fn scope(&self) -> &str;
 
     fn ttl(&self) -> Ttl;
+
+    /// What decoding needs fetched first (`Describe::preparer`).
+    fn preparer(&self) -> Option<&dyn dedup_core::decode::Prepare>;
 
     fn apply<'a>(
         &'a self,
@@ -140,6 +147,10 @@ where
 
     fn ttl(&self) -> Ttl {
         Describe::ttl(&*self.0)
+    }
+
+    fn preparer(&self) -> Option<&dyn dedup_core::decode::Prepare> {
+        Describe::preparer(&*self.0)
     }
 
     fn apply<'a>(
@@ -238,6 +249,10 @@ mod traced {
         ) -> Result<Self::Event, Error> {
             Ok((self.0.decode_record(payload, headers)?, Context::current()))
         }
+
+        fn preparer(&self) -> Option<&dyn dedup_core::decode::Prepare> {
+            self.0.preparer()
+        }
     }
 
     impl<H: Handler> Handler for Traced<H> {
@@ -286,6 +301,10 @@ where
 
     fn ttl(&self) -> Ttl {
         Describe::ttl(&self.0)
+    }
+
+    fn preparer(&self) -> Option<&dyn dedup_core::decode::Prepare> {
+        Describe::preparer(&self.0)
     }
 
     fn apply<'a>(

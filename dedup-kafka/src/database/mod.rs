@@ -13,7 +13,9 @@
 //! - [`handover`]: handing a revoked partition's work over;
 //! - [`dead_letter`]: dead letters and moves to a retry tier, recorded in
 //!   the store;
-//! - [`hold`]: key hold-back's records for retry tiers.
+//! - [`hold`]: key hold-back's records for retry tiers;
+//! - [`ready`]: a decoder made ready for a message (a schema registry's
+//!   writer's schema fetched), its outage waited out.
 //!
 //! It imports `pipeline/` and the shared root, never the Kafka-only
 //! runtime (`transactional/`); `scripts/architecture.py` checks it.
@@ -27,4 +29,5 @@ pub(crate) mod handle;
 pub(crate) mod handover;
 pub(crate) mod hold;
 pub(crate) mod partition;
+pub(crate) mod ready;
 pub(crate) mod route;

@@ -152,6 +152,10 @@ impl<S: 'static> ErasedApply<S> for Unrouted {
         self.ttl
     }
 
+    fn preparer(&self) -> Option<&dyn dedup_core::decode::Prepare> {
+        None
+    }
+
     fn apply<'a>(
         &'a self,
         _store: &'a S,

@@ -105,3 +105,37 @@ impl Drop for Outage<'_> {
         }
     }
 }
+
+/// Why one try to make a decoder ready for a payload failed
+/// ([`prepare_once`]).
+pub(crate) enum NotReady {
+    /// The environment's: waited out.
+    Outage(String),
+    /// The configuration's: the consumer stops with this reason.
+    Configuration(String),
+}
+
+/// One try, within `limit`, to make `preparer` ready for `payload` (a
+/// schema registry's writer's schema fetched), its failure sorted by
+/// whose fault it is: never the message's. Both runtimes wait out the
+/// outages and stop on the rest.
+pub(crate) async fn prepare_once(
+    preparer: &dyn dedup_core::decode::Prepare,
+    payload: &[u8],
+    limit: Duration,
+    handler: &str,
+) -> Result<(), NotReady> {
+    use dedup_core::decode::Unready;
+    let outage = match tokio::time::timeout(limit, preparer.prepare(payload)).await {
+        Ok(Ok(())) => return Ok(()),
+        Ok(Err(Unready::Configuration(e))) => {
+            return Err(NotReady::Configuration(format!(
+                "the decoder of {handler} cannot read its messages: {e}"
+            )));
+        }
+        Ok(Err(other)) => other.to_string(),
+        Err(_) => crate::pipeline::attempt::timed_out(limit).to_string(),
+    };
+    tracing::warn!(handler, error = %outage, "waiting for what decoding needs (a schema registry?)");
+    Err(NotReady::Outage(outage))
+}

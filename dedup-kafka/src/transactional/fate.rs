@@ -136,6 +136,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         jitter: &mut Jitter,
         with: &With<'_>,
     ) -> Result<(Vec<Fate>, Staged), Halt> {
+        self.ready(batch, forced, jitter, with).await?;
         if self.pipeline.key_concurrency > 1 {
             return self.fates_at_once(batch, times, states, forced, with).await;
         }

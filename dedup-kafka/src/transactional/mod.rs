@@ -24,6 +24,7 @@ mod claims;
 mod fate;
 mod lanes;
 mod outputs;
+mod ready;
 mod refusal;
 mod restore;
 mod tiered;

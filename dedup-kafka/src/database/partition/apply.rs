@@ -67,6 +67,12 @@ pub(super) async fn process_batch<S: DedupStore>(
         .map(|msg| crate::otel::process(msg, &shared.group))
         .collect();
     for (i, msg) in batch.iter().enumerate() {
+        // What decoding needs (a registry's schema) fetched first: an outage
+        // of it holds the batch, and is never a message's fault.
+        let payload = msg.payload().unwrap_or_default();
+        if !crate::database::ready::ready(shared, route, partition, payload, jitter).await {
+            return 0;
+        }
         if let Some(before) = route.finished_before(dead_lettered, msg) {
             bad.push((i, Unprepared::Before(before)));
             continue;
@@ -110,7 +116,6 @@ pub(super) async fn process_batch<S: DedupStore>(
         // User code (a Deserialize impl, a key's Display, a custom decode):
         // a panic fails this message, never the worker, which would drop
         // everything it buffered.
-        let payload = msg.payload().unwrap_or_default();
         #[cfg(feature = "opentelemetry")]
         let _current = contexts[i].clone().attach();
         match attempt::contained(|| handler.prepare(payload, &headers)) {

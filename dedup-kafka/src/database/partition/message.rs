@@ -37,6 +37,12 @@ pub(super) async fn process<S: DedupStore>(
     msg: &OwnedMessage,
     jitter: &mut Jitter,
 ) -> bool {
+    // What decoding needs (a registry's schema) fetched first: an outage of
+    // it is waited out here, never a message's fault.
+    let payload = msg.payload().unwrap_or_default();
+    if !crate::database::ready::ready(shared, route, partition, payload, jitter).await {
+        return false;
+    }
     // Tier headers that are not its own: the message's fault, dead-lettered
     // as itself, releasing nothing.
     if let Some(message) = route.forged(msg) {

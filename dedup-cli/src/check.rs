@@ -87,3 +87,20 @@ impl Report for CheckReport {
         })
     }
 }
+
+/// Several checks' reports, one after the other (`json`: an array, or the
+/// one report alone).
+pub(crate) struct Reports(pub(crate) Vec<Box<dyn Report>>);
+
+impl Report for Reports {
+    fn text(&self) -> String {
+        self.0.iter().map(|r| r.text()).collect()
+    }
+
+    fn json(&self) -> serde_json::Value {
+        match self.0.as_slice() {
+            [one] => one.json(),
+            all => serde_json::Value::Array(all.iter().map(|r| r.json()).collect()),
+        }
+    }
+}

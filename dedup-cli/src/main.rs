@@ -18,6 +18,7 @@ mod failpoint;
 mod kafka;
 mod outbox;
 mod retry;
+mod schemas;
 mod store;
 mod time;
 
@@ -295,9 +296,12 @@ struct CheckArgs {
     /// The topic the handler consumes.
     #[arg(long)]
     topic: String,
-    /// The handler's TTL, e.g. `4h`.
-    #[arg(long)]
-    ttl: Ttl,
+    /// The handler's TTL, e.g. `4h`: compared with how long the topic
+    /// keeps its records.
+    #[arg(long, required_unless_present = "reader_schema")]
+    ttl: Option<Ttl>,
+    #[command(flatten)]
+    schemas: schemas::SchemaArgs,
 }
 
 /// A failure, with what to do about it.
@@ -417,7 +421,22 @@ async fn run(command: Command) -> Result<Box<dyn Report>, Failure> {
             )
             .await?,
         ),
-        Command::Check(args) => Box::new(check::check(&args.kafka, &args.topic, args.ttl).await?),
+        Command::Check(args) => {
+            let mut reports: Vec<Box<dyn Report>> = Vec::new();
+            if let Some(ttl) = args.ttl {
+                reports.push(Box::new(check::check(&args.kafka, &args.topic, ttl).await?));
+            }
+            if let Some(schema) = &args.schemas.reader_schema {
+                let report = schemas::check(&args.schemas, &args.topic, schema).await?;
+                // A type that cannot read a version fails the check: a
+                // deploy pipeline stops on it.
+                if !report.ok() {
+                    return Err(Failure::new(report.text().trim_end()));
+                }
+                reports.push(Box::new(report));
+            }
+            Box::new(check::Reports(reports))
+        }
         Command::Console(args) => Box::new(console::serve(*args).await?),
     })
 }

@@ -677,3 +677,65 @@ async fn refused_credentials_stop_the_consumer_without_a_dead_letter(pool: sqlx:
     );
     assert_eq!(committed(&topic, &group, 0), rdkafka::Offset::Invalid);
 }
+
+/// `dedup check --reader-schema`: before a deploy, whether the handler's
+/// schema reads every version of its topic's subject; non-zero exit when it
+/// does not, naming the field.
+#[tokio::test]
+async fn dedup_check_says_whether_a_reader_schema_reads_every_version() {
+    let registry = client();
+    let topic = unique("checked");
+    let subject = format!("{topic}-value");
+    AvroEncoder::<PaymentV1>::register(&registry, &subject)
+        .await
+        .unwrap();
+    AvroEncoder::<PaymentV2>::register(&registry, &subject)
+        .await
+        .unwrap();
+    let dir = std::env::temp_dir().join(unique("reader-schemas"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, schema: AvroSchemaText| {
+        let path = dir.join(name);
+        std::fs::write(&path, serde_json::to_string(&schema).unwrap()).unwrap();
+        path
+    };
+    let evolved = write("v2.avsc", PaymentV2::get_schema());
+    let strict = write("strict.avsc", PaymentWithMerchant::get_schema());
+    let (user, password) = credentials();
+    let check = |schema: &std::path::Path| {
+        let out = std::process::Command::new(dedup_tests::common::cli())
+            .args(["check", "--topic", &topic, "--reader-schema"])
+            .arg(schema)
+            .args([
+                "--registry",
+                &url(),
+                "--registry-user",
+                &user,
+                "--registry-ca",
+                &ca_file(),
+            ])
+            .env("DEDUP_REGISTRY_PASSWORD", &password)
+            .output()
+            .expect("run dedup");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned()
+                + &String::from_utf8_lossy(&out.stderr),
+        )
+    };
+    let (ok, said) = check(&evolved);
+    assert!(ok, "{said}");
+    assert!(
+        said.contains("version 1") && said.contains("version 2"),
+        "{said}"
+    );
+    assert!(said.contains("reads every version"), "{said}");
+    let (ok, said) = check(&strict);
+    assert!(!ok, "{said}");
+    assert!(
+        said.contains("NOT readable") && said.contains("merchant"),
+        "{said}"
+    );
+    assert!(!said.contains(&password), "{said}");
+    std::fs::remove_dir_all(dir).ok();
+}

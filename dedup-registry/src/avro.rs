@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use apache_avro::schema_compatibility::SchemaCompatibility;
 use dedup_core::decode::{ConfluentFrame, Prepare, PrepareFuture, Unready};
@@ -18,14 +19,19 @@ pub use apache_avro::{AvroSchema, Schema as AvroSchemaText};
 use crate::client::{Registry, Schema, SchemaKind, SchemaReference};
 use crate::error::{RegistryError, SchemaError};
 
-/// What a schema id gave: its writer's schema, or why records of it are
-/// refused (an id the registry does not know, a schema that is not Avro):
-/// kept, as ids never change.
+/// What a schema id gave: its writer's schema (kept: an id never names
+/// another schema), or why records of it are refused (an id the registry
+/// does not know, a schema that is not Avro), kept for [`REFUSAL_KEPT`]
+/// so that a burst of them asks the registry once, and a registry that
+/// was behind is asked again.
 #[derive(Clone)]
 enum Known {
     Writer(Arc<Writer>),
-    Refused(SchemaError),
+    Refused(SchemaError, Instant),
 }
+
+/// How long a refused schema id is kept before the registry is asked again.
+pub const REFUSAL_KEPT: Duration = Duration::from_secs(300);
 
 /// A writer's schema, parsed, with the named schemas it refers to.
 struct Writer {
@@ -88,8 +94,8 @@ impl<T: DeserializeOwned> AvroDecoder<T> {
         let id = ConfluentFrame::parse(payload)?.schema_id;
         match self.known(id) {
             Some(Known::Writer(_)) => return Ok(id),
-            Some(Known::Refused(why)) => return Err(why),
-            None => {}
+            Some(Known::Refused(why, at)) if at.elapsed() < REFUSAL_KEPT => return Err(why),
+            Some(Known::Refused(..)) | None => {}
         }
         let fetched = match self.registry.schema(id).await {
             Ok(registered) => parse_writer(&self.registry, id, &registered).await,
@@ -99,16 +105,23 @@ impl<T: DeserializeOwned> AvroDecoder<T> {
             Ok(writer) => Known::Writer(Arc::new(writer)),
             // The record's fault, for good: kept, so that its decode
             // refuses it without asking again.
-            Err(why) if why.fault() == crate::Fault::Record => Known::Refused(why),
+            Err(why) if why.fault() == crate::Fault::Record => Known::Refused(why, Instant::now()),
             Err(other) => return Err(other),
         };
-        self.writers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id, known.clone());
+        {
+            let mut writers = self.writers.lock().unwrap_or_else(|p| p.into_inner());
+            if matches!(known, Known::Refused(..)) {
+                // Junk ids do not pile up: refusals past their time go.
+                writers.retain(|_, k| match k {
+                    Known::Writer(_) => true,
+                    Known::Refused(_, at) => at.elapsed() < REFUSAL_KEPT,
+                });
+            }
+            writers.insert(id, known.clone());
+        }
         match known {
             Known::Writer(_) => Ok(id),
-            Known::Refused(why) => Err(why),
+            Known::Refused(why, _) => Err(why),
         }
     }
 
@@ -120,7 +133,7 @@ impl<T: DeserializeOwned> AvroDecoder<T> {
         let id = frame.schema_id;
         let writer = match self.known(id) {
             Some(Known::Writer(writer)) => writer,
-            Some(Known::Refused(why)) => return Err(why),
+            Some(Known::Refused(why, _)) => return Err(why),
             None => {
                 return Err(SchemaError::Registry {
                     id,

@@ -102,7 +102,7 @@ pub struct SubjectVersion {
 struct SchemaJson {
     schema: String,
     #[serde(default)]
-    schema_type: Option<SchemaKind>,
+    schema_type: Option<String>,
     #[serde(default)]
     references: Vec<SchemaReference>,
     #[serde(default)]
@@ -114,12 +114,25 @@ struct SchemaJson {
 }
 
 impl SchemaJson {
-    fn schema(self) -> Schema {
-        Schema {
-            kind: self.schema_type.unwrap_or(SchemaKind::Avro),
+    /// The schema, if its `schemaType` is one of the three formats (a
+    /// registry may keep others: Apicurio's OpenAPI, XML...).
+    fn schema(self, what: &str) -> Result<Schema, RegistryError> {
+        let kind = match self.schema_type.as_deref() {
+            None | Some("AVRO") => SchemaKind::Avro,
+            Some("JSON") => SchemaKind::Json,
+            Some("PROTOBUF") => SchemaKind::Protobuf,
+            Some(other) => {
+                return Err(RegistryError::Unsupported {
+                    what: what.to_owned(),
+                    schema_type: other.to_owned(),
+                });
+            }
+        };
+        Ok(Schema {
+            kind,
             text: self.schema,
             references: self.references,
-        }
+        })
     }
 }
 
@@ -230,8 +243,25 @@ impl RegistryBuilder {
             return Err(error);
         }
         let trimmed = self.url.trim_end_matches('/');
-        let base = reqwest::Url::parse(&format!("{trimmed}/"))
-            .map_err(|e| RegistryError::Settings(format!("{:?} is not a URL: {e}", self.url)))?;
+        let mut base = reqwest::Url::parse(&format!("{trimmed}/")).map_err(|e| {
+            RegistryError::Settings(format!(
+                "{:?} is not a URL: {e}",
+                without_userinfo(&self.url)
+            ))
+        })?;
+        let mut auth = self.auth;
+        if !base.username().is_empty() {
+            // user:password@host: basic auth (unless given otherwise),
+            // never kept in the URL, which errors and Debug show.
+            if matches!(auth, Auth::None) {
+                auth = Auth::Basic {
+                    user: base.username().to_owned(),
+                    password: base.password().unwrap_or_default().to_owned(),
+                };
+            }
+            let _ = base.set_username("");
+            let _ = base.set_password(None);
+        }
         let loopback = is_loopback(&base);
         match base.scheme() {
             "https" => {}
@@ -239,11 +269,14 @@ impl RegistryBuilder {
             _ => {
                 return Err(RegistryError::Settings(format!(
                     "{:?} is not https (plain http only to localhost)",
-                    self.url
+                    base.as_str()
                 )));
             }
         }
         let mut http = reqwest::Client::builder()
+            // A registry's API does not redirect: a 3xx is a wrong URL
+            // (a configuration error), never followed with the credentials.
+            .redirect(reqwest::redirect::Policy::none())
             .timeout(self.timeout)
             .connect_timeout(self.timeout.min(Duration::from_secs(5)));
         if loopback {
@@ -259,7 +292,7 @@ impl RegistryBuilder {
             inner: Arc::new(Inner {
                 base,
                 http,
-                auth: self.auth,
+                auth,
                 by_id: Mutex::new(HashMap::new()),
             }),
         })
@@ -326,14 +359,24 @@ impl Registry {
             let mut cache = self.inner.by_id.lock().unwrap_or_else(|p| p.into_inner());
             cache.entry(id).or_default().clone()
         };
-        cell.get_or_try_init(|| async {
-            let what = format!("schema id {id}");
-            let url = self.url_of(&["schemas", "ids", &id.to_string()]);
-            let json: SchemaJson = self.get(&what, url).await?;
-            Ok(Arc::new(json.schema()))
-        })
-        .await
-        .cloned()
+        let fetched = cell
+            .get_or_try_init(|| async {
+                let what = format!("schema id {id}");
+                let url = self.url_of(&["schemas", "ids", &id.to_string()]);
+                let json: SchemaJson = self.get(&what, url).await?;
+                Ok(Arc::new(json.schema(&what)?))
+            })
+            .await
+            .cloned();
+        if fetched.is_err() {
+            // No empty cell left behind for each id that failed (ids of
+            // junk payloads would pile up): the next ask makes a new one.
+            let mut cache = self.inner.by_id.lock().unwrap_or_else(|p| p.into_inner());
+            if cache.get(&id).is_some_and(|cell| cell.get().is_none()) {
+                cache.remove(&id);
+            }
+        }
+        fetched
     }
 
     /// The schema of id `id` if it was fetched before, without asking.
@@ -358,7 +401,7 @@ impl Registry {
         let what = format!("version {version} of subject {subject:?}");
         let url = self.url_of(&["subjects", subject, "versions", &version.to_string()]);
         let json: SchemaJson = self.get(&what, url).await?;
-        Ok(subject_version(subject, version, json))
+        subject_version(&what, subject, version, json)
     }
 
     /// The latest version of `subject`.
@@ -367,7 +410,7 @@ impl Registry {
         let url = self.url_of(&["subjects", subject, "versions", "latest"]);
         let json: SchemaJson = self.get(&what, url).await?;
         let version = json.version.unwrap_or(0);
-        Ok(subject_version(subject, version, json))
+        subject_version(&what, subject, version, json)
     }
 
     /// Registers `schema` under `subject` (a no-op returning its id if the
@@ -392,7 +435,7 @@ impl Registry {
         match self.post::<SchemaJson>(&what, url, schema).await {
             Ok(json) => {
                 let version = json.version.unwrap_or(0);
-                Ok(Some(subject_version(subject, version, json)))
+                subject_version(&what, subject, version, json).map(Some)
             }
             Err(RegistryError::NotFound { .. }) => Ok(None),
             Err(other) => Err(other),
@@ -458,13 +501,18 @@ impl Registry {
     }
 }
 
-fn subject_version(subject: &str, version: i32, json: SchemaJson) -> SubjectVersion {
-    SubjectVersion {
+fn subject_version(
+    what: &str,
+    subject: &str,
+    version: i32,
+    json: SchemaJson,
+) -> Result<SubjectVersion, RegistryError> {
+    Ok(SubjectVersion {
         subject: json.subject.clone().unwrap_or_else(|| subject.to_owned()),
         version: json.version.unwrap_or(version),
         id: json.id.unwrap_or(0),
-        schema: json.schema(),
-    }
+        schema: json.schema(what)?,
+    })
 }
 
 /// Sends `request` and reads its answer, sorting failures by whose fault
@@ -493,7 +541,11 @@ async fn send<T: serde::de::DeserializeOwned>(
             status,
             message,
         },
-        404 => RegistryError::NotFound { what, message },
+        // The registry's own "not found" carries its error code (40401
+        // subject, 40402 version, 40403 schema); a 404 without one is a URL
+        // that is not the registry's API (Apicurio's lacks
+        // /apis/ccompat/v6): a configuration error, never a record's.
+        404 if has_error_code(&body) => RegistryError::NotFound { what, message },
         408 | 429 | 500..=599 => {
             RegistryError::Unavailable(format!("{what}: HTTP {status} ({message})"))
         }
@@ -503,6 +555,14 @@ async fn send<T: serde::de::DeserializeOwned>(
             message,
         },
     })
+}
+
+/// Whether an error answer is the registry's JSON with its `error_code`.
+fn has_error_code(body: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("error_code").and_then(serde_json::Value::as_i64))
+        .is_some()
 }
 
 /// The registry's words in an error answer: its `message` and
@@ -559,6 +619,16 @@ fn causes(e: &reqwest::Error) -> String {
     said
 }
 
+/// `url` with any `user:password@` cut out, for an error message.
+fn without_userinfo(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            format!("{}***@{}", &url[..scheme + 3], &url[at + 1..])
+        }
+        _ => url.to_owned(),
+    }
+}
+
 fn is_loopback(url: &reqwest::Url) -> bool {
     match url.host_str() {
         Some("localhost") => true,
@@ -587,6 +657,38 @@ mod tests {
             .build()
             .unwrap();
         assert!(!format!("{bearer:?}").contains("the-token"));
+    }
+
+    #[test]
+    fn credentials_in_the_url_become_basic_auth_and_are_never_shown() {
+        let registry = Registry::builder("https://key:the-secret@registry.example.com/api")
+            .build()
+            .unwrap();
+        assert!(!format!("{registry:?}").contains("the-secret"));
+        assert!(!registry.url().contains("the-secret"));
+        assert!(
+            format!("{registry:?}").contains("basic (user"),
+            "{registry:?}"
+        );
+        let err = Registry::builder("https://key:the-secret@exa mple")
+            .build()
+            .unwrap_err();
+        assert!(!err.to_string().contains("the-secret"), "{err}");
+        let err = Registry::builder("http://key:the-secret@registry.example.com")
+            .build()
+            .unwrap_err();
+        assert!(!err.to_string().contains("the-secret"), "{err}");
+    }
+
+    #[test]
+    fn only_the_registrys_own_404_is_not_found() {
+        assert!(has_error_code(
+            br#"{"error_code":40403,"message":"Schema not found"}"#
+        ));
+        assert!(!has_error_code(b"<html>404 Not Found</html>"));
+        assert!(!has_error_code(
+            br#"{"message":"RESTEASY003210: Could not find resource"}"#
+        ));
     }
 
     #[test]

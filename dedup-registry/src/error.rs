@@ -24,7 +24,9 @@ pub enum Fault {
 /// A request to the registry that failed. Never holds a credential.
 #[derive(Clone, Debug, thiserror::Error)]
 pub enum RegistryError {
-    /// The registry has no such schema, subject or version (HTTP 404).
+    /// The registry has no such schema, subject or version (HTTP 404 with
+    /// the registry's error code: a 404 without one is a URL that is not
+    /// the registry's API, [`Rejected`](RegistryError::Rejected)).
     #[error("the schema registry has no {what} ({message})")]
     NotFound {
         /// What was asked for: `schema id 7`, `subject payments-value`...
@@ -68,6 +70,16 @@ pub enum RegistryError {
         /// The registry's own words.
         message: String,
     },
+    /// The registry holds a schema of a type dedup does not read (Apicurio
+    /// keeps OpenAPI, XML...): for a record that names it, the record's
+    /// fault.
+    #[error("the schema registry's {what} is of type {schema_type}, not AVRO, JSON or PROTOBUF")]
+    Unsupported {
+        /// What was asked for.
+        what: String,
+        /// The registry's `schemaType`.
+        schema_type: String,
+    },
     /// The registry's settings are not usable (a URL that is not one, a CA
     /// file without a certificate).
     #[error("the schema registry's settings: {0}")]
@@ -80,7 +92,7 @@ impl RegistryError {
     /// record's.
     pub fn fault(&self) -> Fault {
         match self {
-            RegistryError::NotFound { .. } => Fault::Record,
+            RegistryError::NotFound { .. } | RegistryError::Unsupported { .. } => Fault::Record,
             RegistryError::Unavailable(_) => Fault::Outage,
             RegistryError::Refused { .. }
             | RegistryError::Certificate(_)

@@ -24,17 +24,16 @@
 #![allow(clippy::print_stdout)]
 
 use std::collections::BTreeMap;
-use std::time::Duration;
 
 use dedup_core::decode::ConfluentFrame;
 use dedup_core::{Error, HandlerError, idempotent};
-use dedup_examples::env_or;
 use dedup_examples::proto::PaymentRecorded;
+use dedup_examples::{env_or, send};
 use dedup_kafka::Consumer;
 use dedup_postgres::{PgStore, PgTx};
 use prost::Message as _;
 use rdkafka::ClientConfig;
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::FutureProducer;
 
 /// The id the schema registry gave `payments.proto` in this example.
 const SCHEMA_ID: u32 = 42;
@@ -163,36 +162,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         ))
         .await?;
 
-    let mut ok = summary.applied == 10 && summary.skipped == 10 && summary.dead_lettered == 2;
+    let mut balances = Vec::new();
     for (account, cents) in &expected {
         let balance: Option<i64> =
             sqlx::query_scalar("SELECT cents FROM proto_balances WHERE account_id = $1")
                 .bind(account)
                 .fetch_optional(store.pool())
                 .await?;
-        println!("{account}: {balance:?} cents, expected {cents}");
-        ok &= balance == Some(*cents);
+        balances.push((account.clone(), balance, *cents));
     }
-    println!("{summary}");
-    if !ok {
-        return Err(
-            "a balance or a count is off: expected applied=10 skipped=10 dead_lettered=2".into(),
-        );
-    }
-    Ok(())
-}
-
-async fn send(
-    producer: &FutureProducer,
-    topic: &str,
-    payload: &[u8],
-) -> Result<(), Box<dyn std::error::Error>> {
-    producer
-        .send(
-            FutureRecord::<(), [u8]>::to(topic).payload(payload),
-            Duration::from_secs(10),
-        )
-        .await
-        .map_err(|(e, _)| e)?;
-    Ok(())
+    dedup_examples::check_run(&summary, &balances)
 }

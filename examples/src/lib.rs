@@ -165,6 +165,46 @@ pub async fn until_idle(
     }
 }
 
+/// Produces one record of `payload`, without a key, to `topic`: the
+/// examples that make their own events.
+pub async fn send(
+    producer: &rdkafka::producer::FutureProducer,
+    topic: &str,
+    payload: &[u8],
+) -> Result<(), Box<dyn std::error::Error>> {
+    producer
+        .send(
+            rdkafka::producer::FutureRecord::<(), [u8]>::to(topic).payload(payload),
+            std::time::Duration::from_secs(10),
+        )
+        .await
+        .map_err(|(e, _)| e)?;
+    Ok(())
+}
+
+/// Whether a run that made ten events (each twice) and two bad payloads
+/// came out right: ten applied, ten skipped, two dead-lettered, and every
+/// balance (`(what, got, expected)`, printed) as expected. Prints the
+/// summary last; an error says what is off.
+#[allow(clippy::print_stdout)]
+pub fn check_run(
+    summary: &dedup_kafka::StatsSnapshot,
+    balances: &[(String, Option<i64>, i64)],
+) -> Result<(), Box<dyn std::error::Error>> {
+    let mut ok = summary.applied == 10 && summary.skipped == 10 && summary.dead_lettered == 2;
+    for (what, got, expected) in balances {
+        println!("{what}: {got:?} cents, expected {expected}");
+        ok &= *got == Some(*expected);
+    }
+    println!("{summary}");
+    if !ok {
+        return Err(
+            "a balance or a count is off: expected applied=10 skipped=10 dead_lettered=2".into(),
+        );
+    }
+    Ok(())
+}
+
 /// The protobuf example's events, generated from `proto/payments.proto` by
 /// prost-build at build time.
 #[allow(missing_docs, unreachable_pub, clippy::all)]

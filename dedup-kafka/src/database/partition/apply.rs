@@ -123,6 +123,9 @@ pub(super) async fn process_batch<S: DedupStore>(
                 members.push(i);
                 prepared.push(ready);
             }
+            // Not the event's fault (a decoder a wrapper left unready):
+            // its own attempts wait it out, never a dead letter.
+            Ok(Err(e)) if e.is_retryable() => bad.push((i, Unprepared::Alone)),
             Ok(Err(e)) => bad.push((i, Unprepared::Error(e))),
             Err(said) => bad.push((
                 i,

@@ -38,6 +38,7 @@ LIBRARY_CRATES = [
     "dedup-sqlite",
     "dedup-mysql",
     "dedup-kafka",
+    "dedup-registry",
     "dedup-cli",
 ]
 LIMIT = 600

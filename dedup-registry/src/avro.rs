@@ -3,35 +3,20 @@
 //! handler's type), so that a record written with an older or newer schema
 //! still reads; encoded with a schema registered under a subject.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
 
 use apache_avro::schema_compatibility::SchemaCompatibility;
-use dedup_core::decode::{ConfluentFrame, Prepare, PrepareFuture, Unready};
+use dedup_core::decode::{ConfluentFrame, Prepare, PrepareFuture};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 pub use apache_avro::{AvroSchema, Schema as AvroSchemaText};
 
 use crate::client::{Registry, Schema, SchemaKind, SchemaReference};
-use crate::error::{RegistryError, SchemaError};
-
-/// What a schema id gave: its writer's schema (kept: an id never names
-/// another schema), or why records of it are refused (an id the registry
-/// does not know, a schema that is not Avro), kept for [`REFUSAL_KEPT`]
-/// so that a burst of them asks the registry once, and a registry that
-/// was behind is asked again.
-#[derive(Clone)]
-enum Known {
-    Writer(Arc<Writer>),
-    Refused(SchemaError, Instant),
-}
-
-/// How long a refused schema id is kept before the registry is asked again.
-pub const REFUSAL_KEPT: Duration = Duration::from_secs(300);
+use crate::error::SchemaError;
+pub use crate::known::REFUSAL_KEPT;
+use crate::known::{KnownSchemas, ready_or};
 
 /// A writer's schema, parsed, with the named schemas it refers to.
 struct Writer {
@@ -52,13 +37,13 @@ struct Writer {
 pub struct AvroDecoder<T> {
     registry: Registry,
     reader: apache_avro::Schema,
-    writers: Mutex<HashMap<u32, Known>>,
+    writers: KnownSchemas<Writer>,
     _event: PhantomData<fn() -> T>,
 }
 
 impl<T> fmt::Debug for AvroDecoder<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let writers = self.writers.lock().map(|w| w.len()).unwrap_or(0);
+        let writers = self.writers.len();
         f.debug_struct("AvroDecoder")
             .field("registry", &self.registry)
             .field("writer_schemas", &writers)
@@ -80,7 +65,7 @@ impl<T: DeserializeOwned> AvroDecoder<T> {
         AvroDecoder {
             registry,
             reader,
-            writers: Mutex::new(HashMap::new()),
+            writers: KnownSchemas::new(),
             _event: PhantomData,
         }
     }
@@ -91,38 +76,11 @@ impl<T: DeserializeOwned> AvroDecoder<T> {
     /// no usable Avro schema, is the record's fault; a registry that cannot
     /// answer is an outage ([`SchemaError::fault`]).
     pub async fn prepare(&self, payload: &[u8]) -> Result<u32, SchemaError> {
-        let id = ConfluentFrame::parse(payload)?.schema_id;
-        match self.known(id) {
-            Some(Known::Writer(_)) => return Ok(id),
-            Some(Known::Refused(why, at)) if at.elapsed() < REFUSAL_KEPT => return Err(why),
-            Some(Known::Refused(..)) | None => {}
-        }
-        let fetched = match self.registry.schema(id).await {
-            Ok(registered) => parse_writer(&self.registry, id, &registered).await,
-            Err(source) => Err(SchemaError::Registry { id, source }),
-        };
-        let known = match fetched {
-            Ok(writer) => Known::Writer(Arc::new(writer)),
-            // The record's fault, for good: kept, so that its decode
-            // refuses it without asking again.
-            Err(why) if why.fault() == crate::Fault::Record => Known::Refused(why, Instant::now()),
-            Err(other) => return Err(other),
-        };
-        {
-            let mut writers = self.writers.lock().unwrap_or_else(|p| p.into_inner());
-            if matches!(known, Known::Refused(..)) {
-                // Junk ids do not pile up: refusals past their time go.
-                writers.retain(|_, k| match k {
-                    Known::Writer(_) => true,
-                    Known::Refused(_, at) => at.elapsed() < REFUSAL_KEPT,
-                });
-            }
-            writers.insert(id, known.clone());
-        }
-        match known {
-            Known::Writer(_) => Ok(id),
-            Known::Refused(why, _) => Err(why),
-        }
+        self.writers
+            .prepare(&self.registry, payload, |id, registered| async move {
+                parse_writer(&self.registry, id, &registered).await
+            })
+            .await
     }
 
     /// Decodes a record whose writer's schema [`prepare`](Self::prepare)
@@ -131,18 +89,7 @@ impl<T: DeserializeOwned> AvroDecoder<T> {
     pub fn decode(&self, payload: &[u8]) -> Result<T, SchemaError> {
         let frame = ConfluentFrame::parse(payload)?;
         let id = frame.schema_id;
-        let writer = match self.known(id) {
-            Some(Known::Writer(writer)) => writer,
-            Some(Known::Refused(why, _)) => return Err(why),
-            None => {
-                return Err(SchemaError::Registry {
-                    id,
-                    source: RegistryError::Unavailable(
-                        "its writer's schema was not fetched (prepare the record first)".to_owned(),
-                    ),
-                });
-            }
-        };
+        let writer = self.writers.ready(id)?;
         let mut body = frame.body;
         let value = apache_avro::from_avro_datum_schemata(
             &writer.schema,
@@ -171,14 +118,6 @@ impl<T: DeserializeOwned> AvroDecoder<T> {
         self.prepare(payload).await?;
         self.decode(payload)
     }
-
-    fn known(&self, id: u32) -> Option<Known> {
-        self.writers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(&id)
-            .cloned()
-    }
 }
 
 impl<T: DeserializeOwned + Send + 'static> Prepare for AvroDecoder<T> {
@@ -188,16 +127,7 @@ impl<T: DeserializeOwned + Send + 'static> Prepare for AvroDecoder<T> {
     /// answer is an outage, one that refuses the credentials a
     /// configuration error.
     fn prepare<'a>(&'a self, payload: &'a [u8]) -> PrepareFuture<'a> {
-        Box::pin(async move {
-            match AvroDecoder::prepare(self, payload).await {
-                Ok(_) => Ok(()),
-                Err(e) => match e.fault() {
-                    crate::Fault::Record => Ok(()),
-                    crate::Fault::Outage => Err(Unready::Outage(Box::new(e))),
-                    crate::Fault::Configuration => Err(Unready::Configuration(Box::new(e))),
-                },
-            }
-        })
+        Box::pin(async move { ready_or(AvroDecoder::prepare(self, payload).await) })
     }
 }
 

@@ -1,13 +1,15 @@
 //! A handler whose events come as Avro through a schema registry.
 
+use std::fmt;
 use std::future::Future;
 
 use dedup_core::decode::Prepare;
 use dedup_core::{Describe, Error, Fingerprint, Handler, HandlerError, Headers, KeyError, Ttl};
 use serde::de::DeserializeOwned;
 
-use crate::Registry;
 use crate::avro::{AvroDecoder, AvroSchema};
+use crate::json::JsonSchemaDecoder;
+use crate::{Registry, SchemaError};
 
 /// A handler of yours whose payloads are Avro in Confluent's wire format:
 /// each decoded with its writer's schema from the registry, resolved to
@@ -39,38 +41,89 @@ use crate::avro::{AvroDecoder, AvroSchema};
 /// // ConsumerBuilder::handle("payments", handler)
 /// # let _ = handler; Ok(()) }
 /// ```
-pub struct AvroHandler<H: Describe> {
-    inner: H,
-    decoder: AvroDecoder<H::Event>,
+pub type AvroHandler<H> = SchemaHandler<H, AvroDecoder<<H as Describe>::Event>>;
+
+/// A handler of yours whose payloads are JSON Schema records in
+/// Confluent's wire format: each validated against the schema its id
+/// names, then read by serde into the handler's event type. Failures as
+/// [`AvroHandler`]'s.
+pub type JsonSchemaHandler<H> = SchemaHandler<H, JsonSchemaDecoder<<H as Describe>::Event>>;
+
+/// What reads a handler's payloads through a registry: a [`Prepare`]
+/// (fetching what a record needs) that then decodes synchronously.
+pub trait SchemaDecoder: Prepare {
+    /// The decoded event.
+    type Event;
+
+    /// Decodes a record whose schema was prepared.
+    fn decode(&self, payload: &[u8]) -> Result<Self::Event, SchemaError>;
 }
 
-impl<H: Describe> std::fmt::Debug for AvroHandler<H> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AvroHandler")
+impl<T: DeserializeOwned + Send + 'static> SchemaDecoder for AvroDecoder<T> {
+    type Event = T;
+
+    fn decode(&self, payload: &[u8]) -> Result<T, SchemaError> {
+        AvroDecoder::decode(self, payload)
+    }
+}
+
+impl<T: DeserializeOwned + Send + 'static> SchemaDecoder for JsonSchemaDecoder<T> {
+    type Event = T;
+
+    fn decode(&self, payload: &[u8]) -> Result<T, SchemaError> {
+        JsonSchemaDecoder::decode(self, payload)
+    }
+}
+
+/// A handler with its payloads read by a [`SchemaDecoder`]: made by
+/// [`AvroHandler::new`] or [`JsonSchemaHandler::new`].
+pub struct SchemaHandler<H, D> {
+    inner: H,
+    decoder: D,
+}
+
+impl<H: Describe, D: fmt::Debug> fmt::Debug for SchemaHandler<H, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SchemaHandler")
             .field("scope", &self.inner.scope())
             .field("decoder", &self.decoder)
             .finish()
     }
 }
 
-impl<H> AvroHandler<H>
+impl<H> SchemaHandler<H, AvroDecoder<H::Event>>
 where
     H: Describe,
     H::Event: DeserializeOwned + AvroSchema,
 {
     /// `handler`, its payloads read as Avro through `registry`.
     pub fn new(handler: H, registry: Registry) -> Self {
-        AvroHandler {
+        SchemaHandler {
             inner: handler,
             decoder: AvroDecoder::new(registry),
         }
     }
 }
 
-impl<H> Describe for AvroHandler<H>
+impl<H> SchemaHandler<H, JsonSchemaDecoder<H::Event>>
 where
     H: Describe,
     H::Event: DeserializeOwned,
+{
+    /// `handler`, its payloads read as JSON Schema records through
+    /// `registry`.
+    pub fn new(handler: H, registry: Registry) -> Self {
+        SchemaHandler {
+            inner: handler,
+            decoder: JsonSchemaDecoder::new(registry),
+        }
+    }
+}
+
+impl<H, D> Describe for SchemaHandler<H, D>
+where
+    H: Describe,
+    D: SchemaDecoder<Event = H::Event> + Send + Sync + 'static,
 {
     type Event = H::Event;
 
@@ -91,7 +144,7 @@ where
     }
 
     fn decode(&self, payload: &[u8]) -> Result<Self::Event, Error> {
-        Ok(self.decoder.decode(payload)?)
+        Ok(SchemaDecoder::decode(&self.decoder, payload)?)
     }
 
     fn preparer(&self) -> Option<&dyn Prepare> {
@@ -99,10 +152,10 @@ where
     }
 }
 
-impl<H> Handler for AvroHandler<H>
+impl<H, D> Handler for SchemaHandler<H, D>
 where
     H: Handler,
-    H::Event: DeserializeOwned,
+    D: SchemaDecoder<Event = H::Event> + Send + Sync + 'static,
 {
     type Tx = H::Tx;
 

@@ -7,13 +7,16 @@
 /// (`use dedup_registry::apache_avro;`) or depends on the same release.
 pub use apache_avro;
 
+mod answer;
 pub mod avro;
 mod client;
 mod error;
 mod handler;
+pub mod json;
+mod known;
 
 pub use client::{
     DEFAULT_TIMEOUT, Registry, RegistryBuilder, Schema, SchemaKind, SchemaReference, SubjectVersion,
 };
 pub use error::{Fault, RegistryError, SchemaError};
-pub use handler::AvroHandler;
+pub use handler::{AvroHandler, JsonSchemaHandler, SchemaDecoder, SchemaHandler};

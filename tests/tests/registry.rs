@@ -810,3 +810,168 @@ async fn the_payments_avro_example_applies_each_payment_once(pool: sqlx::PgPool)
         "kept as it came"
     );
 }
+
+/// JSON Schema: records validated against the schema their id names, then
+/// read by serde; a field added (optional) reads in old and new records; a
+/// record that breaks its schema is the record's fault, naming where.
+#[tokio::test]
+async fn json_schema_records_are_validated_then_read_and_evolve() {
+    use dedup_registry::json::{JsonSchemaDecoder, JsonSchemaEncoder};
+    #[derive(Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+    struct Paid {
+        event_id: String,
+        amount_cents: i64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        currency: Option<String>,
+    }
+    const V1: &str = r#"{"type": "object", "required": ["event_id", "amount_cents"],
+        "properties": {"event_id": {"type": "string", "minLength": 1},
+                       "amount_cents": {"type": "integer", "minimum": 0}}}"#;
+    const V2: &str = r#"{"type": "object", "required": ["event_id", "amount_cents"],
+        "properties": {"event_id": {"type": "string", "minLength": 1},
+                       "amount_cents": {"type": "integer", "minimum": 0},
+                       "currency": {"type": "string", "enum": ["EUR", "USD"]}}}"#;
+    let registry = client();
+    let subject = unique("paid-json-value");
+    let v1 = JsonSchemaEncoder::<Paid>::register(&registry, &subject, V1)
+        .await
+        .unwrap();
+    let v2 = JsonSchemaEncoder::<Paid>::register(&registry, &subject, V2)
+        .await
+        .unwrap();
+    assert_ne!(v1.id(), v2.id());
+    let old = v1
+        .encode(&Paid {
+            event_id: "e1".into(),
+            amount_cents: 100,
+            currency: None,
+        })
+        .unwrap();
+    let new = v2
+        .encode(&Paid {
+            event_id: "e2".into(),
+            amount_cents: 200,
+            currency: Some("USD".into()),
+        })
+        .unwrap();
+    let decoder = JsonSchemaDecoder::<Paid>::new(registry.clone());
+    assert_eq!(decoder.decode_fetching(&old).await.unwrap().currency, None);
+    assert_eq!(
+        decoder
+            .decode_fetching(&new)
+            .await
+            .unwrap()
+            .currency
+            .as_deref(),
+        Some("USD")
+    );
+
+    // A value its own schema refuses is not sent.
+    let err = v2
+        .encode(&Paid {
+            event_id: "e3".into(),
+            amount_cents: 1,
+            currency: Some("GBP".into()),
+        })
+        .unwrap_err();
+    assert_eq!(err.fault(), Fault::Configuration, "{err}");
+
+    // Records that break their schema: the record's fault, saying where.
+    let framed = |id: u32, json: &str| {
+        let mut p = vec![0];
+        p.extend_from_slice(&id.to_be_bytes());
+        p.extend_from_slice(json.as_bytes());
+        p
+    };
+    let err = decoder
+        .decode_fetching(&framed(
+            v2.id(),
+            r#"{"event_id": "e4", "amount_cents": -5}"#,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(err.fault(), Fault::Record, "{err}");
+    assert!(err.to_string().contains("amount_cents"), "{err}");
+    let err = decoder
+        .decode_fetching(&framed(v1.id(), r#"{"amount_cents": 5}"#))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("event_id"), "{err}");
+    let err = decoder
+        .decode_fetching(&framed(v1.id(), "{not json"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.fault(), Fault::Record, "{err}");
+    // An Avro schema's id where JSON Schema is expected.
+    let avro = AvroEncoder::<PaymentV1>::register(&registry, &unique("avro-value"))
+        .await
+        .unwrap();
+    let err = decoder
+        .decode_fetching(&framed(
+            avro.id(),
+            r#"{"event_id": "e5", "amount_cents": 5}"#,
+        ))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("AVRO schema"), "{err}");
+}
+
+/// JSON Schema events through the database runtime: the valid ones applied
+/// once, the one that breaks its schema dead-lettered as it came.
+#[sqlx::test(migrations = false)]
+async fn json_schema_events_apply_once_and_invalid_ones_are_dead_lettered(pool: sqlx::PgPool) {
+    use dedup_registry::json::JsonSchemaEncoder;
+    use dedup_tests::common::{brokers, create_topic, drain, header, read_exactly};
+    const SCHEMA: &str = r#"{"type": "object", "required": ["event_id", "account_id", "amount_cents"],
+        "properties": {"event_id": {"type": "string"}, "account_id": {"type": "string"},
+                       "amount_cents": {"type": "integer", "minimum": 1},
+                       "currency": {"type": "string"}}}"#;
+    let registry = client();
+    let store = dedup_tests::store(&pool).await;
+    let topic = create_topic(1).await;
+    let writer =
+        JsonSchemaEncoder::<PaymentV2>::register(&registry, &format!("{topic}-value"), SCHEMA)
+            .await
+            .unwrap();
+    for n in 1..=3 {
+        let payment = PaymentV2 {
+            event_id: format!("j-{n}"),
+            account_id: "acct-j".to_owned(),
+            amount_cents: n,
+            currency: "EUR".to_owned(),
+        };
+        send(&topic, &writer.encode(&payment).unwrap()).await;
+        send(&topic, &writer.encode(&payment).unwrap()).await;
+    }
+    let mut invalid = vec![0];
+    invalid.extend_from_slice(&writer.id().to_be_bytes());
+    invalid.extend_from_slice(br#"{"event_id": "j-9", "account_id": "acct-j", "amount_cents": 0}"#);
+    send(&topic, &invalid).await;
+    let stats = drain(
+        dedup_kafka::Consumer::builder(store)
+            .brokers(brokers())
+            .group_id(unique("json-schema"))
+            .commit_interval(std::time::Duration::from_millis(200))
+            .handle(
+                &topic,
+                dedup_registry::JsonSchemaHandler::new(consumed::record_avro, registry),
+            ),
+        std::time::Duration::from_secs(2),
+    )
+    .await;
+    assert_eq!(
+        (stats.applied, stats.skipped, stats.dead_lettered),
+        (3, 3, 1),
+        "{stats}"
+    );
+    assert_eq!(dedup_tests::balance(&pool, "acct-j:EUR").await, 6);
+    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 1).await;
+    assert_eq!(header(&dead[0], "dedup.error.kind"), Some("decode"));
+    assert_eq!(
+        rdkafka::Message::payload(&dead[0]),
+        Some(&invalid[..]),
+        "kept as it came"
+    );
+    let reason = header(&dead[0], "dedup.error.message").unwrap_or_default();
+    assert!(reason.contains("amount_cents"), "{reason}");
+}

@@ -9,6 +9,7 @@ use serde::de::DeserializeOwned;
 
 use crate::avro::{AvroDecoder, AvroSchema};
 use crate::json::JsonSchemaDecoder;
+use crate::protobuf::ProtobufDecoder;
 use crate::{Registry, SchemaError};
 
 /// A handler of yours whose payloads are Avro in Confluent's wire format:
@@ -49,6 +50,15 @@ pub type AvroHandler<H> = SchemaHandler<H, AvroDecoder<<H as Describe>::Event>>;
 /// [`AvroHandler`]'s.
 pub type JsonSchemaHandler<H> = SchemaHandler<H, JsonSchemaDecoder<<H as Describe>::Event>>;
 
+/// A handler of yours whose payloads are Protobuf records in Confluent's
+/// wire format: each record's message indexes placed in the `.proto` file
+/// its schema id names, checked to be the handler's event type (prost's
+/// [`Name`](prost::Name)), then read by prost. The handler itself is
+/// declared `#[idempotent(..., format = "protobuf")]` (dedup-core's
+/// `protobuf` feature), which its key and fingerprint need; the wrapper
+/// replaces only its decoding. Failures as [`AvroHandler`]'s.
+pub type ProtobufHandler<H> = SchemaHandler<H, ProtobufDecoder<<H as Describe>::Event>>;
+
 /// What reads a handler's payloads through a registry: a [`Prepare`]
 /// (fetching what a record needs) that then decodes synchronously.
 pub trait SchemaDecoder: Prepare {
@@ -76,7 +86,8 @@ impl<T: DeserializeOwned + Send + 'static> SchemaDecoder for JsonSchemaDecoder<T
 }
 
 /// A handler with its payloads read by a [`SchemaDecoder`]: made by
-/// [`AvroHandler::new`] or [`JsonSchemaHandler::new`].
+/// [`AvroHandler::new`], [`JsonSchemaHandler::new`] or
+/// [`ProtobufHandler::new`].
 pub struct SchemaHandler<H, D> {
     inner: H,
     decoder: D,
@@ -116,6 +127,28 @@ where
         SchemaHandler {
             inner: handler,
             decoder: JsonSchemaDecoder::new(registry),
+        }
+    }
+}
+
+impl<T: prost::Message + Default + prost::Name + 'static> SchemaDecoder for ProtobufDecoder<T> {
+    type Event = T;
+
+    fn decode(&self, payload: &[u8]) -> Result<T, SchemaError> {
+        ProtobufDecoder::decode(self, payload)
+    }
+}
+
+impl<H> SchemaHandler<H, ProtobufDecoder<H::Event>>
+where
+    H: Describe,
+    H::Event: prost::Message + Default + prost::Name,
+{
+    /// `handler`, its payloads read as Protobuf records through `registry`.
+    pub fn new(handler: H, registry: Registry) -> Self {
+        SchemaHandler {
+            inner: handler,
+            decoder: ProtobufDecoder::new(registry),
         }
     }
 }

@@ -6,6 +6,9 @@
 /// `apache_avro::`, so a module deriving it imports this
 /// (`use dedup_registry::apache_avro;`) or depends on the same release.
 pub use apache_avro;
+/// The prost release dedup-registry decodes Protobuf with (0.14): the
+/// handler's event types implement its `Message` and `Name`.
+pub use prost;
 
 mod answer;
 pub mod avro;
@@ -14,9 +17,11 @@ mod error;
 mod handler;
 pub mod json;
 mod known;
+mod proto;
+pub mod protobuf;
 
 pub use client::{
     DEFAULT_TIMEOUT, Registry, RegistryBuilder, Schema, SchemaKind, SchemaReference, SubjectVersion,
 };
 pub use error::{Fault, RegistryError, SchemaError};
-pub use handler::{AvroHandler, JsonSchemaHandler, SchemaDecoder, SchemaHandler};
+pub use handler::{AvroHandler, JsonSchemaHandler, ProtobufHandler, SchemaDecoder, SchemaHandler};

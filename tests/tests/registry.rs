@@ -975,3 +975,283 @@ async fn json_schema_events_apply_once_and_invalid_ones_are_dead_lettered(pool: 
     let reason = header(&dead[0], "dedup.error.message").unwrap_or_default();
     assert!(reason.contains("amount_cents"), "{reason}");
 }
+
+/// Protobuf payments as prost reads them: v2 of `shop.v1.PaymentRecorded`
+/// (`currency` added as field 4; v1 records lack it).
+mod protos {
+    use dedup_core::{HandlerError, idempotent};
+    use dedup_postgres::PgTx;
+
+    /// The first `.proto`: a refund declared before the payment, so the
+    /// payment is message 1 of the file (its records carry indexes `[1]`).
+    pub(crate) const V1: &str = r#"
+        syntax = "proto3";
+        package shop.v1;
+        // A refund, not a payment.
+        message Refunded { string event_id = 1; int64 amount_cents = 2; }
+        message PaymentRecorded {
+          string event_id = 1;
+          string account_id = 2;
+          int64 amount_cents = 3;
+          map<string, string> labels = 5;
+          message Source { string system = 1; }
+        }
+    "#;
+
+    /// The next: `currency` added, `account_id` removed (its number kept
+    /// reserved), a nested type moved.
+    pub(crate) const V2: &str = r#"
+        syntax = "proto3";
+        package shop.v1;
+        message Refunded { string event_id = 1; int64 amount_cents = 2; }
+        message PaymentRecorded {
+          message Source { string system = 1; }
+          string event_id = 1;
+          reserved 2;
+          int64 amount_cents = 3;
+          string currency = 4;
+        }
+    "#;
+
+    /// The handler's type.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub(crate) struct PaymentRecorded {
+        #[prost(string, tag = "1")]
+        pub(crate) event_id: String,
+        #[prost(string, tag = "2")]
+        pub(crate) account_id: String,
+        #[prost(int64, tag = "3")]
+        pub(crate) amount_cents: i64,
+        #[prost(string, tag = "4")]
+        pub(crate) currency: String,
+    }
+
+    impl prost::Name for PaymentRecorded {
+        const NAME: &'static str = "PaymentRecorded";
+        const PACKAGE: &'static str = "shop.v1";
+    }
+
+    /// Another message of the same file.
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub(crate) struct Refunded {
+        #[prost(string, tag = "1")]
+        pub(crate) event_id: String,
+        #[prost(int64, tag = "2")]
+        pub(crate) amount_cents: i64,
+    }
+
+    impl prost::Name for Refunded {
+        const NAME: &'static str = "Refunded";
+        const PACKAGE: &'static str = "shop.v1";
+    }
+
+    /// Credits the account in its currency (no currency: v1, euros).
+    #[idempotent(
+        key = "event_id",
+        ttl = "4h",
+        format = "protobuf",
+        scope = "registry::proto"
+    )]
+    pub(crate) async fn record_proto(
+        tx: &mut PgTx,
+        ev: PaymentRecorded,
+    ) -> Result<(), HandlerError> {
+        let currency = if ev.currency.is_empty() {
+            "EUR"
+        } else {
+            &ev.currency
+        };
+        sqlx::query(
+            "INSERT INTO accounts (id, balance) VALUES ($1, $2) \
+             ON CONFLICT (id) DO UPDATE SET balance = accounts.balance + EXCLUDED.balance",
+        )
+        .bind(format!("{}:{currency}", ev.account_id))
+        .bind(ev.amount_cents)
+        .execute(&mut **tx)
+        .await?;
+        Ok(())
+    }
+}
+
+fn proto_payment(n: i64, currency: &str) -> protos::PaymentRecorded {
+    protos::PaymentRecorded {
+        event_id: format!("p-{n}"),
+        account_id: "acct-p".to_owned(),
+        amount_cents: n,
+        currency: currency.to_owned(),
+    }
+}
+
+/// Protobuf: each record's message indexes placed in its schema's `.proto`
+/// file and checked to be the handler's type; records of an evolved file
+/// (a field added, one removed) read both ways; a record of another message
+/// type, of indexes the file lacks, of bytes prost cannot read or of another
+/// format's schema is the record's fault, saying which.
+#[tokio::test]
+async fn protobuf_records_are_placed_by_their_message_indexes_and_evolve() {
+    use dedup_registry::protobuf::{ProtobufDecoder, ProtobufEncoder};
+    use protos::{PaymentRecorded, Refunded};
+    let registry = client();
+    let subject = unique("paid-proto-value");
+    let v1 = ProtobufEncoder::<PaymentRecorded>::register(&registry, &subject, protos::V1)
+        .await
+        .unwrap();
+    let v2 = ProtobufEncoder::<PaymentRecorded>::register(&registry, &subject, protos::V2)
+        .await
+        .unwrap();
+    assert_ne!(v1.id(), v2.id());
+    let old = v1.encode(&proto_payment(1, ""));
+    let new = v2.encode(&PaymentRecorded {
+        account_id: String::new(),
+        ..proto_payment(2, "USD")
+    });
+    let frame = dedup_core::decode::ConfluentFrame::parse_protobuf(&old).unwrap();
+    assert_eq!(frame.message_indexes, [1], "the file's second message");
+
+    let decoder = ProtobufDecoder::<PaymentRecorded>::new(registry.clone());
+    assert_eq!(
+        decoder.decode_fetching(&old).await.unwrap(),
+        proto_payment(1, "")
+    );
+    let read = decoder.decode_fetching(&new).await.unwrap();
+    assert_eq!((read.currency.as_str(), read.amount_cents), ("USD", 2));
+
+    // Another message of the same file: told apart by the indexes alone.
+    let refunds = ProtobufEncoder::<Refunded>::register(&registry, &subject, protos::V2)
+        .await
+        .unwrap();
+    assert_eq!(refunds.id(), v2.id(), "the same file, the same id");
+    let refund = refunds.encode(&Refunded {
+        event_id: "r-1".into(),
+        amount_cents: 5,
+    });
+    let err = decoder.decode_fetching(&refund).await.unwrap_err();
+    assert_eq!(err.fault(), Fault::Record, "{err}");
+    assert!(
+        err.to_string()
+            .contains("it is a shop.v1.Refunded, and the handler reads shop.v1.PaymentRecorded"),
+        "{err}"
+    );
+    // The nested type of a payment, and an index the file does not have.
+    let mut nested = vec![0];
+    nested.extend_from_slice(&v2.id().to_be_bytes());
+    nested.extend_from_slice(&[4, 2, 0, 10, 1, b'x']); // indexes [1, 0]
+    let err = decoder.decode_fetching(&nested).await.unwrap_err();
+    assert!(err.to_string().contains("PaymentRecorded.Source"), "{err}");
+    let mut missing = vec![0];
+    missing.extend_from_slice(&v2.id().to_be_bytes());
+    missing.extend_from_slice(&[2, 14, 10, 1, b'x']); // indexes [7]
+    let err = decoder.decode_fetching(&missing).await.unwrap_err();
+    assert!(err.to_string().contains("name no message type"), "{err}");
+    // Bytes prost cannot read: a varint cut short.
+    let mut cut = v2.encode(&proto_payment(3, "EUR"));
+    cut.extend_from_slice(&[0x18, 0xff]);
+    let err = decoder.decode_fetching(&cut).await.unwrap_err();
+    assert_eq!(err.fault(), Fault::Record, "{err}");
+    // Malformed indexes, and an Avro schema's id.
+    let mut bad_indexes = vec![0];
+    bad_indexes.extend_from_slice(&v2.id().to_be_bytes());
+    bad_indexes.push(0xff);
+    let err = decoder.decode_fetching(&bad_indexes).await.unwrap_err();
+    assert!(matches!(err, SchemaError::Frame(_)), "{err}");
+    let avro = AvroEncoder::<PaymentV1>::register(&registry, &unique("avro-value"))
+        .await
+        .unwrap();
+    let mut avro_id = vec![0];
+    avro_id.extend_from_slice(&avro.id().to_be_bytes());
+    avro_id.push(0);
+    let err = decoder.decode_fetching(&avro_id).await.unwrap_err();
+    assert!(err.to_string().contains("AVRO schema"), "{err}");
+    assert_eq!(err.fault(), Fault::Record);
+
+    // A producer: a file that does not declare its type is refused before
+    // anything is registered; one that may not register finds its file.
+    let err = ProtobufEncoder::<PaymentRecorded>::register(
+        &registry,
+        &unique("other-value"),
+        "syntax = \"proto3\"; package shop.v2; message PaymentRecorded {}",
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(err.fault(), Fault::Configuration, "{err}");
+    assert!(err.to_string().contains("shop.v1.PaymentRecorded"), "{err}");
+    let v2_schema = Schema::new(SchemaKind::Protobuf, protos::V2);
+    let found = ProtobufEncoder::<PaymentRecorded>::lookup(&registry, &subject, &v2_schema)
+        .await
+        .unwrap();
+    assert_eq!(found.id(), v2.id());
+    let err =
+        ProtobufEncoder::<PaymentRecorded>::lookup(&registry, &unique("none-value"), &v2_schema)
+            .await
+            .unwrap_err();
+    assert!(matches!(err, SchemaError::Unregistered { .. }), "{err}");
+}
+
+/// Protobuf events through Kafka into PostgreSQL: v1 and v2 records applied
+/// once each, the duplicates skipped, a record of another message type and
+/// one of an unknown schema id dead-lettered as they came.
+#[sqlx::test(migrations = false)]
+async fn protobuf_events_apply_once_and_other_types_are_dead_lettered(pool: sqlx::PgPool) {
+    use dedup_registry::protobuf::ProtobufEncoder;
+    use dedup_tests::common::{brokers, create_topic, drain, header, read_exactly};
+    let registry = client();
+    let store = dedup_tests::store(&pool).await;
+    let topic = create_topic(1).await;
+    let subject = format!("{topic}-value");
+    let v1 = ProtobufEncoder::<protos::PaymentRecorded>::register(&registry, &subject, protos::V1)
+        .await
+        .unwrap();
+    let v2 = ProtobufEncoder::<protos::PaymentRecorded>::register(&registry, &subject, protos::V2)
+        .await
+        .unwrap();
+    for n in 1..=3 {
+        let old = v1.encode(&proto_payment(n, ""));
+        send(&topic, &old).await;
+        send(&topic, &old).await;
+        send(&topic, &v2.encode(&proto_payment(10 + n, "USD"))).await;
+    }
+    let refunds = ProtobufEncoder::<protos::Refunded>::register(&registry, &subject, protos::V2)
+        .await
+        .unwrap();
+    let refund = refunds.encode(&protos::Refunded {
+        event_id: "r-1".into(),
+        amount_cents: 99,
+    });
+    send(&topic, &refund).await;
+    let mut unknown = v2.encode(&proto_payment(20, "USD"));
+    unknown[1..5].copy_from_slice(&999_998u32.to_be_bytes());
+    send(&topic, &unknown).await;
+    let stats = drain(
+        dedup_kafka::Consumer::builder(store)
+            .brokers(brokers())
+            .group_id(unique("protobuf"))
+            .commit_interval(std::time::Duration::from_millis(200))
+            .handle(
+                &topic,
+                dedup_registry::ProtobufHandler::new(protos::record_proto, registry),
+            ),
+        std::time::Duration::from_secs(2),
+    )
+    .await;
+    assert_eq!(
+        (stats.applied, stats.skipped, stats.dead_lettered),
+        (6, 3, 2),
+        "{stats}"
+    );
+    assert_eq!(dedup_tests::balance(&pool, "acct-p:EUR").await, 6);
+    assert_eq!(dedup_tests::balance(&pool, "acct-p:USD").await, 36);
+    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 2).await;
+    let payloads: Vec<_> = dead.iter().map(rdkafka::Message::payload).collect();
+    assert_eq!(
+        payloads,
+        [Some(&refund[..]), Some(&unknown[..])],
+        "kept as they came"
+    );
+    for record in &dead {
+        assert_eq!(header(record, "dedup.error.kind"), Some("decode"));
+    }
+    let reason = header(&dead[0], "dedup.error.message").unwrap_or_default();
+    assert!(reason.contains("shop.v1.Refunded"), "{reason}");
+    let reason = header(&dead[1], "dedup.error.message").unwrap_or_default();
+    assert!(reason.contains("999998"), "{reason}");
+}

@@ -90,6 +90,15 @@ pub(crate) fn with<T, E: Into<BoxError>>(
 pub trait Prepare: Send + Sync {
     /// Makes ready what decoding `payload` needs.
     fn prepare<'a>(&'a self, payload: &'a [u8]) -> PrepareFuture<'a>;
+
+    /// The schema id `payload` names, for a format that carries one
+    /// (Confluent's wire format): the runtimes write it on the record's
+    /// dead letter (`dedup.error.schema-id`), so that an operator sees
+    /// which schema a record failed with without parsing its bytes.
+    fn schema_id(&self, payload: &[u8]) -> Option<u32> {
+        let _ = payload;
+        None
+    }
 }
 
 /// The future [`Prepare::prepare`] returns.

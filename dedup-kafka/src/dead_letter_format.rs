@@ -75,11 +75,23 @@ pub(crate) struct DeadLetter<'a> {
     pub(crate) message: String,
     pub(crate) attempts: u32,
     pub(crate) handler: &'a str,
+    /// The schema id the record's frame names, for a handler that reads
+    /// it through a schema registry.
+    pub(crate) schema_id: Option<u32>,
     /// Where the event was before any move to a retry tier: a dead
     /// letter's `dedup.original.*`, a moved record's `dedup.origin.*`.
     pub(crate) origin: crate::tiers::Origin,
     /// Set for a move to a retry tier (`topic` is the tier's).
     pub(crate) moved: Option<crate::tiers::Moved<'a>>,
+}
+
+/// The schema id `msg`'s payload names, if its handler reads it through a
+/// schema registry (dedup-core's `Prepare`) and it has the frame.
+pub(crate) fn schema_id(
+    preparer: Option<&dyn dedup_core::decode::Prepare>,
+    msg: &OwnedMessage,
+) -> Option<u32> {
+    preparer?.schema_id(msg.payload()?)
 }
 
 fn truncate(s: &str, max: usize) -> &str {
@@ -96,7 +108,7 @@ fn truncate(s: &str, max: usize) -> &str {
 /// The headers a dead letter gets on top of the original's. A record
 /// replayed from a dead-letter topic (`dedup dlq replay`) and dead-lettered
 /// again gets one fresh set of them, not a second one.
-pub const DEAD_LETTER_HEADERS: [&str; 10] = [
+pub const DEAD_LETTER_HEADERS: [&str; 11] = [
     "dedup.original.topic",
     "dedup.original.partition",
     "dedup.original.offset",
@@ -107,6 +119,7 @@ pub const DEAD_LETTER_HEADERS: [&str; 10] = [
     "dedup.payload.truncated",
     "dedup.original.size",
     "dedup.original.timestamp",
+    "dedup.error.schema-id",
 ];
 
 /// How often a record went round the dead-letter topic, set by a replay.
@@ -170,6 +183,7 @@ pub(crate) fn headers(
         truncated_key,
         size_key,
         timestamp_key,
+        schema_key,
     ] = DEAD_LETTER_HEADERS;
     let [
         origin_topic,
@@ -221,6 +235,13 @@ pub(crate) fn headers(
         out = out.insert(Header {
             key: timestamp_key,
             value: Some(millis.as_bytes()),
+        });
+    }
+    if let Some(id) = why.schema_id {
+        let id = id.to_string();
+        out = out.insert(Header {
+            key: schema_key,
+            value: Some(id.as_bytes()),
         });
     }
     if let Some(size) = truncated {
@@ -312,6 +333,9 @@ pub struct DeadLetterHeaders {
     pub attempts: Option<u32>,
     /// `dedup.handler`: the handler's scope.
     pub handler: Option<String>,
+    /// `dedup.error.schema-id`: the schema id the record's frame names,
+    /// for a handler that reads it through a schema registry.
+    pub schema_id: Option<u32>,
     /// `dedup.payload.truncated`: the payload was cut to fit; the original
     /// is whole in its topic.
     pub truncated: bool,
@@ -361,6 +385,7 @@ impl DeadLetterHeaders {
             truncated,
             size,
             timestamp,
+            schema_id,
         ] = DEAD_LETTER_HEADERS;
         let mut text: std::collections::HashMap<&str, String> = std::collections::HashMap::new();
         let mut problem = None;
@@ -420,6 +445,7 @@ impl DeadLetterHeaders {
             origin: None,
             attempts: number(&text, attempts).ok().flatten(),
             original_size: number(&text, size).ok().flatten(),
+            schema_id: number(&text, schema_id).ok().flatten(),
             replays: *replays.as_ref().unwrap_or(&0),
             truncated: text.get(truncated).is_some_and(|v| v == "true"),
             kind: text.remove(kind),
@@ -501,6 +527,7 @@ mod tests {
             ("dedup.attempts", "1"),
             ("dedup.handler", "h"),
             ("dedup.payload.truncated", "true"),
+            ("dedup.error.schema-id", "3"),
             ("dedup.replay.count", "1"),
             ("dedup.replayed.from", "payments.dlq/0/3"),
         ] {
@@ -524,6 +551,7 @@ mod tests {
             message: "new".into(),
             attempts: 2,
             handler: "h",
+            schema_id: None,
             origin: crate::tiers::origin_of(&msg, false),
             moved: None,
         };
@@ -550,6 +578,7 @@ mod tests {
         assert_eq!(value("dedup.error.message"), Some("new"));
         assert_eq!(value("dedup.original.offset"), Some("42"));
         assert_eq!(count("dedup.payload.truncated"), 0, "not cut this time");
+        assert_eq!(count("dedup.error.schema-id"), 0, "not a framed record now");
         assert_eq!(
             value("dedup.replay.count"),
             Some("1"),
@@ -596,6 +625,7 @@ mod tests {
             message: "é".repeat(MAX_ERROR_MESSAGE_BYTES),
             attempts: 5,
             handler: "payments::record",
+            schema_id: Some(100_007),
             origin: crate::tiers::origin_of(&msg, false),
             moved: None,
         };
@@ -614,6 +644,7 @@ mod tests {
                 error: Some("é".repeat(MAX_ERROR_MESSAGE_BYTES / 2)),
                 attempts: Some(5),
                 handler: Some("payments::record".into()),
+                schema_id: Some(100_007),
                 truncated: true,
                 original_size: Some(2_000_000),
                 replays: 2,
@@ -636,13 +667,14 @@ mod tests {
             origin: crate::tiers::origin_of(&msg, false),
             kind: "decode",
             message: "bad".into(),
+            schema_id: None,
             ..why
         };
         let read = DeadLetterHeaders::read(Some(&headers(&msg, &why, None))).expect("readable");
         assert_eq!(read.origin.as_ref().map(|o| o.timestamp), Some(None));
         assert!(!read.truncated);
         assert_eq!((read.original_size, read.replays), (None, 0));
-        assert_eq!(read.replayed_from, None);
+        assert_eq!((read.replayed_from, read.schema_id), (None, None));
 
         // A move to a retry tier is not a dead letter: no dedup.original.*.
         let moved = DeadLetter {
@@ -772,6 +804,7 @@ mod tests {
             message: "503".into(),
             attempts: 4,
             handler: "h",
+            schema_id: None,
             origin: origin.clone(),
             moved: Some(crate::tiers::Moved {
                 tier: "5m",

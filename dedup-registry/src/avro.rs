@@ -16,7 +16,7 @@ pub use apache_avro::{AvroSchema, Schema as AvroSchemaText};
 use crate::client::{Registry, Schema, SchemaKind, SchemaReference};
 use crate::error::SchemaError;
 pub use crate::known::REFUSAL_KEPT;
-use crate::known::{KnownSchemas, ready_or};
+use crate::known::{KnownSchemas, framed_id, ready_or};
 
 /// A writer's schema, parsed, with the named schemas it refers to.
 struct Writer {
@@ -128,6 +128,10 @@ impl<T: DeserializeOwned + Send + 'static> Prepare for AvroDecoder<T> {
     /// configuration error.
     fn prepare<'a>(&'a self, payload: &'a [u8]) -> PrepareFuture<'a> {
         Box::pin(async move { ready_or(AvroDecoder::prepare(self, payload).await) })
+    }
+
+    fn schema_id(&self, payload: &[u8]) -> Option<u32> {
+        framed_id(payload)
     }
 }
 

@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 
 use crate::client::{Registry, Schema, SchemaKind};
 use crate::error::SchemaError;
-use crate::known::{KnownSchemas, ready_or};
+use crate::known::{KnownSchemas, framed_id, ready_or};
 
 /// Compiles a registered schema as JSON Schema, for schema id `id`.
 fn compile(id: u32, registered: &Schema) -> Result<jsonschema::Validator, SchemaError> {
@@ -97,6 +97,10 @@ impl<T: DeserializeOwned> JsonSchemaDecoder<T> {
 impl<T: DeserializeOwned + Send + 'static> Prepare for JsonSchemaDecoder<T> {
     fn prepare<'a>(&'a self, payload: &'a [u8]) -> PrepareFuture<'a> {
         Box::pin(async move { ready_or(JsonSchemaDecoder::prepare(self, payload).await) })
+    }
+
+    fn schema_id(&self, payload: &[u8]) -> Option<u32> {
+        framed_id(payload)
     }
 }
 

@@ -119,6 +119,13 @@ impl<V> KnownSchemas<V> {
     }
 }
 
+/// The schema id a payload's frame names, if it has the frame.
+pub(crate) fn framed_id(payload: &[u8]) -> Option<u32> {
+    ConfluentFrame::parse(payload)
+        .ok()
+        .map(|frame| frame.schema_id)
+}
+
 /// A decoder's `prepare` as dedup-core's `Prepare` says it: a record's
 /// fault is left for `decode` to refuse; an outage or a configuration
 /// error is not ready.

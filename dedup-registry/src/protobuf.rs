@@ -16,7 +16,7 @@ use prost::{Message, Name};
 
 use crate::client::{Registry, Schema, SchemaKind};
 use crate::error::SchemaError;
-use crate::known::{KnownSchemas, ready_or};
+use crate::known::{KnownSchemas, framed_id, ready_or};
 use crate::proto::ProtoFile;
 
 /// Reads a registered schema as a `.proto` file, for schema id `id`.
@@ -109,6 +109,10 @@ impl<T: Message + Default + Name> ProtobufDecoder<T> {
 impl<T: Message + Default + Name + 'static> Prepare for ProtobufDecoder<T> {
     fn prepare<'a>(&'a self, payload: &'a [u8]) -> PrepareFuture<'a> {
         Box::pin(async move { ready_or(ProtobufDecoder::prepare(self, payload).await) })
+    }
+
+    fn schema_id(&self, payload: &[u8]) -> Option<u32> {
+        framed_id(payload)
     }
 }
 

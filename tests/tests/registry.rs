@@ -475,6 +475,16 @@ async fn avro_events_apply_once_and_a_registry_outage_dead_letters_nothing(pool:
         reasons.iter().any(|r| r.contains("schema id 999999")),
         "{reasons:?}"
     );
+    // The schema id a framed record names is a header of its own; a
+    // record without the frame has none.
+    let schema_ids: Vec<_> = dead
+        .iter()
+        .map(|m| header(m, "dedup.error.schema-id"))
+        .collect();
+    assert!(
+        schema_ids.contains(&Some("999999")) && schema_ids.contains(&None),
+        "{schema_ids:?}"
+    );
     assert_eq!(
         dead.iter().find_map(|m| rdkafka::Message::payload(m)),
         Some(&br#"{"event_id": "json-1"}"#[..]),
@@ -552,7 +562,7 @@ mod forwarded {
 /// fetched waits (nothing dead-lettered, nothing output), then goes out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kafka_only_runtime_reads_and_writes_avro_and_waits_out_the_registry() {
-    use dedup_tests::common::{brokers, create_topic, read_exactly};
+    use dedup_tests::common::{brokers, create_topic, header, read_exactly};
     let own = OwnRegistry::start("registry-kafka-only", 8190).await;
     let registry = client_of(&own.url);
     let topic = create_topic(1).await;
@@ -574,7 +584,10 @@ async fn the_kafka_only_runtime_reads_and_writes_avro_and_waits_out_the_registry
         send(&topic, &v1_writer.encode(&v1(n)).unwrap()).await;
     }
     send(&topic, &v1_writer.encode(&v1(1)).unwrap()).await;
-    send(&topic, b"not avro").await;
+    let mut not_avro = vec![0];
+    not_avro.extend_from_slice(&v1_writer.id().to_be_bytes());
+    not_avro.extend_from_slice(b"not avro");
+    send(&topic, &not_avro).await;
 
     // The registry is down before the consumer starts: it has fetched
     // nothing.
@@ -658,7 +671,12 @@ async fn the_kafka_only_runtime_reads_and_writes_avro_and_waits_out_the_registry
         .map(|(id, c)| (id.to_owned(), c.to_owned()))
     );
     let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 1).await;
-    assert_eq!(rdkafka::Message::payload(&dead[0]), Some(&b"not avro"[..]));
+    assert_eq!(rdkafka::Message::payload(&dead[0]), Some(&not_avro[..]));
+    let schema_id = v1_writer.id().to_string();
+    assert_eq!(
+        header(&dead[0], "dedup.error.schema-id"),
+        Some(schema_id.as_str())
+    );
 }
 
 /// A registry that refuses the consumer's credentials is a configuration
@@ -974,6 +992,11 @@ async fn json_schema_events_apply_once_and_invalid_ones_are_dead_lettered(pool: 
     );
     let reason = header(&dead[0], "dedup.error.message").unwrap_or_default();
     assert!(reason.contains("amount_cents"), "{reason}");
+    let schema_id = writer.id().to_string();
+    assert_eq!(
+        header(&dead[0], "dedup.error.schema-id"),
+        Some(schema_id.as_str())
+    );
 }
 
 /// Protobuf payments as prost reads them: v2 of `shop.v1.PaymentRecorded`
@@ -1254,4 +1277,10 @@ async fn protobuf_events_apply_once_and_other_types_are_dead_lettered(pool: sqlx
     assert!(reason.contains("shop.v1.Refunded"), "{reason}");
     let reason = header(&dead[1], "dedup.error.message").unwrap_or_default();
     assert!(reason.contains("999998"), "{reason}");
+    let schema_id = v2.id().to_string();
+    assert_eq!(
+        header(&dead[0], "dedup.error.schema-id"),
+        Some(schema_id.as_str())
+    );
+    assert_eq!(header(&dead[1], "dedup.error.schema-id"), Some("999998"));
 }

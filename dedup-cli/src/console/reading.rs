@@ -449,6 +449,7 @@ pub(crate) async fn letter(
                 dt { "kind" } dd { span.kind id="kind" { (letter.kind.as_deref().unwrap_or("(none)")) } }
                 dt { "reason" } dd.error-text id="reason" { (letter.error.as_deref().unwrap_or("(none)")) }
                 dt { "handler" } dd { code { (letter.handler.as_deref().unwrap_or("(none)")) } }
+                @if let Some(id) = letter.schema_id { dt { "schema id" } dd id="schema-id" { (id) } }
                 dt { "original" } dd { (letter.origin.as_ref().map(ToString::to_string).unwrap_or_else(|| "(unknown: no dedup.original.* headers)".to_owned())) }
                 dt { "dead-lettered at" } dd { (letter.millis().map(rfc3339_millis).unwrap_or_default()) }
                 @if letter.replays > 0 { dt { "replayed before" } dd { (letter.replays) " times" } }

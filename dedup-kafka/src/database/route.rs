@@ -221,6 +221,7 @@ impl<S: 'static> Route<S> {
             message,
             attempts,
             handler: self.handler.scope(),
+            schema_id: crate::dead_letter_format::schema_id(self.handler.preparer(), msg),
             origin: self.origin(msg),
             moved: None,
         }

@@ -330,6 +330,7 @@ mod tests {
             message: "503".into(),
             attempts: 2,
             handler: "h",
+            schema_id: None,
             origin: Origin {
                 topic: "payments".into(),
                 partition: 2,

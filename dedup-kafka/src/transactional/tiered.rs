@@ -113,6 +113,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             message,
             attempts,
             handler: self.handler.scope(),
+            schema_id: crate::dead_letter_format::schema_id(self.handler.preparer(), msg),
             origin: self.origin(msg),
             moved: Some(to.moved(msg, self.reads_origin_headers(msg), attempts, due_ms)),
         }

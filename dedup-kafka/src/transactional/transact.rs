@@ -315,6 +315,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         message: message.clone(),
                         attempts: *attempts,
                         handler: self.handler.scope(),
+                        schema_id: dead_letter_format::schema_id(self.handler.preparer(), msg),
                         origin: self.origin(msg),
                         moved: None,
                     };

@@ -1284,3 +1284,69 @@ async fn protobuf_events_apply_once_and_other_types_are_dead_lettered(pool: sqlx
     );
     assert_eq!(header(&dead[1], "dedup.error.schema-id"), Some("999998"));
 }
+
+/// A registry that answers only after `delay` (milliseconds, changeable
+/// while it runs) every request for a schema by id with the same Avro
+/// schema: a slow registry, on plain HTTP on loopback.
+fn slow_registry(delay: std::sync::Arc<std::sync::atomic::AtomicU64>) -> String {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let schema = serde_json::to_string(&PaymentV1::get_schema()).expect("schema");
+    let body = serde_json::json!({ "schema": schema }).to_string();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let (delay, body) = (delay.clone(), body.clone());
+            std::thread::spawn(move || {
+                let mut request = Vec::new();
+                let mut buf = [0; 1024];
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match stream.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => request.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let wait = delay.load(std::sync::atomic::Ordering::SeqCst);
+                std::thread::sleep(std::time::Duration::from_millis(wait));
+                let _ = write!(
+                    stream,
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/vnd.schemaregistry.v1+json\r\n\
+                     content-length: {}\r\nconnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            });
+        }
+    });
+    url
+}
+
+/// A registry slower than the client's timeout is an outage (waited out,
+/// never the record's fault); once it answers in time, the same record
+/// reads.
+#[tokio::test]
+async fn a_slow_registry_is_an_outage_until_it_answers_in_time() {
+    use dedup_core::decode::{Prepare, Unready};
+    let delay = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(3_000));
+    let registry = Registry::builder(slow_registry(delay.clone()))
+        .timeout(std::time::Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let decoder = AvroDecoder::<PaymentV1>::new(registry);
+    let mut record = vec![0, 0, 0, 0, 7];
+    apache_avro::write_avro_datum_ref(&PaymentV1::get_schema(), &v1(4), &mut record).unwrap();
+
+    let started = std::time::Instant::now();
+    let err = decoder.decode_fetching(&record).await.unwrap_err();
+    assert_eq!(err.fault(), Fault::Outage, "{err}");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(3),
+        "the timeout, not the registry, ended the wait"
+    );
+    let unready = Prepare::prepare(&decoder, &record).await.unwrap_err();
+    assert!(matches!(unready, Unready::Outage(_)), "{unready}");
+
+    // Slow, but within the timeout: read.
+    delay.store(100, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(decoder.decode_fetching(&record).await.unwrap(), v1(4));
+}

@@ -130,6 +130,22 @@ pub enum SchemaError {
         /// Why.
         why: String,
     },
+    /// The registry's schema of this id is of the codec's format, but
+    /// dedup cannot read it (a `.proto` file its reader gets wrong): not
+    /// the record's fault, so nothing is dead-lettered; the consumer stops
+    /// and names the schema.
+    #[error(
+        "schema id {id} is a {format} schema that dedup cannot read ({why}); its records are not \
+         dead-lettered: please report the schema"
+    )]
+    Unreadable {
+        /// The schema id.
+        id: u32,
+        /// The format.
+        format: &'static str,
+        /// Why.
+        why: String,
+    },
     /// The record's bytes do not match its schema, or the schema cannot be
     /// resolved to the handler's type (a field it needs that the writer
     /// did not have and that has no default).
@@ -168,7 +184,9 @@ impl SchemaError {
                 Fault::Record
             }
             SchemaError::Registry { source, .. } => source.fault(),
-            SchemaError::Unregistered { .. } | SchemaError::Encode { .. } => Fault::Configuration,
+            SchemaError::Unregistered { .. }
+            | SchemaError::Encode { .. }
+            | SchemaError::Unreadable { .. } => Fault::Configuration,
         }
     }
 
@@ -179,6 +197,7 @@ impl SchemaError {
             SchemaError::Registry { id, .. }
             | SchemaError::Schema { id, .. }
             | SchemaError::Mismatch { id, .. }
+            | SchemaError::Unreadable { id, .. }
             | SchemaError::Encode { id, .. } => Some(*id),
         }
     }

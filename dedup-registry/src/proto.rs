@@ -18,7 +18,23 @@ pub(crate) struct ProtoFile {
 #[derive(Debug, PartialEq, Eq)]
 struct MessageType {
     name: String,
+    /// A map field's entry or a group's type: a nested type protoc makes,
+    /// which a parser of the text alone (Confluent's Java client reading the
+    /// registry's file) does not count.
+    synthetic: bool,
     nested: Vec<MessageType>,
+}
+
+/// How a frame's message indexes count a message's nested types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Numbering {
+    /// As protoc's descriptors have them, map entries and groups included
+    /// (the serializers of Go, Python and .NET, and Java's from a compiled
+    /// class).
+    Descriptor,
+    /// Declared messages only (Confluent's Java client reading the file's
+    /// text).
+    Declared,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,10 +72,30 @@ impl ProtoFile {
             let declares = open.is_empty() || in_message;
             match tokens[i] {
                 Token::Word("package") if open.is_empty() => {
-                    file.package = word(i + 1)
-                        .ok_or("`package` is not followed by a name")?
-                        .to_owned();
-                    i += 2;
+                    // `shop.v1`, or `shop . v1` spread over tokens.
+                    let end = (i..tokens.len())
+                        .find(|&j| punct(j, ';'))
+                        .ok_or("`package` has no `;`")?;
+                    file.package = (i + 1..end).filter_map(word).collect();
+                    if file.package.is_empty() {
+                        return Err("`package` is not followed by a name".to_owned());
+                    }
+                    i = end + 1;
+                }
+                Token::Punct('[') => {
+                    // Field options, `{}` values and all: stepped over.
+                    let mut depth = 0usize;
+                    let end = (i..tokens.len())
+                        .find(|&j| {
+                            if punct(j, '[') {
+                                depth += 1;
+                            } else if punct(j, ']') {
+                                depth -= 1;
+                            }
+                            depth == 0
+                        })
+                        .ok_or("a `[` is not closed")?;
+                    i = end + 1;
                 }
                 Token::Word("message") if declares && punct(i + 2, '{') => {
                     let name = word(i + 1).ok_or("`message` is not followed by a name")?;
@@ -72,7 +108,8 @@ impl ProtoFile {
                         .ok_or("a map field's `<` is not closed")?;
                     let field = word(close + 1).ok_or("a map field has no name")?;
                     if let Some(Block::Message(m)) = open.last_mut() {
-                        m.nested.push(MessageType::new(&map_entry_name(field)));
+                        m.nested
+                            .push(MessageType::synthetic(&map_entry_name(field)));
                     }
                     i = close + 2;
                 }
@@ -86,7 +123,7 @@ impl ProtoFile {
                 }
                 Token::Punct('{') => {
                     open.push(match group.take() {
-                        Some(name) => Block::Message(MessageType::new(&name)),
+                        Some(name) => Block::Message(MessageType::synthetic(&name)),
                         None => Block::Other,
                     });
                     i += 1;
@@ -119,25 +156,50 @@ impl ProtoFile {
     }
 
     /// The full name (`package.Outer.Inner`) of the message type at
-    /// `indexes` (each the position among its parent's message types), if
-    /// the file has one there.
-    pub(crate) fn full_name(&self, indexes: &[i32]) -> Option<String> {
+    /// `indexes` (each the position among its parent's message types,
+    /// counted as `numbering` says), if the file declares one there: a map
+    /// entry's or a group's type is never taken for a record's.
+    pub(crate) fn full_name(&self, indexes: &[i32], numbering: Numbering) -> Option<String> {
         let mut types = &self.messages;
         let mut path = Vec::with_capacity(indexes.len() + 1);
         if !self.package.is_empty() {
             path.push(self.package.as_str());
         }
+        let mut last = None;
         for &index in indexes {
-            let m = types.get(usize::try_from(index).ok()?)?;
+            let index = usize::try_from(index).ok()?;
+            let m = types
+                .iter()
+                .filter(|m| numbering == Numbering::Descriptor || !m.synthetic)
+                .nth(index)?;
             path.push(&m.name);
             types = &m.nested;
+            last = Some(m);
         }
-        (!indexes.is_empty()).then(|| path.join("."))
+        let m = last?;
+        (!m.synthetic).then(|| path.join("."))
     }
 
-    /// The message indexes of the type named `full_name`, if the file
-    /// declares it.
-    pub(crate) fn indexes(&self, full_name: &str) -> Option<Vec<i32>> {
+    /// The message indexes of the type named `full_name` that read as it
+    /// whichever way a reader counts (protoc's count first), if the file
+    /// declares it and some do.
+    pub(crate) fn unambiguous_indexes(&self, full_name: &str) -> Option<Vec<i32>> {
+        [Numbering::Descriptor, Numbering::Declared]
+            .into_iter()
+            .filter_map(|numbering| self.indexes(full_name, numbering))
+            .find(|ix| {
+                let (a, b) = (
+                    self.full_name(ix, Numbering::Descriptor),
+                    self.full_name(ix, Numbering::Declared),
+                );
+                a.as_deref().or(b.as_deref()) == Some(full_name)
+                    && (a.is_none() || b.is_none() || a == b)
+            })
+    }
+
+    /// The message indexes of the type named `full_name` counted as
+    /// `numbering` says, if the file declares it.
+    pub(crate) fn indexes(&self, full_name: &str, numbering: Numbering) -> Option<Vec<i32>> {
         let local = if self.package.is_empty() {
             full_name
         } else {
@@ -146,9 +208,12 @@ impl ProtoFile {
         let mut types = &self.messages;
         let mut indexes = Vec::new();
         for name in local.split('.') {
-            let at = types.iter().position(|m| m.name == name)?;
+            let counted = types
+                .iter()
+                .filter(|m| numbering == Numbering::Descriptor || !m.synthetic);
+            let (at, m) = counted.enumerate().find(|(_, m)| m.name == name)?;
             indexes.push(i32::try_from(at).ok()?);
-            types = &types[at].nested;
+            types = &m.nested;
         }
         Some(indexes)
     }
@@ -158,7 +223,15 @@ impl MessageType {
     fn new(name: &str) -> Self {
         MessageType {
             name: name.to_owned(),
+            synthetic: false,
             nested: Vec::new(),
+        }
+    }
+
+    fn synthetic(name: &str) -> Self {
+        MessageType {
+            synthetic: true,
+            ..MessageType::new(name)
         }
     }
 }
@@ -224,7 +297,14 @@ fn tokenize(text: &str) -> Result<Vec<Token<'_>>, String> {
 
 #[cfg(test)]
 mod tests {
+    use super::Numbering::{Declared, Descriptor};
     use super::ProtoFile;
+
+    impl ProtoFile {
+        fn indexes_d(&self, name: &str) -> Option<Vec<i32>> {
+            self.indexes(name, Descriptor)
+        }
+    }
 
     const FILE: &str = r#"
         // A comment with message Fake { } in it.
@@ -253,32 +333,55 @@ mod tests {
     #[test]
     fn message_types_are_numbered_as_protoc_numbers_them() {
         let file = ProtoFile::parse(FILE).unwrap();
-        let name = |ix: &[i32]| file.full_name(ix);
+        let name = |ix: &[i32]| file.full_name(ix, Descriptor);
         assert_eq!(name(&[0]).as_deref(), Some("shop.v1.Order"));
         assert_eq!(name(&[0, 0]).as_deref(), Some("shop.v1.Order.Line"));
-        assert_eq!(name(&[0, 1]).as_deref(), Some("shop.v1.Order.BySkuEntry"));
-        assert_eq!(name(&[0, 2]).as_deref(), Some("shop.v1.Order.Choice"));
+        // The map entry and the group are counted, never taken for a
+        // record's type.
+        assert_eq!(name(&[0, 1]), None);
+        assert_eq!(name(&[0, 2]), None);
         assert_eq!(name(&[0, 3]).as_deref(), Some("shop.v1.Order.Note"));
         assert_eq!(name(&[1]).as_deref(), Some("shop.v1.Refund"));
-        assert_eq!(
-            name(&[1, 0]).as_deref(),
-            Some("shop.v1.Refund.LineNotesEntry")
-        );
+        assert_eq!(name(&[1, 0]), None);
         assert_eq!(name(&[2]), None);
         assert_eq!(name(&[0, 4]), None);
         assert_eq!(name(&[]), None);
-        assert_eq!(file.indexes("shop.v1.Order.Note"), Some(vec![0, 3]));
-        assert_eq!(file.indexes("shop.v1.Refund"), Some(vec![1]));
-        assert_eq!(file.indexes("shop.v2.Refund"), None);
-        assert_eq!(file.indexes("shop.v1.Fake"), None);
-        assert_eq!(file.indexes("shop.v1.Hidden"), None);
+        assert_eq!(file.indexes_d("shop.v1.Order.Note"), Some(vec![0, 3]));
+        // Declared messages only, as Confluent's Java client counts them.
+        let declared = |ix: &[i32]| file.full_name(ix, Declared);
+        assert_eq!(declared(&[0, 1]).as_deref(), Some("shop.v1.Order.Note"));
+        assert_eq!(declared(&[0, 2]), None);
+        assert_eq!(file.indexes_d("shop.v1.Refund"), Some(vec![1]));
+        assert_eq!(file.indexes_d("shop.v2.Refund"), None);
+        assert_eq!(file.indexes_d("shop.v1.Fake"), None);
+        assert_eq!(file.indexes_d("shop.v1.Hidden"), None);
     }
 
     #[test]
     fn a_file_without_a_package_names_its_types_alone() {
         let file = ProtoFile::parse("syntax = \"proto3\"; message A {} message B {}").unwrap();
-        assert_eq!(file.full_name(&[1]).as_deref(), Some("B"));
-        assert_eq!(file.indexes("A"), Some(vec![0]));
+        assert_eq!(file.full_name(&[1], Descriptor).as_deref(), Some("B"));
+        assert_eq!(file.indexes_d("A"), Some(vec![0]));
+    }
+
+    #[test]
+    fn packages_spread_over_tokens_and_options_of_groups_are_read() {
+        let file = ProtoFile::parse(
+            "syntax = \"proto2\"; package shop /* v */ . v1 ;
+             message A {
+               optional group G = 1 [(o) = { a: 1 }, deprecated = true] {
+                 message In {}
+               }
+               message B {}
+             }",
+        )
+        .unwrap();
+        assert_eq!(file.indexes_d("shop.v1.A.B"), Some(vec![0, 1]));
+        assert_eq!(file.indexes_d("shop.v1.A.G.In"), Some(vec![0, 0, 0]));
+        assert_eq!(
+            file.full_name(&[0, 0], Declared).as_deref(),
+            Some("shop.v1.A.B")
+        );
     }
 
     #[test]
@@ -288,6 +391,7 @@ mod tests {
             "message A {}}",
             "message A { string s = 1 [default = \"x]; }",
             "/* open",
+            "message A { string s = 1 [deprecated = true; }",
         ] {
             assert!(ProtoFile::parse(text).is_err(), "{text}");
         }

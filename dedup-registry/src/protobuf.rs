@@ -17,7 +17,7 @@ use prost::{Message, Name};
 use crate::client::{Registry, Schema, SchemaKind};
 use crate::error::SchemaError;
 use crate::known::{KnownSchemas, framed_id, ready_or};
-use crate::proto::ProtoFile;
+use crate::proto::{Numbering, ProtoFile};
 
 /// Reads a registered schema as a `.proto` file, for schema id `id`.
 fn parse(id: u32, registered: &Schema) -> Result<ProtoFile, SchemaError> {
@@ -29,7 +29,13 @@ fn parse(id: u32, registered: &Schema) -> Result<ProtoFile, SchemaError> {
     if registered.kind != SchemaKind::Protobuf {
         return Err(unusable(format!("it is a {} schema", registered.kind)));
     }
-    ProtoFile::parse(&registered.text).map_err(unusable)
+    // The registry accepted the file: if dedup's reader cannot read it,
+    // that is dedup's limit, not the record's (nothing is dead-lettered).
+    ProtoFile::parse(&registered.text).map_err(|why| SchemaError::Unreadable {
+        id,
+        format: "Protobuf",
+        why,
+    })
 }
 
 /// Decodes Protobuf records of Confluent's wire format into `T`, a prost
@@ -84,13 +90,29 @@ impl<T: Message + Default + Name> ProtobufDecoder<T> {
         let id = frame.schema_id;
         let file = self.files.ready(id)?;
         let mismatch = |why: String| SchemaError::Mismatch { id, why };
-        let Some(name) = file.full_name(&frame.message_indexes) else {
-            return Err(mismatch(format!(
-                "its message indexes {:?} name no message type of the schema",
-                frame.message_indexes
-            )));
-        };
+        let indexes = &frame.message_indexes;
         let expected = T::full_name();
+        // Serializers count a message's nested types two ways (with or
+        // without map entries and groups): the indexes are taken either
+        // way, unless the two ways name two different types.
+        let by_descriptor = file.full_name(indexes, Numbering::Descriptor);
+        let by_declared = file.full_name(indexes, Numbering::Declared);
+        let name = match (by_descriptor, by_declared) {
+            (Some(a), Some(b)) if a != b => {
+                return Err(mismatch(format!(
+                    "its message indexes {indexes:?} name {a} as protoc counts the schema's \
+                     types and {b} as Confluent's Java client counts them (without map \
+                     entries and groups), so which type it is cannot be told; declare nested \
+                     messages before map fields and groups, or make the type top-level"
+                )));
+            }
+            (Some(name), _) | (None, Some(name)) => name,
+            (None, None) => {
+                return Err(mismatch(format!(
+                    "its message indexes {indexes:?} name no message type of the schema"
+                )));
+            }
+        };
         if name != expected {
             return Err(mismatch(format!(
                 "it is a {name}, and the handler reads {expected}"
@@ -215,8 +237,16 @@ fn indexes_of<T: Name>(schema: &Schema) -> Result<Vec<i32>, SchemaError> {
     let encode = |why: String| SchemaError::Encode { id: 0, why };
     let file = ProtoFile::parse(&schema.text).map_err(encode)?;
     let name = T::full_name();
-    file.indexes(&name)
-        .ok_or_else(|| encode(format!("the .proto file does not declare {name}")))
+    if file.indexes(&name, Numbering::Descriptor).is_none() {
+        return Err(encode(format!("the .proto file does not declare {name}")));
+    }
+    file.unambiguous_indexes(&name).ok_or_else(|| {
+        encode(format!(
+            "no message indexes name {name} both as protoc and as Confluent's Java client count \
+             the file's types (map fields or groups before nested messages): declare nested \
+             messages first, or make the type top-level"
+        ))
+    })
 }
 
 /// `n` as a zig-zag varint, as the frame's message indexes are written.

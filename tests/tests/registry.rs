@@ -1187,6 +1187,53 @@ async fn protobuf_records_are_placed_by_their_message_indexes_and_evolve() {
     assert!(err.to_string().contains("AVRO schema"), "{err}");
     assert_eq!(err.fault(), Fault::Record);
 
+    // In V1 a map field comes before the nested `Source`: protoc counts its
+    // entry type, Confluent's Java client does not. `[1, 0]` is the entry
+    // to one (never a record's type) and `Source` to the other: a Source.
+    let v1_nested = [&old[..5], &[4, 2, 0, 10, 1, b'x'][..]].concat();
+    let err = decoder.decode_fetching(&v1_nested).await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("it is a shop.v1.PaymentRecorded.Source"),
+        "{err}"
+    );
+
+    // A nested type after a map field, with a sibling after it: `[0, 1]`
+    // is the payment as protoc counts and the refund as Java counts, so
+    // it is refused rather than guessed; the encoder writes `[0, 0]`,
+    // which only one count reads as a type at all.
+    const ENVELOPE: &str = "syntax = \"proto3\"; package shop.v1;
+        message Envelope {
+          map<string, string> meta = 1;
+          message Payment { string event_id = 1; }
+          message Refund { string event_id = 1; }
+        }";
+    #[derive(Clone, PartialEq, prost::Message)]
+    struct EnvelopePayment {
+        #[prost(string, tag = "1")]
+        event_id: String,
+    }
+    impl prost::Name for EnvelopePayment {
+        const NAME: &'static str = "Envelope.Payment";
+        const PACKAGE: &'static str = "shop.v1";
+    }
+    let envelopes =
+        ProtobufEncoder::<EnvelopePayment>::register(&registry, &unique("env-value"), ENVELOPE)
+            .await
+            .unwrap();
+    let payment = EnvelopePayment {
+        event_id: "env-1".into(),
+    };
+    let written = envelopes.encode(&payment);
+    let frame = dedup_core::decode::ConfluentFrame::parse_protobuf(&written).unwrap();
+    assert_eq!(frame.message_indexes, [0, 0]);
+    let reader = ProtobufDecoder::<EnvelopePayment>::new(registry.clone());
+    assert_eq!(reader.decode_fetching(&written).await.unwrap(), payment);
+    let ambiguous = [&written[..5], &[4, 0, 2, 10, 1, b'y'][..]].concat(); // [0, 1]
+    let err = reader.decode_fetching(&ambiguous).await.unwrap_err();
+    assert_eq!(err.fault(), Fault::Record, "{err}");
+    assert!(err.to_string().contains("cannot be told"), "{err}");
+
     // A producer: a file that does not declare its type is refused before
     // anything is registered; one that may not register finds its file.
     let err = ProtobufEncoder::<PaymentRecorded>::register(

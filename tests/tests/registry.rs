@@ -557,8 +557,8 @@ mod forwarded {
 }
 
 /// The Kafka-only runtime reads Avro through the registry and writes Avro
-/// of its output subject: every record out once, the undecodable one
-/// dead-lettered once; with the registry down, a batch of a schema not yet
+/// of its output subject: every record out once, the undecodable ones (one
+/// framed, its schema id in a header; one not) dead-lettered once; with the registry down, a batch of a schema not yet
 /// fetched waits (nothing dead-lettered, nothing output), then goes out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_kafka_only_runtime_reads_and_writes_avro_and_waits_out_the_registry() {
@@ -588,6 +588,7 @@ async fn the_kafka_only_runtime_reads_and_writes_avro_and_waits_out_the_registry
     not_avro.extend_from_slice(&v1_writer.id().to_be_bytes());
     not_avro.extend_from_slice(b"not avro");
     send(&topic, &not_avro).await;
+    send(&topic, b"no frame").await;
 
     // The registry is down before the consumer starts: it has fetched
     // nothing.
@@ -633,7 +634,7 @@ async fn the_kafka_only_runtime_reads_and_writes_avro_and_waits_out_the_registry
     )
     .await;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    while stats.snapshot().applied < 4 || stats.snapshot().dead_lettered < 1 {
+    while stats.snapshot().applied < 4 || stats.snapshot().dead_lettered < 2 {
         assert!(
             std::time::Instant::now() < deadline,
             "not all out: {}",
@@ -645,7 +646,7 @@ async fn the_kafka_only_runtime_reads_and_writes_avro_and_waits_out_the_registry
     let after = task.await.expect("join").expect("consumer ran");
     assert_eq!(
         (after.applied, after.skipped, after.dead_lettered),
-        (4, 1, 1),
+        (4, 1, 2),
         "{after}"
     );
 
@@ -670,8 +671,10 @@ async fn the_kafka_only_runtime_reads_and_writes_avro_and_waits_out_the_registry
         ]
         .map(|(id, c)| (id.to_owned(), c.to_owned()))
     );
-    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 1).await;
+    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 2).await;
     assert_eq!(rdkafka::Message::payload(&dead[0]), Some(&not_avro[..]));
+    assert_eq!(rdkafka::Message::payload(&dead[1]), Some(&b"no frame"[..]));
+    assert_eq!(header(&dead[1], "dedup.error.schema-id"), None);
     let schema_id = v1_writer.id().to_string();
     assert_eq!(
         header(&dead[0], "dedup.error.schema-id"),

@@ -13,10 +13,10 @@ use serde::de::DeserializeOwned;
 
 pub use apache_avro::{AvroSchema, Schema as AvroSchemaText};
 
-use crate::client::{Registry, Schema, SchemaKind, SchemaReference};
+use crate::client::{Registry, Schema, SchemaKind};
 use crate::error::SchemaError;
 pub use crate::known::REFUSAL_KEPT;
-use crate::known::{KnownSchemas, framed_id, ready_or};
+use crate::known::{KnownSchemas, framed_id, ready_or, referenced};
 
 /// A writer's schema, parsed, with the named schemas it refers to.
 struct Writer {
@@ -150,34 +150,14 @@ async fn parse_writer(
     if registered.kind != SchemaKind::Avro {
         return Err(unusable(format!("it is a {} schema", registered.kind)));
     }
-    let named_texts = referenced_texts(registry, id, &registered.references).await?;
+    let named_texts: Vec<String> = referenced(registry, id, &registered.references)
+        .await?
+        .into_iter()
+        .map(|(_, text)| text)
+        .collect();
     let (schema, named) = apache_avro::Schema::parse_str_with_list(&registered.text, &named_texts)
         .map_err(|e| unusable(e.to_string()))?;
     Ok(Writer { schema, named })
-}
-
-/// The texts of the schemas `references` name, and of those they name,
-/// each once.
-async fn referenced_texts(
-    registry: &Registry,
-    id: u32,
-    references: &[SchemaReference],
-) -> Result<Vec<String>, SchemaError> {
-    let mut pending: Vec<SchemaReference> = references.to_vec();
-    let mut seen = std::collections::HashSet::new();
-    let mut texts = Vec::new();
-    while let Some(reference) = pending.pop() {
-        if !seen.insert((reference.subject.clone(), reference.version)) {
-            continue;
-        }
-        let version = registry
-            .version(&reference.subject, reference.version)
-            .await
-            .map_err(|source| SchemaError::Registry { id, source })?;
-        pending.extend(version.schema.references.iter().cloned());
-        texts.push(version.schema.text);
-    }
-    Ok(texts)
 }
 
 /// Encodes `T` as Avro in Confluent's wire format, with one schema the

@@ -13,8 +13,15 @@ use crate::client::{Registry, Schema, SchemaKind};
 use crate::error::SchemaError;
 use crate::known::{KnownSchemas, framed_id, ready_or};
 
-/// Compiles a registered schema as JSON Schema, for schema id `id`.
-fn compile(id: u32, registered: &Schema) -> Result<jsonschema::Validator, SchemaError> {
+/// Compiles a registered schema as JSON Schema, for schema id `id`, with
+/// the schemas it refers to (fetched from their subjects, and theirs in
+/// turn): a `$ref` is followed only to one of those, never fetched from
+/// elsewhere.
+async fn compile(
+    registry: &Registry,
+    id: u32,
+    registered: &Schema,
+) -> Result<jsonschema::Validator, SchemaError> {
     let unusable = |why: String| SchemaError::Schema {
         id,
         expected: "JSON",
@@ -23,14 +30,44 @@ fn compile(id: u32, registered: &Schema) -> Result<jsonschema::Validator, Schema
     if registered.kind != SchemaKind::Json {
         return Err(unusable(format!("it is a {} schema", registered.kind)));
     }
-    if !registered.references.is_empty() {
-        return Err(unusable(
-            "it refers to other schemas, which dedup does not follow yet".to_owned(),
-        ));
-    }
     let schema: serde_json::Value =
         serde_json::from_str(&registered.text).map_err(|e| unusable(e.to_string()))?;
-    jsonschema::validator_for(&schema).map_err(|e| unusable(e.to_string()))
+    let mut referenced = Vec::new();
+    for (name, text) in crate::known::referenced(registry, id, &registered.references).await? {
+        let value = serde_json::from_str(&text)
+            .map_err(|e| unusable(format!("its reference {name}: {e}")))?;
+        referenced.push((name, value));
+    }
+    jsonschema::options()
+        .with_retriever(References(referenced))
+        .build(&schema)
+        .map_err(|e| unusable(e.to_string()))
+}
+
+/// The schemas a registered JSON Schema refers to, by the name its `$ref`
+/// uses: a relative name (`address.json`) matches the URI it resolves to
+/// against the schema's base; nothing else is fetched.
+struct References(Vec<(String, serde_json::Value)>);
+
+impl jsonschema::Retrieve for References {
+    fn retrieve(
+        &self,
+        uri: &jsonschema::Uri<String>,
+    ) -> Result<serde_json::Value, Box<dyn std::error::Error + Send + Sync>> {
+        let uri = uri.as_str();
+        self.0
+            .iter()
+            .find(|(name, _)| {
+                uri == name
+                    || uri
+                        .strip_suffix(name.as_str())
+                        .is_some_and(|base| base.ends_with('/'))
+            })
+            .map(|(_, schema)| schema.clone())
+            .ok_or_else(|| {
+                format!("{uri} is not among the schema's references in the registry").into()
+            })
+    }
 }
 
 /// Decodes JSON Schema records of Confluent's wire format into `T`: the
@@ -67,7 +104,7 @@ impl<T: DeserializeOwned> JsonSchemaDecoder<T> {
     pub async fn prepare(&self, payload: &[u8]) -> Result<u32, SchemaError> {
         self.known
             .prepare(&self.registry, payload, |id, registered| async move {
-                compile(id, &registered)
+                compile(&self.registry, id, &registered).await
             })
             .await
     }
@@ -133,10 +170,13 @@ impl<T: Serialize> JsonSchemaEncoder<T> {
             .register(subject, &registered)
             .await
             .map_err(|source| SchemaError::Registry { id: 0, source })?;
-        let validator = compile(id, &registered).map_err(|e| SchemaError::Encode {
-            id,
-            why: e.to_string(),
-        })?;
+        let validator =
+            compile(registry, id, &registered)
+                .await
+                .map_err(|e| SchemaError::Encode {
+                    id,
+                    why: e.to_string(),
+                })?;
         Ok(JsonSchemaEncoder {
             id,
             validator,

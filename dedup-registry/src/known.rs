@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use dedup_core::decode::{ConfluentFrame, Unready};
 
-use crate::client::{Registry, Schema};
+use crate::client::{Registry, Schema, SchemaReference};
 use crate::error::{RegistryError, SchemaError};
 
 /// How long a refused schema id is kept before the registry is asked again.
@@ -138,4 +138,28 @@ pub(crate) fn ready_or(prepared: Result<u32, SchemaError>) -> Result<(), Unready
             crate::Fault::Configuration => Err(Unready::Configuration(Box::new(e))),
         },
     }
+}
+
+/// The schemas `references` name, and those they name, each once: the
+/// name the referring schema uses, and the text.
+pub(crate) async fn referenced(
+    registry: &Registry,
+    id: u32,
+    references: &[SchemaReference],
+) -> Result<Vec<(String, String)>, SchemaError> {
+    let mut pending: Vec<SchemaReference> = references.to_vec();
+    let mut seen = std::collections::HashSet::new();
+    let mut texts = Vec::new();
+    while let Some(reference) = pending.pop() {
+        if !seen.insert((reference.subject.clone(), reference.version)) {
+            continue;
+        }
+        let version = registry
+            .version(&reference.subject, reference.version)
+            .await
+            .map_err(|source| SchemaError::Registry { id, source })?;
+        pending.extend(version.schema.references.iter().cloned());
+        texts.push((reference.name, version.schema.text));
+    }
+    Ok(texts)
 }

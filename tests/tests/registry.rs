@@ -937,6 +937,95 @@ async fn json_schema_records_are_validated_then_read_and_evolve() {
     assert!(err.to_string().contains("AVRO schema"), "{err}");
 }
 
+/// A JSON Schema that refers to another registered one (`$ref` by the
+/// reference's name): the referred schema is fetched from its subject and
+/// applies, and a `$ref` to anything else is never fetched.
+#[tokio::test]
+async fn json_schemas_follow_their_references_in_the_registry() {
+    use dedup_registry::SchemaReference;
+    use dedup_registry::json::JsonSchemaDecoder;
+    #[derive(Debug, PartialEq, serde::Deserialize)]
+    struct Address {
+        city: String,
+    }
+    #[derive(Debug, PartialEq, serde::Deserialize)]
+    struct Order {
+        event_id: String,
+        to: Address,
+    }
+    let registry = client();
+    let address_subject = unique("address-value");
+    registry
+        .register(
+            &address_subject,
+            &Schema::new(
+                SchemaKind::Json,
+                r#"{"type": "object", "required": ["city"],
+                    "properties": {"city": {"type": "string", "minLength": 2}}}"#,
+            ),
+        )
+        .await
+        .unwrap();
+    let order = Schema {
+        references: vec![SchemaReference {
+            name: "address.json".into(),
+            subject: address_subject.clone(),
+            version: 1,
+        }],
+        ..Schema::new(
+            SchemaKind::Json,
+            r#"{"type": "object", "required": ["event_id", "to"],
+                "properties": {"event_id": {"type": "string"},
+                               "to": {"$ref": "address.json"}}}"#,
+        )
+    };
+    let order_id = registry
+        .register(&unique("order-value"), &order)
+        .await
+        .unwrap();
+    let framed = |id: u32, json: &str| [&[0][..], &id.to_be_bytes(), json.as_bytes()].concat();
+    let decoder = JsonSchemaDecoder::<Order>::new(registry.clone());
+    let read = decoder
+        .decode_fetching(&framed(
+            order_id,
+            r#"{"event_id": "o1", "to": {"city": "Lyon"}}"#,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(read.to.city, "Lyon");
+    // The referred schema's rule holds inside the referring one.
+    let err = decoder
+        .decode_fetching(&framed(
+            order_id,
+            r#"{"event_id": "o2", "to": {"city": "L"}}"#,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(err.fault(), Fault::Record, "{err}");
+    assert!(err.to_string().contains("/to/city"), "{err}");
+
+    // A `$ref` to a schema that is not among its references.
+    let elsewhere = registry
+        .register(
+            &unique("elsewhere-value"),
+            &Schema::new(
+                SchemaKind::Json,
+                r#"{"type": "object", "properties": {"to": {"$ref": "https://example.com/a.json"}}}"#,
+            ),
+        )
+        .await
+        .unwrap();
+    let err = decoder
+        .decode_fetching(&framed(elsewhere, r#"{"to": {}}"#))
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("not among the schema's references"),
+        "{err}"
+    );
+}
+
 /// JSON Schema events through the database runtime: the valid ones applied
 /// once, the one that breaks its schema dead-lettered as it came.
 #[sqlx::test(migrations = false)]

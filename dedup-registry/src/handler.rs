@@ -4,7 +4,10 @@ use std::fmt;
 use std::future::Future;
 
 use dedup_core::decode::Prepare;
-use dedup_core::{Describe, Error, Fingerprint, Handler, HandlerError, Headers, KeyError, Ttl};
+use dedup_core::{
+    Describe, Error, Fingerprint, Handler, HandlerError, Headers, KeyError, Lease, LeaseHandler,
+    Ttl,
+};
 use serde::de::DeserializeOwned;
 
 use crate::avro::{AvroDecoder, AvroSchema};
@@ -210,5 +213,25 @@ where
         events: Vec<Self::Event>,
     ) -> impl Future<Output = Result<(), HandlerError>> + Send {
         self.inner.handle_batch(tx, events)
+    }
+}
+
+/// A lease-mode handler (`#[idempotent(lease = "30s")]`) reads through the
+/// registry the same way: its effect runs under its lease as before.
+impl<H, D> LeaseHandler for SchemaHandler<H, D>
+where
+    H: LeaseHandler,
+    D: SchemaDecoder<Event = H::Event> + Send + Sync + 'static,
+{
+    fn lease(&self) -> Ttl {
+        self.inner.lease()
+    }
+
+    fn handle(
+        &self,
+        lease: &Lease,
+        event: Self::Event,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send {
+        LeaseHandler::handle(&self.inner, lease, event)
     }
 }

@@ -1489,3 +1489,81 @@ async fn a_slow_registry_is_an_outage_until_it_answers_in_time() {
     delay.store(100, std::sync::atomic::Ordering::SeqCst);
     assert_eq!(decoder.decode_fetching(&record).await.unwrap(), v1(4));
 }
+
+/// A lease-mode handler (an effect outside the database) reading Avro.
+mod leased {
+    use dedup_core::{HandlerError, Lease, idempotent};
+
+    /// Each effect, by event id: a double call shows.
+    pub(crate) static CALLS: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+    #[idempotent(
+        key = "event_id",
+        ttl = "4h",
+        lease = "30s",
+        scope = "registry::leased"
+    )]
+    pub(crate) async fn notify(
+        lease: &Lease,
+        ev: super::consumed::Payment,
+    ) -> Result<(), HandlerError> {
+        let _ = lease;
+        CALLS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(format!("{}:{}", ev.event_id, ev.currency));
+        Ok(())
+    }
+}
+
+/// Lease mode reads through the registry too: each Avro event's effect
+/// runs once (a v1 record's currency from the reader's default), the
+/// duplicate is skipped, the record of an unknown schema id dead-lettered
+/// with its id.
+#[sqlx::test(migrations = false)]
+async fn lease_mode_handlers_read_avro_through_the_registry(pool: sqlx::PgPool) {
+    use dedup_tests::common::{brokers, create_topic, drain, header, read_exactly};
+    let registry = client();
+    let store = dedup_tests::store(&pool).await;
+    let topic = create_topic(1).await;
+    let writer = AvroEncoder::<PaymentV1>::register(&registry, &format!("{topic}-value"))
+        .await
+        .unwrap();
+    let mut payment = v1(1);
+    payment.event_id = format!("{topic}-1");
+    send(&topic, &writer.encode(&payment).unwrap()).await;
+    send(&topic, &writer.encode(&payment).unwrap()).await;
+    payment.event_id = format!("{topic}-2");
+    send(&topic, &writer.encode(&payment).unwrap()).await;
+    let mut unknown = writer.encode(&payment).unwrap();
+    unknown[1..5].copy_from_slice(&999_997u32.to_be_bytes());
+    send(&topic, &unknown).await;
+    let stats = drain(
+        dedup_kafka::Consumer::builder(store)
+            .brokers(brokers())
+            .group_id(unique("leased"))
+            .commit_interval(std::time::Duration::from_millis(200))
+            .handle_leased(
+                &topic,
+                dedup_registry::AvroHandler::new(leased::notify, registry),
+            ),
+        std::time::Duration::from_secs(2),
+    )
+    .await;
+    assert_eq!(
+        (stats.applied, stats.skipped, stats.dead_lettered),
+        (2, 1, 1),
+        "{stats}"
+    );
+    let mut calls: Vec<String> = leased::CALLS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .iter()
+        .filter(|c| c.starts_with(&topic))
+        .cloned()
+        .collect();
+    calls.sort();
+    assert_eq!(calls, [format!("{topic}-1:EUR"), format!("{topic}-2:EUR")]);
+    let dead = read_exactly(&brokers(), &format!("{topic}.dlq"), 1).await;
+    assert_eq!(header(&dead[0], "dedup.error.schema-id"), Some("999997"));
+}

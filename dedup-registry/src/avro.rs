@@ -150,7 +150,7 @@ async fn parse_writer(
     if registered.kind != SchemaKind::Avro {
         return Err(unusable(format!("it is a {} schema", registered.kind)));
     }
-    let named_texts: Vec<String> = referenced(registry, id, &registered.references)
+    let named_texts: Vec<String> = referenced(registry, id, "Avro", &registered.references)
         .await?
         .into_iter()
         .map(|(_, text)| text)

@@ -32,41 +32,46 @@ async fn compile(
     }
     let schema: serde_json::Value =
         serde_json::from_str(&registered.text).map_err(|e| unusable(e.to_string()))?;
-    let mut referenced = Vec::new();
-    for (name, text) in crate::known::referenced(registry, id, &registered.references).await? {
-        let value = serde_json::from_str(&text)
+    // Each reference under the URI its name resolves to, as the validator
+    // resolves a `$ref` (against the schema's `$id`, or the default base).
+    let base = schema
+        .get("$id")
+        .and_then(serde_json::Value::as_str)
+        .and_then(|id| jsonschema::uri::from_str(id).ok());
+    let mut by_uri = std::collections::HashMap::new();
+    for (name, text) in
+        crate::known::referenced(registry, id, "JSON", &registered.references).await?
+    {
+        let value: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| unusable(format!("its reference {name}: {e}")))?;
-        referenced.push((name, value));
+        let resolved = [
+            jsonschema::uri::from_str(&name).ok(),
+            base.as_ref()
+                .and_then(|base| jsonschema::uri::resolve_against(&base.borrow(), &name).ok()),
+        ];
+        for uri in resolved.into_iter().flatten() {
+            by_uri.insert(uri.as_str().to_owned(), value.clone());
+        }
     }
     jsonschema::options()
-        .with_retriever(References(referenced))
+        .with_retriever(References(by_uri))
         .build(&schema)
         .map_err(|e| unusable(e.to_string()))
 }
 
-/// The schemas a registered JSON Schema refers to, by the name its `$ref`
-/// uses: a relative name (`address.json`) matches the URI it resolves to
-/// against the schema's base; nothing else is fetched.
-struct References(Vec<(String, serde_json::Value)>);
+/// The schemas a registered JSON Schema refers to, by the URI each
+/// reference's name resolves to: a `$ref` resolves to one of them exactly,
+/// or to nothing; nothing is fetched.
+struct References(std::collections::HashMap<String, serde_json::Value>);
 
 impl jsonschema::Retrieve for References {
     fn retrieve(
         &self,
         uri: &jsonschema::Uri<String>,
     ) -> Result<serde_json::Value, Box<dyn std::error::Error + Send + Sync>> {
-        let uri = uri.as_str();
-        self.0
-            .iter()
-            .find(|(name, _)| {
-                uri == name
-                    || uri
-                        .strip_suffix(name.as_str())
-                        .is_some_and(|base| base.ends_with('/'))
-            })
-            .map(|(_, schema)| schema.clone())
-            .ok_or_else(|| {
-                format!("{uri} is not among the schema's references in the registry").into()
-            })
+        self.0.get(uri.as_str()).cloned().ok_or_else(|| {
+            format!("{uri} is not among the schema's references in the registry").into()
+        })
     }
 }
 

@@ -142,24 +142,47 @@ pub(crate) fn ready_or(prepared: Result<u32, SchemaError>) -> Result<(), Unready
 
 /// The schemas `references` name, and those they name, each once: the
 /// name the referring schema uses, and the text.
+///
+/// A reference the registry does not have is not the record's fault (the
+/// registry served the schema that names it): [`SchemaError::Unreadable`].
 pub(crate) async fn referenced(
     registry: &Registry,
     id: u32,
+    format: &'static str,
     references: &[SchemaReference],
 ) -> Result<Vec<(String, String)>, SchemaError> {
     let mut pending: Vec<SchemaReference> = references.to_vec();
-    let mut seen = std::collections::HashSet::new();
+    let mut fetched: HashMap<(String, i32), String> = HashMap::new();
+    let mut named = std::collections::HashSet::new();
     let mut texts = Vec::new();
     while let Some(reference) = pending.pop() {
-        if !seen.insert((reference.subject.clone(), reference.version)) {
-            continue;
+        let at = (reference.subject.clone(), reference.version);
+        let text = match fetched.get(&at) {
+            Some(text) => text.clone(),
+            None => {
+                let version = registry
+                    .version(&reference.subject, reference.version)
+                    .await
+                    .map_err(|source| match source {
+                        RegistryError::NotFound { .. } => SchemaError::Unreadable {
+                            id,
+                            format,
+                            why: format!(
+                                "its reference {:?} ({} version {}) is not in the registry: {source}",
+                                reference.name, reference.subject, reference.version
+                            ),
+                        },
+                        source => SchemaError::Registry { id, source },
+                    })?;
+                pending.extend(version.schema.references.iter().cloned());
+                fetched.insert(at, version.schema.text.clone());
+                version.schema.text
+            }
+        };
+        // One version may be named two ways (by two schemas): both names.
+        if named.insert(reference.name.clone()) {
+            texts.push((reference.name, text));
         }
-        let version = registry
-            .version(&reference.subject, reference.version)
-            .await
-            .map_err(|source| SchemaError::Registry { id, source })?;
-        pending.extend(version.schema.references.iter().cloned());
-        texts.push((reference.name, version.schema.text));
     }
     Ok(texts)
 }

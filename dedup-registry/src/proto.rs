@@ -22,6 +22,8 @@ struct MessageType {
     /// which a parser of the text alone (Confluent's Java client reading the
     /// registry's file) does not count.
     synthetic: bool,
+    /// A map field's entry: never a record's type.
+    map_entry: bool,
     nested: Vec<MessageType>,
 }
 
@@ -109,7 +111,7 @@ impl ProtoFile {
                     let field = word(close + 1).ok_or("a map field has no name")?;
                     if let Some(Block::Message(m)) = open.last_mut() {
                         m.nested
-                            .push(MessageType::synthetic(&map_entry_name(field)));
+                            .push(MessageType::map_entry(&map_entry_name(field)));
                     }
                     i = close + 2;
                 }
@@ -158,7 +160,7 @@ impl ProtoFile {
     /// The full name (`package.Outer.Inner`) of the message type at
     /// `indexes` (each the position among its parent's message types,
     /// counted as `numbering` says), if the file declares one there: a map
-    /// entry's or a group's type is never taken for a record's.
+    /// entry's type is never taken for a record's (a group's may be).
     pub(crate) fn full_name(&self, indexes: &[i32], numbering: Numbering) -> Option<String> {
         let mut types = &self.messages;
         let mut path = Vec::with_capacity(indexes.len() + 1);
@@ -177,7 +179,7 @@ impl ProtoFile {
             last = Some(m);
         }
         let m = last?;
-        (!m.synthetic).then(|| path.join("."))
+        (!m.map_entry).then(|| path.join("."))
     }
 
     /// The message indexes of the type named `full_name` that read as it
@@ -224,7 +226,15 @@ impl MessageType {
         MessageType {
             name: name.to_owned(),
             synthetic: false,
+            map_entry: false,
             nested: Vec::new(),
+        }
+    }
+
+    fn map_entry(name: &str) -> Self {
+        MessageType {
+            map_entry: true,
+            ..MessageType::synthetic(name)
         }
     }
 
@@ -336,10 +346,10 @@ mod tests {
         let name = |ix: &[i32]| file.full_name(ix, Descriptor);
         assert_eq!(name(&[0]).as_deref(), Some("shop.v1.Order"));
         assert_eq!(name(&[0, 0]).as_deref(), Some("shop.v1.Order.Line"));
-        // The map entry and the group are counted, never taken for a
-        // record's type.
+        // The map entry is counted, never taken for a record's type; the
+        // group is a type of its own.
         assert_eq!(name(&[0, 1]), None);
-        assert_eq!(name(&[0, 2]), None);
+        assert_eq!(name(&[0, 2]).as_deref(), Some("shop.v1.Order.Choice"));
         assert_eq!(name(&[0, 3]).as_deref(), Some("shop.v1.Order.Note"));
         assert_eq!(name(&[1]).as_deref(), Some("shop.v1.Refund"));
         assert_eq!(name(&[1, 0]), None);
@@ -382,6 +392,15 @@ mod tests {
             file.full_name(&[0, 0], Declared).as_deref(),
             Some("shop.v1.A.B")
         );
+        // `[0, 0]` is the group one way and B the other: no indexes of
+        // the group read as it both ways; B's protoc indexes do (Java's
+        // count has no `[0, 1]`).
+        assert_eq!(
+            file.full_name(&[0, 0], Descriptor).as_deref(),
+            Some("shop.v1.A.G")
+        );
+        assert_eq!(file.unambiguous_indexes("shop.v1.A.G"), None);
+        assert_eq!(file.unambiguous_indexes("shop.v1.A.B"), Some(vec![0, 1]));
     }
 
     #[test]

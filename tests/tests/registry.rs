@@ -1004,6 +1004,58 @@ async fn json_schemas_follow_their_references_in_the_registry() {
     assert_eq!(err.fault(), Fault::Record, "{err}");
     assert!(err.to_string().contains("/to/city"), "{err}");
 
+    // Two references whose names end alike: each `$ref` gets its own.
+    let zip_subject = unique("zip-value");
+    registry
+        .register(
+            &zip_subject,
+            &Schema::new(
+                SchemaKind::Json,
+                r#"{"type": "object", "required": ["zip"], "properties": {"zip": {"type": "string"}}}"#,
+            ),
+        )
+        .await
+        .unwrap();
+    let both = Schema {
+        references: vec![
+            SchemaReference {
+                name: "v2/address.json".into(),
+                subject: zip_subject,
+                version: 1,
+            },
+            SchemaReference {
+                name: "address.json".into(),
+                subject: address_subject.clone(),
+                version: 1,
+            },
+        ],
+        ..Schema::new(
+            SchemaKind::Json,
+            r#"{"type": "object", "properties": {"to": {"$ref": "address.json"},
+                                                "from": {"$ref": "v2/address.json"}}}"#,
+        )
+    };
+    let both_id = registry
+        .register(&unique("both-value"), &both)
+        .await
+        .unwrap();
+    let read = decoder
+        .decode_fetching(&framed(
+            both_id,
+            r#"{"event_id": "o3", "to": {"city": "Lyon"}, "from": {"zip": "69001"}}"#,
+        ))
+        .await
+        .unwrap();
+    assert_eq!(read.event_id, "o3");
+    let err = decoder
+        .decode_fetching(&framed(
+            both_id,
+            r#"{"event_id": "o4", "to": {"city": "Lyon"}, "from": {"city": "Lyon"}}"#,
+        ))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("zip"), "{err}");
+
     // A `$ref` to a schema that is not among its references.
     let elsewhere = registry
         .register(

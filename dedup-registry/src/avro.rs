@@ -16,7 +16,7 @@ pub use apache_avro::{AvroSchema, Schema as AvroSchemaText};
 use crate::client::{Registry, Schema, SchemaKind};
 use crate::error::SchemaError;
 pub use crate::known::REFUSAL_KEPT;
-use crate::known::{KnownSchemas, framed_id, ready_or, referenced};
+use crate::known::{KnownSchemas, framed_id, lookup_id, ready_or, referenced, register_id};
 
 /// A writer's schema, parsed, with the named schemas it refers to.
 struct Writer {
@@ -186,10 +186,7 @@ impl<T: Serialize + AvroSchema> AvroEncoder<T> {
     /// configuration error.
     pub async fn register(registry: &Registry, subject: &str) -> Result<Self, SchemaError> {
         let schema = T::get_schema();
-        let id = registry
-            .register(subject, &registry_schema(&schema)?)
-            .await
-            .map_err(|source| SchemaError::Registry { id: 0, source })?;
+        let id = register_id(registry, subject, &registry_schema(&schema)?).await?;
         Ok(AvroEncoder {
             id,
             schema,
@@ -202,20 +199,12 @@ impl<T: Serialize + AvroSchema> AvroEncoder<T> {
     /// Not found is a configuration error ([`SchemaError::Unregistered`]).
     pub async fn lookup(registry: &Registry, subject: &str) -> Result<Self, SchemaError> {
         let schema = T::get_schema();
-        let found = registry
-            .lookup(subject, &registry_schema(&schema)?)
-            .await
-            .map_err(|source| SchemaError::Registry { id: 0, source })?;
-        match found {
-            Some(version) => Ok(AvroEncoder {
-                id: version.id,
-                schema,
-                _value: PhantomData,
-            }),
-            None => Err(SchemaError::Unregistered {
-                subject: subject.to_owned(),
-            }),
-        }
+        let id = lookup_id(registry, subject, &registry_schema(&schema)?).await?;
+        Ok(AvroEncoder {
+            id,
+            schema,
+            _value: PhantomData,
+        })
     }
 }
 

@@ -11,7 +11,7 @@ use serde::de::DeserializeOwned;
 
 use crate::client::{Registry, Schema, SchemaKind};
 use crate::error::SchemaError;
-use crate::known::{KnownSchemas, framed_id, ready_or};
+use crate::known::{KnownSchemas, framed_id, ready_or, register_id};
 
 /// Compiles a registered schema as JSON Schema, for schema id `id`, with
 /// the schemas it refers to (fetched from their subjects, and theirs in
@@ -171,10 +171,7 @@ impl<T: Serialize> JsonSchemaEncoder<T> {
         schema: &str,
     ) -> Result<Self, SchemaError> {
         let registered = Schema::new(SchemaKind::Json, schema);
-        let id = registry
-            .register(subject, &registered)
-            .await
-            .map_err(|source| SchemaError::Registry { id: 0, source })?;
+        let id = register_id(registry, subject, &registered).await?;
         let validator =
             compile(registry, id, &registered)
                 .await

@@ -186,3 +186,34 @@ pub(crate) async fn referenced(
     }
     Ok(texts)
 }
+
+/// Registers `schema` under `subject` for an encoder: its id (the one it
+/// has if the subject has it already).
+pub(crate) async fn register_id(
+    registry: &Registry,
+    subject: &str,
+    schema: &Schema,
+) -> Result<u32, SchemaError> {
+    registry
+        .register(subject, schema)
+        .await
+        .map_err(|source| SchemaError::Registry { id: 0, source })
+}
+
+/// Finds `schema` among `subject`'s versions for an encoder that may not
+/// register: its id, or [`SchemaError::Unregistered`].
+pub(crate) async fn lookup_id(
+    registry: &Registry,
+    subject: &str,
+    schema: &Schema,
+) -> Result<u32, SchemaError> {
+    let found = registry
+        .lookup(subject, schema)
+        .await
+        .map_err(|source| SchemaError::Registry { id: 0, source })?;
+    found
+        .map(|version| version.id)
+        .ok_or_else(|| SchemaError::Unregistered {
+            subject: subject.to_owned(),
+        })
+}

@@ -16,7 +16,7 @@ use prost::{Message, Name};
 
 use crate::client::{Registry, Schema, SchemaKind};
 use crate::error::SchemaError;
-use crate::known::{KnownSchemas, framed_id, ready_or};
+use crate::known::{KnownSchemas, framed_id, lookup_id, ready_or, register_id};
 use crate::proto::{Numbering, ProtoFile};
 
 /// Reads a registered schema as a `.proto` file, for schema id `id`.
@@ -169,10 +169,7 @@ impl<T: Message + Name> ProtobufEncoder<T> {
     ) -> Result<Self, SchemaError> {
         let schema = Schema::new(SchemaKind::Protobuf, proto);
         let indexes = indexes_of::<T>(&schema)?;
-        let id = registry
-            .register(subject, &schema)
-            .await
-            .map_err(|source| SchemaError::Registry { id: 0, source })?;
+        let id = register_id(registry, subject, &schema).await?;
         Ok(Self::with(id, &indexes))
     }
 
@@ -185,16 +182,8 @@ impl<T: Message + Name> ProtobufEncoder<T> {
         schema: &Schema,
     ) -> Result<Self, SchemaError> {
         let indexes = indexes_of::<T>(schema)?;
-        let found = registry
-            .lookup(subject, schema)
-            .await
-            .map_err(|source| SchemaError::Registry { id: 0, source })?;
-        match found {
-            Some(version) => Ok(Self::with(version.id, &indexes)),
-            None => Err(SchemaError::Unregistered {
-                subject: subject.to_owned(),
-            }),
-        }
+        let id = lookup_id(registry, subject, schema).await?;
+        Ok(Self::with(id, &indexes))
     }
 
     fn with(id: u32, indexes: &[i32]) -> Self {

@@ -53,6 +53,18 @@ impl rdkafka::ClientContext for Refusals {
                 *self.refused.lock().unwrap_or_else(|p| p.into_inner()) =
                     Some((code, reason.to_owned()));
             }
+            // OpenSSL refusing the brokers' certificate (a CA not in
+            // ssl.ca.location, another host name, expired) is this
+            // client's configuration, never an outage; librdkafka reports
+            // it as an SSL error or, when the read that meets it is not
+            // the handshake's own, as a transport failure with the same
+            // reason.
+            Some(RDKafkaErrorCode::BrokerTransportFailure)
+                if reason.contains("certificate verify failed") =>
+            {
+                *self.refused.lock().unwrap_or_else(|p| p.into_inner()) =
+                    Some((RDKafkaErrorCode::SSL, reason.to_owned()));
+            }
             // A TLS alert the brokers sent (they refused this client's
             // certificate: expired, unknown, revoked) arrives as a
             // transport failure; OpenSSL's "SSL alert number N" is the only
@@ -110,7 +122,12 @@ pub(crate) async fn check(config: &ClientConfig, who: &str, rights: &Rights) -> 
                 .client()
                 .fetch_metadata(None, Duration::from_millis(500))
                 .is_ok();
-            client.poll(Duration::ZERO);
+            // Every event queued so far, for a while: one poll serves one
+            // event, and librdkafka's log lines share the queue with the
+            // errors. Serving one per try (a failed fetch returns at once)
+            // fell behind on a loaded machine, and the refusal was never
+            // read: the start waited a misconfiguration out as an outage.
+            client.poll(Duration::from_millis(100));
             if answered {
                 return permitted(&client, &config, &who, &rights);
             }
@@ -399,6 +416,37 @@ mod tests {
         assert!(said.contains("certificate verify failed"), "{said}");
         let said = refusal("relay", RDKafkaErrorCode::SSL, "SSL alert number 45");
         assert!(said.contains("ssl.certificate.location"), "{said}");
+    }
+
+    /// The brokers' certificate failing verification is a refusal however
+    /// librdkafka files it: as an SSL error, or as a transport failure when
+    /// a read other than the handshake's own meets it.
+    #[test]
+    fn a_certificate_that_fails_verification_is_refused_either_way() {
+        use rdkafka::ClientContext as _;
+        let reason = "sasl_ssl://127.0.0.1:9096/bootstrap: error:0A000086:SSL routines::\
+                      certificate verify failed (after 2ms in state SSL_HANDSHAKE)";
+        for code in [
+            RDKafkaErrorCode::SSL,
+            RDKafkaErrorCode::BrokerTransportFailure,
+        ] {
+            let refusals = Refusals::default();
+            refusals.error(KafkaError::Global(code), reason);
+            let refused = refusals.refused.lock().unwrap().take();
+            let (code, said) = refused.unwrap_or_else(|| panic!("{code:?}: not a refusal"));
+            assert!(
+                refusal("consumer", code, &said)
+                    .contains("could not verify the brokers' certificate"),
+                "{code:?}"
+            );
+        }
+        // Any other transport failure is an outage, waited out.
+        let refusals = Refusals::default();
+        refusals.error(
+            KafkaError::Global(RDKafkaErrorCode::BrokerTransportFailure),
+            "127.0.0.1:9096/bootstrap: Connect to ipv4#127.0.0.1:9096 failed: Connection refused",
+        );
+        assert!(refusals.refused.lock().unwrap().is_none());
     }
 
     /// The principal is named where a client can tell (SASL PLAIN and

@@ -888,18 +888,20 @@ async fn refused_member(pool: &PgPool, topic: &str, group: &str, env: &[(&str, &
     }
     let child = cmd.spawn().expect("start a member");
     let pid = child.id();
-    let waited = tokio::time::timeout(
-        Duration::from_secs(30),
-        tokio::task::spawn_blocking(move || child.wait_with_output()),
-    )
-    .await;
-    let Ok(out) = waited else {
-        let _ = std::process::Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
-            .status();
-        panic!("the member neither started nor stopped within 30 s");
+    let mut waited = tokio::task::spawn_blocking(move || child.wait_with_output());
+    let out = match tokio::time::timeout(Duration::from_secs(30), &mut waited).await {
+        Ok(out) => out.expect("join").expect("member output"),
+        Err(_) => {
+            let _ = std::process::Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status();
+            let out = waited.await.expect("join").expect("member output");
+            panic!(
+                "the member neither started nor stopped within 30 s; it said: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
     };
-    let out = out.expect("join").expect("member output");
     assert!(!out.status.success(), "the member ran");
     String::from_utf8_lossy(&out.stderr).into_owned()
 }

@@ -98,18 +98,21 @@ async fn into_database(tx: &mut PgTx, ev: Ev) -> Result<(), HandlerError> {
     Ok(())
 }
 
-/// The Kafka-only runtime's output topic, per scenario run.
-static OUTPUT: Mutex<Option<String>> = Mutex::new(None);
+/// The Kafka-only runtime's output topic of each scenario run, by the run's
+/// id (the prefix of its events' ids): the runs go at once.
+static OUTPUTS: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
 
 #[idempotent(key = "event_id", ttl = "1h")]
 async fn into_kafka(out: &mut Outputs, ev: Ev) -> Result<(), HandlerError> {
     behave(&ev).await?;
-    let topic = OUTPUT
+    let id = ev.event_id.unwrap_or_default();
+    let topic = OUTPUTS
         .lock()
         .expect("lock")
-        .clone()
+        .iter()
+        .find(|(run, _)| id.starts_with(&format!("{run}-")))
+        .map(|(_, topic)| topic.clone())
         .expect("an output topic");
-    let id = ev.event_id.unwrap_or_default();
     out.push(
         OutputRecord::new(&topic)
             .key(&id)
@@ -300,7 +303,10 @@ async fn through_kafka(scenario: &Scenario) -> Ended {
     let run = unique("kafka");
     let topic = topic_of(scenario, &run).await;
     let out = create_topic(1).await;
-    *OUTPUT.lock().expect("lock") = Some(out.clone());
+    OUTPUTS
+        .lock()
+        .expect("lock")
+        .push((run.clone(), out.clone()));
     let consumer = TransactionalConsumer::builder(&topic, into_kafka)
         .brokers(brokers())
         .group_id(unique("g"))
@@ -339,6 +345,8 @@ async fn through_kafka(scenario: &Scenario) -> Ended {
     )
 }
 
+/// Every scenario through both runtimes, all runs at once (each has its
+/// own topics, group and event ids).
 #[sqlx::test(migrations = false)]
 async fn both_runtimes_end_every_scenario_the_same_way(pool: PgPool) {
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
@@ -347,31 +355,42 @@ async fn both_runtimes_end_every_scenario_the_same_way(pool: PgPool) {
         .execute(&pool)
         .await
         .expect("table");
-    for scenario in SCENARIOS {
+    // The Kafka-only runtime needs a multi-thread runtime (its clients'
+    // blocking calls run in block_in_place); sqlx::test's is not.
+    let kafka: Vec<_> = SCENARIOS
+        .iter()
+        .map(|scenario| {
+            tokio::task::spawn_blocking(move || {
+                tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .expect("a runtime")
+                    .block_on(through_kafka(scenario))
+            })
+        })
+        .collect();
+    let database: Vec<_> = SCENARIOS
+        .iter()
+        .map(|scenario| {
+            let (pool, store) = (pool.clone(), store.clone());
+            tokio::spawn(async move { through_the_database(&pool, &store, scenario).await })
+        })
+        .collect();
+    for ((scenario, database), kafka) in SCENARIOS.iter().zip(database).zip(kafka) {
         let expected = Ended {
             applied: scenario.applied,
             skipped: scenario.skipped,
             dead: scenario.dead.iter().map(|k| (*k).to_owned()).collect(),
             retries_at_least: true,
         };
-        let database = through_the_database(&pool, &store, scenario).await;
+        let database = database.await.expect("joined");
         assert_eq!(
             database, expected,
             "{}: the database runtime",
             scenario.name
         );
-        // The Kafka-only runtime needs a multi-thread runtime (its clients'
-        // blocking calls run in block_in_place); sqlx::test's is not.
-        let kafka = tokio::task::spawn_blocking(move || {
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
-                .enable_all()
-                .build()
-                .expect("a runtime")
-                .block_on(through_kafka(scenario))
-        })
-        .await
-        .expect("joined");
+        let kafka = kafka.await.expect("joined");
         assert_eq!(kafka, expected, "{}: the Kafka-only runtime", scenario.name);
     }
 }

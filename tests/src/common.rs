@@ -305,13 +305,19 @@ pub fn database_url(pool: &PgPool) -> String {
 }
 
 /// Runs `cargo build --quiet <args>` once per test binary (`built` says
-/// whether it ran) and returns `target/<profile>`. A no-op when
-/// `scripts/test.sh` built the same already.
+/// whether it ran) and returns `target/<profile>`. Skipped when
+/// `DEDUP_TESTS_PREBUILT` is set: `scripts/tests.py` builds the same before
+/// it runs the test binaries side by side, where each one's build would
+/// queue on cargo's lock and re-link binaries another one is starting.
+/// `args` select the whole workspace, so the dependencies are built with
+/// the features `cargo test --workspace` gives them, not a second time.
 fn build_once(built: &OnceLock<()>, args: &[&str]) -> std::path::PathBuf {
     built.get_or_init(|| {
+        if std::env::var_os("DEDUP_TESTS_PREBUILT").is_some() {
+            return;
+        }
         let status = Command::new(env!("CARGO"))
-            .arg("build")
-            .arg("--quiet")
+            .args(["build", "--quiet", "--workspace"])
             .args(args)
             .status()
             .expect("cargo build");
@@ -350,7 +356,7 @@ pub async fn mysql_database() -> (String, sqlx::MySqlPool) {
 /// The binary of an example of `examples/`.
 pub fn example(name: &str) -> std::path::PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();
-    build_once(&BUILT, &["-p", "dedup-examples", "--examples"])
+    build_once(&BUILT, &["--examples"])
         .join("examples")
         .join(name)
 }
@@ -358,7 +364,7 @@ pub fn example(name: &str) -> std::path::PathBuf {
 /// The `dedup` operator tool, with its test-only crash points.
 pub fn cli() -> std::path::PathBuf {
     static BUILT: OnceLock<()> = OnceLock::new();
-    build_once(&BUILT, &["-p", "dedup-cli", "--features", "failpoints"]).join("dedup")
+    build_once(&BUILT, &["--bins", "--features", "dedup-cli/failpoints"]).join("dedup")
 }
 
 /// The payments example, reading `topic` in `group` from the brokers into

@@ -35,6 +35,14 @@ server_version() {
     ls /usr/lib/postgresql 2>/dev/null | sort -n | tail -n 1
 }
 
+ready() {
+    for _ in $(seq 1 60); do
+        pg_isready -q -h 127.0.0.1 -p "$PGPORT" && break
+        sleep 0.5
+    done
+    pg_isready -q -h 127.0.0.1 -p "$PGPORT" || { echo "postgres: not ready on port $PGPORT" >&2; exit 1; }
+}
+
 start() {
     if [ -z "$(server_version)" ] || ! command -v pg_ctlcluster >/dev/null; then
         echo "postgres: installing the server" >&2
@@ -42,17 +50,20 @@ start() {
     fi
     local version
     version="$(server_version)"
+    # Room for four test binaries at once (scripts/tests.py), each with
+    # two tests' pools, stores and child processes: Debian's 100 is not.
     if ! pg_lsclusters -h | awk '{print $1" "$2}' | grep -qx "$version $CLUSTER"; then
-        pg_createcluster "$version" "$CLUSTER" --port "$PGPORT" >/dev/null
+        pg_createcluster "$version" "$CLUSTER" --port "$PGPORT" -o max_connections=300 >/dev/null
     fi
     if ! pg_lsclusters -h | awk -v v="$version" -v c="$CLUSTER" '$1==v && $2==c {print $4}' | grep -q online; then
         pg_ctlcluster "$version" "$CLUSTER" start
     fi
-    for _ in $(seq 1 60); do
-        pg_isready -q -h 127.0.0.1 -p "$PGPORT" && break
-        sleep 0.5
-    done
-    pg_isready -q -h 127.0.0.1 -p "$PGPORT" || { echo "postgres: not ready on port $PGPORT" >&2; exit 1; }
+    ready
+    if [ "$(as_postgres psql -tA -p "$PGPORT" -d postgres -c 'SHOW max_connections')" -lt 300 ]; then
+        as_postgres psql -q -p "$PGPORT" -d postgres -c "ALTER SYSTEM SET max_connections = 300"
+        pg_ctlcluster "$version" "$CLUSTER" restart
+        ready
+    fi
     as_postgres psql -q -v ON_ERROR_STOP=1 -p "$PGPORT" -d postgres <<'SQL'
 DO $$
 BEGIN

@@ -255,6 +255,8 @@ def main():
     times_path = os.path.join(args.log_dir, "times.json")
 
     executables = build()
+    if not any(kind == "test" for _, _, kind, _ in executables):
+        sys.exit("tests: cargo listed no integration test to run")
     if args.no_run:
         return 0
     jobs = jobs_of(args.log_dir, executables)
@@ -284,8 +286,17 @@ def main():
         together.sort(key=lambda job: min([rank[n] for n in (job.name, job.target) if n in rank] or [len(rank)]))
 
     began = time.monotonic()
-    done = run(together, args.lanes, args.limit, f"{args.lanes} lanes")
-    done += run(last, 1, args.limit, "alone")
+    # Interrupted (Ctrl-C, or CI cancelling with SIGTERM), the jobs go too:
+    # each runs in a process group of its own, which the terminal's and
+    # CI's signals do not reach.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        done = run(together, args.lanes, args.limit, f"{args.lanes} lanes")
+        done += run(last, 1, args.limit, "alone")
+    finally:
+        for job in together + last:
+            if job.process is not None and job.process.poll() is None:
+                job.stop()
     wall = time.monotonic() - began
 
     kept = {**previous, **{job.name: round(job.seconds, 1) for job in done}}

@@ -304,24 +304,35 @@ pub fn database_url(pool: &PgPool) -> String {
     format!("{server}/{db}")
 }
 
-/// Runs `cargo build --quiet <args>` once per test binary (`built` says
-/// whether it ran) and returns `target/<profile>`. Skipped when
-/// `DEDUP_TESTS_PREBUILT` is set: `scripts/tests.py` builds the same before
-/// it runs the test binaries side by side, where each one's build would
-/// queue on cargo's lock and re-link binaries another one is starting.
-/// `args` select the whole workspace, so the dependencies are built with
-/// the features `cargo test --workspace` gives them, not a second time.
-fn build_once(built: &OnceLock<()>, args: &[&str]) -> std::path::PathBuf {
-    built.get_or_init(|| {
+/// Builds what the tests start as processes, once per test binary, and
+/// returns `target/<profile>`: the examples and the CLI with its crash
+/// points, with the arguments `scripts/tests.py` builds them with (the
+/// whole workspace's features, examples selected so that dev-dependencies'
+/// features count too: no dependency is built a second time). Skipped
+/// when `DEDUP_TESTS_PREBUILT` is set: `scripts/tests.py` built them
+/// before it runs the test binaries side by side, where each one's build
+/// would queue on cargo's lock and re-link binaries another one is
+/// starting.
+fn built() -> std::path::PathBuf {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    BUILT.get_or_init(|| {
         if std::env::var_os("DEDUP_TESTS_PREBUILT").is_some() {
             return;
         }
+        let args = [
+            "build",
+            "--quiet",
+            "--workspace",
+            "--bins",
+            "--examples",
+            "--features",
+            "dedup-cli/failpoints",
+        ];
         let status = Command::new(env!("CARGO"))
-            .args(["build", "--quiet", "--workspace"])
             .args(args)
             .status()
             .expect("cargo build");
-        assert!(status.success(), "cargo build {args:?} failed");
+        assert!(status.success(), "cargo {args:?} failed");
     });
     let deps = std::env::current_exe().expect("test binary");
     deps.parent()
@@ -355,16 +366,12 @@ pub async fn mysql_database() -> (String, sqlx::MySqlPool) {
 
 /// The binary of an example of `examples/`.
 pub fn example(name: &str) -> std::path::PathBuf {
-    static BUILT: OnceLock<()> = OnceLock::new();
-    build_once(&BUILT, &["--examples"])
-        .join("examples")
-        .join(name)
+    built().join("examples").join(name)
 }
 
 /// The `dedup` operator tool, with its test-only crash points.
 pub fn cli() -> std::path::PathBuf {
-    static BUILT: OnceLock<()> = OnceLock::new();
-    build_once(&BUILT, &["--bins", "--features", "dedup-cli/failpoints"]).join("dedup")
+    built().join("dedup")
 }
 
 /// The payments example, reading `topic` in `group` from the brokers into

@@ -19,7 +19,9 @@ use dedup_kafka::{
     Consumer, OutputRecord, Outputs, RetryPolicy, StatsSnapshot, TransactionalConsumer,
 };
 use dedup_postgres::{PgStore, PgTx};
-use dedup_tests::common::{brokers, create_topic, drain, header, producer, read_exactly, unique};
+use dedup_tests::common::{
+    brokers, create_topic, database_url, drain, header, producer, read_exactly, unique,
+};
 use dedup_tests::store;
 use rdkafka::message::Message as _;
 use rdkafka::producer::FutureRecord;
@@ -350,6 +352,14 @@ async fn through_kafka(scenario: &Scenario) -> Ended {
 #[sqlx::test(migrations = false)]
 async fn both_runtimes_end_every_scenario_the_same_way(pool: PgPool) {
     let _ = tracing_subscriber::fmt().with_test_writer().try_init();
+    // A pool with room for every run at once (sqlx::test's has 5
+    // connections): a run waiting for one past its attempt timeout would
+    // be retried, and end otherwise than the scenario says.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(SCENARIOS.len() as u32 * 2)
+        .connect(&database_url(&pool))
+        .await
+        .expect("a pool for every run");
     let store = store(&pool).await;
     sqlx::query("CREATE TABLE scenario_applied (event_id text NOT NULL)")
         .execute(&pool)

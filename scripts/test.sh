@@ -79,11 +79,10 @@ phase "fmt, clippy, shape, alert rules, manifests" lint
 phase "build" python3 scripts/tests.py --no-run
 
 wait_services() {
-    if ! wait "$services_pid"; then
-        cat "$services_log"
-        return 1
-    fi
+    local code=0
+    wait "$services_pid" || code=$?
     cat "$services_log"
+    [ "$code" = 0 ] || return "$code"
     echo "test: services started in $((SECONDS - services_began)) s, beside the lint and the build"
 }
 phase "services (what outlasted the build)" wait_services
@@ -99,7 +98,7 @@ set +a
 # The test binaries side by side (scripts/tests.py), four at a time: each
 # test makes its own topics, groups, databases and ports, and most of their
 # time is spent waiting on brokers, rebalances and restarts (the machine's
-# two cores were 28% busy running them one after another, 61% four at a
+# two cores were 28% busy running them two at a time, 61-65% four at a
 # time). On a fresh machine (no times kept from a run before) the slowest
 # start first; after that, by the times of the last run.
 log="$(mktemp)"

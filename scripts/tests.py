@@ -10,8 +10,7 @@ in the log directory, or the `--first` names on a fresh machine). It runs
 each executable `cargo test --workspace --no-run` lists directly, in its
 package's directory with the CARGO_* variables cargo would give it, so no
 cargo runs beside another (one would rebuild what the other is linking);
-the doc tests are `cargo test --doc`, a job of their own. Binaries named by
-`--alone` run last, with nothing beside them.
+the doc tests are `cargo test --doc`, a job of their own.
 
 Each job's output goes to `<log-dir>/<name>.log`; a line is printed as
 each ends, the failures' output at the end, then a table of every job's
@@ -195,7 +194,7 @@ def failure_output(job, max_lines=3000):
     return "".join(lines[start : start + max_lines])
 
 
-def run(jobs, lanes, limit, label):
+def run(jobs, lanes, limit):
     """Runs `jobs` (in order) in `lanes` at once; returns them finished."""
     waiting = list(jobs)
     running = {}
@@ -212,7 +211,7 @@ def run(jobs, lanes, limit, label):
                 continue
             job.finish(job.process.returncode)
             del running[pid]
-            print(f"tests ({label}): {job.summary()}", flush=True)
+            print(f"tests ({lanes} lanes): {job.summary()}", flush=True)
     return jobs
 
 
@@ -243,7 +242,6 @@ def jobs_of(log_dir, executables):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lanes", type=int, default=2)
-    parser.add_argument("--alone", default="", help="comma-separated tests run last, alone")
     parser.add_argument("--first", default="", help="comma-separated tests to start first when no times are kept")
     parser.add_argument("--limit", type=int, default=1200, help="seconds a job may take")
     parser.add_argument("--log-dir", default="target/test-logs")
@@ -264,14 +262,8 @@ def main():
         for job in jobs:
             if job.name != "doc tests":
                 job.command.append("--show-output")
-    alone = [n for n in args.alone.split(",") if n]
-    unknown = [n for n in alone if not any(job.matches([n]) for job in jobs)]
-    if unknown:
-        sys.exit(f"tests: no test named {', '.join(unknown)}")
     if args.only:
         jobs = [job for job in jobs if job.matches(args.only)]
-    last = [job for job in jobs if job.matches(alone)]
-    together = [job for job in jobs if not job.matches(alone)]
 
     try:
         with open(times_path) as f:
@@ -279,11 +271,11 @@ def main():
     except (OSError, ValueError):
         previous = {}
     first = [n for n in args.first.split(",") if n]
-    if all(job.name in previous for job in together):
-        together.sort(key=lambda job: -previous[job.name])
+    if all(job.name in previous for job in jobs):
+        jobs.sort(key=lambda job: -previous[job.name])
     else:
         rank = {name: i for i, name in enumerate(first)}
-        together.sort(key=lambda job: min([rank[n] for n in (job.name, job.target) if n in rank] or [len(rank)]))
+        jobs.sort(key=lambda job: min([rank[n] for n in (job.name, job.target) if n in rank] or [len(rank)]))
 
     began = time.monotonic()
     # Interrupted (Ctrl-C, or CI cancelling with SIGTERM), the jobs go too:
@@ -291,10 +283,9 @@ def main():
     # CI's signals do not reach.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        done = run(together, args.lanes, args.limit, f"{args.lanes} lanes")
-        done += run(last, 1, args.limit, "alone")
+        done = run(jobs, args.lanes, args.limit)
     finally:
-        for job in together + last:
+        for job in jobs:
             if job.process is not None and job.process.poll() is None:
                 job.stop()
     wall = time.monotonic() - began

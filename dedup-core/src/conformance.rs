@@ -20,9 +20,11 @@
 mod fingerprint;
 mod lease;
 pub mod outbox;
+mod transport;
 
 pub use fingerprint::*;
 pub use lease::*;
+pub use transport::batch_transactions_are_not_held;
 
 use std::time::{Duration, SystemTime};
 

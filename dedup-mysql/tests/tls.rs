@@ -118,6 +118,20 @@ async fn verify_identity_from_the_config() {
     applies_once_over_tls(&store).await;
 }
 
+/// A batch's transaction over TLS is sent as it is written, not held 40 ms
+/// for the server's delayed acknowledgement (sqlx 0.9.0 left Nagle's
+/// algorithm on).
+#[tokio::test]
+async fn a_batch_over_tls_is_not_held_for_acknowledgements() {
+    let db = fresh_database().await;
+    let config = MySqlConfig::default().with_max_connections(1);
+    let store = MySqlStore::connect_with(&verified_url("dedup_tls", &db), config)
+        .await
+        .expect("VERIFY_IDENTITY through the URL");
+    store.migrate().await.expect("migrate over TLS");
+    dedup_core::conformance::batch_transactions_are_not_held(&store).await;
+}
+
 #[tokio::test]
 async fn a_client_certificate_where_the_server_asks_for_one() {
     let db = fresh_database().await;

@@ -116,6 +116,20 @@ async fn verify_full_from_the_config() {
     applies_once_over_tls(&store).await;
 }
 
+/// A batch's transaction over TLS is sent as it is written, not held 40 ms
+/// for the server's delayed acknowledgement (sqlx 0.9.0 left Nagle's
+/// algorithm on: the batched benchmark ran at a third of its rate).
+#[tokio::test]
+async fn a_batch_over_tls_is_not_held_for_acknowledgements() {
+    let db = fresh_database().await;
+    let config = PgConfig::default().with_max_connections(1);
+    let store = PgStore::connect_with(&verified_url("dedup_tls", &db), config)
+        .await
+        .expect("verify-full through the URL");
+    store.migrate().await.expect("migrate over TLS");
+    dedup_core::conformance::batch_transactions_are_not_held(&store).await;
+}
+
 #[tokio::test]
 async fn a_client_certificate_where_the_server_asks_for_one() {
     let db = fresh_database().await;

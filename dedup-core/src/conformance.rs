@@ -2,9 +2,8 @@
 //!
 //! Each function takes a fresh, empty store and panics on a violation of the
 //! claim contract. A backend proves itself by calling every one of them, each
-//! in its own test (with its own database or schema, so they run in
-//! parallel). [`conformance_tests!`](crate::conformance_tests) writes those
-//! tests, so a backend cannot miss a case:
+//! in its own test (own database or schema: they run in parallel);
+//! [`conformance_tests!`](crate::conformance_tests) writes those tests:
 //!
 //! ```
 //! dedup_core::conformance_tests!(
@@ -20,11 +19,10 @@
 mod fingerprint;
 mod lease;
 pub mod outbox;
-mod transport;
+pub mod transport;
 
 pub use fingerprint::*;
 pub use lease::*;
-pub use transport::batch_transactions_are_not_held;
 
 use std::time::{Duration, SystemTime};
 

@@ -268,7 +268,7 @@ pub trait HandlerExt: Handler {
         }
     }
     /// Applies a batch of decoded events in ONE transaction: one
-    /// [`claim_many`](DedupStore::claim_many) statement for all their keys,
+    /// [`claim_many`](DedupStore::claim_many) for all their keys,
     /// the body for each claimed event in order, one commit.
     ///
     /// Each event comes with its key and its

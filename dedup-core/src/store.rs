@@ -109,8 +109,9 @@ pub trait DedupStore: Send + Sync + 'static {
         ttl: Ttl,
     ) -> impl Future<Output = Result<Claim, StoreError>> + Send;
 
-    /// Claims many keys inside `tx` in one round trip, returning one outcome
-    /// per key in the order given.
+    /// Claims many keys inside `tx` in a few statements whatever their
+    /// number (not one per key), returning one outcome per key in the order
+    /// given.
     ///
     /// `fingerprints` is empty (none kept) or holds one per key.
     ///

@@ -1,6 +1,5 @@
 #![doc = include_str!("../README.md")]
 
-use std::collections::HashMap;
 use std::error::Error as StdError;
 use std::fmt;
 use std::sync::Arc;
@@ -11,8 +10,7 @@ use dedup_core::{
     PurgeExpired, Purger, StoreError, Ttl,
 };
 use dedup_sql::{
-    BatchClaims, ClaimStatements, Dialect, SqlConfig, StoreHandle, TableName, Taken,
-    age_from_micros, fingerprint_from, live_claim, sql, time_from_unix_micros, ttl_seconds,
+    ClaimStatements, Dialect, SqlConfig, StoreHandle, TableName, live_claim, sql, ttl_seconds,
 };
 use sha2::{Digest, Sha256};
 use sqlx::postgres::{PgConnectOptions, PgSslMode};
@@ -23,6 +21,7 @@ pub use dedup_sql::{Error, InvalidRole, InvalidTableName};
 pub use grants::{grant, grant_statements};
 
 pub mod admin;
+mod batch;
 mod grants;
 mod lease;
 mod outbox;
@@ -97,6 +96,7 @@ struct Statements {
     begin: Arc<str>,
     claim: Arc<str>,
     claim_many: Arc<str>,
+    insert_many: Arc<str>,
     expiry: Arc<str>,
     expiry_many: Arc<str>,
     refresh: Arc<str>,
@@ -161,9 +161,10 @@ impl ClaimStatements for Statements {
              VALUES ($1, $2, $3, now(), now() + $4 * interval '1 second', $5) {upsert} \
              RETURNING (c.xmax = 0) AS fresh"
         );
-        // Sorted so that concurrent batches lock rows in one order and cannot
-        // deadlock each other. A NULL array of fingerprints (none kept)
-        // unnests as NULLs beside the others.
+        // A batch's expired claims, and its ids another transaction inserted
+        // since the batch read them (batch.rs). Sorted so that concurrent
+        // batches lock rows in one order. A NULL array of fingerprints (none
+        // kept) unnests as NULLs beside the others.
         let claim_many = format!(
             "INSERT INTO {t} AS c (id, scope, key, claimed_at, expires_at, fingerprint) \
              SELECT u.id, u.scope, u.key, now(), now() + $4 * interval '1 second', u.fingerprint \
@@ -172,12 +173,42 @@ impl ClaimStatements for Statements {
              ORDER BY u.id {upsert} \
              RETURNING c.id, (c.xmax = 0) AS fresh, {EXPIRES_MICROS} AS expires_us"
         );
+        // A batch's claims that no row held when the batch read them,
+        // inserted plainly: no speculative insertion, so no confirmation
+        // record per row (48 WAL bytes a claim). Run in a savepoint: a claim
+        // another transaction took since the read fails it (a unique
+        // violation), and the upsert above decides those keys instead.
+        // Only where `id` is the table's unique key (checked once per
+        // statement, from the catalog): without it a plain insert would
+        // claim twice, so it inserts nothing and the upsert's own error
+        // (no unique key for ON CONFLICT, 42P10) says the table is of
+        // another version.
+        let keyed = format!(
+            "EXISTS (SELECT 1 FROM pg_catalog.pg_index i \
+                 JOIN pg_catalog.pg_attribute a \
+                     ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] \
+                 WHERE i.indrelid = '{t}'::regclass AND i.indisunique AND i.indisvalid \
+                     AND i.indnatts = 1 AND a.attname = 'id')"
+        );
+        let insert_many = format!(
+            "INSERT INTO {t} (id, scope, key, claimed_at, expires_at, fingerprint) \
+             SELECT u.id, u.scope, u.key, now(), now() + $4 * interval '1 second', u.fingerprint \
+             FROM unnest($1::uuid[], $2::text[], $3::text[], $5::bytea[]) \
+                 AS u(id, scope, key, fingerprint) \
+             WHERE {keyed} \
+             ORDER BY u.id \
+             RETURNING id, {EXPIRES_MICROS} AS expires_us"
+        );
         // A duplicate's expiry, age and fingerprint: the one extra statement
         // a batch with duplicates takes, whether fingerprints are kept or not.
         let expiry =
             format!("SELECT {EXPIRES_MICROS}, {AGE_MICROS}, fingerprint FROM {t} WHERE id = $1");
+        // Also a batch's first statement: which of its claims exist, and
+        // whether each is live on the database clock (`now()`, as the
+        // upsert's take-over condition).
         let expiry_many = format!(
-            "SELECT id, {EXPIRES_MICROS} AS expires_us, {AGE_MICROS} AS age_us, fingerprint \
+            "SELECT id, {EXPIRES_MICROS} AS expires_us, {AGE_MICROS} AS age_us, fingerprint, \
+                 expires_at > now() AS live \
              FROM {t} WHERE id = ANY($1::uuid[])"
         );
         // clock_timestamp(), not now(): now() is the transaction's start,
@@ -222,6 +253,7 @@ impl ClaimStatements for Statements {
             begin: begin.into(),
             claim: claim.into(),
             claim_many: claim_many.into(),
+            insert_many: insert_many.into(),
             expiry: expiry.into(),
             expiry_many: expiry_many.into(),
             refresh: refresh.into(),
@@ -403,6 +435,8 @@ impl DedupStore for PgStore {
         Ok(live_claim(row))
     }
 
+    /// A read, a plain insert, and the upsert only for expired keys and
+    /// races (`batch.rs`).
     async fn claim_many(
         &self,
         tx: &mut PgTx,
@@ -410,79 +444,7 @@ impl DedupStore for PgStore {
         fingerprints: &[Option<Fingerprint>],
         ttl: Ttl,
     ) -> Result<Vec<Claim>, StoreError> {
-        let mut batch = BatchClaims::new(keys, fingerprints);
-        if batch.distinct().is_empty() {
-            return Ok(Vec::new());
-        }
-        let keys_by_id: HashMap<Uuid, &DedupKey> = batch
-            .distinct()
-            .iter()
-            .map(|&key| (claim_id(key), key))
-            .collect();
-        let mut ids = Vec::with_capacity(keys_by_id.len());
-        let mut scopes = Vec::with_capacity(keys_by_id.len());
-        let mut keys = Vec::with_capacity(keys_by_id.len());
-        let mut kept = Vec::with_capacity(keys_by_id.len());
-        for (id, key) in &keys_by_id {
-            ids.push(*id);
-            scopes.push(key.scope());
-            keys.push(key.id());
-            kept.push(batch.fingerprint(key));
-        }
-        let kept: Option<Vec<Option<&[u8]>>> = kept.iter().any(Option::is_some).then(|| {
-            kept.iter()
-                .map(|f| f.as_ref().map(|f| &f.as_bytes()[..]))
-                .collect()
-        });
-        let rows = sqlx::query(sql(&self.handle.statements().claim_many))
-            .bind(&ids)
-            .bind(&scopes)
-            .bind(&keys)
-            .bind(ttl_seconds(ttl))
-            .bind(kept)
-            .fetch_all(&mut **tx)
-            .await
-            .map_err(store_error)?;
-        for row in rows {
-            let (id, fresh, expires_us): (Uuid, bool, i64) =
-                sqlx::FromRow::from_row(&row).map_err(store_error)?;
-            if let Some(key) = keys_by_id.get(&id) {
-                batch.claimed(
-                    key.scope(),
-                    key.id(),
-                    if fresh {
-                        Taken::Fresh
-                    } else {
-                        Taken::Reclaimed
-                    },
-                    time_from_unix_micros(expires_us),
-                );
-            }
-        }
-        // Keys with no row returned hold live claims: read their expiry in a
-        // new statement, which sees claims that committed while we waited.
-        let unclaimed: Vec<Uuid> = batch.unclaimed().into_iter().map(claim_id).collect();
-        if !unclaimed.is_empty() {
-            let rows = sqlx::query(sql(&self.handle.statements().expiry_many))
-                .bind(&unclaimed)
-                .fetch_all(&mut **tx)
-                .await
-                .map_err(store_error)?;
-            for row in rows {
-                let (id, expires_us, age_us, kept): (Uuid, i64, i64, Option<Vec<u8>>) =
-                    sqlx::FromRow::from_row(&row).map_err(store_error)?;
-                if let Some(key) = keys_by_id.get(&id) {
-                    batch.live(
-                        key.scope(),
-                        key.id(),
-                        time_from_unix_micros(expires_us),
-                        age_from_micros(age_us),
-                        fingerprint_from(kept),
-                    );
-                }
-            }
-        }
-        Ok(batch.finish())
+        batch::claim_many(self.handle.statements(), tx, keys, fingerprints, ttl).await
     }
 
     async fn refresh_claims(

@@ -274,6 +274,108 @@ async fn a_schema_qualified_v1_table_upgrades_in_place(pool: PgPool) {
     );
 }
 
+/// What a batch claim wrote, read inside its transaction: per id, whether
+/// its row version is this transaction's own (`xmin` its top-level id: the
+/// `ON CONFLICT` statement) or a subtransaction's (the plain insert, in its
+/// savepoint), and whether this transaction locked it (`xmax`).
+async fn written_by(
+    tx: &mut dedup_postgres::PgTx,
+    table: &str,
+    ids: &[uuid::Uuid],
+) -> Vec<(bool, bool)> {
+    let mut out = Vec::new();
+    for id in ids {
+        let (top, locked): (bool, bool) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT xmin::text::int8 = pg_current_xact_id()::text::int8 % 4294967296, \
+                    xmax::text::int8 = pg_current_xact_id()::text::int8 % 4294967296 \
+             FROM {table} WHERE id = $1"
+        )))
+        .bind(id)
+        .fetch_one(&mut **tx)
+        .await
+        .expect("the claim's row");
+        out.push((top, locked));
+    }
+    out
+}
+
+/// A batch claims its new keys with a plain insert (no speculative
+/// insertion: its rows are the savepoint's), takes an expired claim over
+/// with the upsert (the transaction's own), and neither writes nor locks a
+/// live duplicate's row: on a fresh table and on a v1 table upgraded in
+/// place, where `id` was added last.
+#[sqlx::test(migrations = false)]
+async fn a_batch_inserts_new_claims_plainly_and_leaves_duplicates_alone(pool: PgPool) {
+    for (table, quoted) in [
+        ("dedup_claims", "dedup_claims"),
+        ("billing.Claims", r#"billing."Claims""#),
+    ] {
+        if table == "billing.Claims" {
+            migrate_to_v1(&pool, table).await;
+        }
+        let config = dedup_postgres::PgConfig::default().with_table(table);
+        let store = PgStore::from_pool_with(pool.clone(), config).expect("store");
+        store.migrate().await.expect("migrate");
+        let ttl = Ttl::from_secs(3600).expect("ttl");
+        let (live, expired) = (key("payments", "live"), key("payments", "expired"));
+        let mut tx = store.begin().await.expect("begin");
+        store
+            .claim_many(&mut tx, &[live.clone(), expired.clone()], &[], ttl)
+            .await
+            .expect("first claims");
+        store.commit(tx).await.expect("commit");
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "UPDATE {quoted} SET expires_at = now() - interval '1 second' WHERE id = $1"
+        )))
+        .bind(claim_id(&expired))
+        .execute(&pool)
+        .await
+        .expect("expire one");
+
+        let keys = [
+            key("payments", "new-1"),
+            live,
+            expired,
+            key("payments", "new-2"),
+        ];
+        let mut tx = store.begin().await.expect("begin");
+        let claims = store
+            .claim_many(&mut tx, &keys, &[], ttl)
+            .await
+            .expect("claim_many");
+        let ids: Vec<uuid::Uuid> = keys.iter().map(claim_id).collect();
+        let written = written_by(&mut tx, quoted, &ids).await;
+        store.commit(tx).await.expect("commit");
+
+        assert_eq!(claims[0], Claim::Fresh, "{table}: {claims:?}");
+        assert!(
+            matches!(claims[1], Claim::Duplicate { .. }),
+            "{table}: {claims:?}"
+        );
+        assert_eq!(claims[2], Claim::Reclaimed, "{table}: {claims:?}");
+        assert_eq!(claims[3], Claim::Fresh, "{table}: {claims:?}");
+        let said = format!(
+            "{table}: (row version the transaction's own, locked by it) per key: {written:?}"
+        );
+        assert_eq!(
+            written[0],
+            (false, false),
+            "new, inserted in the savepoint: {said}"
+        );
+        assert_eq!(
+            written[3],
+            (false, false),
+            "new, inserted in the savepoint: {said}"
+        );
+        assert_eq!(
+            written[1],
+            (false, false),
+            "live, neither written nor locked: {said}"
+        );
+        assert!(written[2].0, "expired, taken over by the upsert: {said}");
+    }
+}
+
 /// Between two versions of the table the store's errors are the
 /// environment's, so the runtime waits them out instead of dead-lettering
 /// good events: a table not migrated yet (no `id` column), and one whose

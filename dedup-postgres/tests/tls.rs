@@ -127,7 +127,7 @@ async fn a_batch_over_tls_is_not_held_for_acknowledgements() {
         .await
         .expect("verify-full through the URL");
     store.migrate().await.expect("migrate over TLS");
-    dedup_core::conformance::batch_transactions_are_not_held(&store).await;
+    dedup_core::conformance::transport::batch_transactions_are_not_held(&store).await;
 }
 
 #[tokio::test]

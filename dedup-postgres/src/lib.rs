@@ -163,8 +163,8 @@ impl ClaimStatements for Statements {
         );
         // A batch's expired claims, and its ids another transaction inserted
         // since the batch read them (batch.rs). Sorted so that concurrent
-        // batches lock rows in one order. A NULL array of fingerprints (none
-        // kept) unnests as NULLs beside the others.
+        // statements lock rows in one order. A NULL array of fingerprints
+        // (none kept) unnests as NULLs beside the others.
         let claim_many = format!(
             "INSERT INTO {t} AS c (id, scope, key, claimed_at, expires_at, fingerprint) \
              SELECT u.id, u.scope, u.key, now(), now() + $4 * interval '1 second', u.fingerprint \
@@ -178,8 +178,9 @@ impl ClaimStatements for Statements {
         // record per row (48 WAL bytes a claim). Run in a savepoint: a claim
         // another transaction took since the read fails it (a unique
         // violation), and the upsert above decides those keys instead.
-        // Only where `id` is the table's unique key (checked once per
-        // statement, from the catalog): without it a plain insert would
+        // Only where `id` is the table's unique key, checked once per
+        // statement from the catalog: a valid, immediate, non-partial
+        // unique index on `id` alone. Without it a plain insert would
         // claim twice, so it inserts nothing and the upsert's own error
         // (no unique key for ON CONFLICT, 42P10) says the table is of
         // another version.
@@ -188,6 +189,7 @@ impl ClaimStatements for Statements {
                  JOIN pg_catalog.pg_attribute a \
                      ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] \
                  WHERE i.indrelid = '{t}'::regclass AND i.indisunique AND i.indisvalid \
+                     AND i.indimmediate AND i.indpred IS NULL \
                      AND i.indnatts = 1 AND a.attname = 'id')"
         );
         let insert_many = format!(

@@ -180,17 +180,17 @@ impl ClaimStatements for Statements {
         // violation), and the upsert above decides those keys instead.
         // Only where `id` is the table's unique key, checked once per
         // statement from the catalog: a valid, immediate, non-partial
-        // unique index on `id` alone. Without it a plain insert would
-        // claim twice, so it inserts nothing and the upsert's own error
-        // (no unique key for ON CONFLICT, 42P10) says the table is of
-        // another version.
+        // unique index keyed by `id` alone. Without it a plain insert would
+        // claim twice (or find a race only at COMMIT), so it inserts
+        // nothing and the upsert's own error (42P10, or 55000 for a
+        // deferrable key) says the table is of another version.
         let keyed = format!(
             "EXISTS (SELECT 1 FROM pg_catalog.pg_index i \
                  JOIN pg_catalog.pg_attribute a \
                      ON a.attrelid = i.indrelid AND a.attnum = i.indkey[0] \
                  WHERE i.indrelid = '{t}'::regclass AND i.indisunique AND i.indisvalid \
                      AND i.indimmediate AND i.indpred IS NULL \
-                     AND i.indnatts = 1 AND a.attname = 'id')"
+                     AND i.indnkeyatts = 1 AND a.attname = 'id')"
         );
         let insert_many = format!(
             "INSERT INTO {t} (id, scope, key, claimed_at, expires_at, fingerprint) \
@@ -373,16 +373,17 @@ pub fn connect_options(url: &str, config: &PgConfig) -> Result<PgConnectOptions,
 }
 
 /// An error of the store's own statements. Their text is fixed, so a
-/// missing column (`42703`) or no unique key for `ON CONFLICT` (`42P10`)
-/// says the table is of another version than this code (not migrated yet,
-/// or migrated by a newer version): the environment's, waited out. (From a
-/// handler's statements, which an event can shape, the same codes keep
+/// missing column (`42703`), no unique key for `ON CONFLICT` (`42P10`) or
+/// a deferrable one (`55000`, which `ON CONFLICT` refuses) says the table
+/// is of another version than this code (not migrated yet, or migrated by
+/// a newer version): the environment's, waited out. (From a handler's
+/// statements, which an event can shape, the same codes keep
 /// [`Pg::classify_code`]'s rule.)
 fn store_error(e: sqlx::Error) -> StoreError {
     let code = e
         .as_database_error()
         .and_then(|db| db.code())
-        .filter(|code| matches!(code.as_ref(), "42703" | "42P10"))
+        .filter(|code| matches!(code.as_ref(), "42703" | "42P10" | "55000"))
         .map(|code| code.into_owned());
     match code {
         Some(code) => StoreError::environment(e).with_code(code),

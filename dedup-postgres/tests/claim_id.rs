@@ -379,7 +379,8 @@ async fn a_batch_inserts_new_claims_plainly_and_leaves_duplicates_alone(pool: Pg
 /// Between two versions of the table the store's errors are the
 /// environment's, so the runtime waits them out instead of dead-lettering
 /// good events: a table not migrated yet (no `id` column), and one whose
-/// key a newer version changed (no unique key on `id` for `ON CONFLICT`).
+/// key a newer version changed (no unique key on `id` for `ON CONFLICT`, or
+/// a deferrable one).
 #[sqlx::test(migrations = false)]
 async fn a_table_between_versions_is_waited_out(pool: PgPool) {
     let store = PgStore::from_pool(pool.clone());
@@ -414,5 +415,18 @@ async fn a_table_between_versions_is_waited_out(pool: PgPool) {
         claim_error().await,
         (Classification::Environment, Some("42P10".to_owned())),
         "migrated by a newer version"
+    );
+
+    // A key `ON CONFLICT` refuses to use (deferrable): neither the plain
+    // insert (which would find a race only at COMMIT, as an event's error)
+    // nor the upsert runs.
+    sqlx::query("ALTER TABLE dedup_claims ADD PRIMARY KEY (id) DEFERRABLE")
+        .execute(&pool)
+        .await
+        .expect("a deferrable key");
+    assert_eq!(
+        claim_error().await,
+        (Classification::Environment, Some("55000".to_owned())),
+        "a deferrable key"
     );
 }

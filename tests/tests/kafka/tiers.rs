@@ -176,11 +176,16 @@ fn origins_once(records: &[rdkafka::message::OwnedMessage], tier: &str) -> HashS
 async fn a_failing_key_waits_in_a_tier_while_the_others_are_applied(pool: PgPool) {
     let store = failing_store(&pool).await;
     let topic = create_topic(2).await;
-    let tiers = create_tiers(&topic, &["2s", "15s"], 2).await;
+    // The failure ends once the others are applied, which this test allows
+    // 20 s under load (below): the tiers outlast that (2 + 15 + 30 s), so
+    // no failing event runs out of them and is dead-lettered first (a
+    // loaded four-lane run took 11 s for the others and dead-lettered 21
+    // with only the first two).
+    let tiers = create_tiers(&topic, &["2s", "15s", "30s"], 2).await;
     let running = start(
         consumer(&store, &unique("g"))
             .retry_tiers_with(
-                RetryTiers::new(["2s", "15s"])
+                RetryTiers::new(["2s", "15s", "30s"])
                     .expect("tiers")
                     .attempts_in_place(2),
             )
@@ -269,14 +274,16 @@ async fn a_failing_key_waits_in_a_tier_while_the_others_are_applied(pool: PgPool
     assert_eq!(bad_applied as usize, bad);
 
     // Every failing event went to the first tier once, some on to the
-    // second (once); what a tier's record says of it.
+    // second and third (once); what a tier's record says of it.
     let first = read_all(&tiers[0]).await;
     let second = read_all(&tiers[1]).await;
+    let third = read_all(&tiers[2]).await;
     assert_eq!(origins_once(&first, "the 2s tier").len(), bad);
     origins_once(&second, "the 15s tier");
+    origins_once(&third, "the 30s tier");
     assert_eq!(
         stats.moved as usize,
-        first.len() + second.len(),
+        first.len() + second.len() + third.len(),
         "{stats:?}"
     );
     let record = &first[0];

@@ -10,7 +10,7 @@ use dedup_sql::{
     BatchClaims, Taken, age_from_micros, fingerprint_from, sql, time_from_unix_micros, ttl_seconds,
 };
 use sqlx::Postgres;
-use sqlx::postgres::PgArguments;
+use sqlx::postgres::{PgArguments, PgRow};
 use uuid::Uuid;
 
 use crate::{PgTx, Statements, claim_id, store_error};
@@ -125,17 +125,7 @@ impl Claimer<'_, '_> {
             Err(e) => return Err(store_error(e)),
         };
         savepoint(tx, "RELEASE SAVEPOINT dedup_claim").await?;
-        let mut left: HashSet<Uuid> = ids.iter().copied().collect();
-        for row in inserted {
-            let (id, expires_us): (Uuid, i64) =
-                sqlx::FromRow::from_row(&row).map_err(store_error)?;
-            if let Some(key) = self.keys_by_id.get(&id) {
-                left.remove(&id);
-                let expires_at = time_from_unix_micros(expires_us);
-                batch.claimed(key.scope(), key.id(), Taken::Fresh, expires_at);
-            }
-        }
-        Ok(left.into_iter().collect())
+        self.taken(batch, &inserted, ids)
     }
 
     /// Claims `ids` with the upsert: each is created, taken over if
@@ -155,10 +145,23 @@ impl Claimer<'_, '_> {
             .fetch_all(&mut **tx)
             .await
             .map_err(store_error)?;
+        let left = self.taken(batch, &taken, ids)?;
+        self.live.extend(left);
+        Ok(())
+    }
+
+    /// Records the claims a writing statement returned (`id`, `fresh`,
+    /// `expires_us`) and returns the ids of `ids` it did not return.
+    fn taken(
+        &self,
+        batch: &mut BatchClaims<'_>,
+        rows: &[PgRow],
+        ids: &[Uuid],
+    ) -> Result<Vec<Uuid>, StoreError> {
         let mut left: HashSet<Uuid> = ids.iter().copied().collect();
-        for row in taken {
+        for row in rows {
             let (id, fresh, expires_us): (Uuid, bool, i64) =
-                sqlx::FromRow::from_row(&row).map_err(store_error)?;
+                sqlx::FromRow::from_row(row).map_err(store_error)?;
             if let Some(key) = self.keys_by_id.get(&id) {
                 left.remove(&id);
                 let taken = if fresh {
@@ -166,16 +169,11 @@ impl Claimer<'_, '_> {
                 } else {
                     Taken::Reclaimed
                 };
-                batch.claimed(
-                    key.scope(),
-                    key.id(),
-                    taken,
-                    time_from_unix_micros(expires_us),
-                );
+                let expires_at = time_from_unix_micros(expires_us);
+                batch.claimed(key.scope(), key.id(), taken, expires_at);
             }
         }
-        self.live.extend(left);
-        Ok(())
+        Ok(left.into_iter().collect())
     }
 }
 

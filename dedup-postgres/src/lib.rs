@@ -161,18 +161,22 @@ impl ClaimStatements for Statements {
              VALUES ($1, $2, $3, now(), now() + $4 * interval '1 second', $5) {upsert} \
              RETURNING (c.xmax = 0) AS fresh"
         );
-        // A batch's expired claims, and its ids another transaction inserted
-        // since the batch read them (batch.rs). Sorted so that concurrent
-        // statements lock rows in one order. A NULL array of fingerprints
-        // (none kept) unnests as NULLs beside the others.
-        let claim_many = format!(
+        // A batch's rows, from the arrays batch.rs binds. Sorted so that
+        // concurrent statements lock rows in one order. A NULL array of
+        // fingerprints (none kept) unnests as NULLs beside the others. Both
+        // batch statements return what the batch records of a claim taken
+        // (`fresh` is always true for the plain insert).
+        let batch_rows = format!(
             "INSERT INTO {t} AS c (id, scope, key, claimed_at, expires_at, fingerprint) \
              SELECT u.id, u.scope, u.key, now(), now() + $4 * interval '1 second', u.fingerprint \
              FROM unnest($1::uuid[], $2::text[], $3::text[], $5::bytea[]) \
-                 AS u(id, scope, key, fingerprint) \
-             ORDER BY u.id {upsert} \
-             RETURNING c.id, (c.xmax = 0) AS fresh, {EXPIRES_MICROS} AS expires_us"
+                 AS u(id, scope, key, fingerprint)"
         );
+        let taken =
+            format!("RETURNING c.id, (c.xmax = 0) AS fresh, {EXPIRES_MICROS} AS expires_us");
+        // A batch's expired claims, and its ids another transaction inserted
+        // since the batch read them.
+        let claim_many = format!("{batch_rows} ORDER BY u.id {upsert} {taken}");
         // A batch's claims that no row held when the batch read them,
         // inserted plainly: no speculative insertion, so no confirmation
         // record per row (48 WAL bytes a claim). Run in a savepoint: a claim
@@ -192,22 +196,14 @@ impl ClaimStatements for Statements {
                      AND i.indimmediate AND i.indpred IS NULL \
                      AND i.indnkeyatts = 1 AND a.attname = 'id')"
         );
-        let insert_many = format!(
-            "INSERT INTO {t} (id, scope, key, claimed_at, expires_at, fingerprint) \
-             SELECT u.id, u.scope, u.key, now(), now() + $4 * interval '1 second', u.fingerprint \
-             FROM unnest($1::uuid[], $2::text[], $3::text[], $5::bytea[]) \
-                 AS u(id, scope, key, fingerprint) \
-             WHERE {keyed} \
-             ORDER BY u.id \
-             RETURNING id, {EXPIRES_MICROS} AS expires_us"
-        );
-        // A duplicate's expiry, age and fingerprint: the one extra statement
-        // a batch with duplicates takes, whether fingerprints are kept or not.
+        let insert_many = format!("{batch_rows} WHERE {keyed} ORDER BY u.id {taken}");
+        // A single claim's duplicate: its expiry, age and fingerprint, the
+        // one extra statement it takes, whether fingerprints are kept or not.
         let expiry =
             format!("SELECT {EXPIRES_MICROS}, {AGE_MICROS}, fingerprint FROM {t} WHERE id = $1");
-        // Also a batch's first statement: which of its claims exist, and
-        // whether each is live on the database clock (`now()`, as the
-        // upsert's take-over condition).
+        // A batch's read of its claims (first, and again for the ids its
+        // upserts found live): which exist, and whether each is live on the
+        // database clock (`now()`, as the upsert's take-over condition).
         let expiry_many = format!(
             "SELECT id, {EXPIRES_MICROS} AS expires_us, {AGE_MICROS} AS age_us, fingerprint, \
                  expires_at > now() AS live \

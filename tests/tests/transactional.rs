@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::{KillOnDrop, brokers, create_topic, header, unique};
-use dedup_core::{DedupKey, Describe, Error, Handler, HandlerError, Headers, KeyError, Ttl};
+use dedup_core::{Describe, Error, Handler, HandlerError, Headers, KeyError, Ttl};
 use dedup_kafka::{OutputRecord, Outputs, StatsSnapshot, TransactionalConsumer};
 use rdkafka::ClientConfig;
 use rdkafka::consumer::{BaseConsumer, Consumer as _};
@@ -463,13 +463,16 @@ async fn each_distinct_event_is_output_once_and_poison_is_dead_lettered() {
     assert_eq!(header(bad, "dedup.original.topic"), Some(topic.as_str()));
     assert!(header(bad, "dedup.original.offset").is_some());
     assert_eq!(header(bad, "dedup.handler"), Some("forward"));
-    // The claims are in the changelog: one per distinct event.
+    // The claims are in the changelog: one per distinct event, in a record
+    // per transaction and partition.
     let changelog = read_all(&format!("{group}-dedup-claims"), "read_committed").await;
-    assert_eq!(changelog.len(), 60);
+    let claimed: Vec<String> = changelog.iter().flat_map(claims_in).collect();
+    assert_eq!(claimed.len(), 60, "{claimed:?}");
+    assert_eq!(claimed.iter().collect::<HashSet<_>>().len(), 60);
     assert!(
-        changelog
-            .iter()
-            .all(|m| m.key().map(<[u8]>::len) == Some(16))
+        changelog.len() < claimed.len(),
+        "{} records for 60 claims: a transaction's claims of a partition share one",
+        changelog.len()
     );
     // Running again finds nothing new: the offsets committed with the outputs.
     let again = drain(&topic, &group, forward(&out, "1h")).await;
@@ -560,34 +563,125 @@ async fn claims_expire_on_record_timestamps_and_are_tombstoned() {
     assert_eq!((third.applied, third.skipped), (1, 1), "{third}");
     let seen = ids(&read_all(&out, "read_committed").await);
     assert_eq!(seen, ["a", "b", "c", "a"]);
-    let a = DedupKey::new("forward", "a").expect("key");
-    let b = DedupKey::new("forward", "b").expect("key");
+    // a and b in the first transaction's record (or two, if the batch was
+    // cut), c in the next, a again in the last; a's and b's tombstoned once
+    // c came.
     let changelog = read_all(&format!("{group}-dedup-claims"), "read_committed").await;
-    let tombstoned: Vec<&[u8]> = changelog
+    let records: Vec<(&[u8], Vec<String>)> = changelog
+        .iter()
+        .filter(|m| m.payload().is_some())
+        .map(|m| (m.key().expect("a key"), claims_in(m)))
+        .collect();
+    let claimed: Vec<&str> = records
+        .iter()
+        .flat_map(|(_, c)| c.iter().map(String::as_str))
+        .collect();
+    assert_eq!(
+        claimed,
+        ["forward/a", "forward/b", "forward/c", "forward/a"],
+        "{records:?}"
+    );
+    let mut tombstoned: Vec<&[u8]> = changelog
         .iter()
         .filter(|m| m.payload().is_none())
         .filter_map(|m| m.key())
         .collect();
-    assert_eq!(tombstoned.len(), 2, "a and b expired once c came");
-    let digest_of = |key: &DedupKey| {
-        changelog
-            .iter()
-            .find(|m| {
-                m.payload()
-                    .is_some_and(|v| v.ends_with(key.to_string().as_bytes()))
-            })
-            .and_then(|m| m.key())
-            .expect("a claim record")
+    tombstoned.sort();
+    let mut before_c: Vec<&[u8]> = records[..records.len() - 2].iter().map(|r| r.0).collect();
+    before_c.sort();
+    assert_eq!(tombstoned, before_c, "a and b's, once c came");
+}
+
+/// The claims of a changelog record (format 2: see
+/// dedup-kafka/src/transactional/changelog.rs), read as an operator
+/// would: each claim's readable `scope/id`.
+fn claims_in(record: &OwnedMessage) -> Vec<String> {
+    assert_eq!(record.key().map(|k| (k.len(), k[0])), Some((17, b'b')));
+    let value = record.payload().expect("a record, not a tombstone");
+    assert_eq!(value[0], 2, "format 2");
+    let mut at = 1;
+    let mut out = Vec::new();
+    while at < value.len() {
+        at += 16 + 8 + 8;
+        at += if value[at] == 1 { 17 } else { 1 };
+        let len = usize::from(u16::from_be_bytes([value[at], value[at + 1]]));
+        out.push(String::from_utf8_lossy(&value[at + 2..at + 2 + len]).into_owned());
+        at += 2 + len;
+    }
+    out
+}
+
+/// A changelog written by an earlier version (a record per claim, keyed by
+/// the claim's digest) is restored as it was: its claims skip their
+/// duplicates, and once they expire they are tombstoned by their digest,
+/// beside the new records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_an_earlier_version_wrote_are_restored_and_tombstoned() {
+    use sha2::Digest as _;
+    let (topic, out, group) = topics(1).await;
+    let changelog =
+        common::create_topic_with(&brokers(), 1, &[("cleanup.policy", "compact")]).await;
+    let run = || {
+        drain_with(
+            TransactionalConsumer::builder(&topic, forward(&out, "10s"))
+                .group_id(&group)
+                .changelog_topic(&changelog),
+        )
     };
-    assert!(tombstoned.contains(&digest_of(&a)) && tombstoned.contains(&digest_of(&b)));
-    let readable: Vec<String> = changelog
+    let p = producer();
+    let t0 = 1_700_000_000_000i64;
+    let digest =
+        |id: &str| sha2::Sha256::digest(format!("forward\0{id}").as_bytes())[..16].to_vec();
+    // What the earlier version wrote for a and b, claimed at t0, 10 s.
+    for id in ["a", "b"] {
+        let mut value = vec![1];
+        value.extend_from_slice(&t0.to_be_bytes());
+        value.extend_from_slice(&(t0 + 10_000).to_be_bytes());
+        value.push(0);
+        value.extend_from_slice(format!("forward/{id}").as_bytes());
+        p.send(
+            FutureRecord::to(&changelog)
+                .partition(0)
+                .key(&digest(id)[..])
+                .payload(&value),
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("an old claim");
+    }
+    // a again within its TTL: skipped on the old claim; c applied.
+    send(&p, &topic, "a", &event("a", 1), Some(t0 + 5_000)).await;
+    send(&p, &topic, "c", &event("c", 3), Some(t0 + 6_000)).await;
+    let first = run().await;
+    assert_eq!((first.applied, first.skipped), (1, 1), "{first}");
+    // d moves stream time past a's and b's expiry: both old claims are
+    // tombstoned by their digests; then b is applied again.
+    send(&p, &topic, "d", &event("d", 4), Some(t0 + 12_000)).await;
+    let second = run().await;
+    assert_eq!((second.applied, second.skipped), (1, 0), "{second}");
+    send(&p, &topic, "b", &event("b", 2), Some(t0 + 13_000)).await;
+    let third = run().await;
+    assert_eq!((third.applied, third.skipped), (1, 0), "{third}");
+    assert_eq!(
+        ids(&read_all(&out, "read_committed").await),
+        ["c", "d", "b"]
+    );
+    let written = read_all(&changelog, "read_committed").await;
+    let mut tombstoned: Vec<Vec<u8>> = written
         .iter()
-        .filter_map(|m| m.payload())
-        .map(|v| String::from_utf8_lossy(v).into_owned())
+        .filter(|m| m.payload().is_none())
+        .filter_map(|m| m.key().map(<[u8]>::to_vec))
         .collect();
-    assert_eq!(readable.len(), 4, "a, b, c, a again: {readable:?}");
-    assert!(readable[3].ends_with(&a.to_string()), "{readable:?}");
-    assert!(readable[1].ends_with(&b.to_string()), "{readable:?}");
+    tombstoned.sort();
+    let mut old = vec![digest("a"), digest("b")];
+    old.sort();
+    assert_eq!(tombstoned, old);
+    let claimed: Vec<String> = written[2..]
+        .iter()
+        .filter(|m| m.payload().is_some())
+        .flat_map(claims_in)
+        .collect();
+    assert_eq!(claimed, ["forward/c", "forward/d", "forward/b"]);
 }
 
 /// The linger is for a consumer that was idle: behind a full batch, the

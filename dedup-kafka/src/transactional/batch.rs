@@ -14,7 +14,8 @@ use super::outputs::Outputs;
 
 use super::TransactionalConsumer;
 use super::busy::Busy;
-use super::claims::{self, ClaimDigest, PartitionClaims};
+use super::changelog;
+use super::claims::{self, PartitionClaims, Sweep};
 use super::fate::{Fate, Halt, Staged, independent_of, now_ms};
 use super::lanes::{Lane, Membership, Topics};
 use super::transact::Attempt;
@@ -152,7 +153,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         // The fates under the current `forced`: judged again only when a
         // refusal changes it (retried transactions reuse them).
         let mut judged: Option<(Vec<Fate>, Staged)> = None;
-        let (fates, tombstones, newest, rest) = loop {
+        let (fates, claimed, tombstones, newest, rest) = loop {
             busy.open();
             if judged.is_none() {
                 let mut given = reused.clone();
@@ -198,11 +199,19 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 *n = (*n).max(at);
             }
             let offsets = next_offsets(&self.topics, &batch[..take], &newest)?;
-            let mut tombstones: BTreeMap<i32, Vec<ClaimDigest>> = BTreeMap::new();
+            let mut tombstones: BTreeMap<i32, Sweep> = BTreeMap::new();
             // Per partition of the batch: the sweep's stream time, and
-            // whether it tombstones all it found (at most MAX_TOMBSTONES per
-            // transaction; the rest in the next batches).
+            // whether it takes all it found (at most MAX_TOMBSTONES claims
+            // and as many records per transaction; the rest in the next
+            // batches).
             sweeps.clear();
+            // Tombstones sent one at a time count against the transaction's
+            // timeout too.
+            let most = if isolate.contains(&self.changelog) {
+                ALONE_PER_TRANSACTION
+            } else {
+                MAX_TOMBSTONES
+            };
             for (&p, state) in states.iter() {
                 if !first.keys().any(|lane| lane.partition == p) {
                     continue;
@@ -212,24 +221,25 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         .stream_time
                         .max(newest.get(&p).copied().unwrap_or(i64::MIN)),
                 );
-                let mut expired: Vec<ClaimDigest> = state
-                    .expired(now)
-                    .into_iter()
-                    .filter(|d| !staged.contains_key(&(p, *d)))
-                    .collect();
-                // Tombstones sent one at a time count against the
-                // transaction's timeout too.
-                let most = if isolate.contains(&self.changelog) {
-                    ALONE_PER_TRANSACTION
-                } else {
-                    MAX_TOMBSTONES
-                };
-                sweeps.insert(p, (now, expired.len() <= most));
-                expired.truncate(most);
-                if !expired.is_empty() {
-                    tombstones.insert(p, expired);
+                let (sweep, whole) = state.sweep(now, |d| staged.contains_key(&(p, *d)), most);
+                sweeps.insert(p, (now, whole));
+                if !sweep.expired.is_empty() || !sweep.tombstones.is_empty() {
+                    tombstones.insert(p, sweep);
                 }
             }
+            // The claims the transaction takes, a record per partition.
+            let claimed = changelog::records(
+                batch[..take]
+                    .iter()
+                    .zip(fates)
+                    .filter_map(|(msg, fate)| match fate {
+                        Fate::Applied {
+                            digest, entry, key, ..
+                        } => Some((msg.partition(), digest, entry, key)),
+                        _ => None,
+                    }),
+                &self.record_keys,
+            );
             busy.close();
             if busy.rebalanced(consumer.context()) {
                 tracing::info!(
@@ -239,14 +249,21 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 return Ok(Processed::Dropped);
             }
             match self
-                .transact(consumer, batch, fates, &tombstones, &offsets, isolate)
+                .transact(
+                    consumer,
+                    batch,
+                    fates,
+                    (&claimed, &tombstones),
+                    &offsets,
+                    isolate,
+                )
                 .await?
             {
                 Attempt::Committed => {
                     consumer.context().committed(&offsets);
                     let (mut fates, _) = judged.take().expect("judged above");
                     let rest = fates.split_off(take);
-                    break (fates, tombstones, newest, rest);
+                    break (fates, claimed, tombstones, newest, rest);
                 }
                 Attempt::Refused(i, fate) => {
                     let (all, _) = judged.take().expect("judged above");
@@ -317,11 +334,14 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 state.swept(now, self.sweep_every());
             }
         }
-        for (p, digests) in tombstones {
+        for record in claimed {
+            if let Some(state) = states.get_mut(&record.partition) {
+                state.recorded(record.key, record.expires_at);
+            }
+        }
+        for (p, sweep) in tombstones {
             if let Some(state) = states.get_mut(&p) {
-                for d in digests {
-                    state.remove(&d);
-                }
+                state.swept_away(sweep);
             }
         }
         self.stats.batches.fetch_add(1, Ordering::Relaxed);

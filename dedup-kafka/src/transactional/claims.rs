@@ -1,25 +1,29 @@
 //! The claims of one input partition, kept in memory and in a compacted
 //! changelog topic: what was applied, on the partition's stream time.
 //!
-//! A claim is keyed by a 16-byte digest of its scope and id (the changelog
-//! record's key too, so compaction keeps one record per claim). Its value
-//! holds when it was taken and when it expires, both in the partition's
-//! stream time (never the clock of one host), and the fingerprint. A null
-//! value (a tombstone) removes it.
+//! A claim is keyed by a 16-byte digest of its scope and id. It holds when
+//! it was taken and when it expires, both in the partition's stream time
+//! (never the clock of one host), and the fingerprint. The changelog keeps
+//! a transaction's claims of a partition in one record (`changelog`),
+//! tombstoned once every claim in it has expired; an earlier version's
+//! records, one per claim keyed by its digest, are still read, and
+//! tombstoned by that digest.
 //!
 //! A partition's stream time at a record is the greatest timestamp of the
 //! records up to and including it (a record stamped ahead of the wall clock
 //! counts as stamped now). Claims are judged on it, not on the record's own
 //! timestamp, so a record stamped out of order meets the same decision
-//! whatever batch it falls in: a claim the sweep tombstoned has expired for
+//! whatever batch it falls in: a claim the sweep removed has expired for
 //! every later record too. Stream time is committed with each partition's
 //! offset (its metadata, as Kafka Streams keeps its partition time), so a
 //! restart or a new owner resumes it exactly.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use dedup_core::{DedupKey, Fingerprint};
 use sha2::{Digest as _, Sha256};
+
+use super::changelog::{Key, RecordKey};
 
 /// A claim's key: the first 16 bytes of SHA-256 over scope, NUL, id.
 pub(crate) type ClaimDigest = [u8; 16];
@@ -54,30 +58,12 @@ impl Entry {
     }
 }
 
-/// The changelog format's version, the value's first byte.
+/// Format 1's version, the value's first byte.
 const FORMAT: u8 = 1;
 
-/// A changelog value: format, claimed_at, expires_at (big-endian i64 ms),
-/// 0 or 1 then the fingerprint, then the readable key for an operator
-/// (`scope/id`; not read back).
-pub(crate) fn encode(entry: &Entry, key: &DedupKey) -> Vec<u8> {
-    let readable = key.to_string();
-    let mut out = Vec::with_capacity(1 + 16 + 17 + readable.len());
-    out.push(FORMAT);
-    out.extend_from_slice(&entry.claimed_at.to_be_bytes());
-    out.extend_from_slice(&entry.expires_at.to_be_bytes());
-    match entry.fingerprint {
-        Some(fp) => {
-            out.push(1);
-            out.extend_from_slice(fp.as_bytes());
-        }
-        None => out.push(0),
-    }
-    out.extend_from_slice(readable.as_bytes());
-    out
-}
-
-/// Reads a changelog value back; `Err` names what is wrong with it.
+/// Reads back a changelog value of format 1 (one claim: format, claimed_at,
+/// expires_at as big-endian i64 ms, 0 or 1 then the fingerprint, then the
+/// readable key, not read back); `Err` names what is wrong with it.
 pub(crate) fn decode(value: &[u8]) -> Result<Entry, String> {
     let fixed = |at: usize| -> Result<i64, String> {
         let bytes = value
@@ -149,11 +135,27 @@ pub(crate) fn stream_times(
 #[derive(Debug, Default)]
 pub(crate) struct PartitionClaims {
     claims: HashMap<ClaimDigest, Entry>,
+    /// The changelog's claim records not yet tombstoned, with the latest
+    /// expiry of their claims.
+    records: HashMap<RecordKey, i64>,
+    /// The claims restored from records of format 1 (one per claim, keyed
+    /// by its digest), tombstoned by their digest once expired.
+    legacy: HashSet<ClaimDigest>,
     /// The stream time (ms) at the last committed record of this
     /// partition, which expires claims.
     pub(crate) stream_time: i64,
     /// The stream time at which expired claims are next looked for.
     next_sweep: i64,
+}
+
+/// What a sweep takes away: the expired claims, from memory once its
+/// transaction commits, and the changelog keys that transaction
+/// tombstones (claim records whose every claim has expired, and expired
+/// claims of format 1).
+#[derive(Debug, Default)]
+pub(crate) struct Sweep {
+    pub(crate) expired: Vec<ClaimDigest>,
+    pub(crate) tombstones: Vec<Key>,
 }
 
 impl PartitionClaims {
@@ -167,15 +169,42 @@ impl PartitionClaims {
         self.claims.contains_key(digest)
     }
 
-    /// Applies a changelog record (restore), or a committed claim.
+    /// A committed claim.
     pub(crate) fn put(&mut self, digest: ClaimDigest, entry: Entry) {
         self.stream_time = self.stream_time.max(entry.claimed_at);
         self.claims.insert(digest, entry);
     }
 
-    /// Applies a tombstone.
-    pub(crate) fn remove(&mut self, digest: &ClaimDigest) {
-        self.claims.remove(digest);
+    /// A committed claim record, whose claims were [`put`](Self::put).
+    pub(crate) fn recorded(&mut self, key: RecordKey, expires_at: i64) {
+        self.records.insert(key, expires_at);
+    }
+
+    /// Applies a changelog record, read in a restore (`value` `None`: a
+    /// tombstone); `Err` names what is wrong with its value.
+    pub(crate) fn restore(&mut self, key: Key, value: Option<&[u8]>) -> Result<(), String> {
+        match (key, value) {
+            (Key::Claim(digest), None) => {
+                self.claims.remove(&digest);
+                self.legacy.remove(&digest);
+            }
+            (Key::Claim(digest), Some(value)) => {
+                self.put(digest, decode(value)?);
+                self.legacy.insert(digest);
+            }
+            (Key::Record(key), None) => {
+                self.records.remove(&key);
+            }
+            (Key::Record(key), Some(value)) => {
+                let mut expires_at = i64::MIN;
+                for (digest, entry) in super::changelog::decode(value)? {
+                    expires_at = expires_at.max(entry.expires_at);
+                    self.put(digest, entry);
+                }
+                self.recorded(key, expires_at);
+            }
+        }
+        Ok(())
     }
 
     /// Moves stream time forward to `at` (a committed record's stream time,
@@ -189,20 +218,77 @@ impl PartitionClaims {
         self.claims.len()
     }
 
-    /// The claims expired at stream time `now`, if a sweep is due: one
+    /// What a sweep at stream time `now` takes away, if one is due: one
     /// sweep per `every` ms of stream time, so a large store is not scanned
-    /// for every batch. The caller tombstones them in its transaction and,
-    /// once it commits, [`remove`](Self::remove)s them and says it
-    /// [`swept`](Self::swept).
-    pub(crate) fn expired(&self, now: i64) -> Vec<ClaimDigest> {
+    /// for every batch. Claims `staged` (taken again in the transaction)
+    /// stay. Every other expired claim goes, but at most `most` tombstones
+    /// (`false`: more are left for the next sweep, with the claims of
+    /// format 1 they are for). The caller tombstones the sweep's keys in
+    /// its transaction and, once it commits, has them
+    /// [`swept_away`](Self::swept_away) and says it [`swept`](Self::swept).
+    pub(crate) fn sweep(
+        &self,
+        now: i64,
+        staged: impl Fn(&ClaimDigest) -> bool,
+        most: usize,
+    ) -> (Sweep, bool) {
         if now < self.next_sweep {
-            return Vec::new();
+            return (Sweep::default(), true);
         }
-        self.claims
+        let mut tombstones: Vec<Key> = self
+            .records
             .iter()
-            .filter(|(_, e)| e.expires_at <= now)
-            .map(|(d, _)| *d)
-            .collect()
+            .filter(|(_, expires_at)| **expires_at <= now)
+            .map(|(k, _)| Key::Record(*k))
+            .collect();
+        let mut expired = Vec::new();
+        let mut whole = true;
+        for (d, e) in &self.claims {
+            if e.expires_at > now || staged(d) {
+                continue;
+            }
+            if self.legacy.contains(d) {
+                if tombstones.len() >= most {
+                    whole = false;
+                    continue;
+                }
+                tombstones.push(Key::Claim(*d));
+            }
+            expired.push(*d);
+        }
+        if tombstones.len() > most {
+            whole = false;
+            tombstones.truncate(most);
+        }
+        (
+            Sweep {
+                expired,
+                tombstones,
+            },
+            whole,
+        )
+    }
+
+    /// Forgets the claims expired at stream time `now` that need no
+    /// tombstone: after a restore, the claims of records tombstoned since
+    /// (the log's head, not yet compacted, still holds them).
+    pub(crate) fn forget_expired(&mut self, now: i64) {
+        let legacy = &self.legacy;
+        self.claims
+            .retain(|d, e| e.expires_at > now || legacy.contains(d));
+    }
+
+    /// A sweep's transaction committed: its claims and records are gone.
+    pub(crate) fn swept_away(&mut self, sweep: Sweep) {
+        for digest in &sweep.expired {
+            self.claims.remove(digest);
+            self.legacy.remove(digest);
+        }
+        for key in sweep.tombstones {
+            if let Key::Record(key) = key {
+                self.records.remove(&key);
+            }
+        }
     }
 
     /// A sweep at stream time `now` committed (if one was due): the next
@@ -216,6 +302,7 @@ impl PartitionClaims {
 
 #[cfg(test)]
 mod tests {
+    use super::super::changelog::{Keys, legacy_value, records};
     use super::*;
 
     fn key(id: &str) -> DedupKey {
@@ -223,22 +310,21 @@ mod tests {
     }
 
     #[test]
-    fn a_value_reads_back_with_and_without_a_fingerprint() {
+    fn a_format_1_value_reads_back_with_and_without_a_fingerprint() {
         for fingerprint in [None, Some(Fingerprint::of_payload(b"x"))] {
             let entry = Entry {
                 claimed_at: 1_700_000_000_123,
                 expires_at: 1_700_086_400_123,
                 fingerprint,
             };
-            let value = encode(&entry, &key("e-1"));
+            let value = legacy_value(&entry, &key("e-1"));
             assert_eq!(decode(&value), Ok(entry));
-            assert!(String::from_utf8_lossy(&value).contains("e-1"), "readable");
         }
     }
 
     #[test]
     fn a_broken_value_is_refused_not_guessed() {
-        let value = encode(
+        let value = legacy_value(
             &Entry {
                 claimed_at: 1,
                 expires_at: 2,
@@ -294,30 +380,106 @@ mod tests {
         assert_eq!(stream_time_of("other"), None);
     }
 
+    fn entry(expires_at: i64) -> Entry {
+        Entry {
+            claimed_at: 0,
+            expires_at,
+            fingerprint: None,
+        }
+    }
+
     #[test]
     fn sweeps_find_expired_claims_once_per_interval_of_stream_time() {
         let mut claims = PartitionClaims::default();
         for (i, expires_at) in [(1, 2_000), (2, 3_000), (3, 9_000)] {
-            claims.put(
-                digest(&key(&i.to_string())),
-                Entry {
-                    claimed_at: 0,
-                    expires_at,
-                    fingerprint: None,
-                },
-            );
+            claims.put(digest(&key(&i.to_string())), entry(expires_at));
         }
-        let due = claims.expired(2_500);
-        assert_eq!(due.len(), 1);
-        assert_eq!(claims.expired(2_500), due, "judging again is the same");
+        let none = |_: &ClaimDigest| false;
+        let (due, whole) = claims.sweep(2_500, none, 10);
+        assert_eq!((due.expired.len(), whole), (1, true));
+        assert_eq!(
+            claims.sweep(2_500, none, 10).0.expired,
+            due.expired,
+            "judging again is the same"
+        );
         claims.swept(2_500, 1_000);
-        assert!(claims.expired(3_000).is_empty(), "not due yet");
-        let due = claims.expired(3_500);
-        assert_eq!(due.len(), 2, "the first is still there until removed");
-        for d in due {
-            claims.remove(&d);
-        }
+        assert!(
+            claims.sweep(3_000, none, 10).0.expired.is_empty(),
+            "not due yet"
+        );
+        let (due, _) = claims.sweep(3_500, none, 10);
+        assert_eq!(
+            due.expired.len(),
+            2,
+            "the first is still there until removed"
+        );
+        assert!(due.tombstones.is_empty(), "no record to tombstone");
+        let (limited, whole) = claims.sweep(3_500, none, 1);
+        assert_eq!(
+            (limited.expired.len(), whole),
+            (2, true),
+            "claims that need no tombstone are not limited"
+        );
+        claims.swept_away(due);
         claims.swept(3_500, 1_000);
         assert_eq!(claims.len(), 1);
+    }
+
+    /// A record is tombstoned once its last claim has expired; a claim of
+    /// format 1 by its digest, once it has.
+    #[test]
+    fn a_sweep_tombstones_records_whose_claims_all_expired_and_old_claims_by_digest() {
+        let keys = Keys::new();
+        let (a, b, c) = (key("a"), key("b"), key("c"));
+        let (da, db, dc) = (digest(&a), digest(&b), digest(&c));
+        let (ea, eb) = (entry(2_000), entry(5_000));
+        let made = records([(0, &da, &ea, &a), (0, &db, &eb, &b)], &keys);
+        let mut claims = PartitionClaims::default();
+        for record in &made {
+            claims
+                .restore(Key::Record(record.key), Some(&record.value))
+                .expect("a record");
+        }
+        claims
+            .restore(Key::Claim(dc), Some(&legacy_value(&entry(2_500), &c)))
+            .expect("format 1");
+        assert!(claims.live(&da, 1_999).is_some() && claims.live(&dc, 2_499).is_some());
+        let none = |_: &ClaimDigest| false;
+        let (limited, whole) = claims.sweep(3_000, none, 0);
+        assert_eq!(
+            (limited.expired, limited.tombstones, whole),
+            (vec![da], vec![], false),
+            "c stays until its tombstone can go"
+        );
+        let (due, _) = claims.sweep(3_000, none, 10);
+        assert_eq!(due.expired.len(), 2, "a and c");
+        assert_eq!(
+            due.tombstones,
+            [Key::Claim(dc)],
+            "b keeps the record alive; c goes by its digest"
+        );
+        claims.swept_away(due);
+        claims.swept(3_000, 1);
+        let (due, _) = claims.sweep(5_000, none, 10);
+        assert_eq!(due.expired, [db]);
+        assert_eq!(due.tombstones, [Key::Record(made[0].key)]);
+        // A claim taken again in the sweep's own transaction stays.
+        let staged = |d: &ClaimDigest| *d == db;
+        assert!(claims.sweep(5_000, staged, 10).0.expired.is_empty());
+        claims.swept_away(due);
+        assert_eq!(claims.len(), 0);
+        // A restore that meets the tombstones holds nothing either.
+        let mut restored = PartitionClaims::default();
+        restored
+            .restore(Key::Record(made[0].key), Some(&made[0].value))
+            .expect("a record");
+        restored
+            .restore(Key::Record(made[0].key), None)
+            .expect("its tombstone");
+        assert_eq!(restored.sweep(i64::MAX, none, 10).0.tombstones, []);
+        // Once its stream time is known, a restore forgets them.
+        restored.forget_expired(5_000);
+        assert_eq!(restored.len(), 0);
+        assert!(restored.restore(Key::Claim(dc), Some(&[3])).is_err());
     }
 }

@@ -20,6 +20,7 @@
 mod batch;
 mod builder;
 mod busy;
+mod changelog;
 mod claims;
 mod fate;
 mod lanes;
@@ -95,6 +96,8 @@ pub struct TransactionalConsumer<H> {
     /// Shared with the tasks its attempts run in.
     handler: Arc<H>,
     changelog: String,
+    /// Makes the keys of its claim records.
+    record_keys: changelog::Keys,
     dead_letter_topic: String,
     consumer_config: ClientConfig,
     shared_config: ClientConfig,
@@ -540,6 +543,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                             consumer.context().committed_at(topic, p, offset);
                         }
                     }
+                }
+                // What the log's head still holds of records tombstoned
+                // since (compaction has not reached it) is gone.
+                for claims in restored.values_mut() {
+                    claims.forget_expired(batch::sweep_time(claims.stream_time));
                 }
                 Ok::<_, Error>(restored)
             }) {

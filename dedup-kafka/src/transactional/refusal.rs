@@ -194,6 +194,24 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                     self.changelog, self.topic
                 )))
             }
+            // A claim record alone refused for its size: a changelog made
+            // with a `max.message.bytes` below a claim record's.
+            Source::Changelog
+                if matches!(
+                    e,
+                    KafkaError::MessageProduction(
+                        RDKafkaErrorCode::MessageSizeTooLarge
+                            | RDKafkaErrorCode::InvalidMessageSize
+                    )
+                ) =>
+            {
+                Err(Error::Fatal(format!(
+                    "the changelog {:?} refuses a record of claims for its size ({e}): they \
+                     grow to 64 KiB; set the topic's max.message.bytes to 131072 or more \
+                     (Kafka's default is 1 MiB)",
+                    self.changelog
+                )))
+            }
             Source::DeadLetter(_)
                 if matches!(
                     e,

@@ -12,6 +12,7 @@ use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::Message as _;
 use rdkafka::{Offset, TopicPartitionList};
 
+use super::changelog::Key;
 use super::claims::{self, PartitionClaims};
 use crate::Error;
 
@@ -334,19 +335,18 @@ pub(crate) fn restore(
             Some(Ok(msg)) => {
                 records += 1;
                 let p = msg.partition();
-                let digest: claims::ClaimDigest =
-                    msg.key().and_then(|k| k.try_into().ok()).ok_or_else(|| {
-                        corrupt(changelog, p, msg.offset(), "its key is not 16 bytes")
-                    })?;
-                let claims = out.get_mut(&p).expect("an assigned partition");
-                match msg.payload() {
-                    None => claims.remove(&digest),
-                    Some(value) => {
-                        let entry = claims::decode(value)
-                            .map_err(|why| corrupt(changelog, p, msg.offset(), &why))?;
-                        claims.put(digest, entry);
-                    }
-                }
+                let key = msg.key().and_then(Key::of).ok_or_else(|| {
+                    corrupt(
+                        changelog,
+                        p,
+                        msg.offset(),
+                        "its key is neither a claim's digest nor a claim record's",
+                    )
+                })?;
+                out.get_mut(&p)
+                    .expect("an assigned partition")
+                    .restore(key, msg.payload())
+                    .map_err(|why| corrupt(changelog, p, msg.offset(), &why))?;
                 if msg.offset() + 1 >= high[&p] {
                     left.remove(&p);
                 }

@@ -7,13 +7,14 @@ use dedup_core::Handler;
 use rdkafka::TopicPartitionList;
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
-use rdkafka::message::{Header, Message as _, OwnedHeaders, OwnedMessage};
+use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{DeliveryFuture, FutureRecord, Producer as _};
 
 use super::outputs::Outputs;
 
 use super::TransactionalConsumer;
-use super::claims::{self, ClaimDigest};
+use super::changelog::ClaimRecord;
+use super::claims::Sweep;
 use super::fate::Fate;
 use super::lanes::Membership;
 use super::refusal::{first_refusal, is_fatal, is_records_fault};
@@ -29,6 +30,10 @@ pub(super) enum Source {
     Move(usize),
     Changelog,
 }
+
+/// What a transaction writes to the changelog: the records of the claims it
+/// takes, and each partition's sweep (the keys it tombstones).
+pub(super) type Changelog<'a> = (&'a [ClaimRecord], &'a BTreeMap<i32, Sweep>);
 
 /// How a transaction attempt ended.
 pub(super) enum Attempt {
@@ -109,7 +114,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         consumer: &StreamConsumer<Membership>,
         batch: &[OwnedMessage],
         fates: &[Fate],
-        tombstones: &BTreeMap<i32, Vec<ClaimDigest>>,
+        changelog: Changelog<'_>,
         offsets: &TopicPartitionList,
         isolate: &BTreeSet<String>,
     ) -> Result<Attempt, Error> {
@@ -144,36 +149,62 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 lost: true,
             });
         };
+        crate::failpoint::failpoint("transaction-before-offsets");
+        // The offsets go to the transaction on a thread of their own while
+        // the records are queued (nothing commits before every record is
+        // acknowledged, below): their two round trips overlap the
+        // queueing instead of following it.
+        let offsets_sending = {
+            let producer = self.producer.clone();
+            let offsets = offsets.clone();
+            tokio::task::spawn_blocking(move || {
+                let started = Instant::now();
+                loop {
+                    match producer.send_offsets_to_transaction(&offsets, &group, timeout) {
+                        Ok(()) => return Ok(()),
+                        // Resumable: the same call again, until it resolves.
+                        Err(KafkaError::Transaction(e))
+                            if e.is_retriable()
+                                && !e.is_fatal()
+                                && started.elapsed() < UNRESOLVED_LIMIT =>
+                        {
+                            tracing::warn!(error = %e, step = "sending the offsets", "transaction: retrying");
+                        }
+                        Err(e) => return Err((e, started.elapsed())),
+                    }
+                }
+            })
+        };
         let mut sent: Vec<(Source, DeliveryFuture)> = Vec::new();
-        if let Err((source, e)) = self
-            .queue_records(batch, fates, tombstones, &mut sent, isolate)
-            .await
-        {
-            return self.send_failed(source, e, sent, isolate, fates).await;
-        }
+        let queued_result = self
+            .queue_records(batch, fates, changelog, &mut sent, isolate)
+            .await;
         let records = sent.len();
         let queued = begun.elapsed();
-        crate::failpoint::failpoint("transaction-before-offsets");
-        // The offsets go to the transaction while the broker writes the
-        // records (nothing commits before every record is acknowledged,
-        // below). Sent only after the acknowledgements, their two round
-        // trips were a sixth of a batch's time; a thread of their own
-        // beside the queueing gained nothing more measurable (profile in
-        // docs/src/performance.md).
-        let started = Instant::now();
-        let offsets_result = loop {
-            match tokio::task::block_in_place(|| {
-                self.producer
-                    .send_offsets_to_transaction(offsets, &group, timeout)
-            }) {
-                Ok(()) => break Ok(()),
-                // Resumable: the same call again, until it resolves.
-                Err(KafkaError::Transaction(e)) if e.is_retriable() && !e.is_fatal() => {
-                    self.unresolved("sending the offsets", &e, started)?;
-                }
-                Err(e) => break Err(e),
+        // An abort must wait for the offsets' call to end (librdkafka
+        // refuses a transactional call while another is in progress).
+        let offsets_result = match offsets_sending.await {
+            Ok(Ok(())) => Ok(()),
+            Err(e) => {
+                return Err(Error::Fatal(format!(
+                    "sending the offsets of a transaction failed: {e}"
+                )));
             }
+            Ok(Err((KafkaError::Transaction(e), took))) if e.is_retriable() && !e.is_fatal() => {
+                return Err(Error::Fatal(format!(
+                    "sending the offsets a transaction stayed unresolved for {took:?} ({e}): \
+                     stopping; a restart resumes from what Kafka committed"
+                )));
+            }
+            Ok(Err((e, _))) => Err(e),
         };
+        if let Err((source, e)) = queued_result {
+            // A fenced producer's offsets say why, not its refused abort.
+            return match offsets_result {
+                Err(e) if is_fatal(&e) => self.failed("send offsets", e).await,
+                _ => self.send_failed(source, e, sent, isolate, fates).await,
+            };
+        }
         let offsets_sent = begun.elapsed();
         crate::failpoint::failpoint("transaction-before-acks");
         // Every record acknowledged (or refused) before the commit: a
@@ -259,14 +290,14 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     }
 
     /// Queues the transaction's records: outputs and dead letters in
-    /// partition order, then the changelog (tombstones before the claims
-    /// taken again). `Err` names the first record the producer refused
+    /// partition order, then the changelog (tombstones, then the records of
+    /// the claims taken). `Err` names the first record the producer refused
     /// outright.
     async fn queue_records(
         &self,
         batch: &[OwnedMessage],
         fates: &[Fate],
-        tombstones: &BTreeMap<i32, Vec<ClaimDigest>>,
+        changelog: Changelog<'_>,
         sent: &mut Vec<(Source, DeliveryFuture)>,
         isolate: &BTreeSet<String>,
     ) -> Result<(), (Source, KafkaError)> {
@@ -339,31 +370,23 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 return Err((source, e));
             }
         }
-        let mut values = Vec::new();
-        for (msg, fate) in batch.iter().zip(fates.iter()) {
-            if let Fate::Applied {
-                digest, entry, key, ..
-            } = fate
-            {
-                values.push((msg.partition(), *digest, claims::encode(entry, key)));
-            }
-        }
-        for (&p, digests) in tombstones {
-            for d in digests {
+        let (claimed, tombstones) = changelog;
+        for (&p, sweep) in tombstones {
+            for key in &sweep.tombstones {
                 let record = FutureRecord::<[u8], [u8]>::to(&self.changelog)
                     .partition(p)
-                    .key(&d[..]);
+                    .key(key.as_bytes());
                 if let Err((source, e)) = self.send(record, Source::Changelog, sent, isolate).await
                 {
                     return Err((source, e));
                 }
             }
         }
-        for (p, d, value) in &values {
+        for claims in claimed {
             let record = FutureRecord::<[u8], [u8]>::to(&self.changelog)
-                .partition(*p)
-                .key(&d[..])
-                .payload(&value[..]);
+                .partition(claims.partition)
+                .key(&claims.key[..])
+                .payload(&claims.value[..]);
             if let Err((source, e)) = self.send(record, Source::Changelog, sent, isolate).await {
                 return Err((source, e));
             }

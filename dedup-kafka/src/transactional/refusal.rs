@@ -207,8 +207,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             {
                 Err(Error::Fatal(format!(
                     "the changelog {:?} refuses a record of claims for its size ({e}): they \
-                     grow to 64 KiB; set the topic's max.message.bytes to 131072 or more \
-                     (Kafka's default is 1 MiB)",
+                     grow to 64 KiB and go to the broker several at a time; set the topic's \
+                     max.message.bytes to Kafka's default (1048588) or more",
                     self.changelog
                 )))
             }

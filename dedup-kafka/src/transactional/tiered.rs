@@ -245,6 +245,12 @@ impl Waiting {
 
     /// Resumes the partitions whose record is due now.
     pub(super) fn resume_due(&mut self, consumer: &StreamConsumer<Membership>, topics: &Topics) {
+        // Called for every message received: without a tier partition
+        // waiting, not even the clock is read (1.2% of the consumer's
+        // thread in the profile of the book's performance chapter).
+        if self.due.is_empty() {
+            return;
+        }
         let now = crate::tiers::now_ms();
         let due: Vec<Lane> = self
             .due

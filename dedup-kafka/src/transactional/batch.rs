@@ -201,9 +201,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             let offsets = next_offsets(&self.topics, &batch[..take], &newest)?;
             let mut tombstones: BTreeMap<i32, Sweep> = BTreeMap::new();
             // Per partition of the batch: the sweep's stream time, and
-            // whether it takes all it found (at most MAX_TOMBSTONES claims
-            // and as many records per transaction; the rest in the next
-            // batches).
+            // whether it takes all it found (at most MAX_TOMBSTONES
+            // tombstones per transaction, of records and of format-1
+            // claims together; the rest in the next batches).
             sweeps.clear();
             // Tombstones sent one at a time count against the transaction's
             // timeout too.

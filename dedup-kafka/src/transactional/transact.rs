@@ -157,20 +157,16 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let offsets_sending = {
             let producer = self.producer.clone();
             let offsets = offsets.clone();
-            tokio::task::spawn_blocking(move || {
+            tokio::task::spawn_blocking(move || -> Result<Result<(), KafkaError>, Error> {
                 let started = Instant::now();
                 loop {
                     match producer.send_offsets_to_transaction(&offsets, &group, timeout) {
-                        Ok(()) => return Ok(()),
+                        Ok(()) => return Ok(Ok(())),
                         // Resumable: the same call again, until it resolves.
-                        Err(KafkaError::Transaction(e))
-                            if e.is_retriable()
-                                && !e.is_fatal()
-                                && started.elapsed() < UNRESOLVED_LIMIT =>
-                        {
-                            tracing::warn!(error = %e, step = "sending the offsets", "transaction: retrying");
+                        Err(KafkaError::Transaction(e)) if e.is_retriable() && !e.is_fatal() => {
+                            Self::unresolved("sending the offsets", &e, started)?;
                         }
-                        Err(e) => return Err((e, started.elapsed())),
+                        Err(e) => return Ok(Err(e)),
                     }
                 }
             })
@@ -184,19 +180,12 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         // An abort must wait for the offsets' call to end (librdkafka
         // refuses a transactional call while another is in progress).
         let offsets_result = match offsets_sending.await {
-            Ok(Ok(())) => Ok(()),
+            Ok(result) => result?,
             Err(e) => {
                 return Err(Error::Fatal(format!(
                     "sending the offsets of a transaction failed: {e}"
                 )));
             }
-            Ok(Err((KafkaError::Transaction(e), took))) if e.is_retriable() && !e.is_fatal() => {
-                return Err(Error::Fatal(format!(
-                    "sending the offsets a transaction stayed unresolved for {took:?} ({e}): \
-                     stopping; a restart resumes from what Kafka committed"
-                )));
-            }
-            Ok(Err((e, _))) => Err(e),
         };
         if let Err((source, e)) = queued_result {
             // A fenced producer's offsets say why, not its refused abort.
@@ -250,7 +239,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 Ok(()) => break,
                 // Resumable: the same call again, until it resolves.
                 Err(KafkaError::Transaction(e)) if e.is_retriable() && !e.is_fatal() => {
-                    self.unresolved("committing", &e, started)?;
+                    Self::unresolved("committing", &e, started)?;
                 }
                 Err(e) => return self.failed("commit", e).await,
             }
@@ -446,7 +435,6 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// A retriable error of a call librdkafka resumes: the same call goes
     /// again, unless it has stayed unresolved for [`UNRESOLVED_LIMIT`].
     pub(super) fn unresolved(
-        &self,
         step: &str,
         e: &rdkafka::error::RDKafkaError,
         since: Instant,
@@ -472,7 +460,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             }) {
                 Ok(()) => return Ok(()),
                 Err(KafkaError::Transaction(e)) if e.is_retriable() && !e.is_fatal() => {
-                    self.unresolved("aborting", &e, started)?;
+                    Self::unresolved("aborting", &e, started)?;
                 }
                 Err(e) => {
                     return Err(Error::Fatal(format!(

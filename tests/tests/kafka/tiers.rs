@@ -455,9 +455,14 @@ async fn crash_after_moves(pool: &PgPool, hold: bool) -> Vec<uuid::Uuid> {
         .collect();
     produce_all(&producer(), &topic, records).await;
     let group = unique("g");
+    // A crashed run must end at its failpoint, never idle: it gets 20 s of
+    // idleness, the last run 10 s. With 4 s, a loaded machine once fetched
+    // nothing in the 4 s after a run's assignment, which then ended idle
+    // instead of crashing.
     let run = |failpoint: Option<&str>| {
         let mut cmd = common::payments(&pool, &topic, &group);
-        cmd.args(["--exit-when-idle", "4s"])
+        let idle = if failpoint.is_some() { "20s" } else { "10s" };
+        cmd.args(["--exit-when-idle", idle])
             .env("KAFKA_SESSION_TIMEOUT_MS", "6000")
             .env("DEDUP_RETRY_TIERS", "1s,2s")
             .env("DEDUP_RETRY_HOLD_KEYS", if hold { "1" } else { "0" });

@@ -12,6 +12,7 @@
 //! Environment: `KAFKA_BROKERS` (default `localhost:9092`), `TOPIC`
 //! (default `payments`), `OUTPUT_TOPIC` (default `payments.enriched`),
 //! `GROUP_ID` (default `enrich-v1`), `DEDUP_TTL` (default `1d`),
+//! `DEDUP_BATCH_SIZE` (most messages per batch, default the library's),
 //! `TRANSACTIONAL_ID` (default: a new one per start), `KAFKA_CFG_*`
 //! passed through, `METRICS_ADDR` (serve `/metrics` and the health checks
 //! there), `DEDUP_RETRY_TIERS` (tier delays like `5s,30s`: retry tiers
@@ -111,6 +112,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     if let Ok(id) = std::env::var("TRANSACTIONAL_ID") {
         builder = builder.transactional_id(id);
+    }
+    if let Ok(n) = std::env::var("DEDUP_BATCH_SIZE") {
+        builder = builder.batch_size(n.parse()?);
     }
     // With METRICS_ADDR set: /metrics and the health probes.
     if let Some(addr) = dedup_examples::metrics_addr() {

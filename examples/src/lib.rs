@@ -68,7 +68,14 @@ mod book {
 /// Logs to stderr for the examples. If stderr goes away (its reader died),
 /// log lines are dropped instead of panicking inside a librdkafka callback.
 pub fn init_logging() {
+    // DEBUG_LOG set: the debug lines too (the tests read the batches' own).
+    let level = if std::env::var_os("DEBUG_LOG").is_some() {
+        tracing_subscriber::filter::LevelFilter::DEBUG
+    } else {
+        tracing_subscriber::filter::LevelFilter::INFO
+    };
     tracing_subscriber::fmt()
+        .with_max_level(level)
         .with_writer(std::io::stderr)
         .with_target(false)
         .log_internal_errors(false)

@@ -961,6 +961,87 @@ async fn enrich_killed_anywhere_outputs_each_distinct_event_once() {
     }
 }
 
+/// Messages taken for the next batch while a transaction waits for its
+/// acknowledgements (its offsets already in it) start the next batch, but
+/// where that transaction's batch is rewound they are dropped, since they
+/// are fetched again: a backlog run in batches of 100, whose third
+/// transaction fails four times (three runs in hand, then its partitions
+/// go back to its first offsets), outputs each event once, in its
+/// partition's order, and claims none twice (a carried message kept
+/// across the rewind would come again and be skipped as a duplicate; one
+/// dropped without the rewind would be lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_carried_into_the_next_batch_survive_a_rewind_once_each() {
+    let topic = create_topic(3).await;
+    let out = create_topic(3).await;
+    let group = unique("enrich");
+    let p = producer();
+    let n = 1_500u64;
+    for i in 0..n {
+        send(&p, &topic, &format!("p{i}"), &payment(i), None).await;
+    }
+    let mut cmd = enrich(
+        &topic,
+        &out,
+        &group,
+        &unique("enrich-tx"),
+        Some("transaction-fails-before-commit:3:4"),
+        "5s",
+    );
+    cmd.env("DEDUP_BATCH_SIZE", "100").env("DEBUG_LOG", "1");
+    let run = cmd.stderr(Stdio::piped()).output().expect("enrich ran");
+    let log = String::from_utf8_lossy(&run.stderr).into_owned();
+    let summary = String::from_utf8_lossy(&run.stdout).into_owned();
+    let tail: Vec<&str> = log.lines().rev().take(30).collect();
+    assert!(run.status.success(), "the run ends by idleness: {tail:?}");
+    assert!(
+        log.contains("the batch runs again from its first offsets"),
+        "the third transaction's partitions were rewound: {tail:?}"
+    );
+    // The log's fields, without their colours: `carried=N`.
+    let carried: Vec<u64> = log
+        .lines()
+        .filter(|l| l.contains("batch gathered"))
+        .filter_map(|l| {
+            let plain = without_colours(l);
+            let at = plain.find("carried=")? + "carried=".len();
+            plain[at..].split_whitespace().next()?.parse().ok()
+        })
+        .collect();
+    assert!(
+        carried.iter().any(|&c| c > 0),
+        "a batch started with messages taken while the last one committed: {carried:?}"
+    );
+    assert!(
+        summary.contains(&format!("applied={n} skipped=0 dead_lettered=0")),
+        "each event claimed once, none met twice: {summary}"
+    );
+    let output = read_all(&out, "read_committed").await;
+    let seen = ids(&output);
+    let distinct: HashSet<String> = seen.iter().cloned().collect();
+    assert_eq!(seen.len(), n as usize, "none twice");
+    assert_eq!(distinct, (0..n).map(|i| format!("p{i}")).collect());
+    // Per account (the output's key, so one output partition), the events
+    // of one input partition come out in their input order.
+    let mut input_partition: HashMap<String, i32> = HashMap::new();
+    for m in read_all(&topic, "read_committed").await {
+        let key = String::from_utf8_lossy(m.key().expect("key")).into_owned();
+        input_partition.insert(key, m.partition());
+    }
+    let mut last: HashMap<(String, i32), u64> = HashMap::new();
+    for id in &seen {
+        let i: u64 = id[1..].parse().expect("p<i>");
+        let lane = (format!("acct-{}", i % 7), input_partition[id]);
+        if let Some(&before) = last.get(&lane) {
+            assert!(
+                before < i,
+                "{id} came out after p{before}, which followed it"
+            );
+        }
+        last.insert(lane, i);
+    }
+}
+
 /// The Kafka-only runtime through the broker's SASL_SSL listener
 /// (SCRAM-SHA-512 over TLS verified against the test CA; the enrich example
 /// takes its settings from `KAFKA_CFG_*`, and only that listener is its
@@ -1053,6 +1134,16 @@ fn enrich(
         cmd.env("DEDUP_FAILPOINT", point);
     }
     cmd
+}
+
+/// `line` without its terminal colour codes (`ESC [ .. m`).
+fn without_colours(line: &str) -> String {
+    let mut parts = line.split('\u{1b}');
+    let mut plain = parts.next().unwrap_or_default().to_owned();
+    for part in parts {
+        plain.push_str(part.split_once('m').map_or(part, |(_, rest)| rest));
+    }
+    plain
 }
 
 /// Runs `cmd` to its end, which must be idleness; its log.

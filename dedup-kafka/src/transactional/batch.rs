@@ -250,7 +250,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             }
             match self
                 .transact(
-                    consumer,
+                    with,
                     batch,
                     fates,
                     (&claimed, &tombstones),

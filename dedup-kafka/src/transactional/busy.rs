@@ -19,6 +19,21 @@
 //! fetched again in order. A partition revoked during the batch is never
 //! sought: its next assignment starts from its committed offset, and a
 //! seek could only move it behind what another member committed meanwhile.
+//!
+//! Once a transaction's offsets are in it (the group coordinator holds
+//! them, pending the commit), the loop gathers the next batch while the
+//! transaction waits for its acknowledgements and commits
+//! ([`Busy::carrying`], [`Busy::carry`]): the consumer thread's work of
+//! taking messages overlaps the broker's of acknowledging, instead of
+//! following it. Polling is safe then: a partition revoked now is fetched
+//! by its next owner from the offsets the coordinator gives it, and with
+//! `read_committed` (the consumer's setting, always) librdkafka asks for
+//! stable offsets, which the coordinator withholds while a transaction's
+//! offsets for the partition are pending: the new owner starts after
+//! the batch if it commits, at its start if it aborts. What is carried
+//! is dropped wherever the consumer goes back: a partition sought to an
+//! offset loses its carried messages from that offset on (they come
+//! again), a partition revoked loses all it carried before the revoke.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
@@ -27,7 +42,8 @@ use std::time::Duration;
 
 use rdkafka::Offset;
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
-use rdkafka::message::Message as _;
+use rdkafka::error::KafkaResult;
+use rdkafka::message::{BorrowedMessage, Message as _, OwnedMessage};
 use tokio::sync::watch;
 
 use super::lanes::{Change, Lane, Membership, Topics};
@@ -43,6 +59,10 @@ pub(super) struct Busy {
     open: AtomicBool,
     /// A poll saw the group rebalance: the batch's waits end.
     rebalanced: watch::Sender<bool>,
+    /// The batch's transaction holds its offsets and waits for its
+    /// acknowledgements or its commit: the loop may take messages for the
+    /// next batch.
+    carrying: watch::Sender<bool>,
     seen: Mutex<Seen>,
     topics: Topics,
 }
@@ -59,6 +79,9 @@ struct Seen {
     moved: BTreeSet<Lane>,
     /// Rebalance changes already looked at.
     changes: usize,
+    /// The messages taken for the next batch while a transaction committed,
+    /// in the order they came.
+    carried: Vec<OwnedMessage>,
 }
 
 impl Busy {
@@ -75,6 +98,7 @@ impl Busy {
         Self {
             open: AtomicBool::new(false),
             rebalanced: watch::Sender::new(false),
+            carrying: watch::Sender::new(false),
             seen: Mutex::default(),
             topics,
         }
@@ -88,6 +112,46 @@ impl Busy {
     /// The batch is about to open a transaction: the loop stops polling.
     pub(super) fn close(&self) {
         self.open.store(false, Ordering::Release);
+    }
+
+    /// The transaction's offsets are in it: until it ends (the guard
+    /// dropped), the loop may take messages for the next batch.
+    pub(super) fn carry_from_here(&self) -> Carrying<'_> {
+        self.carrying.send_replace(true);
+        Carrying(self)
+    }
+
+    /// The next message while the batch's transaction commits: pending
+    /// whenever it is not, and the consumer is polled only then (a
+    /// rebalance callback must not run while a transaction is open without
+    /// its offsets). Cancel-safe. Hand what it returns to [`Busy::carry`].
+    pub(super) async fn carrying<'c>(
+        &self,
+        consumer: &'c StreamConsumer<Membership>,
+    ) -> KafkaResult<BorrowedMessage<'c>> {
+        let mut carrying = self.carrying.subscribe();
+        loop {
+            let _ = carrying.wait_for(|c| *c).await;
+            tokio::select! {
+                biased;
+                _ = carrying.wait_for(|c| !*c) => {}
+                received = consumer.recv() => return received,
+            }
+        }
+    }
+
+    /// Keeps `msg` (from [`Busy::carrying`]) for the next batch; `len`: how
+    /// many are kept now.
+    pub(super) fn carry(
+        &self,
+        consumer: &StreamConsumer<Membership>,
+        msg: &BorrowedMessage<'_>,
+    ) -> usize {
+        // The callbacks a poll serves come before the message it returns.
+        self.look_at_changes(consumer.context());
+        let mut seen = lock(&self.seen);
+        seen.carried.push(msg.detach());
+        seen.carried.len()
     }
 
     /// Polls once if no transaction is open: the group sees the consumer
@@ -135,6 +199,10 @@ impl Busy {
                     seen.unread.remove(lane);
                     seen.moved.insert(*lane);
                 }
+                // Not ours now; if assigned again, fetched from its
+                // committed offset.
+                let topics = &self.topics;
+                seen.carried.retain(|m| !lanes.contains(&topics.lane(m)));
             }
         });
         if rebalanced {
@@ -156,20 +224,28 @@ impl Busy {
         let _ = self.rebalanced.subscribe().wait_for(|r| *r).await;
     }
 
-    /// The batch ended: what came in meanwhile is fetched again. `true` if
-    /// anything did (the next batch has a backlog to take).
-    pub(super) fn finish(&self, consumer: &StreamConsumer<Membership>) -> Result<bool, Error> {
-        let came_in = !lock(&self.seen).unread.is_empty();
+    /// The batch ended: what came in meanwhile is fetched again, but for
+    /// the messages carried for the next batch, which it returns. `true` if
+    /// anything came in (the next batch has a backlog to take). Apply the
+    /// rebalance changes the context holds before the carried messages
+    /// join a batch: they were already dropped where a change says so.
+    pub(super) fn finish(
+        &self,
+        consumer: &StreamConsumer<Membership>,
+    ) -> Result<(bool, Vec<OwnedMessage>), Error> {
         self.close();
+        self.carrying.send_replace(false);
+        let came_in = !lock(&self.seen).unread.is_empty();
         self.rewind(consumer, &BTreeMap::new())?;
         self.rebalanced.send_replace(false);
         let mut seen = lock(&self.seen);
+        let carried = std::mem::take(&mut seen.carried);
         // A resume that failed is tried again at the next batch's end.
         *seen = Seen {
             paused: std::mem::take(&mut seen.paused),
             ..Seen::default()
         };
-        Ok(came_in)
+        Ok((came_in || !carried.is_empty(), carried))
     }
 
     /// Drops the batch (its messages from `first`, by partition) and what
@@ -217,8 +293,23 @@ impl Busy {
                      that a restart resumes from the committed offsets"
                 )));
             }
+            // Fetched again from `o`: what was carried from there on comes
+            // again.
+            let topics = &self.topics;
+            seen.carried
+                .retain(|m| topics.lane(m) != lane || m.offset() < o);
         }
         Ok(())
+    }
+}
+
+/// While held, the loop may take messages for the next batch
+/// ([`Busy::carry_from_here`]).
+pub(super) struct Carrying<'a>(&'a Busy);
+
+impl Drop for Carrying<'_> {
+    fn drop(&mut self) {
+        self.0.carrying.send_replace(false);
     }
 }
 

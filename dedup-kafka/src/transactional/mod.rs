@@ -311,8 +311,16 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         // came in while it ran): then the next takes what is queued and goes,
         // without lingering, as the database runtime's partitions do.
         let mut backlog = false;
+        // Taken while the last batch committed, and their gathering.
+        let mut carried: Vec<OwnedMessage> = Vec::new();
+        let mut next: Option<Gathering> = None;
         while !stopping {
-            let mut batch: Vec<OwnedMessage> = Vec::new();
+            // The changes the carried messages already answer to (busy.rs):
+            // applied before they join the batch, whose gathering applies
+            // the ones that come after them.
+            self.apply_changes(&consumer, &mut states, &mut Vec::new(), &mut waiting);
+            let mut batch: Vec<OwnedMessage> = std::mem::take(&mut carried);
+            let from_last = batch.len();
             // Counted in flight from receipt, as the database runtime's are:
             // a batch gathering, or waiting for its partitions' claims to be
             // restored, is work, not idleness.
@@ -320,8 +328,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 stats: &self.stats,
                 n: 0,
             };
+            held.count(batch.len());
             // From the batch's first message on.
-            let mut gathering: Option<Gathering> = None;
+            let mut gathering: Option<Gathering> = next.take().filter(|_| !batch.is_empty());
             self.refresh(&gauges, None, 0, waiting.len());
             waiting.report(&self.topics);
             loop {
@@ -386,6 +395,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             if let Some(gathering) = &gathering {
                 tracing::debug!(
                     messages = batch.len(),
+                    carried = from_last,
                     gather_ms = transact::ms(gathering.since()),
                     "batch gathered"
                 );
@@ -421,6 +431,9 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 batch.len(),
                 busy.paused() + waiting.len(),
             );
+            // Whether the next batch has room for more messages taken while
+            // this one's transaction commits.
+            let mut room = true;
             let done = loop {
                 tokio::select! {
                     done = &mut work => break done,
@@ -434,13 +447,23 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                         self.refresh(&gauges, Some(began), batch.len(), busy.paused() + waiting.len());
                         busy.poll(&consumer).await;
                     }
+                    received = busy.carrying(&consumer), if room && !stopping => match received {
+                        Ok(msg) => {
+                            let next = next.get_or_insert_with(|| self.pipeline.batching.start(false));
+                            next.took(&msg);
+                            room = !next.is_full(busy.carry(&consumer, &msg));
+                        }
+                        Err(e) => crate::access::consumer_error(&e),
+                    },
                 }
             };
             let finished = busy.finish(&consumer);
             drop(held);
             self.stats.touch();
             done?;
-            backlog = finished? || gathering.is_some_and(|g| g.is_full(batch.len()));
+            let came_in;
+            (came_in, carried) = finished?;
+            backlog = came_in || gathering.is_some_and(|g| g.is_full(batch.len()));
         }
         tracing::info!("transactional consumer stopping");
         Ok(())

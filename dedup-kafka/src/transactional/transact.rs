@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use dedup_core::Handler;
 use rdkafka::TopicPartitionList;
-use rdkafka::consumer::{Consumer as _, StreamConsumer};
+use rdkafka::consumer::Consumer as _;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders, OwnedMessage};
 use rdkafka::producer::{DeliveryFuture, FutureRecord, Producer as _};
@@ -13,10 +13,10 @@ use rdkafka::producer::{DeliveryFuture, FutureRecord, Producer as _};
 use super::outputs::Outputs;
 
 use super::TransactionalConsumer;
+use super::batch::With;
 use super::changelog::ClaimRecord;
 use super::claims::Sweep;
 use super::fate::Fate;
-use super::lanes::Membership;
 use super::refusal::{first_refusal, is_fatal, is_records_fault};
 use crate::Error;
 use crate::dead_letter_format::{self, DeadLetter};
@@ -111,13 +111,14 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
     /// One try at the batch's transaction.
     pub(super) async fn transact(
         &self,
-        consumer: &StreamConsumer<Membership>,
+        with: &With<'_>,
         batch: &[OwnedMessage],
         fates: &[Fate],
         changelog: Changelog<'_>,
         offsets: &TopicPartitionList,
         isolate: &BTreeSet<String>,
     ) -> Result<Attempt, Error> {
+        let With { consumer, busy, .. } = *with;
         let timeout = self.transaction_timeout;
         // Where a transaction's time goes, for the debug log (the per-phase
         // profile of the Kafka-only runtime: docs/src/performance.md).
@@ -195,6 +196,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             };
         }
         let offsets_sent = begun.elapsed();
+        // The group coordinator holds the offsets, pending the commit: the
+        // loop gathers the next batch while the broker acknowledges this
+        // one (busy.rs says why a poll is safe from here on).
+        let _carrying = offsets_result.is_ok().then(|| busy.carry_from_here());
         crate::failpoint::failpoint("transaction-before-acks");
         // Every record acknowledged (or refused) before the commit: a
         // refusal names its record, and the commit has nothing left to

@@ -71,6 +71,15 @@ impl Gathering {
         self.bytes = self.bytes.saturating_add(bytes_of(msg));
     }
 
+    /// The same gathering, holding the bytes of `batch` alone.
+    pub(crate) fn recounted<M: Message>(mut self, batch: &[M]) -> Self {
+        self.bytes = 0;
+        for msg in batch {
+            self.took(msg);
+        }
+        self
+    }
+
     /// Whether a batch holding `len` (and the bytes counted) is full: what
     /// comes next is a backlog, taken without lingering.
     pub(crate) fn is_full(&self, len: usize) -> bool {

@@ -5,8 +5,8 @@
 //! through librdkafka. What a revoke or an assignment does beyond that is
 //! the runtime's: the database runtime hands its revoked partitions' batches
 //! over and commits (its `HandOver`, an [`OnRebalance`] of its own); the
-//! Kafka-only one queues the change for its loop, which polls only while no
-//! transaction is open.
+//! Kafka-only one queues the change for its loop, which never polls while
+//! a transaction is open without its offsets.
 
 use std::collections::HashMap;
 use std::ops::Deref;

@@ -5,13 +5,13 @@
 //! two polls against `max.poll.interval.ms`: a consumer that stops polling
 //! for longer leaves its group, its transaction is refused, and the next
 //! owner runs the same batch into the same wait. So the run loop keeps
-//! polling while the batch is judged ([`Busy::poll`]), but only while no
-//! transaction is open: the rebalance callbacks run inside a poll, and a
-//! partition revoked while its batch's transaction is open could be handed
-//! to a new owner that runs the batch too (the transaction's offsets are
-//! checked against the group's generation, not against who owns the
-//! partition). A rebalance seen while the batch was judged abandons the
-//! batch before its transaction ([`Busy::rebalanced`]).
+//! polling while the batch is judged ([`Busy::poll`]), but never while a
+//! transaction is open without its offsets: the rebalance callbacks run
+//! inside a poll, and a partition revoked then could be handed to a new
+//! owner that runs the batch too (the transaction's offsets are checked
+//! against the group's generation, not against who owns the partition).
+//! A rebalance seen while the batch was judged abandons the batch before
+//! its transaction ([`Busy::rebalanced`]).
 //!
 //! A message that comes in meanwhile is not kept: its partition is paused
 //! (librdkafka drops what it had fetched for it) and, when the batch ends,
@@ -213,7 +213,7 @@ impl Busy {
     /// Whether the group rebalanced since the batch's messages came in (a
     /// change the loop has not applied yet). Called once the batch is
     /// [`closed`](Busy::close): no callback can run after it until the
-    /// batch's transaction ends.
+    /// transaction's offsets are in it.
     pub(super) fn rebalanced(&self, context: &Membership) -> bool {
         context.pending()
     }

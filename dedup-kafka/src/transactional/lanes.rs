@@ -83,8 +83,8 @@ impl Change {
 
 /// The changes to what this member owns of its topics, in order,
 /// for the loop (and a batch that polls) to act on. The callbacks run
-/// inside `recv`, which the loop calls only while no transaction is open
-/// (see [`busy`](super::busy)): none is when partitions are revoked.
+/// inside `recv`, which the loop never calls while a transaction is open
+/// without its offsets (see [`busy`](super::busy)).
 pub(super) struct Changes {
     pub(super) topics: Topics,
     pub(super) changes: Mutex<Vec<Change>>,

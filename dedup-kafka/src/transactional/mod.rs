@@ -315,9 +315,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let mut carried: Vec<OwnedMessage> = Vec::new();
         let mut next: Option<Gathering> = None;
         while !stopping {
-            // The changes the carried messages already answer to (busy.rs):
-            // applied before they join the batch, whose gathering applies
-            // the ones that come after them.
+            // The changes carried messages answer to already (busy.rs),
+            // before they join the batch, which answers to later ones.
             self.apply_changes(&consumer, &mut states, &mut Vec::new(), &mut waiting);
             let mut batch: Vec<OwnedMessage> = std::mem::take(&mut carried);
             let from_last = batch.len();
@@ -329,9 +328,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 n: 0,
             };
             held.count(batch.len());
-            // From the batch's first message on.
-            let mut gathering: Option<Gathering> = next.take().filter(|_| !batch.is_empty());
-            self.refresh(&gauges, None, 0, waiting.len());
+            // From the batch's first message on (carried ones may be gone).
+            let gathering = next.take().filter(|_| !batch.is_empty());
+            let mut gathering = gathering.map(|g| g.recounted(&batch));
+            self.refresh(&gauges, None, batch.len(), waiting.len());
             waiting.report(&self.topics);
             loop {
                 self.stats.polled();
@@ -431,8 +431,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 batch.len(),
                 busy.paused() + waiting.len(),
             );
-            // Whether the next batch has room for more messages taken while
-            // this one's transaction commits.
+            // Whether the next batch has room for messages carried.
             let mut room = true;
             let done = loop {
                 tokio::select! {

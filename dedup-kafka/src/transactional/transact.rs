@@ -199,7 +199,8 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         // The group coordinator holds the offsets, pending the commit: the
         // loop gathers the next batch while the broker acknowledges this
         // one (busy.rs says why a poll is safe from here on).
-        let _carrying = offsets_result.is_ok().then(|| busy.carry_from_here());
+        // Ended before any abort: a transaction aborted has no offsets.
+        let mut carrying = offsets_result.is_ok().then(|| busy.carry_from_here());
         crate::failpoint::failpoint("transaction-before-acks");
         // Every record acknowledged (or refused) before the commit: a
         // refusal names its record, and the commit has nothing left to
@@ -211,11 +212,13 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         match tokio::time::timeout(timeout, first_refusal(sent)).await {
             Ok(None) => {}
             Ok(Some(refusal)) if offsets_result.is_ok() || is_records_fault(&refusal.1) => {
+                drop(carrying.take());
                 self.abort().await?;
                 return self.refused_report(refusal, isolate, fates);
             }
             Ok(Some(_)) => {}
             Err(_) => {
+                drop(carrying.take());
                 return self
                     .failed(
                         "produce",
@@ -231,6 +234,7 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let acknowledged = begun.elapsed();
         crate::failpoint::failpoint("transaction-before-commit");
         if crate::failpoint::fails("transaction-fails-before-commit") {
+            drop(carrying.take());
             self.abort().await?;
             return Ok(Attempt::Rewind {
                 why: "failpoint transaction-fails-before-commit".into(),
@@ -246,7 +250,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 Err(KafkaError::Transaction(e)) if e.is_retriable() && !e.is_fatal() => {
                     Self::unresolved("committing", &e, started)?;
                 }
-                Err(e) => return self.failed("commit", e).await,
+                Err(e) => {
+                    drop(carrying.take());
+                    return self.failed("commit", e).await;
+                }
             }
         }
         crate::failpoint::failpoint("transaction-after-commit");

@@ -3,7 +3,9 @@
 //!
 //! Environment: `KAFKA_BROKERS` (default `localhost:9092`), `DATABASE_URL`
 //! (required), `TOPIC` (default `payments`), `GROUP_ID` (default
-//! `payments-v1`), `DEDUP_TTL` (default `4h`), `KAFKA_SESSION_TIMEOUT_MS`
+//! `payments-v1`), `DEDUP_TTL` (default `4h`), `DEDUP_MAX_BUFFERED` (most
+//! messages buffered per partition before it pauses, default the
+//! library's), `KAFKA_SESSION_TIMEOUT_MS`
 //! (default librdkafka's 45000: how long the group waits for a member that
 //! died before giving its partitions to another), `KAFKA_STATISTICS_INTERVAL_MS`
 //! (how often consumer lag is measured; default 5000), `METRICS_ADDR` (serve
@@ -125,6 +127,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .handle(env_or("TOPIC", "payments"), record_payment.with_ttl(ttl));
     if let Some(tiers) = dedup_examples::retry_tiers()? {
         builder = builder.retry_tiers_with(tiers);
+    }
+    if let Ok(n) = std::env::var("DEDUP_MAX_BUFFERED") {
+        builder = builder.max_buffered_per_partition(n.parse()?);
     }
     if let Ok(ms) = std::env::var("KAFKA_SESSION_TIMEOUT_MS") {
         builder = builder.set("session.timeout.ms", ms);

@@ -22,7 +22,7 @@ use crate::Error;
 use crate::config::Settings;
 use crate::database::handover::{HandOver, RebalanceContext, commit};
 use crate::database::partition::Runtime;
-use crate::database::partition::state::{Partition, PartitionMap, lock};
+use crate::database::partition::state::{Partition, PartitionMap, lock, resume_running};
 use crate::database::partition::worker::worker;
 use crate::database::route::TopicRoutes;
 use crate::metrics::ConsumerGauges;
@@ -209,7 +209,10 @@ impl<S: DedupStore> Consumer<S> {
             tokio::select! {
                 biased;
                 () = &mut shutdown => break None,
-                _ = refresh_tick.tick() => self.refresh(&gauges),
+                _ = refresh_tick.tick() => {
+                    self.refresh(&gauges);
+                    resume_running(&self.shared.kafka, &self.partitions);
+                }
                 () = self.shared.fatal_set.notified() => {
                     let why = self.shared.fatal.lock().unwrap_or_else(|p| p.into_inner()).take();
                     break Some(Error::Fatal(why.unwrap_or_default()));
@@ -412,6 +415,10 @@ impl<S: DedupStore> Consumer<S> {
             && p.queued.load(Ordering::SeqCst) <= low_water
             && p.paused.swap(false, Ordering::AcqRel)
         {
+            // Test-only: a resume librdkafka drops (`resume_running`).
+            if crate::failpoint::fails("resume-lost") {
+                return;
+            }
             match self.shared.kafka.resume(&p.tpl()) {
                 Ok(()) => self.wake_fetcher(topic, partition),
                 Err(e) => tracing::warn!(error = %e, "resuming a partition failed"),

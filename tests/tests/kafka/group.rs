@@ -292,6 +292,40 @@ async fn a_tiny_buffer_pauses_and_resumes_without_stalling(pool: PgPool) {
     assert_eq!(balance(&pool).await, 300);
 }
 
+/// librdkafka drops a partition's resume that reaches the partition after
+/// a newer request of its own thread (around an assignment), and returns
+/// Ok all the same: a partition paused for back-pressure then stayed
+/// paused for good, nothing left to resume it. The payments example, its
+/// first resume dropped (failpoint `resume-lost`), still applies every
+/// event of a backlog through a small buffer: the consumer resumes, every
+/// second, what should run.
+#[sqlx::test(migrations = false)]
+async fn a_resume_librdkafka_drops_does_not_stall_the_partition(pool: PgPool) {
+    let topic = create_topic(1).await;
+    let producer = producer();
+    let records = (0..200).map(|_| ("k".to_owned(), payment(uuid::Uuid::new_v4(), "a", 1)));
+    produce_all(&producer, &topic, records).await;
+    let output = common::payments(&pool, &topic, &unique("g"))
+        .args(["--exit-when-idle", "5s"])
+        .env("DEDUP_MAX_BUFFERED", "4")
+        .env("DEDUP_FAILPOINT", "resume-lost:1")
+        .output()
+        .expect("run the payments example");
+    let log = String::from_utf8_lossy(&output.stderr);
+    let tail: Vec<&str> = log.lines().rev().take(20).collect();
+    assert!(output.status.success(), "{tail:?}");
+    assert!(
+        log.contains("failpoint: failing here once"),
+        "a resume was dropped: {tail:?}"
+    );
+    assert_eq!(
+        common::last_line(&output),
+        "applied=200 skipped=0 dead_lettered=0",
+        "{tail:?}"
+    );
+    assert_eq!(balance(&pool).await, 200);
+}
+
 /// A backlog fills the buffer of every partition, so every partition of
 /// the broker is paused at once; a resume must fetch again at once, not
 /// when librdkafka's idle fetcher next looks (up to a second: a resume does

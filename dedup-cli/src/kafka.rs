@@ -292,7 +292,7 @@ pub(crate) fn visit_ranges(
         .assign(&assignment)
         .map_err(|e| Failure::new(format!("assigning {topic}: {e}")))?;
     // A partition paused at the end of an earlier range stays paused
-    // through a new assignment. (Test-only: the resume librdkafka drops,
+    // through a new assignment. (Test-only: a resume librdkafka drops,
     // below.)
     if !crate::failpoint::fails("resume-lost") {
         consumer
@@ -332,12 +332,12 @@ pub(crate) fn visit_ranges(
                         pause(consumer, topic, elem.partition());
                     }
                 }
-                // librdkafka resumes only a partition already paused when
-                // asked: one paused at the end of the caller's previous
-                // read, and not yet paused when this one resumed it above,
-                // would stay paused (seen as a search stalled on one
-                // partition). Resuming what is still open, while nothing
-                // comes, ends that.
+                // librdkafka drops a partition's resume that reaches it
+                // after a newer request of its own thread (this read's
+                // assignment starting its fetch), and the partition the
+                // last read paused at its end would stay paused (seen as a
+                // search stalled on one partition). Resuming what is still
+                // open, while nothing comes, ends that.
                 if !open.is_empty() {
                     let mut still = TopicPartitionList::new();
                     for &p in open.keys() {

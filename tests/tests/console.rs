@@ -621,14 +621,14 @@ async fn a_console_on_another_address_refuses_pages_without_its_token(pool: PgPo
     browser.close().await.expect("close");
 }
 
-/// librdkafka resumes a partition only once it has served the pause before
-/// it, and a read pauses each partition it has read to its range's end: a
-/// search's next step, reading right below, could resume a partition
-/// before that pause was served, find it paused for good and give up
-/// after 30 s (seen once, on a loaded machine). With every resume after
-/// the first dropped as librdkafka drops it (failpoint `resume-lost`), a
-/// search deep in the topic still ends: while nothing comes, the read
-/// resumes the partitions it still reads.
+/// A read pauses each partition it has read to its range's end, and the
+/// next read resumes them; librdkafka drops a resume that reaches the
+/// partition after a newer request of its own thread (the next read's
+/// assignment starting the fetch), and a search's next step found the
+/// partition paused for good and gave up after 30 s (seen once, on a
+/// loaded machine). With every resume after the first dropped (failpoint
+/// `resume-lost`), a search deep in the topic still ends: while nothing
+/// comes, the read resumes the partitions it still reads.
 #[sqlx::test(migrations = false)]
 async fn a_search_is_not_held_by_a_dropped_resume(pool: PgPool) {
     let dlq = format!("{}.dlq", unique("paused"));

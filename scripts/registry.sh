@@ -104,11 +104,14 @@ start_registry() {
     stop_registry
     database
     : >"$LOG"
-    # A modest heap: a test registry on a shared 2-core machine.
+    # A modest heap: a test registry on a shared 2-core machine. Its first
+    # connection may take over the pool's default 5 s to come while test
+    # suites beside it load PostgreSQL, and then it exited at start.
     setsid nohup java -Xms64m -Xmx256m -XX:+UseSerialGC \
         -Dquarkus.http.host=127.0.0.1 -Dquarkus.http.port="$INNER_PORT" \
         -Dquarkus.datasource.jdbc.url="jdbc:postgresql://$PG_HOST:$PG_PORT/$DATABASE" \
         -Dquarkus.datasource.username="$PG_USER" -Dquarkus.datasource.password="$PG_PASSWORD" \
+        -Dquarkus.datasource.jdbc.acquisition-timeout=60S \
         -jar "$BUILD/registry-for-tests-1-runner.jar" >>"$LOG" 2>&1 </dev/null &
     echo $! >"$PIDFILE"
     for _ in $(seq 1 120); do

@@ -2157,6 +2157,67 @@ async fn enrich_killed_while_moving_to_tiers_outputs_or_dead_letters_each_event_
     );
 }
 
+/// librdkafka drops a partition's resume that reaches the partition after
+/// a newer request of its own thread (around an assignment), and returns
+/// Ok all the same. A retry tier's partition, paused until its record is
+/// due and then resumed with that resume dropped (failpoint
+/// `tier-resume-lost`), stayed paused for good, its record never run. The
+/// enrich example resumes, between batches and at most once a second,
+/// every partition nothing holds: the record is output.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tier_partition_whose_resume_is_dropped_is_still_read() {
+    let topic = create_topic(1).await;
+    let out = create_topic(1).await;
+    let tier = format!("{topic}.retry-2s");
+    common::create_named_topic(&tier, 1).await;
+    // A record moved to the tier before, due in 4 s.
+    let due = (chrono_ms() + 4_000).to_string();
+    let mut headers = rdkafka::message::OwnedHeaders::new();
+    for (key, value) in [
+        ("dedup.origin.topic", topic.as_str()),
+        ("dedup.origin.partition", "0"),
+        ("dedup.origin.offset", "0"),
+        ("dedup.origin.timestamp", due.as_str()),
+        ("dedup.retry.tier", "2s"),
+        ("dedup.retry.due", due.as_str()),
+        ("dedup.retry.attempt", "1"),
+    ] {
+        headers = headers.insert(rdkafka::message::Header {
+            key,
+            value: Some(value),
+        });
+    }
+    producer()
+        .send(
+            FutureRecord::to(&tier)
+                .partition(0)
+                .key("p7")
+                .payload(&payment(7))
+                .headers(headers),
+            Duration::from_secs(10),
+        )
+        .await
+        .map_err(|(e, _)| e)
+        .expect("produced");
+    let mut cmd = enrich(
+        &topic,
+        &out,
+        &unique("enrich"),
+        &unique("enrich-tx"),
+        Some("tier-resume-lost:1"),
+        "10s",
+    );
+    cmd.env("DEDUP_RETRY_TIERS", "2s");
+    let log = drain_run(cmd);
+    let tail: Vec<&str> = log.lines().rev().take(20).collect();
+    assert!(
+        log.contains("failpoint: failing here once"),
+        "the tier partition's resume was dropped: {tail:?}"
+    );
+    let output = ids(&read_all(&out, "read_committed").await);
+    assert_eq!(output, vec!["p7".to_owned()], "{tail:?}");
+}
+
 /// Whether payment `i` of [`send_late_payments`] is of the account that
 /// the reference data lacks at first.
 fn is_late(i: u64) -> bool {

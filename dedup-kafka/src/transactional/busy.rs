@@ -38,7 +38,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rdkafka::Offset;
 use rdkafka::consumer::{Consumer as _, StreamConsumer};
@@ -53,6 +53,9 @@ use crate::Error;
 /// `max.poll.interval.ms`.
 pub(super) const POLL_EVERY: Duration = Duration::from_millis(500);
 
+/// How often [`Busy::resume_running`] resumes what should run.
+const RESUME_RUNNING_EVERY: Duration = Duration::from_secs(1);
+
 /// What the run loop and the batch share while the batch runs.
 pub(super) struct Busy {
     /// No transaction is open: the loop may poll.
@@ -63,6 +66,8 @@ pub(super) struct Busy {
     /// acknowledgements or its commit: the loop may take messages for the
     /// next batch.
     carrying: watch::Sender<bool>,
+    /// When [`Busy::resume_running`] last resumed.
+    resumed: Mutex<Option<Instant>>,
     seen: Mutex<Seen>,
     topics: Topics,
 }
@@ -99,6 +104,7 @@ impl Busy {
             open: AtomicBool::new(false),
             rebalanced: watch::Sender::new(false),
             carrying: watch::Sender::new(false),
+            resumed: Mutex::new(None),
             seen: Mutex::default(),
             topics,
         }
@@ -152,6 +158,43 @@ impl Busy {
         let mut seen = lock(&self.seen);
         seen.carried.push(msg.detach());
         seen.carried.len()
+    }
+
+    /// Between batches, at most once a second: resumes every assigned
+    /// partition but those `holds` (the retry tiers' waiting ones) and
+    /// those a failed resume left paused. librdkafka versions each
+    /// partition's pause and resume requests and drops one that reaches
+    /// the partition after a newer request of its own thread (around an
+    /// assignment), while the call returns Ok: a resume of ours lost so
+    /// would leave the partition paused for good, its lag growing. A
+    /// partition not paused is left as it is.
+    pub(super) fn resume_running(
+        &self,
+        consumer: &StreamConsumer<Membership>,
+        holds: impl Fn(Lane) -> bool,
+    ) {
+        {
+            let mut resumed = lock(&self.resumed);
+            if resumed.is_some_and(|at| at.elapsed() < RESUME_RUNNING_EVERY) {
+                return;
+            }
+            *resumed = Some(Instant::now());
+        }
+        let Ok(assigned) = consumer.assignment() else {
+            return;
+        };
+        let paused = lock(&self.seen).paused.clone();
+        let running = assigned
+            .elements()
+            .into_iter()
+            .filter_map(|e| self.topics.find(e.topic(), e.partition()))
+            .filter(|&lane| !holds(lane) && !paused.contains(&lane));
+        let running = self.topics.list(running);
+        if running.count() > 0
+            && let Err(e) = consumer.resume(&running)
+        {
+            tracing::debug!(error = %e, "resuming the partitions that run");
+        }
     }
 
     /// Polls once if no transaction is open: the group sees the consumer

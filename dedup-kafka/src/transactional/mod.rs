@@ -303,13 +303,12 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
         let busy = Busy::new(self.topics.clone());
         // The tiers' partitions paused until their next record is due.
         let mut waiting = Waiting::default();
-        // Topics whose records go one at a time, to find the one a broker
-        // refuses: kept while a batch is rewound and runs again.
+        // Topics whose records go one at a time (to find the one a broker
+        // refuses), kept while a batch is rewound and runs again.
         let mut isolate: BTreeSet<String> = BTreeSet::new();
         tokio::pin!(stop);
-        // Whether the last batch left a backlog (it was full, or messages
-        // came in while it ran): then the next takes what is queued and goes,
-        // without lingering, as the database runtime's partitions do.
+        // The last batch left a backlog (full, or messages came meanwhile):
+        // the next takes what is queued and goes, without lingering.
         let mut backlog = false;
         // Taken while the last batch committed, and their gathering.
         let mut carried: Vec<OwnedMessage> = Vec::new();
@@ -318,11 +317,11 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
             // The changes carried messages answer to already (busy.rs),
             // before they join the batch, which answers to later ones.
             self.apply_changes(&consumer, &mut states, &mut Vec::new(), &mut waiting);
+            busy.resume_running(&consumer, |lane| waiting.holds(lane));
             let mut batch: Vec<OwnedMessage> = std::mem::take(&mut carried);
             let from_last = batch.len();
             // Counted in flight from receipt, as the database runtime's are:
-            // a batch gathering, or waiting for its partitions' claims to be
-            // restored, is work, not idleness.
+            // a batch gathering or waiting for its restores is work.
             let mut held = Held {
                 stats: &self.stats,
                 n: 0,
@@ -359,7 +358,10 @@ impl<H: Handler<Tx = Outputs>> TransactionalConsumer<H> {
                 held.count(batch.len());
                 match received {
                     // An idle wait: the next batch starts from idle.
-                    None if gathering.is_none() => backlog = false,
+                    None if gathering.is_none() => {
+                        backlog = false;
+                        busy.resume_running(&consumer, |lane| waiting.holds(lane));
+                    }
                     None => break,
                     Some(Ok(msg)) => {
                         gathering

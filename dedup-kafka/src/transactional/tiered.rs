@@ -298,7 +298,12 @@ impl Waiting {
         if lanes.is_empty() {
             return;
         }
-        match consumer.resume(&topics.list(lanes.iter().copied())) {
+        // Test-only: a resume librdkafka drops (`Busy::resume_running`).
+        let resumed = match crate::failpoint::fails("tier-resume-lost") {
+            true => Ok(()),
+            false => consumer.resume(&topics.list(lanes.iter().copied())),
+        };
+        match resumed {
             Ok(()) => {
                 for lane in lanes {
                     self.due.remove(&lane);
@@ -308,6 +313,12 @@ impl Waiting {
             // Tried again at the loop's next turn.
             Err(e) => tracing::warn!(error = %e, "resuming a retry tier's partitions failed"),
         }
+    }
+
+    /// Whether `lane` waits paused (for its record's due time, or for its
+    /// input partition).
+    pub(super) fn holds(&self, lane: Lane) -> bool {
+        self.due.contains_key(&lane) || self.parked.contains(&lane)
     }
 
     /// How long until the next partition is due, if one waits: at least

@@ -2168,17 +2168,19 @@ async fn enrich_killed_while_moving_to_tiers_outputs_or_dead_letters_each_event_
 async fn a_tier_partition_whose_resume_is_dropped_is_still_read() {
     let topic = create_topic(1).await;
     let out = create_topic(1).await;
-    let tier = format!("{topic}.retry-2s");
+    let tier = format!("{topic}.retry-10s");
     common::create_named_topic(&tier, 1).await;
-    // A record moved to the tier before, due in 4 s.
-    let due = (chrono_ms() + 4_000).to_string();
+    // A record moved to the tier before, due in 6 s (its header's due time,
+    // before its timestamp plus the tier's 10 s): time for the example to
+    // start and fetch it before it is due, so that it is held.
+    let due = (chrono_ms() + 6_000).to_string();
     let mut headers = rdkafka::message::OwnedHeaders::new();
     for (key, value) in [
         ("dedup.origin.topic", topic.as_str()),
         ("dedup.origin.partition", "0"),
         ("dedup.origin.offset", "0"),
         ("dedup.origin.timestamp", due.as_str()),
-        ("dedup.retry.tier", "2s"),
+        ("dedup.retry.tier", "10s"),
         ("dedup.retry.due", due.as_str()),
         ("dedup.retry.attempt", "1"),
     ] {
@@ -2205,9 +2207,9 @@ async fn a_tier_partition_whose_resume_is_dropped_is_still_read() {
         &unique("enrich"),
         &unique("enrich-tx"),
         Some("tier-resume-lost:1"),
-        "10s",
+        "15s",
     );
-    cmd.env("DEDUP_RETRY_TIERS", "2s");
+    cmd.env("DEDUP_RETRY_TIERS", "10s");
     let log = drain_run(cmd);
     let tail: Vec<&str> = log.lines().rev().take(20).collect();
     assert!(

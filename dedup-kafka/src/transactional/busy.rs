@@ -161,8 +161,8 @@ impl Busy {
     }
 
     /// Between batches, at most once a second: resumes every assigned
-    /// partition but those `holds` (the retry tiers' waiting ones) and
-    /// those a failed resume left paused. librdkafka versions each
+    /// partition but those `holds` (the retry tiers' waiting ones).
+    /// librdkafka versions each
     /// partition's pause and resume requests and drops one that reaches
     /// the partition after a newer request of its own thread (around an
     /// assignment), while the call returns Ok: a resume of ours lost so
@@ -183,12 +183,11 @@ impl Busy {
         let Ok(assigned) = consumer.assignment() else {
             return;
         };
-        let paused = lock(&self.seen).paused.clone();
         let running = assigned
             .elements()
             .into_iter()
             .filter_map(|e| self.topics.find(e.topic(), e.partition()))
-            .filter(|&lane| !holds(lane) && !paused.contains(&lane));
+            .filter(|&lane| !holds(lane));
         let running = self.topics.list(running);
         if running.count() > 0
             && let Err(e) = consumer.resume(&running)

@@ -2174,21 +2174,7 @@ async fn a_tier_partition_whose_resume_is_dropped_is_still_read() {
     // before its timestamp plus the tier's 10 s): time for the example to
     // start and fetch it before it is due, so that it is held.
     let due = (chrono_ms() + 6_000).to_string();
-    let mut headers = rdkafka::message::OwnedHeaders::new();
-    for (key, value) in [
-        ("dedup.origin.topic", topic.as_str()),
-        ("dedup.origin.partition", "0"),
-        ("dedup.origin.offset", "0"),
-        ("dedup.origin.timestamp", due.as_str()),
-        ("dedup.retry.tier", "10s"),
-        ("dedup.retry.due", due.as_str()),
-        ("dedup.retry.attempt", "1"),
-    ] {
-        headers = headers.insert(rdkafka::message::Header {
-            key,
-            value: Some(value),
-        });
-    }
+    let headers = moved_headers(&topic, "0", "10s", &due, "1");
     producer()
         .send(
             FutureRecord::to(&tier)
@@ -2258,21 +2244,7 @@ async fn members_with_and_without_tiers_share_a_group_through_a_deploy() {
         let id = format!("waiting-{partition}");
         let at = chrono_ms();
         let (origin_partition, due) = (partition.to_string(), at.to_string());
-        let mut headers = rdkafka::message::OwnedHeaders::new();
-        for (key, value) in [
-            ("dedup.origin.topic", topic.as_str()),
-            ("dedup.origin.partition", origin_partition.as_str()),
-            ("dedup.origin.offset", "0"),
-            ("dedup.origin.timestamp", due.as_str()),
-            ("dedup.retry.tier", "2s"),
-            ("dedup.retry.due", due.as_str()),
-            ("dedup.retry.attempt", "4"),
-        ] {
-            headers = headers.insert(rdkafka::message::Header {
-                key,
-                value: Some(value),
-            });
-        }
+        let headers = moved_headers(&topic, &origin_partition, "2s", &due, "4");
         p.send(
             FutureRecord::to(&tier)
                 .partition(partition)
@@ -2337,6 +2309,34 @@ async fn members_with_and_without_tiers_share_a_group_through_a_deploy() {
         outputs(&out).await,
         each_once(100, &["waiting-0", "waiting-1"])
     );
+}
+
+/// The headers of a record moved to tier `tier` from offset 0 of
+/// `partition` of `topic`, due (and stamped) at `due` ms, after `attempt`
+/// attempts: what the runtime writes when it moves one.
+fn moved_headers(
+    topic: &str,
+    partition: &str,
+    tier: &str,
+    due: &str,
+    attempt: &str,
+) -> rdkafka::message::OwnedHeaders {
+    [
+        ("dedup.origin.topic", topic),
+        ("dedup.origin.partition", partition),
+        ("dedup.origin.offset", "0"),
+        ("dedup.origin.timestamp", due),
+        ("dedup.retry.tier", tier),
+        ("dedup.retry.due", due),
+        ("dedup.retry.attempt", attempt),
+    ]
+    .into_iter()
+    .fold(rdkafka::message::OwnedHeaders::new(), |h, (key, value)| {
+        h.insert(rdkafka::message::Header {
+            key,
+            value: Some(value),
+        })
+    })
 }
 
 /// Milliseconds since the epoch.

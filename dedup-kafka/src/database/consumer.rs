@@ -22,12 +22,13 @@ use crate::Error;
 use crate::config::Settings;
 use crate::database::handover::{HandOver, RebalanceContext, commit};
 use crate::database::partition::Runtime;
-use crate::database::partition::state::{Partition, PartitionMap, lock, resume_running};
+use crate::database::partition::state::{Partition, PartitionMap, held_paused, lock};
 use crate::database::partition::worker::worker;
 use crate::database::route::TopicRoutes;
 use crate::metrics::ConsumerGauges;
 use crate::pipeline::fatal_error;
 use crate::pipeline::membership::Membership;
+use crate::pipeline::membership::resume_assigned;
 use crate::shutdown::shutdown_signal;
 use crate::stats::{Stats, StatsSnapshot};
 
@@ -211,7 +212,7 @@ impl<S: DedupStore> Consumer<S> {
                 () = &mut shutdown => break None,
                 _ = refresh_tick.tick() => {
                     self.refresh(&gauges);
-                    resume_running(&self.shared.kafka, &self.partitions);
+                    resume_assigned(&self.shared.kafka, |t, p| held_paused(&self.partitions, t, p));
                 }
                 () = self.shared.fatal_set.notified() => {
                     let why = self.shared.fatal.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -415,7 +416,7 @@ impl<S: DedupStore> Consumer<S> {
             && p.queued.load(Ordering::SeqCst) <= low_water
             && p.paused.swap(false, Ordering::AcqRel)
         {
-            // Test-only: a resume librdkafka drops (`resume_running`).
+            // Test-only: a resume librdkafka drops (`resume_assigned`).
             if crate::failpoint::fails("resume-lost") {
                 return;
             }

@@ -13,7 +13,7 @@ use std::ops::Deref;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use rdkafka::consumer::{BaseConsumer, ConsumerContext, Rebalance};
+use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use rdkafka::{ClientContext, TopicPartitionList};
 
@@ -229,6 +229,35 @@ impl<R: OnRebalance> ConsumerContext for Membership<R> {
                 tracing::warn!(error = %e, "offset commit failed; the next commit retries it")
             }
         });
+    }
+}
+
+/// Resumes every assigned partition but those `held` (by topic and
+/// partition), for both runtimes, now and then, from the loop that pauses
+/// (never beside a pause). librdkafka versions each partition's pause and
+/// resume requests and drops one that reaches the partition after a newer
+/// one, while the call still returns Ok; its own thread makes such
+/// requests around an assignment (a fetch started, a rebalance's own pause
+/// and resume), so a resume of ours can be lost, and nothing would resume
+/// the partition again: its lag grows while the others flow. A partition
+/// not paused is left as it is.
+pub(crate) fn resume_assigned<C: ConsumerContext>(
+    consumer: &impl Consumer<C>,
+    held: impl Fn(&str, i32) -> bool,
+) {
+    let Ok(assigned) = consumer.assignment() else {
+        return;
+    };
+    let mut running = TopicPartitionList::new();
+    for e in assigned.elements() {
+        if !held(e.topic(), e.partition()) {
+            running.add_partition(e.topic(), e.partition());
+        }
+    }
+    if running.count() > 0
+        && let Err(e) = consumer.resume(&running)
+    {
+        tracing::debug!(error = %e, "resuming the partitions that run");
     }
 }
 

@@ -161,13 +161,9 @@ impl Busy {
     }
 
     /// Between batches, at most once a second: resumes every assigned
-    /// partition but those `holds` (the retry tiers' waiting ones).
-    /// librdkafka versions each
-    /// partition's pause and resume requests and drops one that reaches
-    /// the partition after a newer request of its own thread (around an
-    /// assignment), while the call returns Ok: a resume of ours lost so
-    /// would leave the partition paused for good, its lag growing. A
-    /// partition not paused is left as it is.
+    /// partition but those `holds` (the retry tiers' waiting ones): a
+    /// resume librdkafka dropped would leave one paused for good
+    /// ([`resume_assigned`](crate::pipeline::membership::resume_assigned)).
     pub(super) fn resume_running(
         &self,
         consumer: &StreamConsumer<Membership>,
@@ -180,20 +176,9 @@ impl Busy {
             }
             *resumed = Some(Instant::now());
         }
-        let Ok(assigned) = consumer.assignment() else {
-            return;
-        };
-        let running = assigned
-            .elements()
-            .into_iter()
-            .filter_map(|e| self.topics.find(e.topic(), e.partition()))
-            .filter(|&lane| !holds(lane));
-        let running = self.topics.list(running);
-        if running.count() > 0
-            && let Err(e) = consumer.resume(&running)
-        {
-            tracing::debug!(error = %e, "resuming the partitions that run");
-        }
+        crate::pipeline::membership::resume_assigned(consumer, |topic, p| {
+            self.topics.find(topic, p).is_none_or(&holds)
+        });
     }
 
     /// Polls once if no transaction is open: the group sees the consumer

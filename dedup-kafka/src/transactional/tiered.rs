@@ -298,7 +298,7 @@ impl Waiting {
         if lanes.is_empty() {
             return;
         }
-        // Test-only: a resume librdkafka drops (`Busy::resume_running`).
+        // Test-only: a resume librdkafka drops (`resume_assigned`).
         let resumed = match crate::failpoint::fails("tier-resume-lost") {
             true => Ok(()),
             false => consumer.resume(&topics.list(lanes.iter().copied())),

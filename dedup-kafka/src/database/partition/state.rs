@@ -6,7 +6,6 @@ use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use rdkafka::TopicPartitionList;
-use rdkafka::consumer::{Consumer, ConsumerContext};
 use rdkafka::message::OwnedMessage;
 use tokio::sync::{mpsc, watch};
 
@@ -119,38 +118,12 @@ impl Partition {
     }
 }
 
-/// Resumes every assigned partition that should run: all but those `map`
-/// holds paused (for back-pressure, or until a retry tier's record is
-/// due). librdkafka versions each partition's pause and resume requests
-/// and drops one that reaches the partition after a newer one, while the
-/// call still returns Ok; its own thread makes such requests around an
-/// assignment (a fetch started, a rebalance's own pause and resume), so a
-/// resume of ours can be lost, and nothing would resume the partition
-/// again: its lag grows while the others flow. Called now and then, from
-/// the loop that pauses (never beside a pause); a partition not paused is
-/// left as it is.
-pub(crate) fn resume_running<C: ConsumerContext>(consumer: &impl Consumer<C>, map: &PartitionMap) {
-    let Ok(assigned) = consumer.assignment() else {
-        return;
-    };
-    let mut running = TopicPartitionList::new();
-    {
-        let map = lock(map);
-        for e in assigned.elements() {
-            let key = (e.topic().to_owned(), e.partition());
-            if !map
-                .get(&key)
-                .is_some_and(|p| p.paused.load(Ordering::SeqCst))
-            {
-                running.add_partition(e.topic(), e.partition());
-            }
-        }
-    }
-    if running.count() > 0
-        && let Err(e) = consumer.resume(&running)
-    {
-        tracing::debug!(error = %e, "resuming the partitions that run");
-    }
+/// Whether `map` holds `partition` of `topic` paused (for back-pressure,
+/// or until a retry tier's record is due).
+pub(crate) fn held_paused(map: &PartitionMap, topic: &str, partition: i32) -> bool {
+    lock(map)
+        .get(&(topic.to_owned(), partition))
+        .is_some_and(|p| p.paused.load(Ordering::SeqCst))
 }
 
 /// The assigned partitions, by topic and partition.

@@ -430,3 +430,148 @@ async fn a_table_between_versions_is_waited_out(pool: PgPool) {
         "a deferrable key"
     );
 }
+
+/// A batch's new claims, written by its plain insert, hold what the upsert
+/// writes: the scope and key texts (multi-byte ones too), the fingerprint
+/// or NULL, taken at the transaction's `now()` on the database clock and
+/// expiring the TTL later; and the batch reports that expiry.
+#[sqlx::test(migrations = false)]
+async fn a_batch_writes_each_claims_columns_exactly(pool: PgPool) {
+    let store = PgStore::from_pool(pool.clone());
+    store.migrate().await.expect("migrate");
+    let ttl = Ttl::from_secs(4 * 3600).expect("ttl");
+    let keys = [
+        key("payments", "evt-1"),
+        key("zahlungen/ü", "ereignis-ß-€-🦀"),
+        key("payments", "evt-3"),
+    ];
+    let fingerprint = dedup_core::Fingerprint::of_payload(b"{\"amount\":10}");
+    let fingerprints = [Some(fingerprint), None, Some(fingerprint)];
+    let mut tx = store.begin().await.expect("begin");
+    let started: i64 = sqlx::query_scalar("SELECT (extract(epoch FROM now()) * 1000000)::int8")
+        .fetch_one(&mut *tx)
+        .await
+        .expect("now");
+    let claims = store
+        .claim_many(&mut tx, &keys, &fingerprints, ttl)
+        .await
+        .expect("claim_many");
+    store.commit(tx).await.expect("commit");
+    assert_eq!(claims, [Claim::Fresh, Claim::Fresh, Claim::Fresh]);
+
+    for (k, fingerprint) in keys.iter().zip(fingerprints) {
+        let (scope, id, claimed, expires, stored): (String, String, i64, i64, Option<Vec<u8>>) =
+            sqlx::query_as(
+                "SELECT scope, key, (extract(epoch FROM claimed_at) * 1000000)::int8, \
+                        (extract(epoch FROM expires_at) * 1000000)::int8, fingerprint \
+                 FROM dedup_claims WHERE id = $1",
+            )
+            .bind(claim_id(k))
+            .fetch_one(&pool)
+            .await
+            .expect("the claim's row");
+        assert_eq!((scope.as_str(), id.as_str()), (k.scope(), k.id()));
+        assert_eq!(claimed, started, "{k:?}: taken at the transaction's now()");
+        assert_eq!(
+            expires - claimed,
+            4 * 3600 * 1_000_000,
+            "{k:?}: the TTL later"
+        );
+        assert_eq!(
+            stored.as_deref(),
+            fingerprint.as_ref().map(|f| &f.as_bytes()[..]),
+            "{k:?}: its fingerprint"
+        );
+    }
+    // A redelivery of the batch reads each claim's expiry as written.
+    let mut tx = store.begin().await.expect("begin");
+    let again = store
+        .claim_many(&mut tx, &keys, &fingerprints, ttl)
+        .await
+        .expect("claim_many");
+    store.rollback(tx).await.expect("rollback");
+    let expected = SystemTime::UNIX_EPOCH
+        + Duration::from_micros(u64::try_from(started).expect("after 1970"))
+        + Duration::from_secs(4 * 3600);
+    for (claim, kept) in again.into_iter().zip(fingerprints) {
+        match claim {
+            Claim::Duplicate {
+                expires_at,
+                fingerprint,
+                ..
+            } => {
+                assert_eq!(expires_at, expected);
+                assert_eq!(fingerprint, kept, "the fingerprint kept, or none");
+            }
+            other => panic!("a duplicate, got {other:?}"),
+        }
+    }
+}
+
+/// A claims table under row-level security that applies to the store's
+/// role (here its owner, with `FORCE`), and one with a trigger that keeps
+/// only some of the rows it is sent: a batch's new keys are claimed all
+/// the same (the policy and the trigger applied), never an error.
+/// (`COPY FROM`, tried for the batch's insert, refuses the first table.)
+#[sqlx::test(migrations = false)]
+async fn a_table_under_policies_and_triggers_is_claimed(pool: PgPool) {
+    let store = PgStore::from_pool(pool.clone());
+    store.migrate().await.expect("migrate");
+    let ttl = Ttl::from_secs(3600).expect("ttl");
+    let batch = |name: &str| {
+        let name = name.to_owned();
+        [
+            key(&name, "evt-1"),
+            key(&name, "evt-2"),
+            key(&name, "evt-3"),
+        ]
+    };
+    sqlx::raw_sql(
+        "ALTER TABLE dedup_claims ENABLE ROW LEVEL SECURITY; \
+         ALTER TABLE dedup_claims FORCE ROW LEVEL SECURITY; \
+         CREATE POLICY every_claim ON dedup_claims USING (true) WITH CHECK (true)",
+    )
+    .execute(&pool)
+    .await
+    .expect("row-level security");
+    let policed: bool = sqlx::query_scalar("SELECT row_security_active('dedup_claims')")
+        .fetch_one(&pool)
+        .await
+        .expect("row_security_active");
+    assert!(policed, "the store's role is under the table's policies");
+    let keys = batch("policed");
+    let mut tx = store.begin().await.expect("begin");
+    let claims = store
+        .claim_many(&mut tx, &keys, &[], ttl)
+        .await
+        .expect("claimed under row-level security");
+    store.commit(tx).await.expect("commit");
+    assert_eq!(claims, [Claim::Fresh, Claim::Fresh, Claim::Fresh]);
+
+    sqlx::raw_sql(
+        "ALTER TABLE dedup_claims DISABLE ROW LEVEL SECURITY; \
+         CREATE FUNCTION keep_some() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN IF NEW.key = 'evt-2' AND NEW.scope = 'triggered' THEN RETURN NULL; END IF; \
+         RETURN NEW; END $$; \
+         CREATE TRIGGER keep_some BEFORE INSERT ON dedup_claims \
+             FOR EACH ROW EXECUTE FUNCTION keep_some()",
+    )
+    .execute(&pool)
+    .await
+    .expect("a trigger");
+    let keys = batch("triggered");
+    let mut tx = store.begin().await.expect("begin");
+    let claims = store
+        .claim_many(&mut tx, &keys, &[], ttl)
+        .await
+        .expect("claimed beside the trigger");
+    store.commit(tx).await.expect("commit");
+    let rows: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM dedup_claims WHERE scope = 'triggered'")
+            .fetch_one(&pool)
+            .await
+            .expect("rows");
+    assert_eq!(rows, 2, "the trigger kept two of the three rows");
+    assert_eq!(claims[0], Claim::Fresh, "{claims:?}");
+    assert_eq!(claims[2], Claim::Fresh, "{claims:?}");
+}

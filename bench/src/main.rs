@@ -138,6 +138,7 @@ mod outbox_logical;
 mod pgstream;
 mod produce;
 mod steady;
+mod stores;
 mod tiers;
 mod workload;
 
@@ -289,7 +290,11 @@ struct Args {
     kafka_only: bool,
     keyed: bool,
     tiers: bool,
+    /// `--stores`: the claim path of each SQL store (stores.rs).
+    stores: bool,
     per_tx: usize,
+    /// `--per-tx` was given (`--stores` defaults to 500, not 10).
+    per_tx_given: bool,
     relay_batch: usize,
     /// `outbox-logical-sql-drain`: changes taken from the slot at a time.
     logical_batch: usize,
@@ -369,8 +374,10 @@ fn args() -> Result<Args, String> {
         outbox: false,
         kafka_only: false,
         keyed: false,
+        stores: false,
         tiers: false,
         per_tx: 10,
+        per_tx_given: false,
         relay_batch: 500,
         logical_batch: 20_000,
         mode: None,
@@ -439,6 +446,7 @@ fn args() -> Result<Args, String> {
             "--outbox" => a.outbox = true,
             "--kafka-only" => a.kafka_only = true,
             "--keyed" => a.keyed = true,
+            "--stores" => a.stores = true,
             "--tiers" => a.tiers = true,
             "--relay-batch" => {
                 a.relay_batch = value()?
@@ -451,6 +459,7 @@ fn args() -> Result<Args, String> {
                     .map_err(|e| format!("--logical-batch: {e}"))?
             }
             "--per-tx" => {
+                a.per_tx_given = true;
                 a.per_tx = value()?
                     .parse::<usize>()
                     .map_err(|e| format!("--per-tx: {e}"))?
@@ -479,7 +488,7 @@ fn args() -> Result<Args, String> {
             other => {
                 return Err(format!(
                     "unknown flag {other}; flags: --events --quick --repeats --min-seconds --max-steal pct --modes a,b --duplicates --partitions --json --purge \
-                     --outbox --delete-sent --kafka-only --full-table --claims n --keyed --tiers --per-tx --relay-batch --logical-batch --mode --rate --seconds --set key=value \
+                     --outbox --delete-sent --kafka-only --stores --full-table --claims n --keyed --tiers --per-tx --relay-batch --logical-batch --mode --rate --seconds --set key=value \
                      --max-buffered --linger ms --dump file (with --mode steady or steady-purge)"
                 ));
             }
@@ -1683,6 +1692,9 @@ async fn main() -> Result<(), BoxError> {
             return Err("--consume needs --topic and --group".into());
         };
         return consume::serve(mode, topic, group, args.output.as_deref(), &args).await;
+    }
+    if args.stores {
+        return stores::run_all(&args).await;
     }
     if args.keyed || args.tiers {
         let result = if args.keyed {

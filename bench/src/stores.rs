@@ -45,11 +45,41 @@ trait Measured: DedupStore {
     /// Bytes written to the store's log so far.
     fn logged(&self) -> impl Future<Output = Result<u64, BoxError>> + Send;
 
+    /// The claims table (migrated) and the effect table, on a new database.
+    fn prepare(&self) -> impl Future<Output = Result<(), BoxError>> + Send;
+
     /// The effect rows.
     fn rows(&self) -> impl Future<Output = Result<i64, BoxError>> + Send;
+
+    /// Closes the store's pool.
+    fn close(&self) -> impl Future<Output = ()> + Send;
+}
+
+/// `prepare`, `rows` and `close` of a store with `migrate()` and `pool()`,
+/// its effect table made by `$create`.
+macro_rules! tables {
+    ($create:literal) => {
+        async fn prepare(&self) -> Result<(), BoxError> {
+            self.migrate().await?;
+            sqlx::query($create).execute(self.pool()).await?;
+            Ok(())
+        }
+
+        async fn rows(&self) -> Result<i64, BoxError> {
+            Ok(sqlx::query_scalar("SELECT count(*) FROM bench_effects")
+                .fetch_one(self.pool())
+                .await?)
+        }
+
+        async fn close(&self) {
+            self.pool().close().await;
+        }
+    };
 }
 
 impl Measured for PgStore {
+    tables!("CREATE TABLE bench_effects (event_id text PRIMARY KEY, amount int8)");
+
     async fn effects(&self, tx: &mut PgTx, ids: &[&str], ignore: bool) -> Result<(), BoxError> {
         const PLAIN: &str = "INSERT INTO bench_effects (event_id, amount) \
              SELECT id, 100 FROM unnest($1::text[]) AS u(id)";
@@ -72,17 +102,11 @@ impl Measured for PgStore {
                 .await?;
         Ok(u64::try_from(lsn)?)
     }
-
-    async fn rows(&self) -> Result<i64, BoxError> {
-        Ok(sqlx::query_scalar("SELECT count(*) FROM bench_effects")
-            .fetch_one(self.pool())
-            .await?)
-    }
 }
 
-/// `effects` and `rows` for a store that takes a batch's rows as one
+/// `effects` for a store that takes a batch's rows as one
 /// `INSERT [<ignore>] ... VALUES (?, 100), ...` (each id a bind parameter).
-macro_rules! bound_rows {
+macro_rules! bound_effects {
     ($tx:ty, $ignore:literal) => {
         async fn effects(&self, tx: &mut $tx, ids: &[&str], ignore: bool) -> Result<(), BoxError> {
             if ids.is_empty() {
@@ -99,17 +123,12 @@ macro_rules! bound_rows {
             query.execute(&mut **tx).await?;
             Ok(())
         }
-
-        async fn rows(&self) -> Result<i64, BoxError> {
-            Ok(sqlx::query_scalar("SELECT count(*) FROM bench_effects")
-                .fetch_one(self.pool())
-                .await?)
-        }
     };
 }
 
 impl Measured for MySqlStore {
-    bound_rows!(MySqlTx, "IGNORE");
+    tables!("CREATE TABLE bench_effects (event_id varchar(64) PRIMARY KEY, amount bigint)");
+    bound_effects!(MySqlTx, "IGNORE");
 
     async fn logged(&self) -> Result<u64, BoxError> {
         let (_, written): (String, String) =
@@ -121,7 +140,8 @@ impl Measured for MySqlStore {
 }
 
 impl Measured for SqliteStore {
-    bound_rows!(SqliteTx, "OR IGNORE");
+    tables!("CREATE TABLE bench_effects (event_id text PRIMARY KEY, amount integer)");
+    bound_effects!(SqliteTx, "OR IGNORE");
 
     /// This process's `wchar` (`/proc/self/io`): SQLite writes from here.
     /// The WAL is checkpointed first, so a run counts its own checkpoints
@@ -167,6 +187,32 @@ fn events(n: usize, duplicates: f64, per_tx: usize) -> Vec<String> {
         .collect()
 }
 
+/// The events of every run, with what each run checks against.
+struct Workload {
+    events: Vec<String>,
+    keys: Vec<DedupKey>,
+    /// Distinct events: the effect rows each run must end with.
+    distinct: usize,
+    per_tx: usize,
+}
+
+impl Workload {
+    fn new(n: usize, duplicates: f64, per_tx: usize) -> Result<Self, BoxError> {
+        let events = events(n, duplicates, per_tx);
+        let keys = events
+            .iter()
+            .map(|id| DedupKey::new(SCOPE, id))
+            .collect::<Result<_, _>>()?;
+        let distinct = events.iter().collect::<HashSet<_>>().len();
+        Ok(Workload {
+            events,
+            keys,
+            distinct,
+            per_tx,
+        })
+    }
+}
+
 /// One run's figures.
 struct Run {
     store: &'static str,
@@ -175,20 +221,35 @@ struct Run {
     logged_per_event: f64,
 }
 
-/// Runs `mode` over `events` on `store` (new and empty) and checks that
-/// each distinct event has its effect row once.
+/// Runs `mode` over the workload on `store` (new and empty: prepared
+/// here, closed after) and checks that each distinct event has its effect
+/// row once.
+async fn measure<S: Measured>(
+    store: &S,
+    name: &'static str,
+    mode: &'static str,
+    work: &Workload,
+) -> Result<Run, BoxError> {
+    store.prepare().await?;
+    let run = run(store, name, mode, work).await;
+    store.close().await;
+    run
+}
+
 async fn run<S: Measured>(
     store: &S,
     name: &'static str,
     mode: &'static str,
-    events: &[String],
-    per_tx: usize,
+    work: &Workload,
 ) -> Result<Run, BoxError> {
     let ttl = Ttl::from_secs(4 * 3600).ok_or("ttl")?;
-    let keys: Vec<DedupKey> = events
-        .iter()
-        .map(|id| DedupKey::new(SCOPE, id))
-        .collect::<Result<_, _>>()?;
+    let Workload {
+        events,
+        keys,
+        distinct,
+        per_tx,
+    } = work;
+    let (distinct, per_tx) = (*distinct, *per_tx);
     let before = store.logged().await?;
     let started = Instant::now();
     let mut claimed = 0;
@@ -212,7 +273,6 @@ async fn run<S: Measured>(
     }
     let seconds = started.elapsed().as_secs_f64();
     let logged = store.logged().await? - before;
-    let distinct = events.iter().collect::<HashSet<_>>().len();
     let rows = store.rows().await?;
     if rows != i64::try_from(distinct)? || (mode == "claims" && claimed != distinct) {
         return Err(format!(
@@ -268,51 +328,25 @@ async fn fresh_database(store: &str, url: &str, name: &'static str) -> Result<St
 }
 
 /// One run of `mode` on a new database of `store`.
-async fn one(
-    store: &'static str,
-    mode: &'static str,
-    events: &[String],
-    per_tx: usize,
-) -> Result<Run, BoxError> {
+async fn one(store: &'static str, mode: &'static str, work: &Workload) -> Result<Run, BoxError> {
     let name = "dedup_bench_stores";
     match store {
         "postgres" => {
             let url = std::env::var("DATABASE_URL").map_err(|_| "DATABASE_URL must be set")?;
             let url = fresh_database(store, &url, name).await?;
-            let s = PgStore::connect(&url).await?;
-            s.migrate().await?;
-            sqlx::query("CREATE TABLE bench_effects (event_id text PRIMARY KEY, amount int8)")
-                .execute(s.pool())
-                .await?;
-            let run = run(&s, store, mode, events, per_tx).await;
-            s.pool().close().await;
-            run
+            measure(&PgStore::connect(&url).await?, store, mode, work).await
         }
         "mysql" => {
             let url = std::env::var("MYSQL_URL").map_err(|_| "MYSQL_URL must be set")?;
             let url = fresh_database(store, &url, name).await?;
-            let s = MySqlStore::connect(&url).await?;
-            s.migrate().await?;
-            sqlx::query(
-                "CREATE TABLE bench_effects (event_id varchar(64) PRIMARY KEY, amount bigint)",
-            )
-            .execute(s.pool())
-            .await?;
-            let run = run(&s, store, mode, events, per_tx).await;
-            s.pool().close().await;
-            run
+            measure(&MySqlStore::connect(&url).await?, store, mode, work).await
         }
         _ => {
             let dir = std::env::temp_dir().join("dedup-bench-stores");
             let _ = std::fs::remove_dir_all(&dir);
             std::fs::create_dir_all(&dir)?;
             let s = SqliteStore::open(dir.join("claims.db")).await?;
-            s.migrate().await?;
-            sqlx::query("CREATE TABLE bench_effects (event_id text PRIMARY KEY, amount integer)")
-                .execute(s.pool())
-                .await?;
-            let run = run(&s, store, mode, events, per_tx).await;
-            s.pool().close().await;
+            let run = measure(&s, store, mode, work).await;
             let _ = std::fs::remove_dir_all(&dir);
             run
         }
@@ -325,8 +359,8 @@ pub(crate) async fn run_all(args: &Args) -> Result<(), BoxError> {
     // request; the database runtime claims batches of hundreds.
     let per_tx = if args.per_tx_given { args.per_tx } else { 500 };
     let n = if args.quick { 200_000 } else { args.events };
-    let events = events(n, args.duplicates, per_tx);
-    let distinct = events.iter().collect::<HashSet<_>>().len();
+    let work = Workload::new(n, args.duplicates, per_tx)?;
+    let distinct = work.distinct;
     let stores: Vec<&'static str> = match &args.modes {
         Some(modes) => {
             if let Some(unknown) = modes.iter().find(|m| !STORES.contains(&m.as_str())) {
@@ -354,7 +388,7 @@ pub(crate) async fn run_all(args: &Args) -> Result<(), BoxError> {
                 modes.reverse();
             }
             for mode in modes {
-                let run = one(store, mode, &events, per_tx).await?;
+                let run = one(store, mode, &work).await?;
                 eprintln!(
                     "  round {round}: {store} {mode}: {:.0} events/s, {:.0} log bytes an event",
                     run.events_per_s, run.logged_per_event
